@@ -1,0 +1,16 @@
+"""s2attn: framework-agnostic S2 (sparsely-sharded) attention.
+
+    from s2attn import S2Pattern, s2_attention
+    pattern = S2Pattern(num_heads=32, num_kv_heads=8, block_size=64, local_blocks=16, vert_stride=8)
+    out = s2_attention(q, k, v, pattern)          # q [b, s, h, d], k/v [b, s, h_kv, d]
+
+Importable without Megatron. The Triton kernels run on CUDA, or on the CPU under
+``TRITON_INTERPRET=1``; the PyTorch reference is the CPU fallback.
+"""
+
+from .pattern import S2Pattern, CoverageReport, SUPPORTED_BLOCK_SIZES
+from .reference import s2_attention_reference
+from .attention import s2_attention
+
+__all__ = ["S2Pattern", "CoverageReport", "SUPPORTED_BLOCK_SIZES", "s2_attention",
+           "s2_attention_reference"]
