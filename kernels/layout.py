@@ -1,0 +1,221 @@
+"""Tile-level index structures that drive the Triton kernels.
+
+A kernel program owns a query tile of ``block_m`` tokens (forward, dQ) or a key tile of
+``block_n`` tokens (dK/dV) and visits only the tiles the pattern connects it to. ``block_n``
+never spans two pattern blocks (``block_size % block_n == 0``), while ``block_m`` may merge
+several query blocks into one tile (Merge-Q): each (query tile, key tile) entry then carries the
+absolute token range ``[lo, hi)`` of the tile's rows that attend it. That is exact whenever the
+attending rows of every key block form one contiguous run inside the tile, which holds for every
+S2 pattern (KV-cache efficient); user masks are checked and built without merging otherwise.
+
+Entries of each program are ordered "full" first (every row attends every key: no masking in the
+kernel) and "partial" second (causal diagonal, row range, sequence end). Programs are launched
+heaviest first so the long rows / vertical columns of a 128k sequence do not form a tail.
+
+S2 layouts are generated arithmetically in O(heads * tiles * nnz) without any block mask; user
+masks go through their (small) block mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pattern import S2Pattern
+
+
+class MergeNotExact(ValueError):
+    """A user mask whose attending rows are not contiguous inside a merged query tile."""
+
+
+@dataclass
+class TileLayout:
+    """Index arrays (int32, on the kernel's device) for one (sequence chunk, tile shape).
+
+    CSR over query tiles (forward, dQ), items ``h * num_q_tiles + t``:
+        ``row_ptr[item] .. row_split[item]`` full entries, ``.. row_ptr[item + 1]`` partial ones;
+        ``cols[e]`` key tile, ``lo[e], hi[e]`` absolute query token range attending.
+    CSC over key tiles (dK/dV), items ``h * num_k_tiles + kt``: ``col_ptr``, ``col_split``,
+        ``rows`` (query tile), ``lo_c``, ``hi_c``.
+    ``q_order``: query items heaviest first; ``kv_order``: (kv head, key tile) items heaviest
+    first, each item's work summed over the query heads of its group.
+    """
+
+    block_m: int
+    block_n: int
+    num_heads: int
+    group: int
+    num_q_tiles: int
+    num_k_tiles: int
+    row_ptr: torch.Tensor
+    row_split: torch.Tensor
+    cols: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    q_order: torch.Tensor
+    col_ptr: torch.Tensor = None
+    col_split: torch.Tensor = None
+    rows: torch.Tensor = None
+    lo_c: torch.Tensor = None
+    hi_c: torch.Tensor = None
+    kv_order: torch.Tensor = None
+
+    @property
+    def nnz(self) -> int:
+        return int(self.cols.numel())
+
+
+def _s2_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device):
+    """Arithmetic (item, key tile, lo, hi) entries of an S2-rule pattern."""
+    B, L, V = pattern.block_size, pattern.local_blocks, pattern.vert_stride
+    H = pattern.local_num_heads
+    nqt = -(-seq_q // block_m)
+    dense, res = pattern.head_params(device)
+    t = torch.arange(nqt, device=device)
+    tile_start = q_start + t * block_m
+    tile_last = torch.clamp(tile_start + block_m, max=q_start + seq_q) - 1
+    qb0 = (tile_start // B)[None, :].expand(H, nqt)
+    qb1 = (tile_last // B)[None, :].expand(H, nqt)
+    kb_lo, kb_hi = k_start // B, (k_start + seq_k - 1) // B
+    dn = dense[:, None].expand(H, nqt)
+    r = res[:, None].expand(H, nqt)
+    # Local band [a_loc, b_loc] (everything up to the diagonal for dense heads).
+    a_loc = torch.where(dn, torch.full_like(qb0, kb_lo), torch.clamp(qb0 - L + 1, min=kb_lo))
+    b_loc = torch.clamp(qb1, max=kb_hi)
+    n_loc = torch.clamp(b_loc - a_loc + 1, min=0)
+    # Stripes strictly left of the band: j in [kb_lo, min(qb0 - L, kb_hi)], j % V == r.
+    va = torch.full_like(qb0, kb_lo)
+    vb = torch.clamp(qb0 - L, max=kb_hi)
+    n_vert = torch.div(vb - r, V, rounding_mode="floor") - torch.div(va - 1 - r, V, rounding_mode="floor")
+    n_vert = torch.where(dn | (vb < va), torch.zeros_like(n_vert), n_vert)
+    first_v = va + torch.remainder(r - va, V)
+    sub = B // block_n
+    counts = ((n_vert + n_loc) * sub).flatten()
+    item = torch.repeat_interleave(torch.arange(H * nqt, device=device), counts)
+    ptr = torch.cumsum(counts, 0) - counts
+    e = torch.arange(item.numel(), device=device) - ptr[item]
+    blk, sub_i = torch.div(e, sub, rounding_mode="floor"), e % sub
+    nv, fv, al = n_vert.flatten()[item], first_v.flatten()[item], a_loc.flatten()[item]
+    j = torch.where(blk < nv, fv + blk * V, al + (blk - nv))
+    kt = torch.div(j * B - k_start, block_n, rounding_mode="floor") + sub_i
+    hh = torch.div(item, nqt, rounding_mode="floor")
+    tt = item % nqt
+    vertical = dense[hh] | (j % V == res[hh])
+    q0, q1 = qb0.flatten()[item], qb1.flatten()[item]
+    lo_blk = torch.maximum(q0, j)
+    hi_blk = torch.where(vertical, q1, torch.minimum(q1, j + L - 1))
+    lo = torch.maximum(lo_blk * B, tile_start[tt])
+    hi = torch.minimum((hi_blk + 1) * B, tile_last[tt] + 1)
+    return item, kt, lo, hi
+
+
+def _mask_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device):
+    """Entries of a user block mask; raises MergeNotExact if merged rows are not contiguous."""
+    B = pattern.block_size
+    nqt = -(-seq_q // block_m)
+    qb0, qb1 = q_start // B, (q_start + seq_q - 1) // B
+    kb0, kb1 = k_start // B, (k_start + seq_k - 1) // B
+    bm = pattern.block_mask(qb1 - qb0 + 1, kb1 - kb0 + 1, qb0, kb0).to(device)
+    h, i, j = torch.nonzero(bm, as_tuple=True)
+    i, j = i + qb0, j + kb0
+    # A block may span several tiles (block_m < B) or a tile several blocks (Merge-Q).
+    per = max(1, B // block_m)
+    if per > 1:
+        h, i, j = (x.repeat_interleave(per) for x in (h, i, j))
+        t = torch.div(i * B - q_start, block_m, rounding_mode="floor") + torch.arange(per, device=device).repeat(len(i) // per)
+    else:
+        t = torch.div(i * B - q_start, block_m, rounding_mode="floor")
+    keep = t < nqt
+    h, i, j, t = h[keep], i[keep], j[keep], t[keep]
+    nkb = kb1 - kb0 + 1
+    key = (h * nqt + t) * nkb + (j - kb0)
+    uniq, inv = torch.unique(key, return_inverse=True)
+    big = torch.iinfo(torch.int64).max
+    imin = torch.full_like(uniq, big).scatter_reduce(0, inv, i, "amin")
+    imax = torch.full_like(uniq, -1).scatter_reduce(0, inv, i, "amax")
+    cnt = torch.zeros_like(uniq).scatter_add(0, inv, torch.ones_like(i))
+    if per == 1 and bool((cnt != imax - imin + 1).any()):
+        raise MergeNotExact("rows attending a key block are not contiguous within a query tile")
+    item = torch.div(uniq, nkb, rounding_mode="floor")
+    jj = uniq % nkb + kb0
+    tt = item % nqt
+    tile_start = q_start + tt * block_m
+    tile_end = torch.clamp(tile_start + block_m, max=q_start + seq_q)
+    sub = B // block_n
+    item, jj, tile_start, tile_end, imin, imax = (x.repeat_interleave(sub) for x in (item, jj, tile_start, tile_end, imin, imax))
+    kt = torch.div(jj * B - k_start, block_n, rounding_mode="floor") + torch.arange(sub, device=device).repeat(len(uniq))
+    lo = torch.maximum(imin * B, tile_start)
+    hi = torch.minimum((imax + 1) * B, tile_end)
+    return item, kt, lo, hi
+
+
+def _full_flags(item, kt, lo, hi, nqt, seq_q, seq_k, q_start, k_start, block_m, block_n):
+    t = item % nqt
+    t0 = q_start + t * block_m
+    t1 = t0 + block_m
+    return ((lo <= t0) & (hi >= t1) & (t1 <= q_start + seq_q)
+            & (k_start + (kt + 1) * block_n - 1 <= t0) & ((kt + 1) * block_n <= seq_k))
+
+
+def _ptrs(groups, num_groups):
+    counts = torch.bincount(groups, minlength=num_groups)
+    ptr = torch.zeros(num_groups + 1, dtype=torch.int64, device=groups.device)
+    ptr[1:] = torch.cumsum(counts, 0)
+    return ptr, counts
+
+
+def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_start: int,
+                 block_m: int, block_n: int, device, with_csc: bool) -> TileLayout:
+    """Build (or fetch from the pattern's cache) the tile layout for one attention call."""
+    key = (seq_q, seq_k, q_start, k_start, block_m, block_n, str(device), with_csc)
+    cache = pattern._cache
+    if key in cache:
+        return cache[key]
+    if pattern.block_size % block_n:
+        raise ValueError(f"block_n={block_n} must divide block_size={pattern.block_size}")
+    build = _mask_entries if pattern.is_user_mask else _s2_entries
+    item, kt, lo, hi = build(pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device)
+    keep = (kt * block_n < seq_k) & (lo < hi)
+    item, kt, lo, hi = item[keep], kt[keep], lo[keep], hi[keep]
+    H = pattern.local_num_heads
+    nqt = -(-seq_q // block_m)
+    nkt = -(-seq_k // block_n)
+    full = _full_flags(item, kt, lo, hi, nqt, seq_q, seq_k, q_start, k_start, block_m, block_n)
+    partial = (~full).long()
+    # CSR: by item, full entries first, then key tile.
+    order = torch.argsort((item * 2 + partial) * (nkt + 1) + kt)
+    item_s = item[order]
+    row_ptr, counts = _ptrs(item_s, H * nqt)
+    n_full = torch.bincount(item[full], minlength=H * nqt)
+    i32 = lambda x: x.to(torch.int32).contiguous()
+    lay = TileLayout(
+        block_m=block_m, block_n=block_n, num_heads=H, group=pattern.group_size,
+        num_q_tiles=nqt, num_k_tiles=nkt,
+        row_ptr=i32(row_ptr), row_split=i32(row_ptr[:-1] + n_full), cols=i32(kt[order]),
+        lo=i32(lo[order]), hi=i32(hi[order]),
+        q_order=i32(torch.argsort(counts, descending=True, stable=True)))
+    if with_csc:
+        h = torch.div(item, nqt, rounding_mode="floor")
+        t = item % nqt
+        citem = h * nkt + kt
+        corder = torch.argsort((citem * 2 + partial) * (nqt + 1) + t)
+        col_ptr, ccounts = _ptrs(citem[corder], H * nkt)
+        nc_full = torch.bincount(citem[full], minlength=H * nkt)
+        kv_work = ccounts.view(H // pattern.group_size, pattern.group_size, nkt).sum(1).flatten()
+        lay.col_ptr, lay.col_split = i32(col_ptr), i32(col_ptr[:-1] + nc_full)
+        lay.rows, lay.lo_c, lay.hi_c = i32(t[corder]), i32(lo[corder]), i32(hi[corder])
+        lay.kv_order = i32(torch.argsort(kv_work, descending=True, stable=True))
+    cache[key] = lay
+    return lay
+
+
+def layout_for(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device,
+               with_csc=False) -> TileLayout:
+    """Like :func:`build_layout`, falling back to unmerged query tiles (``block_m`` = block
+    size, at least 16) when a user mask cannot be merged exactly."""
+    try:
+        return build_layout(pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device, with_csc)
+    except MergeNotExact:
+        bm = max(16, min(block_m, pattern.block_size))
+        return build_layout(pattern, seq_q, seq_k, q_start, k_start, bm, block_n, device, with_csc)

@@ -1,0 +1,403 @@
+"""Triton forward and backward kernels for S2 attention, and their autograd Function.
+
+FlashAttention-2 structure over the sparse tile lists of :mod:`s2attn.layout`:
+forward and dQ programs own a query tile and walk its key tiles; dK/dV programs own a key tile of
+one KV head and walk, for every query head of its GQA group, the query tiles that attend it, so
+dK/dV are accumulated in registers with no atomics (deterministic). Each walk does the "full"
+tiles first without any masking, then the "partial" tiles (causal diagonal, row range, sequence
+end) with masking applied to the logits *before* the exponential.
+
+Logits are kept in base 2 (``qk_scale = softmax_scale * log2(e)``); the returned LSE is the
+natural-log log-sum-exp of the scaled logits, fp32, shape ``[batch, heads, seq_q]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import layout_for
+from .pattern import S2Pattern
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# --------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
+               q_abs, offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
+               seq_k, k_start, qk_scale,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    for e in range(e_begin, e_end):
+        kt = tl.load(cols + e)
+        n_idx = kt * BLOCK_N + offs_n
+        k_ptrs = k_base + n_idx[None, :].to(tl.int64) * stride_ks + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + n_idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_idx[None, :] < seq_k, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            lo = tl.load(los + e)
+            hi = tl.load(his + e)
+            ok = ((k_start + n_idx)[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo) \
+                & (q_abs[:, None] < hi) & (n_idx[None, :] < seq_k)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_idx[:, None] < seq_k, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _s2_fwd_kernel(Q, K, V, O, LSE,
+                   stride_qb, stride_qs, stride_qh, stride_qd,
+                   stride_kb, stride_ks, stride_kh, stride_kd,
+                   stride_vb, stride_vs, stride_vh, stride_vd,
+                   stride_ob, stride_os, stride_oh, stride_od,
+                   row_ptr, row_split, cols, los, his, order,
+                   batch, num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group, qk_scale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    item = tl.load(order + pid // batch)
+    b = (pid % batch).to(tl.int64)
+    h = item // num_q_tiles
+    qt = item % num_q_tiles
+    kvh = (h // group).to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_abs = q_start + offs_m
+    row_ok = offs_m < seq_q
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    e0 = tl.load(row_ptr + item)
+    e1 = tl.load(row_split + item)
+    e2 = tl.load(row_ptr + item + 1)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e0, e1, q_abs,
+                               offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
+                               seq_k, k_start, qk_scale, BLOCK_N, False, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e1, e2, q_abs,
+                               offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
+                               seq_k, k_start, qk_scale, BLOCK_N, True, PRECISION)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(O + b * stride_ob + h64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_os
+             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + (b * num_heads + h64) * seq_q + offs_m, lse, mask=row_ok)
+
+
+# -------------------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_delta_kernel(O, DO, DLSE, DELTA,
+                      stride_ob, stride_os, stride_oh, stride_od,
+                      stride_dob, stride_dos, stride_doh, stride_dod,
+                      num_heads, seq_q,
+                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr):
+    # delta_i = rowsum(dO * O) - dLSE_i: dLSE enters the softmax gradient as P * dLSE.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // num_heads
+    h = bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < seq_q
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :] * stride_od,
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * seq_q + offs_m, mask=ok, other=0.0)
+    tl.store(DELTA + bh * seq_q + offs_m, delta, mask=ok)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his, e_begin, e_end,
+                k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos, stride_dod,
+                seq_q, q_start, qk_scale,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    for e in range(e_begin, e_end):
+        qt = tl.load(rows + e)
+        m_idx = qt * BLOCK_M + offs_m
+        m64 = m_idx[:, None].to(tl.int64)
+        if MASKED:
+            row_ok = m_idx < seq_q
+            q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_base + m_idx, mask=row_ok, other=0.0)
+            delta = tl.load(delta_base + m_idx, mask=row_ok, other=0.0)
+            # Rows that attend nothing (lse = -inf, only with offsets) must give p = 0, not NaN.
+            lse = tl.where(lse == float("-inf"), 0.0, lse)
+        else:
+            q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd)
+            do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod)
+            lse = tl.load(lse_base + m_idx)
+            delta = tl.load(delta_base + m_idx)
+        # Transposed scores [BLOCK_N, BLOCK_M]: keys are this program's rows.
+        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - (lse * 1.4426950408889634)[None, :]
+        if MASKED:
+            q_abs = q_start + m_idx
+            lo = tl.load(los + e)
+            hi = tl.load(his + e)
+            ok = (k_abs[:, None] <= q_abs[None, :]) & (q_abs[None, :] >= lo) & (q_abs[None, :] < hi) \
+                & (m_idx[None, :] < seq_q)
+            sT = tl.where(ok, sT, float("-inf"))
+        pT = tl.math.exp2(sT)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                    stride_qb, stride_qs, stride_qh, stride_qd,
+                    stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    stride_dob, stride_dos, stride_doh, stride_dod,
+                    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+                    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                    col_ptr, col_split, rows, los, his, order,
+                    batch, num_heads, seq_q, seq_k, q_start, k_start, num_k_tiles, group,
+                    qk_scale, sm_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    item = tl.load(order + pid // batch)
+    b = (pid % batch).to(tl.int64)
+    kvh = item // num_k_tiles
+    kt = item % num_k_tiles
+    kvh64 = kvh.to(tl.int64)
+    offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n64 = offs_n[:, None].to(tl.int64)
+    key_ok = offs_n < seq_k
+    k = tl.load(K + b * stride_kb + kvh64 * stride_kh + n64 * stride_ks + offs_d[None, :] * stride_kd,
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + kvh64 * stride_vh + n64 * stride_vs + offs_d[None, :] * stride_vd,
+                mask=key_ok[:, None], other=0.0)
+    k_abs = k_start + offs_n
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for g in range(0, group):
+        h = kvh * group + g
+        h64 = h.to(tl.int64)
+        q_base = Q + b * stride_qb + h64 * stride_qh
+        do_base = DO + b * stride_dob + h64 * stride_doh
+        lse_base = LSE + (b * num_heads + h64) * seq_q
+        delta_base = DELTA + (b * num_heads + h64) * seq_q
+        c = h * num_k_tiles + kt
+        e0 = tl.load(col_ptr + c)
+        e1 = tl.load(col_split + c)
+        e2 = tl.load(col_ptr + c + 1)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
+                             e0, e1, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
+                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, False, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
+                             e1, e2, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
+                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, True, PRECISION)
+    dk *= sm_scale
+    tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e_end,
+              q_abs, offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
+              seq_k, k_start, qk_scale,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    for e in range(e_begin, e_end):
+        kt = tl.load(cols + e)
+        n_idx = kt * BLOCK_N + offs_n
+        n64 = n_idx[:, None].to(tl.int64)
+        if MASKED:
+            k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd, mask=n_idx[:, None] < seq_k, other=0.0)
+            v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd, mask=n_idx[:, None] < seq_k, other=0.0)
+        else:
+            k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd)
+            v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None]
+        if MASKED:
+            lo = tl.load(los + e)
+            hi = tl.load(his + e)
+            ok = ((k_start + n_idx)[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo) \
+                & (q_abs[:, None] < hi) & (n_idx[None, :] < seq_k)
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.math.exp2(s)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _s2_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                  stride_qb, stride_qs, stride_qh, stride_qd,
+                  stride_kb, stride_ks, stride_kh, stride_kd,
+                  stride_vb, stride_vs, stride_vh, stride_vd,
+                  stride_dob, stride_dos, stride_doh, stride_dod,
+                  stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+                  row_ptr, row_split, cols, los, his, order,
+                  batch, num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group,
+                  qk_scale, sm_scale,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    item = tl.load(order + pid // batch)
+    b = (pid % batch).to(tl.int64)
+    h = item // num_q_tiles
+    qt = item % num_q_tiles
+    h64 = h.to(tl.int64)
+    kvh = (h // group).to(tl.int64)
+    offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_q
+    m64 = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + m64 * stride_qs + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + (b * num_heads + h64) * seq_q + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    delta = tl.load(DELTA + (b * num_heads + h64) * seq_q + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    q_abs = q_start + offs_m
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    e0 = tl.load(row_ptr + item)
+    e1 = tl.load(row_split + item)
+    e2 = tl.load(row_ptr + item + 1)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e0, e1, q_abs, offs_n,
+                   offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
+                   BLOCK_N, False, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e1, e2, q_abs, offs_n,
+                   offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
+                   BLOCK_N, True, PRECISION)
+    dq *= sm_scale
+    tl.store(DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------- launching
+def kernel_config(pattern: S2Pattern, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tile shapes and launch options. Key tiles never span two pattern blocks; query tiles
+    merge several small blocks (Merge-Q) so MMAs stay large."""
+    B = pattern.block_size
+    bn = min(B, 64)
+    big = head_dim >= 128
+    if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and still merge
+        return dict(fwd_m=min(128, 2 * B), bwd_m=32, bn=bn,
+                    fwd_warps=4, bwd_warps=4, stages=1)
+    return dict(fwd_m=128, bwd_m=64, bn=bn,
+                fwd_warps=8 if big else 4, bwd_warps=8 if big else 4,
+                stages=2 if head_dim > 128 else 3)
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _precision(dtype):
+    # fp32 inputs (tests, interpreter) get exact fp32 dots; bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start: int, cfg=None):
+    """Returns ``out`` (q's layout) and ``lse [b, h, seq_q]`` fp32."""
+    cfg = cfg or kernel_config(pattern, q.shape[-1], q.dtype, q.device)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["fwd_m"], cfg["bn"], q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    grid = (lay.num_heads * lay.num_q_tiles * b,)
+    _s2_fwd_kernel[grid](
+        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
+        b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E,
+        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
+        num_warps=cfg["fwd_warps"], num_stages=cfg["stages"])
+    return out, lse
+
+
+def s2_backward(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
+                k_start: int, cfg=None):
+    """Returns ``dq, dk, dv`` in the layouts of q, k, v."""
+    cfg = cfg or kernel_config(pattern, q.shape[-1], q.dtype, q.device)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["bwd_m"], cfg["bn"], q.device, with_csc=True)
+    delta = torch.empty_like(lse)
+    dm = 64
+    _bwd_delta_kernel[(triton.cdiv(sq, dm), b * hq)](
+        out, do, dlse if dlse is not None else lse, delta, *_strides(out), *_strides(do), hq, sq,
+        BLOCK_M=dm, HEAD_DIM=d, HAS_DLSE=dlse is not None)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    prec = _precision(q.dtype)
+    _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
+        q, k, v, do, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
+        b, hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E, scale,
+        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=prec,
+        num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+    _s2_dq_kernel[(hq * lay.num_q_tiles * b,)](
+        q, k, v, do, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
+        b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E, scale,
+        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=prec,
+        num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+    return dq, dk, dv
+
+
+class S2AttentionFunction(torch.autograd.Function):
+    """autograd wrapper: ``(q, k, v, pattern, scale, q_start, k_start) -> (out, lse)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pattern, scale, q_start, k_start):
+        out, lse = s2_forward(q, k, v, pattern, scale, q_start, k_start)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (pattern, scale, q_start, k_start)
+        # Unused outputs (lse when the caller did not ask for it) arrive as None, not zeros.
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = s2_backward(dout, dlse.contiguous() if dlse is not None else None,
+                                 q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
