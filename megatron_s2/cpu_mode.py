@@ -1,0 +1,169 @@
+"""Explicit CPU mode: run Megatron-core's GPU-only paths on the CPU (gloo), for tests and demos.
+
+megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the math: the
+tensor-parallel RNG tracker, RoPE's ``inv_freq``, DDP grad buffers, the optimizers' parameter
+type assertions, the pipeline schedules, ``dist_checkpointing.save``. :func:`enable_cpu_mode`
+patches exactly those seams, process-wide:
+
+* ``cuda`` devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, a bare device index) become
+  ``cpu`` in torch's tensor factories, ``Tensor.to``, ``Tensor.cuda``, ``Module.cuda``;
+  ``Tensor.pin_memory`` is a no-op;
+* ``torch.cuda.current_device/synchronize/set_device/empty_cache/...`` are CPU no-ops, the CUDA
+  RNG (``torch.cuda.manual_seed``, ``get/set_rng_state`` and Megatron's tracker helpers) is the CPU
+  generator;
+* ``Tensor.type()`` reports CPU tensors with CUDA type names (``torch.cuda.FloatTensor``) so the
+  optimizers' checks pass;
+* gloo lacks ``reduce_scatter_tensor`` (sequence parallelism), so it is emulated with an
+  all-reduce and a slice.
+
+It is never enabled implicitly: call it first thing in a CPU run (after that, Megatron code
+behaves as on one GPU per process). It is idempotent. Do not use it in a GPU run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ENABLED = False
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "rand", "randn",
+              "randint", "randperm", "empty_strided", "zeros_like", "ones_like", "empty_like",
+              "full_like", "rand_like", "randn_like", "linspace", "eye", "frombuffer")
+
+
+def cpu_mode_enabled() -> bool:
+    return _ENABLED
+
+
+def _is_cuda_device(d) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+def _map(d):
+    return torch.device("cpu") if _is_cuda_device(d) else d
+
+
+def _wrap_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _map(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper._s2_cpu_mode = True
+    return wrapper
+
+
+def _reduce_scatter_tensor_gloo(orig):
+    import torch.distributed as dist
+
+    @functools.wraps(orig)
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_backend(group) != "gloo":
+            return orig(output, input, op=op, group=group, async_op=async_op)
+        buf = input.clone()
+        dist.all_reduce(buf, op=op, group=group)
+        rank = dist.get_rank(group)
+        output.copy_(buf.chunk(dist.get_world_size(group), dim=0)[rank])
+        if async_op:
+            return _DoneWork()
+        return None
+
+    return reduce_scatter_tensor
+
+
+class _DoneWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def enable_cpu_mode() -> None:
+    """Patch torch and Megatron-core so that their CUDA-only paths run on the CPU (see module
+    docstring). Call before building models; idempotent."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    if torch.cuda.is_available():
+        logger.warning("enable_cpu_mode(): CUDA is available but CPU mode maps every 'cuda' "
+                       "tensor to the CPU for this process")
+
+    for name in _FACTORIES:
+        fn = getattr(torch, name, None)
+        if fn is not None and not getattr(fn, "_s2_cpu_mode", False):
+            setattr(torch, name, _wrap_factory(fn))
+
+    orig_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            args = ("cpu",) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _map(kwargs["device"])
+        return orig_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
+    orig_type = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return orig_type(self, *args, **kwargs)
+        t = orig_type(self)
+        return t.replace("torch.", "torch.cuda.", 1) if t.startswith("torch.") and ".cuda." not in t else t
+
+    torch.Tensor.type = type_
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    cuda.device_count = lambda: 1
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.max_memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    try:
+        cuda.random.get_rng_state = cuda.get_rng_state
+        cuda.random.set_rng_state = cuda.set_rng_state
+        cuda.random.manual_seed = cuda.manual_seed
+    except AttributeError:
+        pass
+
+    import torch.distributed as dist
+
+    if not getattr(dist.reduce_scatter_tensor, "_s2_cpu_mode", False):
+        dist.reduce_scatter_tensor = _reduce_scatter_tensor_gloo(dist.reduce_scatter_tensor)
+        dist.reduce_scatter_tensor._s2_cpu_mode = True
+
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    except ImportError:  # Megatron not installed: torch patches alone
+        pass
+    # The tracker's fork() warns on every call when the CUDA and CPU generators are one.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    _ENABLED = True

@@ -1,0 +1,148 @@
+"""One-call GPTModel builder with an attention schedule, and TP/PP-agnostic weight helpers."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from .core_attention import (CONFIG_SCHEDULE_ATTR, CONFIG_SEQ_LENGTH_ATTR, CONFIG_TRUE_GROUPS_ATTR,
+                             true_num_query_groups)
+from .schedule import AttentionSchedule
+from .specs import get_s2_decoder_block_spec
+
+logger = logging.getLogger(__name__)
+
+ScheduleLike = Union[AttentionSchedule, Mapping, str, os.PathLike]
+
+
+def as_schedule(schedule: ScheduleLike) -> AttentionSchedule:
+    """An :class:`AttentionSchedule` from a schedule, its mapping, or a YAML path."""
+    if isinstance(schedule, AttentionSchedule):
+        return schedule
+    if isinstance(schedule, Mapping):
+        return AttentionSchedule.from_dict(schedule)
+    if isinstance(schedule, (str, os.PathLike)):
+        return AttentionSchedule.from_yaml(str(schedule))
+    raise ValueError(f"schedule must be an AttentionSchedule, a mapping or a YAML path, "
+                     f"got {type(schedule).__name__}")
+
+
+def attach_schedule(config, schedule: ScheduleLike, seq_length: Optional[int] = None) -> AttentionSchedule:
+    """Validate ``schedule`` against ``config`` and store it on the config (with the true GQA
+    group count and the training sequence length), where the core attention modules find it.
+    Logs the per-layer table on rank 0. Returns the schedule."""
+    schedule = as_schedule(schedule)
+    if getattr(config, CONFIG_TRUE_GROUPS_ATTR, None) is None:
+        setattr(config, CONFIG_TRUE_GROUPS_ATTR, config.num_query_groups or config.num_attention_heads)
+    if seq_length is not None:
+        setattr(config, CONFIG_SEQ_LENGTH_ATTR, seq_length)
+    groups = true_num_query_groups(config)
+    schedule.validate(config.num_layers, config.num_attention_heads, groups,
+                      config.tensor_model_parallel_size, seq_length)
+    if getattr(config, CONFIG_SCHEDULE_ATTR, None) is not schedule:
+        setattr(config, CONFIG_SCHEDULE_ATTR, schedule)
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if rank0:
+            logger.info("S2 attention schedule%s:\n%s",
+                        f" ({schedule.source})" if schedule.source else "",
+                        schedule.summary(config.num_layers, config.num_attention_heads, groups,
+                                         seq_length))
+    return schedule
+
+
+def build_gpt_model(config, schedule: ScheduleLike, vocab_size: int, max_sequence_length: int,
+                    pre_process: bool = True, post_process: bool = True, use_te: bool = False,
+                    seq_length: Optional[int] = None, vp_stage: Optional[int] = None,
+                    qk_layernorm: bool = False, **gpt_kwargs) -> GPTModel:
+    """Build a Megatron-core ``GPTModel`` whose attention follows ``schedule``.
+
+    Args:
+        config: the model's ``TransformerConfig`` (``attention_dropout`` must be 0 when any layer
+            is S2). The schedule is stored on it as ``config.s2_schedule``.
+        schedule: :class:`AttentionSchedule`, its mapping, or a YAML path.
+        vocab_size, max_sequence_length, pre_process, post_process: as for ``GPTModel``.
+        use_te: Transformer Engine flavour (TE linears/norms, TE attention on dense layers).
+        seq_length: training sequence length for validation and the density table (default
+            ``max_sequence_length``).
+        vp_stage: virtual pipeline stage of this model chunk (also passed to ``GPTModel``).
+        gpt_kwargs: passed to ``GPTModel`` (``position_embedding_type``, ``rotary_base``, ...).
+    Returns:
+        the ``GPTModel`` for this rank's pipeline (and virtual pipeline) stage.
+    """
+    seq_length = max_sequence_length if seq_length is None else seq_length
+    schedule = attach_schedule(config, schedule, seq_length)
+    spec = get_s2_decoder_block_spec(config, schedule, use_te=use_te, vp_stage=vp_stage,
+                                     qk_layernorm=qk_layernorm)
+    if vp_stage is not None and "vp_stage" in inspect.signature(GPTModel.__init__).parameters:
+        gpt_kwargs["vp_stage"] = vp_stage
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                    max_sequence_length=max_sequence_length, pre_process=pre_process,
+                    post_process=post_process, **gpt_kwargs)
+
+
+# ---------------------------------------------------------------------- unsharded weights
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    # DDP and Float16Module both keep the wrapped model in `.module`.
+    while not isinstance(module, GPTModel) and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _tp_slice(full: torch.Tensor, param: torch.nn.Parameter, name: str, config) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    from megatron.core import parallel_state
+
+    dim = param.partition_dim
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if config.gated_linear_unit and "linear_fc1." in name and dim == 0:
+        # Each rank holds [gate_r; up_r], the unsharded weight is [gate; up].
+        return torch.cat([h.chunk(tp, dim=0)[rank] for h in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def iter_unsharded_pairs(model_chunks, full: Mapping[str, torch.Tensor]
+                         ) -> Iterator[Tuple[str, torch.nn.Parameter, torch.Tensor]]:
+    """For every parameter of this rank's model chunks, yield ``(unsharded_name, param, slice)``
+    where ``slice`` is the part of ``full[unsharded_name]`` (a TP=1/PP=1 tensor of the same name)
+    this rank holds. Layers are matched by their global ``layer_number``; TP slices follow the
+    parameters' ``partition_dim`` (gated MLPs included). For loading one set of weights into any
+    TP/PP layout and for comparing gradients across layouts."""
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    for chunk in model_chunks:
+        model = _unwrap(chunk)
+        for name, param in model.named_parameters():
+            m = _LAYER_RE.match(name)
+            if m:
+                layer = model.decoder.layers[int(m.group(1))]
+                name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+            if name not in full:
+                raise KeyError(f"unsharded state has no entry {name!r}")
+            yield name, param, _tp_slice(full[name], param, name, model.config)
+
+
+@torch.no_grad()
+def load_unsharded_parameters(model_chunks, full: Mapping[str, torch.Tensor]) -> None:
+    """Copy TP=1/PP=1 parameters (``named_parameters()`` of an unwrapped single-rank GPTModel)
+    into this rank's (possibly TP/PP/VPP-sharded, DDP- or Float16-wrapped) model chunks."""
+    for name, param, value in iter_unsharded_pairs(model_chunks, full):
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: unsharded slice {tuple(value.shape)} does not fit the "
+                             f"parameter {tuple(param.shape)}")
+        param.copy_(value.to(param.dtype))
+
+
+def unsharded_parameters(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """``{name: tensor}`` of a single-rank (TP=1, PP=1) model, CPU fp32 copies."""
+    return {n: p.detach().float().cpu().clone() for n, p in _unwrap(model).named_parameters()}

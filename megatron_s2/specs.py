@@ -1,0 +1,164 @@
+"""Megatron-core layer and block specs with S2 core attention.
+
+Two ways to describe a hybrid model:
+
+* **One layer spec for every layer** (:func:`get_s2_layer_local_spec`, :func:`get_s2_layer_te_spec`,
+  and the ready objects :data:`s2_layer_spec` / :data:`s2_layer_spec_te`). Its core attention is
+  :class:`~megatron_s2.core_attention.ScheduledCoreAttention`, which picks S2 or dense attention
+  by the layer's global number from the run's schedule (``config.s2_schedule`` or
+  ``$MEGATRON_S2_SCHEDULE``). This is what Megatron-LM's ``pretrain_gpt.py --spec MODULE NAME``
+  needs: ``--spec megatron_s2.specs s2_layer_spec``.
+* **A block spec with one explicit spec per layer** (:func:`get_s2_decoder_block_spec`), sliced
+  to a pipeline stage like Megatron's ``get_gpt_decoder_block_spec``; the module of every layer
+  is visible in the spec. :func:`megatron_s2.model.build_gpt_model` uses it.
+
+Flavours: *local* (Megatron's own linears, :class:`~megatron_s2.norm.SPNorm` norms that support
+sequence parallelism, dense layers on fused SDPA) and *TE* (Transformer Engine linears with fused
+norms, TE attention for dense layers). The TE spec object is ``None`` when TE is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from .core_attention import S2CoreAttention, ScheduledCoreAttention
+from .dense_attention import FusedDenseAttention
+from .norm import SPNorm
+from .schedule import AttentionSchedule
+
+try:
+    from megatron.core.extensions.transformer_engine import (
+        TEDotProductAttention,
+        TELayerNormColumnParallelLinear,
+        TENorm,
+        TERowParallelLinear,
+    )
+
+    HAVE_TE = True
+except Exception:  # ImportError, or TE present but broken for this torch
+    HAVE_TE = False
+
+__all__ = ["get_s2_layer_local_spec", "get_s2_layer_te_spec", "get_s2_decoder_block_spec",
+           "s2_layer_spec", "s2_layer_spec_te", "HAVE_TE"]
+
+
+def _require_te(what: str) -> None:
+    if not HAVE_TE:
+        raise ValueError(f"{what}: Transformer Engine is not installed (or failed to import); "
+                         f"use the local spec (use_te=False)")
+
+
+def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
+    if use_te:
+        _require_te("S2 TE layer spec")
+        qkv, proj, fc1, fc2 = (TELayerNormColumnParallelLinear, TERowParallelLinear,
+                               TELayerNormColumnParallelLinear, TERowParallelLinear)
+        # TE fuses the pre-attention and pre-MLP norms into the following linear layer.
+        in_norm = pre_mlp_norm = IdentityOp
+        qk_norm = TENorm if qk_layernorm else IdentityOp
+        keys_map = {}
+    else:
+        qkv, proj, fc1, fc2 = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear,
+                               RowParallelLinear)
+        in_norm = pre_mlp_norm = SPNorm
+        qk_norm = SPNorm if qk_layernorm else IdentityOp
+        # Checkpoints stay interchangeable with the TE flavour (Megatron's local spec does this).
+        keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=in_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=qkv, core_attention=core_attention, linear_proj=proj,
+                    q_layernorm=qk_norm, k_layernorm=qk_norm),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def _scheduled_core_attention(use_te: bool, schedule: Optional[AttentionSchedule]) -> ModuleSpec:
+    params = {"dense_attention": TEDotProductAttention if use_te else FusedDenseAttention}
+    if schedule is not None:
+        params["schedule"] = schedule
+    return ModuleSpec(module=ScheduledCoreAttention, params=params)
+
+
+def get_s2_layer_local_spec(schedule: Optional[AttentionSchedule] = None,
+                            qk_layernorm: bool = False) -> ModuleSpec:
+    """One ``TransformerLayer`` spec for all layers of a hybrid model, Megatron-core modules only.
+
+    Core attention is chosen per layer from ``schedule`` (default: the config's / environment's,
+    resolved when the model is built). Norms are :class:`SPNorm` (LayerNorm or RMSNorm per
+    ``config.normalization``; sequence parallel works)."""
+    return _layer_spec(_scheduled_core_attention(False, schedule), False, qk_layernorm)
+
+
+def get_s2_layer_te_spec(schedule: Optional[AttentionSchedule] = None,
+                         qk_layernorm: bool = False) -> ModuleSpec:
+    """Like :func:`get_s2_layer_local_spec` with Transformer Engine linears and fused norms;
+    dense layers use ``TEDotProductAttention``."""
+    _require_te("get_s2_layer_te_spec")
+    return _layer_spec(_scheduled_core_attention(True, schedule), True, qk_layernorm)
+
+
+def get_s2_decoder_block_spec(config, schedule: AttentionSchedule, use_te: bool = False,
+                              vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                              qk_layernorm: bool = False) -> TransformerBlockSubmodules:
+    """``TransformerBlockSubmodules`` for this pipeline (and virtual pipeline) stage.
+
+    Every layer gets an explicit core attention: :class:`S2CoreAttention` for S2 layers, the
+    flavour's dense attention otherwise; the stage's slice follows Megatron's own layer
+    assignment (``pipeline_model_parallel_layout`` or the uniform/uneven split), so layer ``i`` of
+    a stage is global layer ``offset + i``. The final norm matches the flavour (SP-capable).
+    """
+    if use_te:
+        _require_te("get_s2_decoder_block_spec(use_te=True)")
+    dense = TEDotProductAttention if use_te else FusedDenseAttention
+    s2 = ModuleSpec(module=S2CoreAttention, params={"schedule": schedule})
+    specs = [_layer_spec(dense if kind == "dense" else s2, use_te, qk_layernorm)
+             for kind in schedule.layer_kinds(config.num_layers)]
+
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+        local = [specs[i] for i in ids]
+    else:
+        n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local = specs[offset:offset + n]
+    return TransformerBlockSubmodules(layer_specs=local, layer_norm=TENorm if use_te else SPNorm)
+
+
+# Ready-made objects for `pretrain_gpt.py --spec megatron_s2.specs s2_layer_spec` (Megatron-LM
+# imports a spec object, not a factory). The schedule is resolved when each layer is built.
+s2_layer_spec: ModuleSpec = get_s2_layer_local_spec()
+s2_layer_spec_te: Optional[ModuleSpec] = get_s2_layer_te_spec() if HAVE_TE else None
