@@ -1,0 +1,226 @@
+"""Save and resume with Megatron's ``dist_checkpointing`` (``torch_dist`` format).
+
+Layout under the checkpoint directory::
+
+    iter_0000100/                 one dist_checkpointing checkpoint per save
+    latest_checkpointed_iteration.txt
+
+The tracker file is written (atomically, by rank 0) only after every rank finished saving, so a
+crash or a NaN stop during a save never points a resume at a half-written checkpoint: the last
+good checkpoint stays the one that is loaded.
+
+A checkpoint holds the model (sharded, so it loads at another TP/PP size), the optimizer (the
+distributed optimizer in ``dp_reshardable`` format by default: it loads at another DP size but the
+same TP/PP; ``checkpoint.optimizer_format=fully_reshardable`` also allows TP/PP changes at the cost
+of a gather on save), the LR scheduler, the iteration, the consumed samples (the data position)
+and the RNG states of every model-parallel rank. When the parallel layout changed and the
+optimizer format cannot follow, the model is loaded and the optimizer restarts (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["latest_iteration", "save_checkpoint", "load_checkpoint", "checkpoint_path", "TRACKER"]
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_path(root: str, iteration: int) -> str:
+    """Directory of the checkpoint of ``iteration`` under ``root``."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """Iteration of the newest complete checkpoint under ``root``, or None."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def _parallel_layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def _metadata(optimizer_format: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    # The distributed optimizer's default format fails in 0.16.1 ("flattened_range is not
+    # supported"); these are the settings Megatron-LM itself uses.
+    return {
+        "distrib_optim_sharding_type": optimizer_format,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def _model_keys(n_chunks: int) -> list[str]:
+    return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.version.cuda is not None:
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and torch.version.cuda is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(state: Optional[dict]):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # One RNG state per (PP, TP) rank; data-parallel replicas hold copies (DP rank 0's is saved).
+    return ShardedObject(
+        "rng_state", state,
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _sharded_state_dict(model, optimizer, is_loading: bool, optimizer_format: str,
+                        with_optimizer: bool, with_rng: bool) -> dict:
+    md = _metadata(optimizer_format)
+    sd = {}
+    for key, chunk in zip(_model_keys(len(model)), model):
+        sd[key] = chunk.sharded_state_dict(metadata=md)
+    if with_optimizer:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
+    if with_rng:
+        sd["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
+    return sd
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def save_checkpoint(root: str, iteration: int, model: list, optimizer, scheduler, *,
+                    consumed_samples: int, config: dict, optimizer_format: str = "dp_reshardable",
+                    keep_last: Optional[int] = None) -> str:
+    """Save a checkpoint of ``iteration`` (collective: call on every rank); return its path."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_path(root, iteration)
+    if _is_rank0():
+        # A directory left by a save that crashed midway is not a checkpoint: start it afresh.
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+    _barrier()
+    sd = _sharded_state_dict(model, optimizer, is_loading=False, optimizer_format=optimizer_format,
+                             with_optimizer=True, with_rng=True)
+    sd["opt_param_scheduler"] = scheduler.state_dict()
+    sd["iteration"] = iteration
+    sd["consumed_samples"] = consumed_samples
+    sd["parallel"] = _parallel_layout()
+    sd["optimizer_format"] = optimizer_format
+    sd["config"] = config
+    dist_checkpointing.save(sd, path)
+    _barrier()
+    if _is_rank0():
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+        if keep_last:
+            _prune(root, keep_last, keep=iteration)
+    _barrier()
+    return path
+
+
+def _prune(root: str, keep_last: int, keep: int) -> None:
+    iters = sorted(int(d[5:]) for d in os.listdir(root)
+                   if d.startswith("iter_") and d[5:].isdigit() and int(d[5:]) <= keep)
+    for it in iters[:-keep_last]:
+        shutil.rmtree(checkpoint_path(root, it), ignore_errors=True)
+
+
+def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
+                    iteration: Optional[int] = None, load_optimizer: bool = True) -> tuple[int, int]:
+    """Load the newest (or the given) checkpoint under ``root`` into model/optimizer/scheduler.
+
+    Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is no checkpoint.
+    ``load_optimizer=False`` loads the model only and restarts optimizer and LR schedule.
+    """
+    from megatron.core import dist_checkpointing
+
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            return 0, 0
+    path = checkpoint_path(root, iteration)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved, now = common["parallel"], _parallel_layout()
+    same_model_layout = all(saved[k] == now[k] for k in ("tp", "pp", "vpp", "cp"))
+    fmt = common.get("optimizer_format", "dp_reshardable")
+    load_scheduler = load_optimizer
+    if load_optimizer and not same_model_layout and fmt == "dp_reshardable":
+        logger.warning(
+            "checkpoint %s was saved at TP/PP/VPP/CP %s and is loaded at %s: the dp_reshardable "
+            "optimizer state cannot follow, so only the model is loaded and the optimizer restarts "
+            "(save with checkpoint.optimizer_format=fully_reshardable to keep it)",
+            path, [saved[k] for k in ("tp", "pp", "vpp", "cp")], [now[k] for k in ("tp", "pp", "vpp", "cp")])
+        load_optimizer = False
+    sd = _sharded_state_dict(model, optimizer, is_loading=True, optimizer_format=fmt,
+                             with_optimizer=load_optimizer, with_rng=same_model_layout)
+    # fp32 parameters are leaf tensors that require grad: loading copies into them in place.
+    with torch.no_grad():
+        state = dist_checkpointing.load(sd, path)
+    for key, chunk in zip(_model_keys(len(model)), model):
+        chunk.load_state_dict(state[key], strict=True)
+    if load_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    if load_scheduler:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if same_model_layout and state.get("rng_state") is not None:
+        _set_rng_state(state["rng_state"])
+    return int(state["iteration"]), int(state["consumed_samples"])

@@ -1,0 +1,500 @@
+"""Run configuration: one YAML file, ``key.sub=value`` overrides, validation.
+
+A run config has one section per concern (``model``, ``parallel``, ``train``, ``optimizer``,
+``data``, ``checkpoint``, ``logging``, ``debug``, ``attention``). Every section is a dataclass; unknown keys,
+wrong types and inconsistent values raise :class:`ConfigError` (a ``ValueError``) naming the key.
+
+``attention`` is the S2 attention schedule of :mod:`megatron_s2.schedule` and is kept as a plain
+mapping here: its schema belongs to :class:`~megatron_s2.schedule.AttentionSchedule`, which
+:meth:`RunConfig.schedule` parses and checks against the model shape.
+
+Precedence: dataclass defaults < YAML file < command-line overrides. An override's value is
+parsed as YAML (``train.lr=3e-4``, ``attention.s2.vert_stride=16``, ``data.blend=[a, b]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+__all__ = [
+    "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "OptimizerConfig",
+    "DataConfig", "CheckpointConfig", "LoggingConfig", "DebugConfig", "RunConfig",
+    "load_config", "apply_overrides", "DEMO_CONFIG",
+]
+
+# The built-in default run (``megatron-s2-train`` without --config).
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, unknown, mistyped or inconsistent."""
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape. ``ffn_hidden_size``/``num_query_groups``/``kv_channels`` None = usual default."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    seq_length: int = 512
+    # None: the tokenizer's vocabulary padded to a multiple of make_vocab_size_divisible_by * TP.
+    vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    normalization: str = "RMSNorm"
+    swiglu: bool = True
+    rotary_base: float = 10000.0
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    untie_embeddings_and_output_weights: bool = True
+    # Activation recomputation: "none", "selective" (core attention only) or "full".
+    recompute: str = "none"
+    recompute_num_layers: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism; data parallelism is whatever remains of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, length of the run, precision and evaluation cadence."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    train_iters: int = 300
+    seed: int = 1234
+    # "auto": bf16 on GPU, fp32 on CPU.
+    precision: str = "auto"
+    eval_interval: int = 100
+    eval_iters: int = 4
+    # Where a sample's documents end, keep attending across EOD (Megatron's default) or not.
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule (Megatron's OptimizerParamScheduler)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 20
+    # None: decay over the whole run.
+    lr_decay_iters: Optional[int] = None
+    lr_decay_style: str = "cosine"
+
+
+@dataclass
+class DataConfig:
+    """Indexed datasets (``.bin/.idx`` prefixes) and the tokenizer that wrote them.
+
+    ``blend``: a list of prefixes, or of ``[weight, prefix]`` pairs for several corpora.
+    ``demo: true`` generates the synthetic demo corpus into ``demo_dir`` and uses it instead.
+    """
+
+    blend: Optional[list] = None
+    split: str = "98,2,0"
+    tokenizer: str = "byte"
+    demo: bool = False
+    demo_dir: str = "data/demo"
+    # Megatron caches its sample indices here; None = next to the data.
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """``dir`` None = ``<logging.run_dir>/checkpoints``; ``save_interval`` 0 = only at the end."""
+
+    dir: Optional[str] = None
+    save_interval: int = 0
+    save_at_end: bool = True
+    # Resume from the latest checkpoint in ``dir`` when there is one.
+    resume: bool = True
+    # Load from here instead of ``dir`` (e.g. to start from another run); None = ``dir``.
+    load_dir: Optional[str] = None
+    # Keep only the newest N checkpoints; None keeps all.
+    keep_last: Optional[int] = None
+    # Distributed-optimizer state format: "dp_reshardable" (fast; resumes at another DP size) or
+    # "fully_reshardable" (gathers on save; resumes at another TP/PP size too).
+    optimizer_format: str = "dp_reshardable"
+    # false: load only the model weights (fine-tuning from a checkpoint, or a new optimizer).
+    load_optimizer: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    """Console, TensorBoard and JSONL logging. ``run_dir`` None = ``runs/<name>``."""
+
+    run_dir: Optional[str] = None
+    log_interval: int = 10
+    progress_bar: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+
+
+@dataclass
+class DebugConfig:
+    """Test hooks. ``nan_at_iter``: make the loss NaN at that iteration (exercises the NaN stop)."""
+
+    nan_at_iter: Optional[int] = None
+    # Stop after this iteration as if SIGTERM had arrived (exercises the graceful stop).
+    sigterm_at_iter: Optional[int] = None
+
+
+@dataclass
+class RunConfig:
+    """A whole run."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    # S2 attention schedule (megatron_s2.schedule.AttentionSchedule.from_dict); None = all dense.
+    attention: Optional[dict] = None
+
+    # ---- derived paths -------------------------------------------------------------------
+    @property
+    def run_dir(self) -> str:
+        return self.logging.run_dir or os.path.join("runs", self.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (what ``from_dict`` accepts); written next to every run."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        """Build and validate a config from a nested mapping (unknown keys rejected)."""
+        cfg = _build(cls, d, "")
+        cfg.validate()
+        return cfg
+
+    # ---- validation ------------------------------------------------------------------------
+    def validate(self, world_size: Optional[int] = None) -> None:
+        """Check values and their consistency; ``world_size`` adds the data-parallel checks."""
+        m, p, t, o = self.model, self.parallel, self.train, self.optimizer
+        _at_least("model.num_layers", m.num_layers, 1)
+        _at_least("model.hidden_size", m.hidden_size, 1)
+        _at_least("model.num_attention_heads", m.num_attention_heads, 1)
+        _at_least("model.seq_length", m.seq_length, 1)
+        _at_least("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by, 1)
+        _at_least("model.recompute_num_layers", m.recompute_num_layers, 1)
+        for key in ("num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size"):
+            if getattr(m, key) is not None:
+                _at_least(f"model.{key}", getattr(m, key), 1)
+        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({m.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({m.num_attention_heads}) unless model.kv_channels is set")
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % groups:
+            raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
+                              f"by model.num_query_groups ({groups})")
+        _one_of("model.normalization", m.normalization, ("RMSNorm", "LayerNorm"))
+        _one_of("model.recompute", m.recompute, ("none", "selective", "full"))
+        if m.rotary_base <= 0:
+            raise ConfigError(f"model.rotary_base must be > 0, got {m.rotary_base}")
+        if not 0.0 <= m.hidden_dropout < 1.0:
+            raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}")
+
+        _at_least("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size, 1)
+        _at_least("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1)
+        _at_least("parallel.context_parallel_size", p.context_parallel_size, 1)
+        tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+        if m.num_attention_heads % tp:
+            raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
+                              f"by parallel.tensor_model_parallel_size ({tp})")
+        chunks = pp * (p.virtual_pipeline_model_parallel_size or 1)
+        if p.virtual_pipeline_model_parallel_size is not None:
+            _at_least("parallel.virtual_pipeline_model_parallel_size",
+                      p.virtual_pipeline_model_parallel_size, 2)
+            if pp < 2:
+                raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs "
+                                  "parallel.pipeline_model_parallel_size >= 2")
+        if m.num_layers % chunks:
+            raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by the number of "
+                              f"pipeline chunks (pipeline x virtual = {chunks})")
+        if p.sequence_parallel and tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
+        if p.sequence_parallel and m.seq_length % (tp * cp):
+            raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by tensor x context "
+                              f"parallel size ({tp * cp}) with parallel.sequence_parallel")
+        if cp > 1 and m.seq_length % (2 * cp):
+            raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by 2 x "
+                              f"parallel.context_parallel_size ({2 * cp})")
+        if p.overlap_param_gather and not p.use_distributed_optimizer:
+            raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
+
+        _at_least("train.micro_batch_size", t.micro_batch_size, 1)
+        _at_least("train.global_batch_size", t.global_batch_size, 1)
+        _at_least("train.train_iters", t.train_iters, 1)
+        _at_least("train.eval_interval", t.eval_interval, 0)
+        _at_least("train.eval_iters", t.eval_iters, 0)
+        _at_least("train.num_workers", t.num_workers, 0)
+        _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
+        if t.global_batch_size % t.micro_batch_size:
+            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                              f"train.micro_batch_size ({t.micro_batch_size})")
+
+        if o.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
+        if not 0 <= o.min_lr <= o.lr:
+            raise ConfigError(f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
+        if o.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+        if o.clip_grad < 0:
+            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 = off), got {o.clip_grad}")
+        _at_least("optimizer.lr_warmup_iters", o.lr_warmup_iters, 0)
+        decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+        if o.lr_decay_iters is not None:
+            _at_least("optimizer.lr_decay_iters", o.lr_decay_iters, 1)
+        if o.lr_warmup_iters >= decay:
+            raise ConfigError(f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be smaller than the "
+                              f"decay length ({decay}, optimizer.lr_decay_iters or train.train_iters)")
+        _one_of("optimizer.lr_decay_style", o.lr_decay_style,
+                ("constant", "linear", "cosine", "inverse-square-root"))
+
+        d = self.data
+        if not d.demo and not d.blend:
+            raise ConfigError("data.blend is empty: give indexed-dataset prefixes (data.blend=[path/prefix]) "
+                              "or set data.demo=true for the built-in synthetic corpus")
+        if d.blend:
+            _blend_pairs(d.blend)  # raises on a malformed blend
+        parts = d.split.split(",")
+        try:
+            weights = [float(x) for x in parts]
+        except ValueError:
+            weights = []
+        if len(parts) != 3 or any(w < 0 for w in weights) or len(weights) != 3 or sum(weights) <= 0:
+            raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', "
+                              f"got {d.split!r}")
+
+        _at_least("checkpoint.save_interval", self.checkpoint.save_interval, 0)
+        _one_of("checkpoint.optimizer_format", self.checkpoint.optimizer_format,
+                ("dp_reshardable", "fully_reshardable"))
+        if self.checkpoint.keep_last is not None:
+            _at_least("checkpoint.keep_last", self.checkpoint.keep_last, 1)
+        _at_least("logging.log_interval", self.logging.log_interval, 1)
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name must be a non-empty string without '/', got {self.name!r}")
+
+        if world_size is not None:
+            self.data_parallel_size(world_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` processes (raises if it does not divide)."""
+        p = self.parallel
+        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+                f"size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
+                f"{p.context_parallel_size} = {model_parallel})")
+        dp = world_size // model_parallel
+        per_step = self.train.micro_batch_size * dp
+        if self.train.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size x data-parallel size ({self.train.micro_batch_size} x {dp})")
+        return dp
+
+    def num_microbatches(self, world_size: int) -> int:
+        """Micro-batches per step and data-parallel rank (gradient accumulation steps)."""
+        dp = self.data_parallel_size(world_size)
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
+
+    def schedule(self):
+        """The attention schedule, parsed and checked against the model (None = all dense)."""
+        from .schedule import AttentionSchedule, ScheduleError
+
+        m = self.model
+        try:
+            if self.attention is None:
+                sched = AttentionSchedule.all_dense()
+            else:
+                sched = AttentionSchedule.from_dict(self.attention, prefix="attention")
+            sched.validate(m.num_layers, m.num_attention_heads, m.num_query_groups,
+                           self.parallel.tensor_model_parallel_size, m.seq_length)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+        return sched
+
+    def blend(self) -> tuple[list[str], Optional[list[float]]]:
+        """``data.blend`` as (prefixes, weights or None)."""
+        return _blend_pairs(self.data.blend or [])
+
+
+def _at_least(key: str, value, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+
+
+def _blend_pairs(blend: list) -> tuple[list[str], Optional[list[float]]]:
+    if not isinstance(blend, list):
+        raise ConfigError(f"data.blend must be a list, got {type(blend).__name__}")
+    if all(isinstance(x, str) for x in blend):
+        return list(blend), None
+    prefixes, weights = [], []
+    for item in blend:
+        ok = (isinstance(item, (list, tuple)) and len(item) == 2
+              and isinstance(item[0], (int, float)) and not isinstance(item[0], bool)
+              and isinstance(item[1], str) and item[0] > 0)
+        if not ok:
+            raise ConfigError("data.blend must be a list of prefixes or of [weight, prefix] pairs "
+                              f"with weight > 0, got entry {item!r}")
+        weights.append(float(item[0]))
+        prefixes.append(item[1])
+    return prefixes, weights
+
+
+# ---- construction from mappings, with type checks ---------------------------------------------
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to annotation ``tp``; raise ConfigError if it cannot be."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _check_type(key, value, args[0])
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # PyYAML reads "1e-3" (no dot) as a string; accept it as the number it means.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif tp is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    else:
+        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+    name = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"{key} must be of type {name}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls, d: Any, prefix: str):
+    where = prefix.rstrip(".") or "the run config"
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {where}; "
+                          f"allowed keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in d.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(prefix + name, value, tp)
+    return cls(**kwargs)
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` strings to the nested mapping ``d`` (in place; returned).
+
+    Values are parsed as YAML. Unknown keys are caught later by :meth:`RunConfig.from_dict`,
+    inside ``attention`` they are caught by the schedule's own parser.
+    """
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+        node = d
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return d
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Load ``path`` (None = the built-in demo config), apply overrides, validate."""
+    path = Path(path) if path is not None else DEMO_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with open(path) as f:
+        try:
+            d = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    apply_overrides(d, overrides or [])
+    return RunConfig.from_dict(d)
