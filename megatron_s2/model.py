@@ -111,13 +111,9 @@ def _tp_slice(full: torch.Tensor, param: torch.nn.Parameter, name: str, config) 
     return full.chunk(tp, dim=dim)[rank]
 
 
-def iter_unsharded_pairs(model_chunks, full: Mapping[str, torch.Tensor]
-                         ) -> Iterator[Tuple[str, torch.nn.Parameter, torch.Tensor]]:
-    """For every parameter of this rank's model chunks, yield ``(unsharded_name, param, slice)``
-    where ``slice`` is the part of ``full[unsharded_name]`` (a TP=1/PP=1 tensor of the same name)
-    this rank holds. Layers are matched by their global ``layer_number``; TP slices follow the
-    parameters' ``partition_dim`` (gated MLPs included). For loading one set of weights into any
-    TP/PP layout and for comparing gradients across layouts."""
+def named_parameters_unsharded(model_chunks) -> Iterator[Tuple[str, torch.nn.Parameter, object]]:
+    """``(name, param, config)`` for this rank's parameters, with ``decoder.layers.<i>`` renamed
+    to the layer's global 0-based index (the name the parameter has in a TP=1/PP=1 model)."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     for chunk in model_chunks:
@@ -127,9 +123,20 @@ def iter_unsharded_pairs(model_chunks, full: Mapping[str, torch.Tensor]
             if m:
                 layer = model.decoder.layers[int(m.group(1))]
                 name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
-            if name not in full:
-                raise KeyError(f"unsharded state has no entry {name!r}")
-            yield name, param, _tp_slice(full[name], param, name, model.config)
+            yield name, param, model.config
+
+
+def iter_unsharded_pairs(model_chunks, full: Mapping[str, torch.Tensor]
+                         ) -> Iterator[Tuple[str, torch.nn.Parameter, torch.Tensor]]:
+    """For every parameter of this rank's model chunks, yield ``(unsharded_name, param, slice)``
+    where ``slice`` is the part of ``full[unsharded_name]`` (a TP=1/PP=1 tensor of the same name)
+    this rank holds. Layers are matched by their global ``layer_number``; TP slices follow the
+    parameters' ``partition_dim`` (gated MLPs included). For loading one set of weights into any
+    TP/PP layout and for comparing gradients across layouts."""
+    for name, param, config in named_parameters_unsharded(model_chunks):
+        if name not in full:
+            raise KeyError(f"unsharded state has no entry {name!r}")
+        yield name, param, _tp_slice(full[name], param, name, config)
 
 
 @torch.no_grad()

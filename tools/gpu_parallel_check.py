@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Parallel-equivalence check: a small hybrid S2 GPT trained a few steps under several
+TP/PP/SP layouts must match the single-device run (same seed, same initial weights, same data).
+
+    # GPU host with 2 GPUs (NCCL):
+    python tools/gpu_parallel_check.py                      # seq 8192, bf16, 4 steps
+    # CPU (gloo, megatron_s2 CPU mode), tiny model:
+    python tools/gpu_parallel_check.py --cpu
+
+The script launches each layout itself (torch.multiprocessing, one process per device):
+the TP=1/PP=1 reference on one device first, then every parallel layout on 2 devices. Each run
+starts from the reference's initial weights (loaded through megatron_s2.model's TP/PP-agnostic
+loader), trains with Megatron-core's pipeline schedules, DDP, finalize_model_grads and optimizer,
+and records per-step loss and grad norm plus the first step's gradients. A table with PASS/FAIL
+per layout is printed and written as JSON to --out; exit status 1 on any FAIL.
+
+The functions are importable (the CPU tests in tests/test_megatron_parallel.py use them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+DEFAULT_SCHEDULE = {
+    "s2": {"block_size": 64, "local_blocks": 4, "vert_stride": 4, "head_offset": 1},
+    "dense_layers": {"pattern": "SD"},
+    "overrides": {2: {"vert_stride": 8, "num_dense_heads": 2}},
+}
+
+
+@dataclass
+class CheckConfig:
+    """One model + data + training setup shared by all layouts of a check."""
+
+    num_layers: int = 4
+    hidden_size: int = 512
+    num_attention_heads: int = 8
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 1024
+    vocab_size: int = 1024
+    seq_length: int = 8192
+    micro_batch_size: int = 1
+    num_microbatches: int = 4
+    steps: int = 4
+    lr: float = 1e-3
+    dtype: str = "bf16"  # bf16 | fp32
+    seed: int = 1234
+    schedule: Dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_SCHEDULE)))
+    cpu: bool = False
+    # Relative tolerances (fp32 CPU runs are exact to ~1e-5; bf16 GPU runs reduce differently).
+    loss_rtol: float = 2e-2
+    gnorm_rtol: float = 5e-2
+    grad_rtol: float = 1e-1
+
+    @classmethod
+    def tiny_cpu(cls, **kw) -> "CheckConfig":
+        base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                    ffn_hidden_size=128, vocab_size=128, seq_length=128, num_microbatches=4,
+                    steps=2, dtype="fp32", cpu=True, loss_rtol=1e-4, gnorm_rtol=1e-3,
+                    grad_rtol=1e-3,
+                    schedule={"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4,
+                                     "head_offset": 1},
+                              "dense_layers": {"pattern": "SD"},
+                              "overrides": {2: {"vert_stride": 2, "num_dense_heads": 2}}})
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass
+class Layout:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    sp: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+
+REFERENCE = Layout("tp1_pp1")
+GPU_LAYOUTS = [Layout("tp2_sp", tp=2, sp=True), Layout("pp2", pp=2), Layout("tp2", tp=2),
+               Layout("pp2_vpp2", pp=2, vpp=2)]
+
+
+# ---------------------------------------------------------------------------- one rank's run
+def _setup(rank: int, world: int, port: int, cc: CheckConfig, layout: Layout):
+    if cc.cpu:
+        from megatron_s2.cpu_mode import enable_cpu_mode
+
+        enable_cpu_mode()
+        # One thread per rank: the ranks share the host's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        torch.cuda.set_device(rank)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo" if cc.cpu else "nccl", rank=rank, world_size=world)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp)
+    tensor_parallel.model_parallel_cuda_manual_seed(cc.seed)
+    torch.manual_seed(cc.seed)
+
+
+def _transformer_config(cc: CheckConfig, layout: Layout):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if cc.dtype == "bf16" else torch.float32
+    kw = dict(
+        num_layers=cc.num_layers, hidden_size=cc.hidden_size,
+        num_attention_heads=cc.num_attention_heads, num_query_groups=cc.num_query_groups,
+        ffn_hidden_size=cc.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
+        pipeline_dtype=dtype, params_dtype=torch.float32, bf16=cc.dtype == "bf16",
+        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+    if layout.vpp:
+        # Megatron-LM's defaults; the core defaults silently train wrong with VPP (notes).
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    return TransformerConfig(**kw)
+
+
+def _build_chunks(cc: CheckConfig, layout: Layout, config):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_s2.model import build_gpt_model
+
+    chunks = []
+    for vp in range(layout.vpp or 1):
+        vp_stage = vp if layout.vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        m = build_gpt_model(config, cc.schedule, vocab_size=cc.vocab_size,
+                            max_sequence_length=cc.seq_length, pre_process=pre, post_process=post,
+                            vp_stage=vp_stage, position_embedding_type="rope", rotary_base=10000,
+                            share_embeddings_and_output_weights=False)
+        if not cc.cpu:
+            m.cuda(torch.cuda.current_device())
+        chunks.append(m)
+    return chunks, DistributedDataParallel, DistributedDataParallelConfig, Float16Module
+
+
+def _batches(cc: CheckConfig, step: int) -> List[Dict[str, torch.Tensor]]:
+    """Deterministic micro batches (identical in every layout): noisy repeated motifs so the
+    loss actually moves in a few steps."""
+    g = torch.Generator().manual_seed(cc.seed * 1000 + step)
+    out = []
+    for _ in range(cc.num_microbatches):
+        motif = torch.randint(0, cc.vocab_size, (cc.micro_batch_size, 97), generator=g)
+        reps = (cc.seq_length + 1 + 96) // 97
+        seq = motif.repeat(1, reps)[:, :cc.seq_length + 1]
+        noise = torch.rand(seq.shape, generator=g) < 0.1
+        seq = torch.where(noise, torch.randint(0, cc.vocab_size, seq.shape, generator=g), seq)
+        out.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()})
+    return out
+
+
+def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layout: Layout, workdir: str):
+    try:
+        _run_rank_inner(rank, world, port, cc, layout, workdir)
+    except Exception:
+        with open(os.path.join(workdir, f"{layout.name}.error.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run_rank_inner(rank, world, port, cc: CheckConfig, layout: Layout, workdir: str):
+    _setup(rank, world, port, cc, layout)
+    from functools import partial
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_s2.model import (load_unsharded_parameters, named_parameters_unsharded,
+                                   unsharded_parameters)
+
+    config = _transformer_config(cc, layout)
+    chunks, DDP, DDPConfig, Float16Module = _build_chunks(cc, layout, config)
+    init_path = os.path.join(workdir, "init.pt")
+    is_ref = layout.world == 1
+    if is_ref:
+        torch.save(unsharded_parameters(chunks[0]), init_path)
+    else:
+        load_unsharded_parameters(chunks, torch.load(init_path))
+    if cc.dtype == "bf16":
+        chunks = [Float16Module(config, m) for m in chunks]
+    ddp_cfg = DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                        use_distributed_optimizer=False)
+    chunks = [DDP(config, ddp_cfg, m) for m in chunks]
+    for m in chunks:
+        m.broadcast_params()  # no-op at DP=1; keeps the standard Megatron sequence
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cc.lr, weight_decay=0.0, bf16=cc.dtype == "bf16",
+                        clip_grad=1.0, params_dtype=torch.float32, use_distributed_optimizer=False),
+        chunks)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    config.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
+
+    device = torch.device("cpu") if cc.cpu else torch.device("cuda", torch.cuda.current_device())
+    positions = torch.arange(cc.seq_length, device=device)[None].expand(cc.micro_batch_size, -1)
+
+    def loss_func(loss_mask, output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        tokens = b["tokens"].to(device)
+        labels = b["labels"].to(device)
+        out = model(tokens, positions, None, labels=labels)
+        return out, partial(loss_func, None)
+
+    fwd_bwd = get_forward_backward_func()
+    losses, gnorms = [], []
+    grad_report = None
+    for step in range(cc.steps):
+        for m in chunks:
+            m.train()
+            m.zero_grad_buffer()
+        opt.zero_grad()
+        batches = _batches(cc, step)
+        iters = [iter(batches) for _ in chunks]
+        out = fwd_bwd(forward_step_func=forward_step,
+                      data_iterator=iters if len(chunks) > 1 else iters[0],
+                      model=chunks if len(chunks) > 1 else chunks[0],
+                      num_microbatches=cc.num_microbatches, seq_length=cc.seq_length,
+                      micro_batch_size=cc.micro_batch_size, forward_only=False)
+        if step == 0:
+            grads = {}
+            for name, p, _ in named_parameters_unsharded(chunks):
+                g = getattr(p, "main_grad", None)
+                grads[name] = (g if g is not None else p.grad).detach().float().cpu().clone()
+            grad_report = grads
+        ok, gnorm, _ = opt.step()
+        loss = torch.tensor(0.0, device=device)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and out:
+            loss = torch.stack([o["lm loss"] for o in out]).mean().to(device)
+        # The last stage holds the loss; every rank reports it.
+        torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_pipeline_model_parallel_group())
+        losses.append(float(loss))
+        gnorms.append(float(gnorm))
+    torch.save({"rank": rank, "losses": losses, "grad_norms": gnorms, "grads": grad_report},
+               os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
+
+
+# ---------------------------------------------------------------------------- orchestration
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(cc: CheckConfig, layout: Layout, workdir: str) -> None:
+    """Run one layout on ``layout.world`` processes (spawned); raise with the ranks' tracebacks."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    try:
+        mp.spawn(_run_rank, args=(layout.world, port, cc, layout, workdir), nprocs=layout.world,
+                 join=True)
+    except Exception as e:
+        errs = [open(os.path.join(workdir, f)).read() for f in sorted(os.listdir(workdir))
+                if f.startswith(f"{layout.name}.error.")]
+        raise RuntimeError(f"layout {layout.name} failed:\n" + "\n".join(errs or [str(e)])) from e
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(cc: CheckConfig, layout: Layout, workdir: str) -> Dict:
+    """Compare a finished layout with the reference; returns a row with ``passed``."""
+    ref = torch.load(os.path.join(workdir, f"{REFERENCE.name}.rank0.pt"))
+    full_ref_grads = ref["grads"]
+    loss_err = gnorm_err = grad_err = 0.0
+    losses = gnorms = None
+    for rank in range(layout.world):
+        r = torch.load(os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
+        losses, gnorms = r["losses"], r["grad_norms"]
+        loss_err = max([loss_err] + [_rel(a, b) for a, b in zip(r["losses"], ref["losses"])])
+        gnorm_err = max([gnorm_err] + [_rel(a, b) for a, b in zip(r["grad_norms"], ref["grad_norms"])])
+        for name, g in r["grads"].items():
+            expect = _slice_like(full_ref_grads[name], g, name, layout, rank, cc)
+            denom = expect.abs().max().clamp_min(1e-8)
+            grad_err = max(grad_err, float((g - expect).abs().max() / denom))
+    passed = loss_err <= cc.loss_rtol and gnorm_err <= cc.gnorm_rtol and grad_err <= cc.grad_rtol
+    return {"layout": layout.name, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+            "sp": layout.sp, "losses": losses, "ref_losses": ref["losses"], "grad_norms": gnorms,
+            "ref_grad_norms": ref["grad_norms"], "max_rel_loss_diff": loss_err,
+            "max_rel_gnorm_diff": gnorm_err, "max_rel_grad_diff_step0": grad_err,
+            "passed": passed}
+
+
+def _slice_like(full: torch.Tensor, local: torch.Tensor, name: str, layout: Layout, rank: int,
+                cc: CheckConfig) -> torch.Tensor:
+    """The part of a reference (unsharded) tensor that ``rank`` holds, found by shape: TP-split
+    tensors are split along the one dimension whose size differs (gated fc1: per half)."""
+    if full.shape == local.shape:
+        return full
+    tp_rank = rank % layout.tp  # Megatron's default order puts TP innermost
+    dims = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
+    if len(dims) != 1:
+        raise ValueError(f"{name}: cannot match reference {tuple(full.shape)} to {tuple(local.shape)}")
+    d = dims[0]
+    if "linear_fc1." in name and d == 0:
+        return torch.cat([h.chunk(layout.tp, 0)[tp_rank] for h in full.chunk(2, 0)], 0)
+    return full.chunk(layout.tp, d)[tp_rank]
+
+
+def run_check(cc: CheckConfig, layouts: List[Layout], workdir: Optional[str] = None) -> List[Dict]:
+    """Reference + layouts; returns one comparison row per layout."""
+    workdir = workdir or tempfile.mkdtemp(prefix="s2_parallel_check_")
+    os.makedirs(workdir, exist_ok=True)
+    run_layout(cc, REFERENCE, workdir)
+    rows = []
+    for layout in layouts:
+        t0 = time.time()
+        try:
+            run_layout(cc, layout, workdir)
+            row = compare(cc, layout, workdir)
+        except Exception as e:  # keep going: report every layout
+            row = {"layout": layout.name, "passed": False, "error": str(e)}
+        row["seconds"] = round(time.time() - t0, 1)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: List[Dict]) -> str:
+    lines = [f"{'layout':<10} {'result':<6} {'max rel loss':>12} {'max rel gnorm':>13} "
+             f"{'max rel grad@0':>14} {'seconds':>8}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['layout']:<10} {'FAIL':<6} error: {r['error'].splitlines()[-1][:80]}")
+            continue
+        lines.append(f"{r['layout']:<10} {'PASS' if r['passed'] else 'FAIL':<6} "
+                     f"{r['max_rel_loss_diff']:>12.2e} {r['max_rel_gnorm_diff']:>13.2e} "
+                     f"{r['max_rel_grad_diff_step0']:>14.2e} {r['seconds']:>8}")
+    for r in rows:
+        if "losses" in r:
+            lines.append(f"  {r['layout']}: losses {['%.5f' % x for x in r['losses']]} "
+                         f"(ref {['%.5f' % x for x in r['ref_losses']]})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny model on CPU/gloo (megatron_s2 CPU mode)")
+    ap.add_argument("--layouts", default=None,
+                    help="comma-separated subset of: " + ",".join(l.name for l in GPU_LAYOUTS))
+    ap.add_argument("--seq-length", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
+    ap.add_argument("--out", default="parallel_check.json", help="JSON report path")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args(argv)
+
+    cc = CheckConfig.tiny_cpu() if args.cpu else CheckConfig()
+    if args.seq_length:
+        cc.seq_length = args.seq_length
+    if args.steps:
+        cc.steps = args.steps
+    if args.dtype:
+        cc.dtype = args.dtype
+        if cc.dtype == "fp32" and not args.cpu:
+            # Triton's fp32 dots use TF32; cuBLAS does not by default: allow ~1e-3.
+            cc.loss_rtol, cc.gnorm_rtol, cc.grad_rtol = 5e-3, 2e-2, 5e-2
+    layouts = GPU_LAYOUTS
+    if args.layouts:
+        wanted = args.layouts.split(",")
+        layouts = [l for l in GPU_LAYOUTS if l.name in wanted]
+        if len(layouts) != len(wanted):
+            ap.error(f"--layouts: choose from {[l.name for l in GPU_LAYOUTS]}")
+    if not args.cpu:
+        n = torch.cuda.device_count()
+        if n < max(l.world for l in layouts):
+            print(f"need {max(l.world for l in layouts)} GPUs, found {n}", file=sys.stderr)
+            return 2
+    rows = run_check(cc, layouts, args.workdir)
+    print(f"config: {json.dumps({k: v for k, v in asdict(cc).items() if k != 'schedule'})}")
+    print(f"schedule: {json.dumps(cc.schedule)}")
+    print(format_table(rows))
+    with open(args.out, "w") as f:
+        json.dump({"config": asdict(cc), "rows": rows,
+                   "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                   "torch": torch.__version__}, f, indent=1, default=str)
+    ok = all(r["passed"] for r in rows)
+    print("ALL PASS" if ok else "SOME FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
