@@ -69,7 +69,7 @@ class CheckConfig:
                     ffn_hidden_size=128, vocab_size=128, seq_length=128, num_microbatches=4,
                     steps=2, dtype="fp32", cpu=True, loss_rtol=1e-4, gnorm_rtol=1e-3,
                     grad_rtol=1e-3,
-                    schedule={"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4,
+                    schedule={"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8,
                                      "head_offset": 1},
                               "dense_layers": {"pattern": "SD"},
                               "overrides": {2: {"vert_stride": 2, "num_dense_heads": 2}}})
@@ -96,23 +96,27 @@ GPU_LAYOUTS = [Layout("tp2_sp", tp=2, sp=True), Layout("pp2", pp=2), Layout("tp2
 
 
 # ---------------------------------------------------------------------------- one rank's run
-def _setup(rank: int, world: int, port: int, cc: CheckConfig, layout: Layout):
+def _init_process(rank: int, world: int, port: int, cc: CheckConfig):
     if cc.cpu:
         from megatron_s2.cpu_mode import enable_cpu_mode
 
         enable_cpu_mode()
-        # One thread per rank: the ranks share the host's cores.
+        # The ranks share the host's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     else:
         torch.cuda.set_device(rank)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.distributed.init_process_group("gloo" if cc.cpu else "nccl", rank=rank, world_size=world)
+
+
+def _setup_layout(cc: CheckConfig, layout: Layout):
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp)
+    tensor_parallel.get_cuda_rng_tracker().reset()
     tensor_parallel.model_parallel_cuda_manual_seed(cc.seed)
     torch.manual_seed(cc.seed)
 
@@ -176,11 +180,23 @@ def _batches(cc: CheckConfig, step: int) -> List[Dict[str, torch.Tensor]]:
     return out
 
 
-def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layout: Layout, workdir: str):
+def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: List[Layout],
+              workdir: str):
+    """Run ``layouts`` (all of ``world`` ranks) one after the other in this process."""
+    layout = None
     try:
-        _run_rank_inner(rank, world, port, cc, layout, workdir)
+        _init_process(rank, world, port, cc)
+        from megatron.core import parallel_state
+
+        for layout in layouts:
+            _setup_layout(cc, layout)
+            try:
+                _run_rank_inner(rank, cc, layout, workdir)
+            finally:
+                parallel_state.destroy_model_parallel()
     except Exception:
-        with open(os.path.join(workdir, f"{layout.name}.error.{rank}"), "w") as f:
+        name = layout.name if layout is not None else "init"
+        with open(os.path.join(workdir, f"{name}.error.{rank}"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
@@ -188,8 +204,7 @@ def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layout: Layout,
             torch.distributed.destroy_process_group()
 
 
-def _run_rank_inner(rank, world, port, cc: CheckConfig, layout: Layout, workdir: str):
-    _setup(rank, world, port, cc, layout)
+def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
     from functools import partial
 
     from megatron.core import parallel_state
@@ -278,18 +293,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(cc: CheckConfig, layout: Layout, workdir: str) -> None:
-    """Run one layout on ``layout.world`` processes (spawned); raise with the ranks' tracebacks."""
+def run_layouts(cc: CheckConfig, layouts: List[Layout], workdir: str) -> None:
+    """Run layouts of one world size in one set of spawned processes (one per device), one after
+    the other; raise with the ranks' tracebacks on failure."""
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    world = layouts[0].world
+    if any(l.world != world for l in layouts):
+        raise ValueError("run_layouts: all layouts must use the same number of processes")
     try:
-        mp.spawn(_run_rank, args=(layout.world, port, cc, layout, workdir), nprocs=layout.world,
+        mp.spawn(_run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world,
                  join=True)
     except Exception as e:
         errs = [open(os.path.join(workdir, f)).read() for f in sorted(os.listdir(workdir))
-                if f.startswith(f"{layout.name}.error.")]
-        raise RuntimeError(f"layout {layout.name} failed:\n" + "\n".join(errs or [str(e)])) from e
+                if ".error." in f]
+        raise RuntimeError(f"layouts {[l.name for l in layouts]} failed:\n"
+                           + "\n".join(errs or [str(e)])) from e
+
+
+def run_layout(cc: CheckConfig, layout: Layout, workdir: str) -> None:
+    run_layouts(cc, [layout], workdir)
 
 
 def _rel(a: float, b: float) -> float:
@@ -336,21 +359,28 @@ def _slice_like(full: torch.Tensor, local: torch.Tensor, name: str, layout: Layo
 
 
 def run_check(cc: CheckConfig, layouts: List[Layout], workdir: Optional[str] = None) -> List[Dict]:
-    """Reference + layouts; returns one comparison row per layout."""
+    """Reference + layouts; returns one comparison row per layout. Layouts of the same world
+    size share one launch (Megatron's parallel state is rebuilt between them)."""
     workdir = workdir or tempfile.mkdtemp(prefix="s2_parallel_check_")
     os.makedirs(workdir, exist_ok=True)
     run_layout(cc, REFERENCE, workdir)
-    rows = []
-    for layout in layouts:
+    rows = {}
+    for world in sorted({l.world for l in layouts}):
+        group = [l for l in layouts if l.world == world]
         t0 = time.time()
+        error = None
         try:
-            run_layout(cc, layout, workdir)
-            row = compare(cc, layout, workdir)
-        except Exception as e:  # keep going: report every layout
-            row = {"layout": layout.name, "passed": False, "error": str(e)}
-        row["seconds"] = round(time.time() - t0, 1)
-        rows.append(row)
-    return rows
+            run_layouts(cc, group, workdir)
+        except Exception as e:  # keep going: report every layout that finished
+            error = str(e)
+        for layout in group:
+            try:
+                row = compare(cc, layout, workdir)
+            except Exception as e:
+                row = {"layout": layout.name, "passed": False, "error": error or str(e)}
+            row["seconds"] = round((time.time() - t0) / len(group), 1)
+            rows[layout.name] = row
+    return [rows[l.name] for l in layouts]
 
 
 def format_table(rows: List[Dict]) -> str:
