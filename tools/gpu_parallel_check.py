@@ -33,9 +33,11 @@ from typing import Dict, List, Optional
 import torch
 
 DEFAULT_SCHEDULE = {
-    "s2": {"block_size": 64, "local_blocks": 4, "vert_stride": 4, "head_offset": 1},
+    # Strides >= the head count give every head its own phase, so a TP rank that used local
+    # instead of global head indices would attend different blocks and fail the check.
+    "s2": {"block_size": 64, "local_blocks": 4, "vert_stride": 8, "head_offset": 1},
     "dense_layers": {"pattern": "SD"},
-    "overrides": {2: {"vert_stride": 8, "num_dense_heads": 2}},
+    "overrides": {2: {"vert_stride": 16, "num_dense_heads": 2}},
 }
 
 
