@@ -38,8 +38,8 @@ class TileLayout:
         ``cols[e]`` key tile, ``lo[e], hi[e]`` absolute query token range attending.
     CSC over key tiles (dK/dV), items ``h * num_k_tiles + kt``: ``col_ptr``, ``col_split``,
         ``rows`` (query tile), ``lo_c``, ``hi_c``.
-    ``q_order``: query items heaviest first; ``kv_order``: (kv head, key tile) items heaviest
-    first, each item's work summed over the query heads of its group.
+    ``q_order``: query items, head by head, heaviest first within a head; ``kv_order``: (kv head,
+    key tile) items likewise, each item's work summed over the query heads of its group.
     """
 
     block_m: int
@@ -165,6 +165,15 @@ def _ptrs(groups, num_groups):
     return ptr, counts
 
 
+def _head_major_heavy_first(work: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Program order: head by head (concurrent programs then share one head's K/V in L2),
+    heaviest tiles first inside each head (so no long program is left for the tail)."""
+    per = work.numel() // num_heads
+    head = torch.arange(work.numel(), device=work.device) // per
+    key = head * (int(work.max()) + 1 if work.numel() else 1) + (work.max() - work)
+    return torch.argsort(key, stable=True)
+
+
 def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_start: int,
                  block_m: int, block_n: int, device, with_csc: bool) -> TileLayout:
     """Build (or fetch from the pattern's cache) the tile layout for one attention call."""
@@ -194,7 +203,7 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
         num_q_tiles=nqt, num_k_tiles=nkt,
         row_ptr=i32(row_ptr), row_split=i32(row_ptr[:-1] + n_full), cols=i32(kt[order]),
         lo=i32(lo[order]), hi=i32(hi[order]),
-        q_order=i32(torch.argsort(counts, descending=True, stable=True)))
+        q_order=i32(_head_major_heavy_first(counts, H)))
     if with_csc:
         h = torch.div(item, nqt, rounding_mode="floor")
         t = item % nqt
@@ -205,7 +214,7 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
         kv_work = ccounts.view(H // pattern.group_size, pattern.group_size, nkt).sum(1).flatten()
         lay.col_ptr, lay.col_split = i32(col_ptr), i32(col_ptr[:-1] + nc_full)
         lay.rows, lay.lo_c, lay.hi_c = i32(t[corder]), i32(lo[corder]), i32(hi[corder])
-        lay.kv_order = i32(torch.argsort(kv_work, descending=True, stable=True))
+        lay.kv_order = i32(_head_major_heavy_first(kv_work, H // pattern.group_size))
     cache[key] = lay
     return lay
 

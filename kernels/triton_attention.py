@@ -74,8 +74,9 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PRECISION: tl.constexpr):
     pid = tl.program_id(0)
-    item = tl.load(order + pid // batch)
-    b = (pid % batch).to(tl.int64)
+    n_items = num_heads * num_q_tiles
+    item = tl.load(order + pid % n_items)
+    b = (pid // n_items).to(tl.int64)
     h = item // num_q_tiles
     qt = item % num_q_tiles
     kvh = (h // group).to(tl.int64)
@@ -111,31 +112,6 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
 
 
 # -------------------------------------------------------------------------------------- backward
-@triton.jit
-def _bwd_delta_kernel(O, DO, DLSE, DELTA,
-                      stride_ob, stride_os, stride_oh, stride_od,
-                      stride_dob, stride_dos, stride_doh, stride_dod,
-                      num_heads, seq_q,
-                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr):
-    # delta_i = rowsum(dO * O) - dLSE_i: dLSE enters the softmax gradient as P * dLSE.
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // num_heads
-    h = bh % num_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_m < seq_q
-    rows = offs_m[:, None].to(tl.int64)
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :] * stride_od,
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
-                 mask=ok[:, None], other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + bh * seq_q + offs_m, mask=ok, other=0.0)
-    tl.store(DELTA + bh * seq_q + offs_m, delta, mask=ok)
-
-
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his, e_begin, e_end,
                 k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos, stride_dod,
@@ -189,8 +165,9 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PRECISION: tl.constexpr):
     pid = tl.program_id(0)
-    item = tl.load(order + pid // batch)
-    b = (pid % batch).to(tl.int64)
+    n_items = (num_heads // group) * num_k_tiles
+    item = tl.load(order + pid % n_items)
+    b = (pid // n_items).to(tl.int64)
     kvh = item // num_k_tiles
     kt = item % num_k_tiles
     kvh64 = kvh.to(tl.int64)
@@ -260,20 +237,25 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e
 
 
 @triton.jit
-def _s2_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
                   stride_qb, stride_qs, stride_qh, stride_qd,
                   stride_kb, stride_ks, stride_kh, stride_kd,
                   stride_vb, stride_vs, stride_vh, stride_vd,
+                  stride_ob, stride_os, stride_oh, stride_od,
                   stride_dob, stride_dos, stride_doh, stride_dod,
                   stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                   row_ptr, row_split, cols, los, his, order,
                   batch, num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group,
                   qk_scale, sm_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr):
+    # dQ programs own query rows, so they also produce each row's
+    # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE) and store it
+    # for the dK/dV pass, which runs afterwards.
     pid = tl.program_id(0)
-    item = tl.load(order + pid // batch)
-    b = (pid % batch).to(tl.int64)
+    n_items = num_heads * num_q_tiles
+    item = tl.load(order + pid % n_items)
+    b = (pid // n_items).to(tl.int64)
     h = item // num_q_tiles
     qt = item % num_q_tiles
     h64 = h.to(tl.int64)
@@ -287,9 +269,15 @@ def _s2_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                 mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos + offs_d[None, :] * stride_dod,
                  mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + (b * num_heads + h64) * seq_q + offs_m, mask=row_ok, other=0.0)
+    row_base = (b * num_heads + h64) * seq_q
+    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-    delta = tl.load(DELTA + (b * num_heads + h64) * seq_q + offs_m, mask=row_ok, other=0.0)
+    o = tl.load(O + b * stride_ob + h64 * stride_oh + m64 * stride_os + offs_d[None, :] * stride_od,
+                mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row_base + offs_m, mask=row_ok, other=0.0)
+    tl.store(DELTA + row_base + offs_m, delta, mask=row_ok)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     q_abs = q_start + offs_m
@@ -309,18 +297,29 @@ def _s2_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 # ------------------------------------------------------------------------------------- launching
+# Benchmarks and tuning sweeps set entries here (same keys as kernel_config's result).
+CONFIG_OVERRIDES: dict = {}
+
+
 def kernel_config(pattern: S2Pattern, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tile shapes and launch options. Key tiles never span two pattern blocks; query tiles
     merge several small blocks (Merge-Q) so MMAs stay large."""
+    cfg = _default_config(pattern, head_dim, device)
+    cfg.update(CONFIG_OVERRIDES)
+    return cfg
+
+
+def _default_config(pattern: S2Pattern, head_dim: int, device: torch.device) -> dict:
     B = pattern.block_size
     bn = min(B, 64)
-    big = head_dim >= 128
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and still merge
-        return dict(fwd_m=min(128, 2 * B), bwd_m=32, bn=bn,
-                    fwd_warps=4, bwd_warps=4, stages=1)
-    return dict(fwd_m=128, bwd_m=64, bn=bn,
-                fwd_warps=8 if big else 4, bwd_warps=8 if big else 4,
-                stages=2 if head_dim > 128 else 3)
+        return dict(bn=bn, fwd_m=min(128, 2 * B), fwd_warps=4, fwd_stages=1,
+                    dq_m=min(128, 2 * B), dq_warps=4, dkdv_m=32, dkdv_warps=4, bwd_stages=1)
+    big = head_dim >= 128
+    # Measured on H100 (tools/tune_kernels.py, d=128, block 64): see docs/benchmarks.md.
+    return dict(bn=bn, fwd_m=64, fwd_warps=4, fwd_stages=3,
+                dq_m=128, dq_warps=8 if big else 4, dkdv_m=32, dkdv_warps=4,
+                bwd_stages=2 if head_dim > 128 else 3)
 
 
 def _strides(t):
@@ -346,38 +345,48 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
         b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        num_warps=cfg["fwd_warps"], num_stages=cfg["stages"])
+        num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return out, lse
+
+
+def bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg):
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["dkdv_m"], cfg["bn"], q.device, with_csc=True)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
+        q, k, v, do, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
+        b, hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E, scale,
+        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
+        num_warps=cfg["dkdv_warps"], num_stages=cfg["bwd_stages"])
+    return dk, dv
+
+
+def bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg):
+    """dQ pass; also returns ``delta [b, h, seq_q]`` (fp32) for :func:`bwd_dkdv`."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["dq_m"], cfg["bn"], q.device)
+    dq = torch.empty_like(q)
+    delta = torch.empty_like(lse)
+    _s2_dq_kernel[(hq * lay.num_q_tiles * b,)](
+        q, k, v, out, do, lse, dlse if dlse is not None else lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(do), *_strides(dq),
+        lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
+        b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E, scale,
+        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
+        HAS_DLSE=dlse is not None, num_warps=cfg["dq_warps"], num_stages=cfg["bwd_stages"])
+    return dq, delta
 
 
 def s2_backward(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
                 k_start: int, cfg=None):
     """Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = cfg or kernel_config(pattern, q.shape[-1], q.dtype, q.device)
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["bwd_m"], cfg["bn"], q.device, with_csc=True)
-    delta = torch.empty_like(lse)
-    dm = 64
-    _bwd_delta_kernel[(triton.cdiv(sq, dm), b * hq)](
-        out, do, dlse if dlse is not None else lse, delta, *_strides(out), *_strides(do), hq, sq,
-        BLOCK_M=dm, HEAD_DIM=d, HAS_DLSE=dlse is not None)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    prec = _precision(q.dtype)
-    _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
-        q, k, v, do, lse, delta, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
-        b, hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E, scale,
-        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=prec,
-        num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
-    _s2_dq_kernel[(hq * lay.num_q_tiles * b,)](
-        q, k, v, do, lse, delta, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E, scale,
-        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=prec,
-        num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+    dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg)
+    dk, dv = bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg)
     return dq, dk, dv
 
 

@@ -1,0 +1,66 @@
+"""Time each S2 kernel (forward, dK/dV, dQ) alone over candidate tile configs (GPU).
+
+    python tools/tune_kernels.py --seq 32768 --tokens 131072
+
+Prints one line per (kernel, config) with the median time; the fastest per kernel is what
+``triton_attention._default_config`` should use on this GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from s2attn import S2Pattern
+from s2attn import triton_attention as ta
+
+FWD = [dict(fwd_m=m, fwd_warps=w, fwd_stages=s) for m, w, s in
+       [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3)]]
+DKDV = [dict(dkdv_m=m, dkdv_warps=w, bwd_stages=s) for m, w, s in
+        [(32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 3), (64, 4, 3), (64, 8, 3), (64, 8, 2)]]
+DQ = [dict(dq_m=m, dq_warps=w, bwd_stages=s) for m, w, s in
+      [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 8, 2), (128, 4, 3)]]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    b = max(1, args.tokens // args.seq)
+    H, G, d = args.heads, args.kv_heads or args.heads, args.head_dim
+    pat = S2Pattern(num_heads=H, num_kv_heads=G, block_size=args.block_size, local_blocks=16, vert_stride=8)
+    mk = lambda h: torch.randn(b, args.seq, h, d, device=dev, dtype=torch.bfloat16)
+    q, k, v = mk(H), mk(G), mk(G)
+    do = torch.randn_like(q)
+    scale = d ** -0.5
+    base = ta.kernel_config(pat, d, q.dtype, dev)
+    out, lse = ta.s2_forward(q, k, v, pat, scale, 0, 0, base)
+    _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, base)
+    print(f"seq {args.seq} x {b}, heads {H}/{G}, d {d}, block {args.block_size}; default {base}")
+    for name, cands, fn in (
+            ("fwd", FWD, lambda c: ta.s2_forward(q, k, v, pat, scale, 0, 0, c)),
+            ("dkdv", DKDV, lambda c: ta.bwd_dkdv(do, q, k, v, lse, delta, pat, scale, 0, 0, c)),
+            ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c))):
+        best = None
+        for cand in cands:
+            cfg = dict(base, **cand)
+            try:
+                ms = triton.testing.do_bench(lambda: fn(cfg), warmup=25, rep=100, return_mode="median")
+            except Exception as exc:  # e.g. out of shared memory for a tile shape
+                print(f"  {name:5} {cand}: failed {type(exc).__name__}")
+                continue
+            best = min(best or (ms, cand), (ms, cand), key=lambda x: x[0])
+            print(f"  {name:5} {cand}: {ms:7.2f} ms", flush=True)
+        print(f"  best {name}: {best}")
+
+
+if __name__ == "__main__":
+    main()
