@@ -64,7 +64,9 @@ def build_gpt_model(config, schedule: ScheduleLike, vocab_size: int, max_sequenc
 
     Args:
         config: the model's ``TransformerConfig`` (``attention_dropout`` must be 0 when any layer
-            is S2). The schedule is stored on it as ``config.s2_schedule``.
+            is S2). The schedule is stored on it as ``config.s2_schedule``. An optional custom
+            attribute ``config.s2_backend`` selects the ``s2_attention`` backend ("auto",
+            "triton", "reference"; default "auto").
         schedule: :class:`AttentionSchedule`, its mapping, or a YAML path.
         vocab_size, max_sequence_length, pre_process, post_process: as for ``GPTModel``.
         use_te: Transformer Engine flavour (TE linears/norms, TE attention on dense layers).

@@ -44,6 +44,9 @@ from .norm import SPNorm
 from .schedule import AttentionSchedule
 
 try:
+    # Import TE itself first: without it, megatron.core.extensions.transformer_engine still
+    # imports (its TE classes become mocks).
+    import transformer_engine  # noqa: F401
     from megatron.core.extensions.transformer_engine import (
         TEDotProductAttention,
         TELayerNormColumnParallelLinear,

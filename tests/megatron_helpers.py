@@ -37,10 +37,13 @@ def init_single_process() -> None:
 
 
 def tiny_config(**kw):
-    """A 4-layer, hidden-64, 8-head (4 KV groups) TransformerConfig for CPU tests."""
+    """A 4-layer, hidden-64, 8-head (4 KV groups, head size 16) TransformerConfig for CPU tests."""
     from megatron.core.transformer import TransformerConfig
 
+    # kv_channels 16: the smallest head size the Triton kernels take (the test session runs them
+    # under the interpreter on CPU).
     base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                kv_channels=16,
                 ffn_hidden_size=128, attention_dropout=0.0, hidden_dropout=0.0,
                 normalization="RMSNorm", use_cpu_initialization=True, add_bias_linear=False,
                 bias_activation_fusion=False, masked_softmax_fusion=False,

@@ -60,6 +60,7 @@ class CheckConfig:
     seed: int = 1234
     schedule: Dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_SCHEDULE)))
     cpu: bool = False
+    backend: str = "auto"  # s2_attention backend; the CPU check uses the PyTorch reference
     # Relative tolerances (fp32 CPU runs are exact to ~1e-5; bf16 GPU runs reduce differently).
     loss_rtol: float = 2e-2
     gnorm_rtol: float = 5e-2
@@ -69,7 +70,7 @@ class CheckConfig:
     def tiny_cpu(cls, **kw) -> "CheckConfig":
         base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                     ffn_hidden_size=128, vocab_size=128, seq_length=128, num_microbatches=4,
-                    steps=2, dtype="fp32", cpu=True, loss_rtol=1e-4, gnorm_rtol=1e-3,
+                    steps=2, dtype="fp32", cpu=True, backend="reference", loss_rtol=1e-4, gnorm_rtol=1e-3,
                     grad_rtol=1e-3,
                     schedule={"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8,
                                      "head_offset": 1},
@@ -139,10 +140,13 @@ def _transformer_config(cc: CheckConfig, layout: Layout):
         use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
+    cfg_backend = cc.backend
     if layout.vpp:
         # Megatron-LM's defaults; the core defaults silently train wrong with VPP (notes).
         kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    config.s2_backend = cfg_backend
+    return config
 
 
 def _build_chunks(cc: CheckConfig, layout: Layout, config):
@@ -410,6 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-length", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
+    ap.add_argument("--backend", choices=("auto", "triton", "reference"), default=None,
+                    help="s2_attention backend of the S2 layers")
     ap.add_argument("--out", default="parallel_check.json", help="JSON report path")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
@@ -419,6 +425,8 @@ def main(argv=None) -> int:
         cc.seq_length = args.seq_length
     if args.steps:
         cc.steps = args.steps
+    if args.backend:
+        cc.backend = args.backend
     if args.dtype:
         cc.dtype = args.dtype
         if cc.dtype == "fp32" and not args.cpu:

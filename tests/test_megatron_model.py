@@ -1,0 +1,310 @@
+"""Single-process Megatron integration: module contracts, specs, model building (CPU, gloo)."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_helpers import REPO, TINY_SCHEDULE, init_single_process, tiny_config
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+
+from megatron_s2.core_attention import S2CoreAttention, ScheduledCoreAttention  # noqa: E402
+from megatron_s2.dense_attention import FusedDenseAttention  # noqa: E402
+from megatron_s2.schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError  # noqa: E402
+from s2attn import S2Pattern, s2_attention_reference  # noqa: E402
+
+SEQ, VOCAB = 128, 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dist():
+    init_single_process()
+
+
+class _Group:
+    def __init__(self, rank, size):
+        self._r, self._s = rank, size
+
+    def rank(self):
+        return self._r
+
+    def size(self):
+        return self._s
+
+
+class _PG:
+    def __init__(self, rank, size):
+        self.tp = _Group(rank, size)
+
+
+def _qkv(s=SEQ, b=2, h=8, g=4, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(s, b, g, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(s, b, g, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+def _naive_causal(q, k, v, scale):
+    """[s, b, h, d] GQA causal attention, the slow obvious way."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    s = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
+    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    o = torch.einsum("bhqk,kbhd->qbhd", p, v)
+    return o.reshape(q.shape[0], q.shape[1], -1)
+
+
+def _build(schedule, backend="reference", **cfg_kw):
+    """A tiny GPTModel. ``backend`` of the S2 layers: "reference" (fast on CPU) or "auto" (the
+    Triton kernels, under the interpreter in this test session)."""
+    from megatron_s2.model import build_gpt_model
+
+    cfg = tiny_config(**cfg_kw)
+    cfg.s2_backend = backend
+    return build_gpt_model(cfg, schedule, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def _fwd_bwd(model):
+    gen = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    pos = torch.arange(SEQ)[None].expand(2, -1)
+    loss = model(tok, pos, None, labels=tok).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    return float(loss)
+
+
+def _core_kinds(model):
+    return [(type(l.self_attention.core_attention).__name__, l.layer_number)
+            for l in model.decoder.layers]
+
+
+# ---------------------------------------------------------------------- core attention contract
+def test_s2_core_attention_matches_reference_and_shapes():
+    cfg = tiny_config()
+    pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4, head_offset=1)
+    mod = S2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                          attention_type="self", pattern=pattern, pg_collection=_PG(0, 1))
+    q, k, v = _qkv()
+    out = mod(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+    assert out.shape == (SEQ, 2, 128)
+    ref = s2_attention_reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), pattern)
+    torch.testing.assert_close(out, ref.transpose(0, 1).reshape(SEQ, 2, 128))
+    out.sum().backward()
+    assert q.grad is not None and k.grad.shape == k.shape
+
+
+def test_s2_core_attention_tp_ranks_compute_their_rows_of_the_full_pattern():
+    """Each TP rank's output equals its heads' slice of the full model's output; phases use
+    global head indices (vert_stride 8 = heads, so every head has its own phase)."""
+    cfg = tiny_config()
+    pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=8, head_offset=1,
+                        num_dense_heads=2)
+    q, k, v = _qkv()
+    full = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern,
+                           pg_collection=_PG(0, 1))(q, k, v, None)
+    parts = []
+    for r in range(2):
+        mod = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern,
+                              pg_collection=_PG(r, 2))
+        assert (mod.pattern.head_start, mod.pattern.head_end) == (4 * r, 4 * r + 4)
+        parts.append(mod(q[:, :, 4 * r:4 * r + 4], k[:, :, 2 * r:2 * r + 2], v[:, :, 2 * r:2 * r + 2], None))
+    torch.testing.assert_close(torch.cat(parts, dim=-1), full)
+    # Local head indices would give a different answer for rank 1.
+    local_pattern = S2Pattern(4, 2, block_size=16, local_blocks=2, vert_stride=8, head_offset=1,
+                              num_dense_heads=1)
+    wrong = s2_attention_reference(q[:, :, 4:].transpose(0, 1), k[:, :, 2:].transpose(0, 1),
+                                   v[:, :, 2:].transpose(0, 1), local_pattern)
+    wrong = wrong.transpose(0, 1).reshape(parts[1].shape)
+    assert not torch.allclose(wrong, parts[1])
+
+
+def test_s2_layer_follows_global_layer_number():
+    sched = AttentionSchedule.from_dict(TINY_SCHEDULE)
+    cfg = tiny_config()
+    m3 = S2CoreAttention(cfg, 3, AttnMaskType.causal, "self", schedule=sched, pg_collection=_PG(0, 1))
+    assert (m3.pattern.vert_stride, m3.pattern.num_dense_heads) == (4, 2)  # override of 0-based 2
+    with pytest.raises(ValueError, match="layer 2 is dense"):
+        S2CoreAttention(cfg, 2, AttnMaskType.causal, "self", schedule=sched, pg_collection=_PG(0, 1))
+
+
+def test_s2_with_full_window_is_dense_causal():
+    """An S2 pattern whose local window spans the sequence is dense causal attention; so is the
+    fused dense module."""
+    cfg = tiny_config()
+    q, k, v = (x.float().detach() for x in _qkv())
+    expect = _naive_causal(q, k, v, 16 ** -0.5)
+    s2 = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1),
+                         pattern=S2Pattern(8, 4, block_size=16, local_blocks=SEQ // 16, vert_stride=4))
+    dense = FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+    torch.testing.assert_close(s2(q, k, v, None), expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense(q, k, v, None), expect, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_dense_attention_gqa_and_scale():
+    cfg = tiny_config()
+    q, k, v = _qkv()
+    mod = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", softmax_scale=0.2,
+                              pg_collection=_PG(0, 1))
+    torch.testing.assert_close(mod(q, k, v, None), _naive_causal(q, k, v, 0.2))
+
+
+@pytest.mark.parametrize("cls", [S2CoreAttention, FusedDenseAttention])
+@pytest.mark.parametrize("cfg_kw, ctor_kw, match", [
+    ({}, {"attn_mask_type": AttnMaskType.padding}, "attn_mask_type must be AttnMaskType.causal"),
+    ({}, {"attention_type": "cross"}, "attention_type must be 'self'"),
+    ({"context_parallel_size": 2}, {}, "context_parallel_size=2 is not supported"),
+    ({"window_size": (32, 0)}, {}, "window_size"),
+    ({}, {"k_channels": 32, "v_channels": 16}, "multi-latent"),
+])
+def test_unsupported_configurations_fail_at_construction(cls, cfg_kw, ctor_kw, match):
+    cfg = tiny_config()
+    for key, val in cfg_kw.items():  # set after __post_init__: some need other parallel settings
+        setattr(cfg, key, val)
+    kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+              attention_type="self", pg_collection=_PG(0, 1))
+    if cls is S2CoreAttention:
+        kw["pattern"] = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
+    kw.update(ctor_kw)
+    with pytest.raises(ValueError, match=match):
+        cls(**kw)
+
+
+def test_s2_rejects_dropout_dense_accepts_it():
+    cfg = tiny_config(attention_dropout=0.1)
+    pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
+    with pytest.raises(ValueError, match="attention_dropout=0.0"):
+        S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1))
+    FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+
+
+def test_forward_rejects_packed_sequences_and_bias():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cfg = tiny_config()
+    mod = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1),
+                          pattern=S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4))
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="packed sequences"):
+        mod(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    with pytest.raises(ValueError, match="attention_bias"):
+        mod(q, k, v, None, attention_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match="AttnMaskType.causal"):
+        mod(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
+
+
+# ---------------------------------------------------------------------- models
+@pytest.mark.parametrize("schedule, kinds, backend", [
+    (TINY_SCHEDULE, ["S2CoreAttention", "FusedDenseAttention"] * 2, "auto"),
+    ({"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4}}, ["S2CoreAttention"] * 4,
+     "reference"),
+    ({"dense_layers": {"pattern": "D"}}, ["FusedDenseAttention"] * 4, "reference"),
+])
+def test_build_gpt_model_per_layer_modules_and_train_step(schedule, kinds, backend):
+    model = _build(schedule, backend=backend)
+    assert [k for k, _ in _core_kinds(model)] == kinds
+    assert [n for _, n in _core_kinds(model)] == [1, 2, 3, 4]
+    assert model.config.s2_schedule is not None
+    _fwd_bwd(model)
+
+
+def test_build_from_shipped_ablation_yaml():
+    """The shipped ablation schedule (block 64) on an 8-layer model at 128 tokens."""
+    model = _build(os.path.join(REPO, "configs", "attention", "ablation_overrides.yaml"),
+                   num_layers=8)
+    kinds = [k for k, _ in _core_kinds(model)]
+    assert kinds == ["FusedDenseAttention"] + ["S2CoreAttention"] * 6 + ["FusedDenseAttention"]
+    cores = [l.self_attention.core_attention for l in model.decoder.layers]
+    assert (cores[2].pattern.vert_stride, cores[3].pattern.local_blocks,
+            cores[4].pattern.num_dense_heads) == (16, 8, 4)
+
+
+def test_build_gpt_model_validates_schedule():
+    with pytest.raises(ScheduleError, match=r"attention\.dense_layers\.indices"):
+        _build({"dense_layers": {"indices": [9]}})
+    with pytest.raises(ScheduleError, match=r"attention\.s2\.block_size \(64\) must divide"):
+        from megatron_s2.model import build_gpt_model
+        build_gpt_model(tiny_config(), {"s2": {"block_size": 64}}, vocab_size=VOCAB,
+                        max_sequence_length=SEQ, seq_length=96)
+
+
+def test_build_logs_schedule_table(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="megatron_s2.model"):
+        _build(TINY_SCHEDULE)
+    assert "density@128" in caplog.text and "dense" in caplog.text
+
+
+def test_block_spec_slices_pipeline_stages():
+    from megatron_s2.specs import get_s2_decoder_block_spec
+
+    sched = AttentionSchedule.from_dict({"dense_layers": {"indices": [2]}})
+    cfg = tiny_config(num_layers=4)
+    cfg.pipeline_model_parallel_size = 2
+    stage1 = get_s2_decoder_block_spec(cfg, sched, pp_rank=1)
+    cores = [s.submodules.self_attention.submodules.core_attention for s in stage1.layer_specs]
+    # Stage 1 holds global layers 2 and 3 (0-based): dense then S2.
+    assert cores[0] is FusedDenseAttention
+    assert cores[1].module is S2CoreAttention
+
+
+def test_spec_import_module_path(tmp_path, monkeypatch):
+    """Megatron-LM's --spec path: import the spec object by name, schedule from the env var,
+    one spec for all layers; GPTModel builds and trains."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import import_module
+
+    f = tmp_path / "sched.yaml"
+    f.write_text("s2: {block_size: 16, local_blocks: 2, vert_stride: 8, head_offset: 1}\n"
+                 "dense_layers: {pattern: DS}\n")
+    monkeypatch.setenv(SCHEDULE_ENV_VAR, str(f))
+    spec = import_module(("megatron_s2.specs", "s2_layer_spec"))
+    assert spec is not None
+    assert spec.submodules.self_attention.submodules.core_attention.module is ScheduledCoreAttention
+    cfg = tiny_config()
+    cfg.s2_backend = "reference"
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ)
+    assert [k for k, _ in _core_kinds(model)] == ["FusedDenseAttention", "S2CoreAttention"] * 2
+    _fwd_bwd(model)
+
+
+def test_scheduled_core_attention_without_schedule_explains():
+    cfg = tiny_config()
+    os.environ.pop(SCHEDULE_ENV_VAR, None)
+    with pytest.raises(ValueError, match=SCHEDULE_ENV_VAR):
+        ScheduledCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                               attention_type="self", pg_collection=_PG(0, 1))
+
+
+def test_sp_norm_marks_parameters():
+    from megatron_s2.norm import SPNorm
+
+    cfg = tiny_config(normalization="LayerNorm")
+    cfg.sequence_parallel = True
+    norm = SPNorm(cfg, 64)
+    assert isinstance(norm, torch.nn.LayerNorm)
+    assert all(p.sequence_parallel for p in norm.parameters())
+    assert isinstance(SPNorm(tiny_config(), 64), torch.nn.RMSNorm)
+    with pytest.raises(ValueError, match="normalization"):
+        SPNorm(tiny_config(), 64, normalization="L2Norm")
+
+
+def test_te_spec_absent_or_buildable():
+    from megatron_s2 import specs
+
+    if not specs.HAVE_TE:
+        assert specs.s2_layer_spec_te is None
+        with pytest.raises(ValueError, match="Transformer Engine"):
+            specs.get_s2_layer_te_spec()
+    else:
+        assert specs.s2_layer_spec_te.submodules.self_attention.submodules.core_attention.params[
+            "dense_attention"].__name__ == "TEDotProductAttention"
