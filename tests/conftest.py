@@ -1,0 +1,178 @@
+"""Shared setup and helpers for the s2attn tests.
+
+Without CUDA the real Triton kernels run under the Triton interpreter: ``TRITON_INTERPRET=1`` has
+to be set before ``triton`` is first imported, and pytest loads this file before any test module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """Triton's interpreter stores bfloat16 as uint16 and its ``tl.dot`` multiplies the raw bit
+    patterns (triton-lang/triton#11584; upstream answer: bf16 is not supported by the
+    interpreter). Convert bf16 operands to fp32 before the matmul, which is what a bf16 MMA with
+    fp32 accumulation computes, so the bf16 kernel paths can be tested on CPU. Casts (e.g. the
+    kernels' ``p.to(v.dtype)`` rounding) already go through the interpreter's correct path."""
+    from triton.runtime import interpreter as itp
+    import triton.language as tl
+
+    builder = itp.InterpreterBuilder
+    if getattr(builder.create_dot, "_s2_bf16_fixed", False):
+        return
+    orig = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            def f32(x):
+                if x.dtype.scalar == tl.bfloat16:
+                    data = itp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                    return itp.TensorHandle(data, tl.float32)
+                return x
+            a, b = f32(a), f32(b)
+        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._s2_bf16_fixed = True
+    builder.create_dot = create_dot
+
+
+if not CUDA:
+    _patch_interpreter_bf16_dot()
+
+
+def pytest_configure(config):
+    # The Triton interpreter's scalar handling under numpy 2.x (harmless, thousands per test).
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------------- helpers
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def token_mask(pattern, seq_q, seq_k, q_start=0, k_start=0):
+    """(local_heads, seq_q, seq_k) bool token mask from ``pattern.block_mask`` plus causality.
+    Small sizes only; independent of the tile layouts."""
+    B = pattern.block_size
+    qpos = torch.arange(q_start, q_start + seq_q)
+    kpos = torch.arange(k_start, k_start + seq_k)
+    qb0, kb0 = q_start // B, k_start // B
+    bm = pattern.block_mask((q_start + seq_q - 1) // B - qb0 + 1, (k_start + seq_k - 1) // B - kb0 + 1,
+                            qb0, kb0)
+    m = bm[:, qpos // B - qb0][:, :, kpos // B - kb0]
+    return m & (kpos[None, :] <= qpos[:, None])[None]
+
+
+def make_inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=0, layout="bshd",
+                device=None):
+    """Random q, k, v (leaf tensors requiring grad) in ``[batch, seq, heads, dim]`` shape.
+
+    ``layout="sbhd"`` gives non-contiguous views ``x.transpose(0, 1)`` of ``[seq, batch, heads,
+    dim]`` storage (Megatron's layout)."""
+    device = device or DEVICE
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def one(s, h):
+        if layout == "sbhd":
+            x = torch.randn(s, batch, h, head_dim, generator=g).to(device=device, dtype=dtype)
+            x.requires_grad_(True)
+            return x, x.transpose(0, 1)
+        x = torch.randn(batch, s, h, head_dim, generator=g).to(device=device, dtype=dtype)
+        x.requires_grad_(True)
+        return x, x
+
+    (qs, q), (ks, k), (vs, v) = one(seq_q, heads), one(seq_k, kv_heads), one(seq_k, kv_heads)
+    return (qs, ks, vs), (q, k, v)
+
+
+def upstream_grads(batch, seq_q, heads, head_dim, seed=1, device=None):
+    """Random dOut [b, s, h, d] and dLSE [b, h, s] (fp64 on ``device``)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    do = torch.randn(batch, seq_q, heads, head_dim, generator=g, dtype=torch.float64)
+    dl = torch.randn(batch, heads, seq_q, generator=g, dtype=torch.float64)
+    device = device or DEVICE
+    return do.to(device), dl.to(device)
+
+
+def attention_with_grads(fn, leaves, views, dout=None, dlse=None, return_lse=True):
+    """Run ``fn(q, k, v) -> (out, lse)`` (or out) and backprop ``sum(out*dout) + sum(lse*dlse)``
+    (finite lse only: rows attending nothing have lse = -inf). Gradients are taken w.r.t. the
+    storage tensors ``leaves`` and returned in the ``[b, s, h, d]`` view order (like ``views``)."""
+    for x in leaves:
+        x.grad = None
+    res = fn(*views)
+    out, lse = res if return_lse else (res, None)
+    loss = 0.0
+    if dout is not None:
+        loss = loss + (out.double() * dout).sum()
+    if dlse is not None:
+        fin = torch.isfinite(lse)
+        loss = loss + (torch.where(fin, lse, torch.zeros_like(lse)).double() * dlse).sum()
+    grads = [None, None, None]
+    if dout is not None or dlse is not None:
+        loss.backward()
+        grads = [x.grad if x.grad is None or x is v else x.grad.transpose(0, 1)
+                 for x, v in zip(leaves, views)]
+    return dict(out=out.detach(), lse=None if lse is None else lse.detach(),
+                dq=grads[0], dk=grads[1], dv=grads[2])
+
+
+def fp64_reference(views, pattern, dout=None, dlse=None, **kw):
+    """The PyTorch reference in fp64 on the (already rounded) inputs, with gradients."""
+    from s2attn import s2_attention_reference
+
+    leaves = [x.detach().to(torch.float64).requires_grad_(True) for x in views]
+    return attention_with_grads(
+        lambda q, k, v: s2_attention_reference(q, k, v, pattern, return_lse=True, **kw),
+        leaves, leaves, dout, dlse)
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b| over finite entries (-inf positions must agree exactly)."""
+    a, b = a.double(), b.double()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    assert torch.equal(fa, fb), "non-finite entries differ"
+    assert torch.equal(a[~fa], b[~fb]), "infinite entries differ"
+    if not fb.any():
+        return 0.0
+    diff = (a[fa] - b[fb]).abs().max().item()
+    return diff / max(b[fb].abs().max().item(), 1e-6)
+
+
+def assert_matches(got: dict, ref: dict, tol: float, names=("out", "lse", "dq", "dk", "dv")):
+    """One comparison for outputs, LSE and gradients; returns the errors."""
+    errs = {}
+    for n in names:
+        if ref.get(n) is None:
+            continue
+        assert got[n] is not None, f"{n} missing"
+        assert got[n].shape == ref[n].shape, f"{n}: shape {tuple(got[n].shape)} != {tuple(ref[n].shape)}"
+        assert torch.isfinite(got[n]).all() or n == "lse", f"{n} has non-finite values"
+        errs[n] = rel_err(got[n], ref[n])
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
+    return errs
+
+
+def default_scale(head_dim):
+    return 1.0 / math.sqrt(head_dim)
