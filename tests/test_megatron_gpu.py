@@ -1,0 +1,67 @@
+"""GPU checks of the Megatron integration (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from megatron_helpers import import_tool
+
+pytest.importorskip("megatron.core")
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class _PG:
+    class _G:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 1
+
+    tp = _G()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_core_attention_modules_on_cuda_8k(dtype):
+    """S2CoreAttention (Triton) vs the fp32 reference, and FusedDenseAttention vs SDPA math, at
+    8k tokens in Megatron's [s, b, h, d] layout with GQA."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_s2.core_attention import S2CoreAttention
+    from megatron_s2.dense_attention import FusedDenseAttention
+    from s2attn import S2Pattern, s2_attention_reference
+
+    s, b, h, g, d = 8192, 1, 8, 2, 64
+    cfg = TransformerConfig(num_layers=2, hidden_size=h * d, num_attention_heads=h,
+                            num_query_groups=g, attention_dropout=0.0)
+    pattern = S2Pattern(h, g, block_size=64, local_blocks=16, vert_stride=8, head_offset=1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(s, b, h, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(s, b, g, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(s, b, g, d, device="cuda", dtype=dtype, generator=gen)
+    s2 = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG())
+    out = s2(q, k, v, None)
+    ref = s2_attention_reference(*(x.float().transpose(0, 1) for x in (q, k, v)), pattern)
+    torch.testing.assert_close(out.float(), ref.transpose(0, 1).reshape(s, b, h * d),
+                               atol=2e-2, rtol=2e-2)
+    dense = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG())
+    dense_out = dense(q, k, v, None)
+    full = S2Pattern(h, g, block_size=64, local_blocks=s // 64, vert_stride=8)
+    ref_dense = s2_attention_reference(*(x.float().transpose(0, 1) for x in (q, k, v)), full)
+    torch.testing.assert_close(dense_out.float(), ref_dense.transpose(0, 1).reshape(s, b, h * d),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_parallel_equivalence_two_gpus(tmp_path):
+    """TP=2+SP, PP=2 (and TP=2, PP=2+VPP=2) equal the single-GPU run: bf16, 2k tokens, 3 steps
+    (tools/gpu_parallel_check.py runs the full 8k version)."""
+    tool = import_tool()
+    cc = tool.CheckConfig(seq_length=2048, steps=3)
+    rows = tool.run_check(cc, tool.GPU_LAYOUTS, str(tmp_path))
+    print(tool.format_table(rows))
+    assert all(r["passed"] for r in rows), tool.format_table(rows)
