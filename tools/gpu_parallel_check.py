@@ -406,6 +406,18 @@ def format_table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def tolerances(dtype: str, cpu: bool):
+    """(loss, grad-norm, first-step-gradient) relative tolerances.
+
+    fp32 layouts differ only in reduction order (row-parallel all-reduces, pipeline-split
+    backward), ~1e-6; on GPU the kernels may use TF32 dots in both runs alike, so allow 1e-3.
+    bf16 rounding of differently-ordered sums moves the loss by ~1e-4..1e-3 and single
+    gradient entries by a few percent of the largest one."""
+    if dtype == "bf16":
+        return 2e-2, 5e-2, 1e-1
+    return (1e-4, 1e-3, 1e-3) if cpu else (1e-3, 5e-3, 2e-2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny model on CPU/gloo (megatron_s2 CPU mode)")
@@ -429,9 +441,7 @@ def main(argv=None) -> int:
         cc.backend = args.backend
     if args.dtype:
         cc.dtype = args.dtype
-        if cc.dtype == "fp32" and not args.cpu:
-            # Triton's fp32 dots use TF32; cuBLAS does not by default: allow ~1e-3.
-            cc.loss_rtol, cc.gnorm_rtol, cc.grad_rtol = 5e-3, 2e-2, 5e-2
+    cc.loss_rtol, cc.gnorm_rtol, cc.grad_rtol = tolerances(cc.dtype, args.cpu)
     layouts = GPU_LAYOUTS
     if args.layouts:
         wanted = args.layouts.split(",")
