@@ -32,6 +32,31 @@ from typing import Dict, List, Optional
 
 import torch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ensure_importable() -> None:
+    """Run from a checkout without `pip install -e .`: megatron_s2 from the repo root, s2attn
+    from kernels/ (the package's import name differs from its folder)."""
+    try:
+        import s2attn  # noqa: F401
+    except ImportError:
+        import importlib.util
+
+        init = os.path.join(REPO, "kernels", "__init__.py")
+        spec = importlib.util.spec_from_file_location(
+            "s2attn", init, submodule_search_locations=[os.path.dirname(init)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["s2attn"] = mod
+        spec.loader.exec_module(mod)
+    try:
+        import megatron_s2  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, REPO)
+
+
+_ensure_importable()  # also runs in the spawned ranks, which re-import this module
+
 DEFAULT_SCHEDULE = {
     # Strides >= the head count give every head its own phase, so a TP rank that used local
     # instead of global head indices would attend different blocks and fail the check.
