@@ -78,6 +78,14 @@ def _metadata(optimizer_format: str) -> dict:
     }
 
 
+def _unwrap(chunk):
+    # DDP and Float16Module keep the model in `.module`; their state dicts nest it under a
+    # "module." prefix, so save and load the GPTModel itself.
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _model_keys(n_chunks: int) -> list[str]:
     return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
 
@@ -119,13 +127,54 @@ def _rng_sharded_object(state: Optional[dict]):
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
+def _init_empty_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam(W) zero moments and ``step`` before loading into it.
+
+    Without Apex/TE, megatron-core 0.16.1's distributed optimizer reads ``step`` from the inner
+    torch optimizer's state when it builds the sharded state dict, which a fresh optimizer does
+    not have yet (its own dummy init is only wired up for Megatron-FSDP). The values are
+    overwritten by the load.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Set every torch Adam(W) parameter's ``step`` to its group's loaded ``step``.
+
+    In 0.16.1 without Apex/TE the distributed optimizer loads ``step`` into the param groups but
+    its dp_reshardable parameter-state load leaves the per-parameter ``step`` at its dummy value,
+    which would restart Adam's bias correction (the resumed loss curve would drift). Each
+    parameter gets its own tensor: AdamW increments them in place.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st is not None and "step" in st:
+                    st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def _sharded_state_dict(model, optimizer, is_loading: bool, optimizer_format: str,
                         with_optimizer: bool, with_rng: bool) -> dict:
     md = _metadata(optimizer_format)
     sd = {}
     for key, chunk in zip(_model_keys(len(model)), model):
-        sd[key] = chunk.sharded_state_dict(metadata=md)
+        sd[key] = _unwrap(chunk).sharded_state_dict(metadata=md)
     if with_optimizer:
+        if is_loading:
+            _init_empty_optimizer_state(optimizer)
         sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=md)
     if with_rng:
         sd["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
@@ -212,13 +261,15 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
         load_optimizer = False
     sd = _sharded_state_dict(model, optimizer, is_loading=True, optimizer_format=fmt,
                              with_optimizer=load_optimizer, with_rng=same_model_layout)
-    # fp32 parameters are leaf tensors that require grad: loading copies into them in place.
+    # With fp32 parameters the optimizer's main params are views of leaf tensors that require
+    # grad: every in-place copy of the load must run without autograd.
     with torch.no_grad():
         state = dist_checkpointing.load(sd, path)
-    for key, chunk in zip(_model_keys(len(model)), model):
-        chunk.load_state_dict(state[key], strict=True)
-    if load_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        for key, chunk in zip(_model_keys(len(model)), model):
+            _unwrap(chunk).load_state_dict(state[key], strict=True)
+        if load_optimizer:
+            optimizer.load_state_dict(state["optimizer"])
+            _restore_adam_steps(optimizer)
     if load_scheduler:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_model_layout and state.get("rng_state") is not None:

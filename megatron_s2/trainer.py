@@ -28,7 +28,6 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -68,28 +67,23 @@ class RunResult:
 
 # ------------------------------------------------------------------------------------- setup
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed(cfg: RunConfig, gpu: bool) -> None:
     """Process group + Megatron's model-parallel groups + seeds."""
     from megatron.core import parallel_state, tensor_parallel
 
-    if "RANK" not in os.environ:
-        # A plain `python -m megatron_s2.trainer`: a world of one.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    single = "RANK" not in os.environ  # a plain `python -m megatron_s2.trainer`: a world of one
+    rank = 0 if single else int(os.environ["RANK"])
+    world = 1 if single else int(os.environ["WORLD_SIZE"])
+    local_rank = 0 if single else int(os.environ.get("LOCAL_RANK", "0"))
     cfg.validate(world_size=world)
     if gpu:
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
+        # A world of one needs no rendezvous: an in-process store avoids picking a free port
+        # (racy when several runs start at once).
+        store = torch.distributed.HashStore() if single else None
         torch.distributed.init_process_group(
-            backend="nccl" if gpu else "gloo", rank=rank, world_size=world,
+            backend="nccl" if gpu else "gloo", rank=rank, world_size=world, store=store,
             timeout=datetime.timedelta(minutes=30))
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
@@ -336,7 +330,9 @@ def train(cfg: RunConfig) -> RunResult:
     if rank0:
         mode = (f"GPU mode: {torch.cuda.get_device_name()} x {world}, NCCL, "
                 f"{'bf16' if bf16 else 'fp32'}, Triton S2 kernels") if gpu else \
-            f"CPU mode: {world} process(es), gloo, fp32, PyTorch reference attention"
+            f"CPU mode: {world} process(es), gloo, fp32, " + (
+                "Triton interpreter attention (TRITON_INTERPRET=1: slow)"
+                if os.environ.get("TRITON_INTERPRET") == "1" else "PyTorch reference attention")
         print(f"[megatron-s2] {mode}", flush=True)
 
     run_dir, ckpt_dir = cfg.run_dir, cfg.checkpoint_dir
@@ -453,7 +449,7 @@ def train(cfg: RunConfig) -> RunResult:
     timer = StepTimer()
     window_iters, window_time = 0, 0.0
     tok_s = tflops = 0.0
-    run_time, run_iters = 0.0, 0
+    windows = []  # (iterations, seconds) per log interval, for the run's mean throughput
     try:
         for m in model:
             m.train()
@@ -487,9 +483,7 @@ def train(cfg: RunConfig) -> RunResult:
                 per_iter = window_time / window_iters
                 tok_s = t.global_batch_size * cfg.model.seq_length / per_iter
                 tflops = flops_per_iter / per_iter / world / 1e12
-                if iteration > cfg.logging.log_interval or window_iters == iteration:
-                    run_time += window_time
-                    run_iters += window_iters
+                windows.append((window_iters, window_time))
                 mem_key, mem = memory_gib()
                 gn = float(grad_norm) if grad_norm is not None else float("nan")
                 log.log({"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": gn,
@@ -522,7 +516,13 @@ def train(cfg: RunConfig) -> RunResult:
     finally:
         stop.uninstall()
         log.close()
+    if window_iters:  # a run that stopped between log intervals
+        windows.append((window_iters, window_time + timer.lap()))
 
+    # The first interval holds warm-up (allocator, first-call overheads): leave it out when
+    # there are others.
+    steady = windows[1:] or windows
+    run_iters, run_time = sum(w[0] for w in steady), sum(w[1] for w in steady)
     mean_tok_s = t.global_batch_size * cfg.model.seq_length * run_iters / run_time if run_time else tok_s
     mean_tflops = flops_per_iter * run_iters / run_time / world / 1e12 if run_time else tflops
     result = RunResult(iteration=iteration, losses=losses_by_iter, valid_losses=valid_by_iter,
@@ -577,11 +577,22 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_known_warnings() -> None:
+    """Hide warnings that every run of the pip wheel prints and that need no action."""
+    import warnings
+
+    for msg in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                r"full scope is deprecated", r"The \.grad attribute of a Tensor that is not a leaf"):
+        warnings.filterwarnings("ignore", message=msg)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the process exit code."""
     args = build_arg_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
+    _quiet_known_warnings()
+    # Megatron logs every parameter and its whole config at INFO; the trainer prints its own summary.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
