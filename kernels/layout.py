@@ -165,6 +165,22 @@ def _ptrs(groups, num_groups):
     return ptr, counts
 
 
+def _full_first(group: torch.Tensor, full: torch.Tensor, ptr: torch.Tensor, num_groups: int):
+    """Permutation moving, inside each run of equal ``group`` (sorted input), the ``full``
+    entries before the others, both keeping their order; and the full count per group."""
+    n = group.numel()
+    f = full.to(torch.int64)
+    before = torch.cumsum(f, 0) - f  # full entries before e (exclusive)
+    start = ptr[:-1][group]
+    full_rank = before - before[start] if n else before
+    n_full = torch.bincount(group[full], minlength=num_groups)
+    pos = torch.where(full, start + full_rank,
+                      start + n_full[group] + (torch.arange(n, device=group.device) - start - full_rank))
+    perm = torch.empty_like(pos)
+    perm[pos] = torch.arange(n, device=group.device)
+    return perm, n_full
+
+
 def _head_major_heavy_first(work: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Program order: head by head (concurrent programs then share one head's K/V in L2),
     heaviest tiles first inside each head (so no long program is left for the tail)."""
@@ -191,13 +207,11 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
     nqt = -(-seq_q // block_m)
     nkt = -(-seq_k // block_n)
     full = _full_flags(item, kt, lo, hi, nqt, seq_q, seq_k, q_start, k_start, block_m, block_n)
-    partial = (~full).long()
-    # CSR: by item, full entries first, then key tile.
-    order = torch.argsort((item * 2 + partial) * (nkt + 1) + kt)
-    item_s = item[order]
-    row_ptr, counts = _ptrs(item_s, H * nqt)
-    n_full = torch.bincount(item[full], minlength=H * nqt)
     i32 = lambda x: x.to(torch.int32).contiguous()
+    # Both builders emit entries sorted by (item, key tile); a stable full-first partition inside
+    # each item gives the CSR order without a sort.
+    row_ptr, counts = _ptrs(item, H * nqt)
+    order, n_full = _full_first(item, full, row_ptr, H * nqt)
     lay = TileLayout(
         block_m=block_m, block_n=block_n, num_heads=H, group=pattern.group_size,
         num_q_tiles=nqt, num_k_tiles=nkt,
@@ -208,9 +222,12 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
         h = torch.div(item, nqt, rounding_mode="floor")
         t = item % nqt
         citem = h * nkt + kt
-        corder = torch.argsort((citem * 2 + partial) * (nqt + 1) + t)
-        col_ptr, ccounts = _ptrs(citem[corder], H * nkt)
-        nc_full = torch.bincount(citem[full], minlength=H * nkt)
+        # Stable sort by key tile keeps query tiles ascending inside each (head, key tile).
+        by_col = torch.sort(citem.to(torch.int32) if H * nkt < 2**31 else citem, stable=True).indices
+        citem_s = citem[by_col]
+        col_ptr, ccounts = _ptrs(citem_s, H * nkt)
+        corder, nc_full = _full_first(citem_s, full[by_col], col_ptr, H * nkt)
+        corder = by_col[corder]
         kv_work = ccounts.view(H // pattern.group_size, pattern.group_size, nkt).sum(1).flatten()
         lay.col_ptr, lay.col_split = i32(col_ptr), i32(col_ptr[:-1] + nc_full)
         lay.rows, lay.lo_c, lay.hi_c = i32(t[corder]), i32(lo[corder]), i32(hi[corder])

@@ -232,7 +232,8 @@ class S2Pattern:
             return True
         m = self.user_mask[self.head_start:self.head_end].to(torch.int8)
         # Along each column from the diagonal down, the mask may only switch 1 -> 0 once.
-        below = torch.tril(torch.ones(m.shape[1], m.shape[2], dtype=torch.bool))
+        # Strictly below the diagonal: the causal 0 -> 1 step onto the diagonal is no re-attend.
+        below = torch.tril(torch.ones(m.shape[1], m.shape[2], dtype=torch.bool), diagonal=-1)
         d = m[:, 1:, :] - m[:, :-1, :]
         rises = (d > 0) & below[1:, :]
         return not bool(rises.any())

@@ -152,3 +152,19 @@ def test_64bit_offsets_forward():
                        lse=lse[b:b + 1, heads[0]:heads[1], start:start + 128])
             assert_matches(got, dict(out=r_out, lse=r_lse), 2e-2, names=("out", "lse"))
     del q, k, v, out, lse
+
+
+def test_layout_128k_builds_well_under_a_second_on_gpu():
+    from s2attn.layout import build_layout
+    import time
+    pat = S2Pattern(num_heads=32, block_size=64, local_blocks=16, vert_stride=8)
+    build_layout(pat, 8192, 8192, 0, 0, 64, 64, "cuda", with_csc=True)  # CUDA context, kernels
+    torch.cuda.synchronize()
+    pat = S2Pattern(num_heads=32, block_size=64, local_blocks=16, vert_stride=8)
+    t0 = time.perf_counter()
+    for bm in (64, 128, 32):  # the forward, dQ and dK/dV layouts of one training step
+        build_layout(pat, 131072, 131072, 0, 0, bm, 64, "cuda", with_csc=bm == 32)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    print(f"\n128k layouts (fwd, dQ, dK/dV) on GPU: {dt * 1e3:.1f} ms")
+    assert dt < 1.0
