@@ -125,6 +125,8 @@ class DataConfig:
     tokenizer: str = "byte"
     demo: bool = False
     demo_dir: str = "data/demo"
+    # Documents of the generated demo corpus; None = the generator's default (~2M tokens).
+    demo_num_docs: Optional[int] = None
     # Megatron caches its sample indices here; None = next to the data.
     cache_dir: Optional[str] = None
 
@@ -291,6 +293,8 @@ class RunConfig:
                 ("constant", "linear", "cosine", "inverse-square-root"))
 
         d = self.data
+        if d.demo_num_docs is not None:
+            _at_least("data.demo_num_docs", d.demo_num_docs, 1)
         if not d.demo and not d.blend:
             raise ConfigError("data.blend is empty: give indexed-dataset prefixes (data.blend=[path/prefix]) "
                               "or set data.demo=true for the built-in synthetic corpus")

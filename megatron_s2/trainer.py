@@ -350,7 +350,8 @@ def train(cfg: RunConfig) -> RunResult:
 
         if rank0:
             print(f"[megatron-s2] demo corpus in {cfg.data.demo_dir} (generated on first use)", flush=True)
-        prefixes, weights = [ensure_demo_data(cfg.data.demo_dir, seed=0)], None
+        extra = {"num_docs": cfg.data.demo_num_docs} if cfg.data.demo_num_docs else {}
+        prefixes, weights = [ensure_demo_data(cfg.data.demo_dir, seed=0, **extra)], None
     else:
         prefixes, weights = cfg.blend()
     vocab_size = cfg.model.vocab_size or padded_vocab_size(

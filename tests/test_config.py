@@ -1,0 +1,115 @@
+"""Run-config loading, overrides and validation errors."""
+
+import glob
+import os
+
+import pytest
+
+from megatron_s2.config import ConfigError, RunConfig, apply_overrides, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+def test_default_is_the_demo():
+    cfg = load_config()
+    assert cfg.name == "demo" and cfg.data.demo
+    assert cfg.run_dir == os.path.join("runs", "demo")
+    assert cfg.checkpoint_dir == os.path.join("runs", "demo", "checkpoints")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    cfg.schedule()  # the attention schedule fits the model
+    p = cfg.parallel
+    cfg.validate(world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                 * p.context_parallel_size)
+
+
+def test_shipped_configs_come_in_dense_s2_pairs():
+    names = {os.path.basename(p)[:-5] for p in CONFIGS}
+    for size in ("gpt-125m", "gpt-1.3b", "gpt-7b"):
+        assert f"{size}-dense" in names and f"{size}-s2" in names, size
+        dense, s2 = (load_config(os.path.join(REPO, "configs", f"{size}-{k}.yaml")) for k in ("dense", "s2"))
+        # Twins differ only in the attention schedule and the run name.
+        d, s = dense.to_dict(), s2.to_dict()
+        for key in ("name", "attention"):
+            d.pop(key), s.pop(key)
+        assert d == s, size
+
+
+def test_overrides_parse_yaml_values_and_nest():
+    cfg = load_config(None, ["train.train_iters=7", "optimizer.lr_warmup_iters=2", "optimizer.lr=1e-3", "model.num_query_groups=2",
+                             "data.blend=[[0.3, a], [0.7, b]]", "attention.s2.vert_stride=8",
+                             "checkpoint.keep_last=2", "name=x"])
+    assert cfg.train.train_iters == 7 and cfg.optimizer.lr == 1e-3
+    assert cfg.model.num_query_groups == 2
+    assert cfg.blend() == (["a", "b"], [0.3, 0.7])
+    assert cfg.attention["s2"]["vert_stride"] == 8 and cfg.attention["s2"]["block_size"] == 16
+    assert cfg.checkpoint.keep_last == 2 and cfg.name == "x"
+
+
+def test_override_null_and_int_to_float():
+    cfg = load_config(None, ["model.rotary_base=500000", "optimizer.lr_decay_iters=null"])
+    assert cfg.model.rotary_base == 500000.0 and isinstance(cfg.model.rotary_base, float)
+    assert cfg.optimizer.lr_decay_iters is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1, got 0"),
+    ("train.bogus=1", "unknown key(s) train.bogus in train; allowed keys:"),
+    ("bogus.x=1", "unknown key(s) bogus in the run config; allowed keys:"),
+    ("train.train_iters=abc", "train.train_iters must be of type int, got 'abc'"),
+    ("train.train_iters=1.5", "train.train_iters must be of type int"),
+    ("logging.progress_bar=3", "logging.progress_bar must be of type bool"),
+    ("train.precision=fp16", "train.precision must be one of ['auto', 'bf16', 'fp32'], got 'fp16'"),
+    ("model.recompute=some", "model.recompute must be one of ['none', 'selective', 'full']"),
+    ("train.global_batch_size=6", "train.global_batch_size (6) must be divisible by train.micro_batch_size (4)"),
+    ("model.num_attention_heads=3", "model.hidden_size (128) must be divisible by model.num_attention_heads (3)"),
+    ("parallel.tensor_model_parallel_size=8", "must be divisible by parallel.tensor_model_parallel_size (8)"),
+    ("parallel.pipeline_model_parallel_size=3", "model.num_layers (4) must be divisible by the number of pipeline chunks"),
+    ("parallel.sequence_parallel=true", "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1"),
+    ("optimizer.min_lr=1.0", "optimizer.min_lr must be in [0, optimizer.lr="),
+    ("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters (500) must be smaller than the decay length"),
+    ("data.demo=false", "data.blend is empty"),
+    ("data.blend=[[0, a]]", "data.blend must be a list of prefixes or of [weight, prefix] pairs"),
+    ("data.split=90,10", "data.split must be three non-negative weights"),
+    ("checkpoint.optimizer_format=zip", "checkpoint.optimizer_format must be one of"),
+    ("train", "override 'train' must look like key.sub=value"),
+    ("train..x=1", "must look like key.sub=value"),
+    ("train.seed.x=1", "override 'train.seed.x=1': train.seed is not a section"),
+    ("name=a/b", "name must be a non-empty string without '/'"),
+])
+def test_validation_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_schedule_errors_are_config_errors():
+    with pytest.raises(ConfigError, match=r"attention\.s2\.block_size"):
+        load_config(None, ["attention.s2.block_size=24"]).schedule()
+    with pytest.raises(ConfigError, match=r"unknown key attention\.bogus"):
+        load_config(None, ["attention.bogus=1"]).schedule()
+    with pytest.raises(ConfigError, match=r"seq|block"):
+        load_config(None, ["model.seq_length=520"]).schedule()
+
+
+def test_world_size_checks():
+    cfg = load_config(None, ["parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by tensor x pipeline x context"):
+        cfg.validate(world_size=3)
+    cfg = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"train.global_batch_size \(4\) must be divisible by "
+                                          r"train.micro_batch_size x data-parallel size \(4 x 2\)"):
+        cfg.validate(world_size=2)
+    assert load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2"]).num_microbatches(4) == 2
+
+
+def test_missing_file_and_round_trip(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    cfg = load_config()
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert apply_overrides({}, ["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
