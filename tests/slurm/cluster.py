@@ -96,7 +96,8 @@ SlurmdUser=root
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+# cred_expire also sets how long a requeued job is held before it may start again (default 120 s).
+AuthInfo=socket={self.munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool
