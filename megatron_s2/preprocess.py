@@ -350,8 +350,6 @@ def preprocess(
 
     Empty documents are skipped (as Megatron's own preprocessing does).
     """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if text_sample_by not in ("line", "paragraph", "document"):
@@ -369,6 +367,9 @@ def preprocess(
     tok = load_tokenizer(tokenizer, eod_token=eod_token)
     spec = getattr(tok, "spec", tokenizer)
     sources = resolve_inputs(inputs, input_format=input_format)
+    # Imported only now: megatron.core takes seconds to import, input errors should not wait for it.
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     dtype = DType.optimal_dtype(tok.vocab_size)
     stats = stats if stats is not None else PreprocessStats()
     t0 = time.time()

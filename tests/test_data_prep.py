@@ -289,8 +289,16 @@ def test_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "documents" in r.stdout
     assert read_back(out) == expected(ByteTokenizer(), DOCS[:20])
-    r = subprocess.run(cmd[:3] + [str(tmp_path / "nope.jsonl")] + cmd[4:], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "prepare_data: error: input file" in r.stderr
+
+
+def test_cli_errors(tmp_path, capsys):
+    from megatron_s2.preprocess import main
+
+    assert main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 2
+    assert "prepare_data: error: input file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: required option missing
+        main(["--input", "x.jsonl"])
+    assert "--output-prefix" in capsys.readouterr().err
 
 
 # ---- demo corpus --------------------------------------------------------------------------------
@@ -349,3 +357,13 @@ def test_ensure_demo_data_concurrent(tmp_path):
     a, b = q.get(timeout=5), q.get(timeout=5)
     assert a == b
     assert len(read_back(a)) == 40
+
+
+def test_make_demo_corpus_cli(tmp_path, capsys):
+    from megatron_s2.demo_corpus import main
+
+    assert main(["--data-dir", str(tmp_path), "--seed", "5", "--num-docs", "20"]) == 0
+    prefix = capsys.readouterr().out.strip().splitlines()[-1]
+    assert prefix.startswith(str(tmp_path)) and len(read_back(prefix)) == 20
+    assert main(["--data-dir", str(tmp_path), "--num-docs", "0"]) == 2
+    assert "num_docs" in capsys.readouterr().err
