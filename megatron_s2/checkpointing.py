@@ -10,11 +10,12 @@ crash or a NaN stop during a save never points a resume at a half-written checkp
 good checkpoint stays the one that is loaded.
 
 A checkpoint holds the model (sharded, so it loads at another TP/PP size), the optimizer (the
-distributed optimizer in ``dp_reshardable`` format by default: it loads at another DP size but the
-same TP/PP; ``checkpoint.optimizer_format=fully_reshardable`` also allows TP/PP changes at the cost
-of a gather on save), the LR scheduler, the iteration, the consumed samples (the data position)
-and the RNG states of every model-parallel rank. When the parallel layout changed and the
-optimizer format cannot follow, the model is loaded and the optimizer restarts (logged).
+distributed optimizer in ``dp_reshardable`` format: it loads at another DP size but the same
+TP/PP/CP), the LR scheduler, the iteration, the consumed samples (the data position) and the RNG
+states of every model-parallel rank. When TP/PP/VPP/CP changed, the model and the LR schedule
+are loaded and the optimizer state restarts (logged). Megatron's ``fully_reshardable`` optimizer
+format would carry it across, but in megatron-core 0.16.1 it cannot be loaded into torch's AdamW
+(the path used without Apex/Transformer Engine: ``KeyError: 'step'``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ __all__ = ["latest_iteration", "save_checkpoint", "load_checkpoint", "checkpoint
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Distributed-optimizer state format (see the module docstring).
+OPTIMIZER_FORMAT = "dp_reshardable"
 
 
 def checkpoint_path(root: str, iteration: int) -> str:
@@ -65,13 +68,13 @@ def _parallel_layout() -> dict:
     }
 
 
-def _metadata(optimizer_format: str) -> dict:
+def _metadata() -> dict:
     from megatron.core import parallel_state as ps
 
     # The distributed optimizer's default format fails in 0.16.1 ("flattened_range is not
     # supported"); these are the settings Megatron-LM itself uses.
     return {
-        "distrib_optim_sharding_type": optimizer_format,
+        "distrib_optim_sharding_type": OPTIMIZER_FORMAT,
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
@@ -166,9 +169,9 @@ def _restore_adam_steps(optimizer) -> None:
                     st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
-def _sharded_state_dict(model, optimizer, is_loading: bool, optimizer_format: str,
-                        with_optimizer: bool, with_rng: bool) -> dict:
-    md = _metadata(optimizer_format)
+def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool,
+                        with_rng: bool) -> dict:
+    md = _metadata()
     sd = {}
     for key, chunk in zip(_model_keys(len(model)), model):
         sd[key] = _unwrap(chunk).sharded_state_dict(metadata=md)
@@ -191,8 +194,7 @@ def _is_rank0() -> bool:
 
 
 def save_checkpoint(root: str, iteration: int, model: list, optimizer, scheduler, *,
-                    consumed_samples: int, config: dict, optimizer_format: str = "dp_reshardable",
-                    keep_last: Optional[int] = None) -> str:
+                    consumed_samples: int, config: dict, keep_last: Optional[int] = None) -> str:
     """Save a checkpoint of ``iteration`` (collective: call on every rank); return its path."""
     from megatron.core import dist_checkpointing
 
@@ -203,13 +205,12 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, scheduler
             shutil.rmtree(path)
         os.makedirs(path)
     _barrier()
-    sd = _sharded_state_dict(model, optimizer, is_loading=False, optimizer_format=optimizer_format,
-                             with_optimizer=True, with_rng=True)
+    sd = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=True, with_rng=True)
     sd["opt_param_scheduler"] = scheduler.state_dict()
     sd["iteration"] = iteration
     sd["consumed_samples"] = consumed_samples
     sd["parallel"] = _parallel_layout()
-    sd["optimizer_format"] = optimizer_format
+    sd["optimizer_format"] = OPTIMIZER_FORMAT
     sd["config"] = config
     dist_checkpointing.save(sd, path)
     _barrier()
@@ -250,17 +251,19 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
     common = dist_checkpointing.load_common_state_dict(path)
     saved, now = common["parallel"], _parallel_layout()
     same_model_layout = all(saved[k] == now[k] for k in ("tp", "pp", "vpp", "cp"))
-    fmt = common.get("optimizer_format", "dp_reshardable")
+    if load_optimizer and common.get("optimizer_format", OPTIMIZER_FORMAT) != OPTIMIZER_FORMAT:
+        raise ValueError(f"checkpoint {path}: optimizer format {common['optimizer_format']!r} is not "
+                         f"{OPTIMIZER_FORMAT!r}; load it with checkpoint.load_optimizer=false")
     load_scheduler = load_optimizer
-    if load_optimizer and not same_model_layout and fmt == "dp_reshardable":
+    if load_optimizer and not same_model_layout:
         logger.warning(
             "checkpoint %s was saved at TP/PP/VPP/CP %s and is loaded at %s: the dp_reshardable "
-            "optimizer state cannot follow, so only the model is loaded and the optimizer restarts "
-            "(save with checkpoint.optimizer_format=fully_reshardable to keep it)",
+            "optimizer state cannot follow, so the model and the LR schedule are loaded and the "
+            "optimizer state restarts",
             path, [saved[k] for k in ("tp", "pp", "vpp", "cp")], [now[k] for k in ("tp", "pp", "vpp", "cp")])
         load_optimizer = False
-    sd = _sharded_state_dict(model, optimizer, is_loading=True, optimizer_format=fmt,
-                             with_optimizer=load_optimizer, with_rng=same_model_layout)
+    sd = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optimizer,
+                             with_rng=same_model_layout)
     # With fp32 parameters the optimizer's main params are views of leaf tensors that require
     # grad: every in-place copy of the load must run without autograd.
     with torch.no_grad():

@@ -140,13 +140,10 @@ class CheckpointConfig:
     save_at_end: bool = True
     # Resume from the latest checkpoint in ``dir`` when there is one.
     resume: bool = True
-    # Load from here instead of ``dir`` (e.g. to start from another run); None = ``dir``.
+    # Start from the newest checkpoint here while ``dir`` has none yet (e.g. another run's).
     load_dir: Optional[str] = None
     # Keep only the newest N checkpoints; None keeps all.
     keep_last: Optional[int] = None
-    # Distributed-optimizer state format: "dp_reshardable" (fast; resumes at another DP size) or
-    # "fully_reshardable" (gathers on save; resumes at another TP/PP size too).
-    optimizer_format: str = "dp_reshardable"
     # false: load only the model weights (fine-tuning from a checkpoint, or a new optimizer).
     load_optimizer: bool = True
 
@@ -310,8 +307,6 @@ class RunConfig:
                               f"got {d.split!r}")
 
         _at_least("checkpoint.save_interval", self.checkpoint.save_interval, 0)
-        _one_of("checkpoint.optimizer_format", self.checkpoint.optimizer_format,
-                ("dp_reshardable", "fully_reshardable"))
         if self.checkpoint.keep_last is not None:
             _at_least("checkpoint.keep_last", self.checkpoint.keep_last, 1)
         _at_least("logging.log_interval", self.logging.log_interval, 1)

@@ -378,7 +378,11 @@ def train(cfg: RunConfig) -> RunResult:
     iteration, consumed = 0, 0
     last_ckpt = None
     if cfg.checkpoint.resume:
-        load_root = cfg.checkpoint.load_dir or ckpt_dir
+        # The run's own checkpoints win over load_dir: a preempted run that started from
+        # another run's checkpoint must resume from where it got to.
+        load_root = ckpt_dir
+        if checkpointing.latest_iteration(ckpt_dir) is None and cfg.checkpoint.load_dir:
+            load_root = cfg.checkpoint.load_dir
         if checkpointing.latest_iteration(load_root) is not None:
             iteration, consumed = checkpointing.load_checkpoint(
                 load_root, model, optimizer, scheduler, load_optimizer=cfg.checkpoint.load_optimizer)
@@ -419,8 +423,7 @@ def train(cfg: RunConfig) -> RunResult:
     def save(it: int) -> str:
         path = checkpointing.save_checkpoint(
             ckpt_dir, it, model, optimizer, scheduler, consumed_samples=consumed,
-            config=cfg.to_dict(), optimizer_format=cfg.checkpoint.optimizer_format,
-            keep_last=cfg.checkpoint.keep_last)
+            config=cfg.to_dict(), keep_last=cfg.checkpoint.keep_last)
         log.print(f"[megatron-s2] saved checkpoint {path}")
         return path
 

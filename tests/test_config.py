@@ -75,7 +75,6 @@ def test_override_null_and_int_to_float():
     ("data.demo=false", "data.blend is empty"),
     ("data.blend=[[0, a]]", "data.blend must be a list of prefixes or of [weight, prefix] pairs"),
     ("data.split=90,10", "data.split must be three non-negative weights"),
-    ("checkpoint.optimizer_format=zip", "checkpoint.optimizer_format must be one of"),
     ("train", "override 'train' must look like key.sub=value"),
     ("train..x=1", "must look like key.sub=value"),
     ("train.seed.x=1", "override 'train.seed.x=1': train.seed is not a section"),

@@ -174,7 +174,14 @@ def test_two_process_model_parallel_trains(tmp_path, demo_dir, layout, resume):
         proc, recs = run_trainer(tmp_path, demo_dir, layout, "train.train_iters=6", "debug.sigterm_at_iter=3",
                                  launcher=launcher)
         assert sorted(recs) == [1, 2, 3]
+        # The PP=2 checkpoint loads in one process (model resharded; optimizer restarts, logged).
+        # Iteration 4's loss depends only on the loaded weights and the data position.
+        proc, single = run_trainer(tmp_path, demo_dir, "train.train_iters=6",
+                                   f"checkpoint.load_dir={tmp_path / 't' / 'checkpoints'}", name="single")
+        assert "the optimizer state restarts" in proc.stderr
     proc, recs = run_trainer(tmp_path, demo_dir, layout, "train.train_iters=6", launcher=launcher)
     assert ("resumed from" in proc.stdout) == resume
     losses = [recs[i]["loss"] for i in range(1, 7)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    if resume:
+        assert single[4]["loss"] == pytest.approx(recs[4]["loss"], abs=1e-5)
