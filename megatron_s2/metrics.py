@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Optional
 
@@ -65,7 +66,8 @@ def memory_gib() -> tuple[str, float]:
 
 
 class MetricsLogger:
-    """Writes metrics of the main rank to the console (tqdm bar + lines), TensorBoard and JSONL.
+    """Writes metrics of the main rank to the console (tqdm bar on a TTY + lines), TensorBoard
+    and JSONL.
 
     Only the global rank 0 writes; every other rank gets a logger whose methods do nothing.
     """
@@ -92,7 +94,8 @@ class MetricsLogger:
                 self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_iter + 1)
             except ImportError:
                 print("[megatron-s2] tensorboard is not installed; TensorBoard logging is off", flush=True)
-        if progress_bar:
+        # A bar redrawn with carriage returns is noise in a log file (slurm, CI): only on a TTY.
+        if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it",
