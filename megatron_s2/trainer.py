@@ -472,7 +472,13 @@ def train(cfg: RunConfig) -> RunResult:
                     f"(weights untouched). Last good checkpoint: "
                     f"{last_ckpt or 'none (no checkpoint was saved yet)'}. Try a lower optimizer.lr, "
                     f"a longer optimizer.lr_warmup_iters or a smaller optimizer.clip_grad.")
-            ok, grad_norm, _ = optimizer.step()
+            _, grad_norm, _ = optimizer.step()
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                # The step already used it: stop before a checkpoint can store the damage.
+                raise NonFiniteLossError(
+                    f"gradient norm is {grad_norm} at iteration {iteration + 1} (loss {loss:.4f}): "
+                    f"stopping without saving. Last good checkpoint: "
+                    f"{last_ckpt or 'none (no checkpoint was saved yet)'}.")
             scheduler.step(increment=1)
             iteration += 1
             consumed += t.global_batch_size
