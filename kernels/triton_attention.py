@@ -70,7 +70,7 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_ob, stride_os, stride_oh, stride_od,
                    row_ptr, row_split, cols, los, his, order,
-                   batch, num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group, qk_scale,
+                   num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group, qk_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -160,7 +160,7 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                     stride_dkb, stride_dks, stride_dkh, stride_dkd,
                     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                     col_ptr, col_split, rows, los, his, order,
-                    batch, num_heads, seq_q, seq_k, q_start, k_start, num_k_tiles, group,
+                    num_heads, seq_q, seq_k, q_start, k_start, num_k_tiles, group,
                     qk_scale, sm_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -245,7 +245,7 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
                   stride_dob, stride_dos, stride_doh, stride_dod,
                   stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                   row_ptr, row_split, cols, los, his, order,
-                  batch, num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group,
+                  num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group,
                   qk_scale, sm_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr):
@@ -343,7 +343,7 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
     _s2_fwd_kernel[grid](
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E,
+        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return out, lse
@@ -358,7 +358,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg):
         q, k, v, do, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
-        b, hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E, scale,
+        hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
         num_warps=cfg["dkdv_warps"], num_stages=cfg["bwd_stages"])
     return dk, dv
@@ -375,7 +375,7 @@ def bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg):
         q, k, v, out, do, lse, dlse if dlse is not None else lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(do), *_strides(dq),
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        b, hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E, scale,
+        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
         HAS_DLSE=dlse is not None, num_warps=cfg["dq_warps"], num_stages=cfg["bwd_stages"])
     return dq, delta
