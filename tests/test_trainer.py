@@ -125,6 +125,15 @@ def test_config_error_exit_code(tmp_path, demo_dir):
     assert proc.returncode == 2 and "unknown key(s) train.bogus" in proc.stderr
 
 
+def test_activation_recompute_keeps_losses(tmp_path, demo_dir):
+    """Full and selective (core attention) recomputation change memory, not the numbers."""
+    _, base = run_trainer(tmp_path, demo_dir, "train.train_iters=3", name="none")
+    for mode in ("full", "selective"):
+        _, recs = run_trainer(tmp_path, demo_dir, "train.train_iters=3", f"model.recompute={mode}", name=mode)
+        for i in (1, 2, 3):
+            assert recs[i]["loss"] == pytest.approx(base[i]["loss"], abs=1e-5), (mode, i)
+
+
 @pytest.mark.slow
 def test_real_sigterm_saves_and_stops(tmp_path, demo_dir):
     args = [f"name=s", f"logging.run_dir={tmp_path / 's'}", f"data.demo_dir={demo_dir}", *TINY,
