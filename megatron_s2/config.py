@@ -62,6 +62,11 @@ class ModelConfig:
     recompute: str = "none"
     recompute_num_layers: int = 1
 
+    @property
+    def ffn_size(self) -> int:
+        """FFN width: ``ffn_hidden_size``, else Megatron's default 4h (also with SwiGLU)."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
 
 @dataclass
 class ParallelConfig:

@@ -36,7 +36,7 @@ def model_flops_per_iteration(cfg, vocab_size: int, schedule) -> float:
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
     d = m.kv_channels or h // heads
-    f = m.ffn_hidden_size or _default_ffn(m)
+    f = m.ffn_size
     tokens = cfg.train.global_batch_size * m.seq_length
     mlp_mats = 3 if m.swiglu else 2
     per_token = L * (h * (heads * d + 2 * groups * d) + heads * d * h + mlp_mats * h * f) + h * vocab_size
@@ -44,11 +44,6 @@ def model_flops_per_iteration(cfg, vocab_size: int, schedule) -> float:
     pairs = sum(schedule.attention_pairs(L, heads, groups, m.seq_length))
     attn = cfg.train.global_batch_size * 4.0 * d * pairs
     return 3.0 * (matmul + attn)
-
-
-def _default_ffn(m) -> int:
-    """Megatron's default FFN width: 4h (the trainer keeps the same default for SwiGLU)."""
-    return 4 * m.hidden_size
 
 
 def memory_gib() -> tuple[str, float]:

@@ -29,7 +29,6 @@ import os
 import random
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -103,10 +102,6 @@ def _is_rank0() -> bool:
     return torch.distributed.get_rank() == 0
 
 
-def _ffn_hidden_size(cfg: RunConfig) -> int:
-    return cfg.model.ffn_hidden_size or 4 * cfg.model.hidden_size
-
-
 def transformer_config(cfg: RunConfig, bf16: bool):
     """Megatron ``TransformerConfig`` of the run."""
     import torch.nn.functional as F
@@ -127,7 +122,7 @@ def transformer_config(cfg: RunConfig, bf16: bool):
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
-        ffn_hidden_size=_ffn_hidden_size(cfg),
+        ffn_hidden_size=m.ffn_size,
         normalization=m.normalization,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
@@ -177,8 +172,7 @@ def _build_model(cfg: RunConfig, tconfig, schedule, vocab_size: int, gpu: bool, 
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             use_te=False, vp_stage=stage,
-            position_embedding_type="rope", rotary_base=int(cfg.model.rotary_base)
-            if float(cfg.model.rotary_base).is_integer() else cfg.model.rotary_base,
+            position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights)
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
