@@ -20,6 +20,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from .config import ConfigError
+
 __all__ = ["DatasetTokenizer", "build_datasets", "micro_batches", "Datasets"]
 
 
@@ -56,8 +58,8 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
                    eod_mask_loss: bool = False) -> Datasets:
     """Build the blended train/valid GPT datasets (call on every rank, after torch.distributed).
 
-    ``weights`` None weighs corpora by their size. Raises ``FileNotFoundError`` naming a prefix
-    whose ``.bin``/``.idx`` is missing.
+    ``weights`` None weighs corpora by their size. Raises :class:`ConfigError` naming a prefix
+    whose ``.bin``/``.idx`` is missing, or a split that leaves a needed part empty.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -65,7 +67,7 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
-                raise FileNotFoundError(
+                raise ConfigError(
                     f"data.blend: {prefix + ext} does not exist (prefixes name .bin/.idx pairs written "
                     f"by tools/prepare_data.py, without the extension)")
     if cache_dir:
@@ -89,9 +91,9 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
     train, valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
     if train is None:
-        raise ValueError(f"data.split {split!r} leaves no training data")
+        raise ConfigError(f"data.split {split!r} leaves no training data")
     if valid_samples > 0 and valid is None:
-        raise ValueError(f"data.split {split!r} leaves no validation data but train.eval_iters > 0; "
+        raise ConfigError(f"data.split {split!r} leaves no validation data but train.eval_iters > 0; "
                          f"give the valid split a weight or set train.eval_iters=0")
     return Datasets(train=train, valid=valid)
 

@@ -123,6 +123,9 @@ def test_config_error_exit_code(tmp_path, demo_dir):
     assert "train.micro_batch_size must be >= 1, got 0" in proc.stderr
     proc, _ = run_trainer(tmp_path, demo_dir, "train.bogus=1", check=False)
     assert proc.returncode == 2 and "unknown key(s) train.bogus" in proc.stderr
+    proc, _ = run_trainer(tmp_path, demo_dir, "data.demo=false", f"data.blend=[{tmp_path}/missing]", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"data.blend: {tmp_path}/missing.bin does not exist" in proc.stderr
 
 
 def test_activation_recompute_keeps_losses(tmp_path, demo_dir):
