@@ -482,8 +482,7 @@ def train(cfg: RunConfig) -> RunResult:
             log.advance(1, loss=f"{loss:.4f}")
 
             if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
-                dt = timer.lap()
-                window_time += dt
+                window_time += timer.lap()
                 per_iter = window_time / window_iters
                 tok_s = t.global_batch_size * cfg.model.seq_length / per_iter
                 tflops = flops_per_iter / per_iter / world / 1e12
@@ -500,17 +499,21 @@ def train(cfg: RunConfig) -> RunResult:
 
             if t.eval_interval and t.eval_iters and datasets.valid is not None and (
                     iteration % t.eval_interval == 0 or iteration == t.train_iters):
+                # Bank the training time so far; evaluation does not count as throughput.
+                window_time += timer.lap()
                 valid_by_iter[iteration] = evaluate(iteration)
-                timer.lap()  # evaluation time does not count as training throughput
+                timer.lap()
 
             if cfg.debug.sigterm_at_iter == iteration:
                 stop.set = True
             if stop.agreed(device):
+                window_time += timer.lap()
                 stopped_by = "sigterm"
                 log.print(f"[megatron-s2] SIGTERM: saving a checkpoint at iteration {iteration} and stopping")
                 last_ckpt = save(iteration)
                 break
             if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
+                window_time += timer.lap()
                 last_ckpt = save(iteration)
                 timer.lap()
         else:
@@ -520,8 +523,8 @@ def train(cfg: RunConfig) -> RunResult:
     finally:
         stop.uninstall()
         log.close()
-    if window_iters:  # a run that stopped between log intervals
-        windows.append((window_iters, window_time + timer.lap()))
+    if window_iters:  # a run that stopped between log intervals (time up to its last iteration)
+        windows.append((window_iters, window_time))
 
     # The first interval holds warm-up (allocator, first-call overheads): leave it out when
     # there are others.
