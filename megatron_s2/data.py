@@ -36,7 +36,9 @@ class DatasetTokenizer:
         self.vocab_size = tokenizer.vocab_size
         self.eod = tokenizer.eod
         pad = getattr(tokenizer, "pad", None)
-        if pad is not None:
+        # Tokenizers without a pad token report EOD as pad; Megatron would mask EOD labels as
+        # padding, so it only gets a pad id that is really distinct.
+        if pad is not None and pad != tokenizer.eod:
             self.pad = pad
         self.unique_identifiers = {
             "class": type(tokenizer).__name__,
