@@ -83,6 +83,9 @@ CASES = [
     Case("bf16-b16-gqa2", block=16, heads=4, kv_heads=2, dtype=torch.bfloat16, seq_q=181, stride=4),
     Case("bf16-b64-mqa-off", block=64, heads=2, kv_heads=1, dtype=torch.bfloat16, seq_q=200,
          q_start=64, seq_k=264, local=1, stride=2, head_dim=64),
+    # fp16
+    Case("fp16-b32-gqa2", block=32, heads=4, kv_heads=2, dtype=torch.float16, seq_q=170, head_dim=64,
+         local=1, stride=2),
 ]
 
 
