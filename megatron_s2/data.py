@@ -15,6 +15,7 @@ and it continues the same sample stream even at a different data-parallel size.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -119,6 +120,13 @@ class _MicroBatchSampler(torch.utils.data.Sampler):
         return max(0, (self.total - self.consumed) // (self.mbs * self.dp_size))
 
 
+def _ignore_sigterm(_worker_id: int) -> None:
+    # Slurm signals every process of a job step: a loader worker killed by that SIGTERM would
+    # crash the trainer before its graceful-stop checkpoint. Workers exit when their loader is
+    # shut down (the trainer closes its iterators), not on the signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                   num_workers: int = 0, cycle: bool = False) -> Iterator[dict]:
     """Iterate this data-parallel rank's micro-batches (dicts of CPU tensors).
@@ -132,7 +140,8 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
             raise ValueError(f"dataset of {len(dataset)} samples has no micro-batch left after "
                              f"{consumed_samples} consumed samples")
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                             persistent_workers=False)
+                                             persistent_workers=False,
+                                             worker_init_fn=_ignore_sigterm if num_workers else None)
         yield from loader
         if not cycle:
             return

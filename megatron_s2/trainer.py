@@ -523,6 +523,9 @@ def train(cfg: RunConfig) -> RunResult:
     finally:
         stop.uninstall()
         log.close()
+        # Shut data-loader workers down now (they ignore SIGTERM, see megatron_s2.data).
+        for it in train_iters_:
+            it.close()
     if window_iters:  # a run that stopped between log intervals (time up to its last iteration)
         windows.append((window_iters, window_time))
 

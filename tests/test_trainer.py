@@ -139,16 +139,18 @@ def test_activation_recompute_keeps_losses(tmp_path, demo_dir):
 
 @pytest.mark.slow
 def test_real_sigterm_saves_and_stops(tmp_path, demo_dir):
+    """SIGTERM to the whole process group, as Slurm signals a job step: data-loader workers
+    included (they must not die and take the trainer down before its checkpoint)."""
     args = [f"name=s", f"logging.run_dir={tmp_path / 's'}", f"data.demo_dir={demo_dir}", *TINY,
-            "train.train_iters=100000", "optimizer.lr_warmup_iters=2"]
-    env = _env()
+            "train.train_iters=100000", "optimizer.lr_warmup_iters=2", "train.num_workers=2"]
     proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.trainer", "--config", DEMO, *args],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), start_new_session=True)
     metrics = tmp_path / "s" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM" in out
