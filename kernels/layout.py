@@ -10,7 +10,8 @@ S2 pattern (KV-cache efficient); user masks are checked and built without mergin
 
 Entries of each program are ordered "full" first (every row attends every key: no masking in the
 kernel) and "partial" second (causal diagonal, row range, sequence end). Programs are launched
-heaviest first so the long rows / vertical columns of a 128k sequence do not form a tail.
+head by head, heaviest first inside each head, so the long rows / vertical columns of a 128k
+sequence do not form a tail while concurrent programs share one head's K/V in L2.
 
 S2 layouts are generated arithmetically in O(heads * tiles * nnz) without any block mask; user
 masks go through their (small) block mask.
@@ -186,8 +187,8 @@ def _head_major_heavy_first(work: torch.Tensor, num_heads: int) -> torch.Tensor:
     heaviest tiles first inside each head (so no long program is left for the tail)."""
     per = work.numel() // num_heads
     head = torch.arange(work.numel(), device=work.device) // per
-    key = head * (int(work.max()) + 1 if work.numel() else 1) + (work.max() - work)
-    return torch.argsort(key, stable=True)
+    most = int(work.max())
+    return torch.argsort(head * (most + 1) + (most - work), stable=True)
 
 
 def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_start: int,

@@ -41,6 +41,9 @@ import torch
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
+# Tile layouts (s2attn.layout) of S2-rule patterns, keyed by the pattern's values.
+_SHARED_LAYOUT_CACHES: dict = {}
+
 
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -136,7 +139,12 @@ class S2Pattern:
                 f"of {g} query heads; ranges must start and end on multiples of {g}")
         if self.user_mask is not None:
             self._validate_user_mask(self.user_mask)
-        object.__setattr__(self, "_cache", {})
+        # Kernel layouts depend only on these values, so equal S2 patterns (every S2 layer of a
+        # model built from one schedule) share one cache instead of each layer building and
+        # holding its own copy. A user mask's tensor is no safe key: it keeps a private cache.
+        cache = {} if self.user_mask is not None else _SHARED_LAYOUT_CACHES.setdefault(
+            tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "user_mask"), {})
+        object.__setattr__(self, "_cache", cache)
 
     # ------------------------------------------------------------------ construction helpers
     def _validate_user_mask(self, m: torch.Tensor) -> None:

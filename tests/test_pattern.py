@@ -457,3 +457,15 @@ def test_layout_128k_never_materializes_seq_squared(monkeypatch):
     assert lay.nnz < 32 * (S // 128) * (S // 64) * 0.2
     assert mode.max <= 4 * lay.nnz
     assert mode.max < S * S // 64
+
+
+def test_equal_s2_patterns_share_layouts_but_user_masks_do_not():
+    # Every S2 layer of a model builds its own S2Pattern; their kernel layouts must be built once.
+    kw = dict(num_heads=4, block_size=16, local_blocks=2, vert_stride=4)
+    lay = build_layout(S2Pattern(**kw), 200, 200, 0, 0, 32, 16, "cpu", True)
+    assert build_layout(S2Pattern(**kw), 200, 200, 0, 0, 32, 16, "cpu", True) is lay
+    assert build_layout(S2Pattern(**kw, head_offset=1), 200, 200, 0, 0, 32, 16, "cpu", True) is not lay
+    assert build_layout(S2Pattern(**kw).head_range(0, 2), 200, 200, 0, 0, 32, 16, "cpu", True) is not lay
+    m1 = S2Pattern.from_block_mask(S2Pattern(**kw).block_mask(13), 16)
+    m2 = S2Pattern.from_block_mask(S2Pattern(**kw, head_offset=1).block_mask(13), 16)
+    assert build_layout(m1, 200, 200, 0, 0, 32, 16, "cpu", True) is not build_layout(m2, 200, 200, 0, 0, 32, 16, "cpu", True)
