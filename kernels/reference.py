@@ -59,10 +59,7 @@ def s2_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     step = max(B, (chunk_tokens // B) * B)
     outs, lses = [], []
     sq = q.shape[1]
-    # Chunks start on block boundaries of the absolute position.
-    first = min(sq, (B - q_start % B) % B or step)
-    bounds = [0] + list(range(first, sq, step)) + [sq]
-    bounds = sorted(set(bounds))
+    bounds = list(range(0, sq, step)) + [sq]
     for a, b in zip(bounds[:-1], bounds[1:]):
         fn = lambda qq, kk, vv, a=a: _chunk(qq, kk, vv, pattern, scale, q_start + a, k_start)
         if torch.is_grad_enabled() and (qf.requires_grad or kf.requires_grad or vf.requires_grad):

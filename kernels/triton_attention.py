@@ -301,7 +301,7 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
 CONFIG_OVERRIDES: dict = {}
 
 
-def kernel_config(pattern: S2Pattern, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+def kernel_config(pattern: S2Pattern, head_dim: int, device: torch.device) -> dict:
     """Tile shapes and launch options. Key tiles never span two pattern blocks; query tiles
     merge several small blocks (Merge-Q) so MMAs stay large."""
     cfg = _default_config(pattern, head_dim, device)
@@ -333,7 +333,7 @@ def _precision(dtype):
 
 def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start: int, cfg=None):
     """Returns ``out`` (q's layout) and ``lse [b, h, seq_q]`` fp32."""
-    cfg = cfg or kernel_config(pattern, q.shape[-1], q.dtype, q.device)
+    cfg = cfg or kernel_config(pattern, q.shape[-1], q.device)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["fwd_m"], cfg["bn"], q.device)
@@ -384,7 +384,7 @@ def bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg):
 def s2_backward(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
                 k_start: int, cfg=None):
     """Returns ``dq, dk, dv`` in the layouts of q, k, v."""
-    cfg = cfg or kernel_config(pattern, q.shape[-1], q.dtype, q.device)
+    cfg = cfg or kernel_config(pattern, q.shape[-1], q.device)
     dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg)
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg)
     return dq, dk, dv

@@ -41,7 +41,7 @@ def main(argv=None):
     q, k, v = mk(H), mk(G), mk(G)
     do = torch.randn_like(q)
     scale = d ** -0.5
-    base = ta.kernel_config(pat, d, q.dtype, dev)
+    base = ta.kernel_config(pat, d, dev)
     out, lse = ta.s2_forward(q, k, v, pat, scale, 0, 0, base)
     _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, base)
     print(f"seq {args.seq} x {b}, heads {H}/{G}, d {d}, block {args.block_size}; default {base}")
