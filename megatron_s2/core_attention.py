@@ -189,7 +189,8 @@ class S2CoreAttention(MegatronModule):
                 "block_size", "local_blocks", "vert_stride", "head_offset", "num_dense_heads",
                 "homo_head", "head_step", "user_mask")}, "num_heads": heads, "num_kv_heads": groups})
         self.global_pattern = pattern
-        # The kernels cache index structures on the pattern object: keep one per module.
+        # Equal patterns share the kernels' index-structure cache, so S2 layers with the same
+        # settings build their layouts once for the whole model.
         self.pattern = pattern.for_tp_rank(tp_rank, tp_size)
         self.backend = getattr(config, CONFIG_BACKEND_ATTR, None) or "auto"
 
