@@ -281,6 +281,13 @@ class S2Pattern:
         """Number of attended (query, key) token pairs summed over local heads, causal, for one
         sequence of ``seq_len`` tokens. Used for density and effective TFLOP/s."""
         self.check_seq_len(seq_len)
+        # Shared by equal patterns: every S2 layer of a schedule asks for the same count.
+        key = ("attended_pairs", seq_len)
+        if key not in self._cache:
+            self._cache[key] = self._count_attended_pairs(seq_len)
+        return self._cache[key]
+
+    def _count_attended_pairs(self, seq_len: int) -> int:
         B = self.block_size
         nb = math.ceil(seq_len / B)
         sizes = torch.full((nb,), B, dtype=torch.int64)
