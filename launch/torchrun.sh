@@ -56,4 +56,4 @@ exec "$PYTHON" -m torch.distributed.run \
     --nnodes=1 \
     --nproc-per-node="$NPROC_PER_NODE" \
     ${TORCHRUN_ARGS:-} \
-    -m megatron_s2.trainer --config "$CONFIG" "${overrides[@]}" "$@"
+    -m megatron_s2.training --config "$CONFIG" "${overrides[@]}" "$@"

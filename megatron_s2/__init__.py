@@ -23,7 +23,6 @@ _LAZY = {
     "get_s2_layer_local_spec": "specs",
     "get_s2_layer_te_spec": "specs",
     "get_s2_decoder_block_spec": "specs",
-    "enable_cpu_mode": "cpu_mode",
 }
 
 __all__ = ["AttentionSchedule", "S2Settings", "ScheduleError", "SCHEDULE_ENV_VAR", *_LAZY]

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_s2.config import ConfigError, RunConfig, apply_overrides, load_config
+from megatron_s2.training.run_config import ConfigError, RunConfig, apply_overrides, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))

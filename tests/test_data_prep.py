@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_s2.demo_corpus import demo_prefix, ensure_demo_data, generate_corpus
-from megatron_s2.preprocess import PreprocessStats, preprocess
-from megatron_s2.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, padded_vocab_size
+from megatron_s2.training.demo_corpus import demo_prefix, ensure_demo_data, generate_corpus
+from megatron_s2.training.preprocess import PreprocessStats, preprocess
+from megatron_s2.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, padded_vocab_size
 
 IndexedDataset = pytest.importorskip("megatron.core.datasets.indexed_dataset").IndexedDataset
 
@@ -292,7 +292,7 @@ def test_cli(tmp_path):
 
 
 def test_cli_errors(tmp_path, capsys):
-    from megatron_s2.preprocess import main
+    from megatron_s2.training.preprocess import main
 
     assert main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 2
     assert "prepare_data: error: input file" in capsys.readouterr().err
@@ -360,7 +360,7 @@ def test_ensure_demo_data_concurrent(tmp_path):
 
 
 def test_make_demo_corpus_cli(tmp_path, capsys):
-    from megatron_s2.demo_corpus import main
+    from megatron_s2.training.demo_corpus import main
 
     assert main(["--data-dir", str(tmp_path), "--seed", "5", "--num-docs", "20"]) == 0
     prefix = capsys.readouterr().out.strip().splitlines()[-1]

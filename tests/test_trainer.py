@@ -27,7 +27,7 @@ TINY = [
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """The demo corpus, generated once per session."""
-    from megatron_s2.demo_corpus import ensure_demo_data
+    from megatron_s2.training.demo_corpus import ensure_demo_data
 
     d = tmp_path_factory.mktemp("demo_data")
     ensure_demo_data(str(d))
@@ -47,7 +47,7 @@ def run_trainer(tmp_path, demo_dir, *overrides, name="t", check=True, launcher=N
     """Run the trainer CLI; return (CompletedProcess, train records of metrics.jsonl)."""
     args = [f"name={name}", f"logging.run_dir={tmp_path / name}", f"data.demo_dir={demo_dir}",
             f"data.cache_dir={tmp_path / 'cache'}", *TINY, *overrides]
-    cmd = (launcher or [sys.executable]) + ["-m", "megatron_s2.trainer", "--config", DEMO, *args]
+    cmd = (launcher or [sys.executable]) + ["-m", "megatron_s2.training", "--config", DEMO, *args]
     env = _env()
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
@@ -143,7 +143,7 @@ def test_real_sigterm_saves_and_stops(tmp_path, demo_dir):
     included (they must not die and take the trainer down before its checkpoint)."""
     args = [f"name=s", f"logging.run_dir={tmp_path / 's'}", f"data.demo_dir={demo_dir}", *TINY,
             "train.train_iters=100000", "optimizer.lr_warmup_iters=2", "train.num_workers=2"]
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.trainer", "--config", DEMO, *args],
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.training", "--config", DEMO, *args],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), start_new_session=True)
     metrics = tmp_path / "s" / "metrics.jsonl"

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from megatron_s2.config import load_config
-from megatron_s2.metrics import MetricsLogger, model_flops_per_iteration, plot_loss_curve, read_jsonl
+from megatron_s2.training.run_config import load_config
+from megatron_s2.training.metrics import MetricsLogger, model_flops_per_iteration, plot_loss_curve, read_jsonl
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

@@ -126,7 +126,7 @@ GPU_LAYOUTS = [Layout("tp2_sp", tp=2, sp=True), Layout("pp2", pp=2), Layout("tp2
 # ---------------------------------------------------------------------------- one rank's run
 def _init_process(rank: int, world: int, port: int, cc: CheckConfig):
     if cc.cpu:
-        from megatron_s2.cpu_mode import enable_cpu_mode
+        from megatron_s2.training.cpu_mode import enable_cpu_mode
 
         enable_cpu_mode()
         # The ranks share the host's cores.

@@ -4,7 +4,7 @@
     python tools/make_demo_corpus.py --data-dir data/demo --seed 0
 
 Prints the dataset prefix to pass as the trainer's data path. The trainer's built-in demo calls
-``megatron_s2.demo_corpus.ensure_demo_data`` itself, so running this is optional.
+``megatron_s2.training.demo_corpus.ensure_demo_data`` itself, so running this is optional.
 """
 
 import os
@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_s2.demo_corpus import main  # noqa: E402
+from megatron_s2.training.demo_corpus import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ Examples:
         --tokenizer /models/llama3/ --workers 16 --output-prefix data/books
     python tools/prepare_data.py --input notes.txt --text-sample-by paragraph -o data/notes
 
-See ``megatron_s2.preprocess`` for the Python API and ``--help`` for every option.
+See ``megatron_s2.training.preprocess`` for the Python API and ``--help`` for every option.
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_s2.preprocess import main  # noqa: E402
+from megatron_s2.training.preprocess import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ Tokenization runs in ``workers`` processes; batches come back in input order, so
 byte-identical for any worker count.
 
 CLI: ``python tools/prepare_data.py --input data/*.jsonl --output-prefix data/corpus`` (same as
-``python -m megatron_s2.preprocess``).
+``python -m megatron_s2.training.preprocess``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_s2.tokenizer import load_tokenizer
+from megatron_s2.training.tokenizer import load_tokenizer
 
 __all__ = ["preprocess", "resolve_inputs", "PreprocessStats", "SUPPORTED_SUFFIXES", "main"]
 

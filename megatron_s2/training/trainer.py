@@ -1,8 +1,8 @@
 """Pretraining loop for S2 hybrid GPT models, built from Megatron-core's parts.
 
     megatron-s2-train [--config RUN.yaml] [key.sub=value ...]
-    python -m megatron_s2.trainer ...                 (same)
-    torchrun --nproc-per-node N -m megatron_s2.trainer --config RUN.yaml
+    python -m megatron_s2.training ...                 (same)
+    torchrun --nproc-per-node N -m megatron_s2.training --config RUN.yaml
 
 Without ``--config`` it runs the built-in demo (``configs/demo.yaml``): it generates a synthetic
 corpus, trains a tiny S2 hybrid and prints a summary. See ``docs/training.md``.
@@ -14,7 +14,7 @@ specs (:func:`megatron_s2.model.build_gpt_model`), ``Float16Module`` for bf16, M
 clipping inside the optimizer, ``dist_checkpointing``. This module only wires them together and
 adds the loop: logging, evaluation, checkpoints, SIGTERM and NaN handling.
 
-Without CUDA the trainer runs in the explicit CPU mode (:mod:`megatron_s2.cpu_mode`): gloo, fp32,
+Without CUDA the trainer runs in the explicit CPU mode (:mod:`megatron_s2.training.cpu_mode`): gloo, fp32,
 PyTorch reference attention. A GPU run uses NCCL, bf16 and the Triton kernels.
 """
 
@@ -36,9 +36,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .config import ConfigError, RunConfig, load_config
+from .run_config import ConfigError, RunConfig, load_config
 
-logger = logging.getLogger("megatron_s2.trainer")
+logger = logging.getLogger("megatron_s2.training")
 
 # Exit codes of main(): a NaN stop differs from a crash so launchers can tell them apart.
 EXIT_OK = 0
@@ -70,7 +70,7 @@ def _init_distributed(cfg: RunConfig, gpu: bool) -> None:
     """Process group + Megatron's model-parallel groups + seeds."""
     from megatron.core import parallel_state, tensor_parallel
 
-    single = "RANK" not in os.environ  # a plain `python -m megatron_s2.trainer`: a world of one
+    single = "RANK" not in os.environ  # a plain `python -m megatron_s2.training`: a world of one
     rank = 0 if single else int(os.environ["RANK"])
     world = 1 if single else int(os.environ["WORLD_SIZE"])
     local_rank = 0 if single else int(os.environ.get("LOCAL_RANK", "0"))
@@ -161,7 +161,7 @@ def _build_model(cfg: RunConfig, tconfig, schedule, vocab_size: int, gpu: bool, 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from .model import build_gpt_model
+    from ..model import build_gpt_model
 
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
@@ -523,7 +523,7 @@ def train(cfg: RunConfig) -> RunResult:
     finally:
         stop.uninstall()
         log.close()
-        # Shut data-loader workers down now (they ignore SIGTERM, see megatron_s2.data).
+        # Shut data-loader workers down now (they ignore SIGTERM, see megatron_s2.training.data).
         for it in train_iters_:
             it.close()
     if window_iters:  # a run that stopped between log intervals (time up to its last iteration)

@@ -1,6 +1,6 @@
 """Training and validation data through Megatron's GPT dataset and blending builders.
 
-Indexed datasets (``.bin/.idx``, written by :mod:`megatron_s2.preprocess`) are blended and split
+Indexed datasets (``.bin/.idx``, written by :mod:`megatron_s2.training.preprocess`) are blended and split
 by :class:`~megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder`
 into :class:`~megatron.core.datasets.gpt_dataset.GPTDataset` samples of ``seq_length + 1`` tokens.
 Documents are concatenated with their EOD tokens the Megatron way (a sample may span documents;
@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .config import ConfigError
+from .run_config import ConfigError
 
 __all__ = ["DatasetTokenizer", "build_datasets", "micro_batches", "Datasets"]
 

@@ -123,7 +123,7 @@ def ensure_demo_data(
     one EOD-terminated document per generated record. ``corpus_kwargs`` (``num_docs``,
     ``min_chars``, ``max_chars``) change the corpus; non-default values get their own prefix.
     """
-    from megatron_s2.preprocess import preprocess
+    from megatron_s2.training.preprocess import preprocess
 
     data_dir = os.path.expanduser(os.fspath(data_dir))
     os.makedirs(data_dir, exist_ok=True)

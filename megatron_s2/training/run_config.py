@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # The built-in default run (``megatron-s2-train`` without --config).
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
 class ConfigError(ValueError):
@@ -345,7 +345,7 @@ class RunConfig:
 
     def schedule(self):
         """The attention schedule, parsed and checked against the model (None = all dense)."""
-        from .schedule import AttentionSchedule, ScheduleError
+        from ..schedule import AttentionSchedule, ScheduleError
 
         m = self.model
         try:
