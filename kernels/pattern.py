@@ -45,9 +45,34 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 _SHARED_LAYOUT_CACHES: dict = {}
 
 
+_SETTING = {"setting": True}
+
+# Smallest allowed value of each integer setting (block_size has its own list).
+_SETTING_MINIMUM = {"local_blocks": 1, "vert_stride": 1, "head_offset": 0, "num_dense_heads": 0,
+                    "head_step": 1}
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"S2Pattern: {name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_setting(name: str, value) -> None:
+    """Check one S2 setting's type and range; ``ValueError("<name> must be ...")`` otherwise.
+
+    The message starts with the setting's name so callers can prefix where it came from
+    (``attention.s2.``, ``S2Pattern: ``).
+    """
+    if name not in S2Pattern.setting_names():
+        raise ValueError(f"unknown S2 setting {name!r}; allowed: {', '.join(S2Pattern.setting_names())}")
+    if name == "block_size":
+        if isinstance(value, bool) or value not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {value!r}")
+    elif name == "homo_head":
+        if not isinstance(value, bool):
+            raise ValueError(f"homo_head must be true or false, got {value!r}")
+    elif not (name == "head_step" and value is None):
+        _check_int(name, value, _SETTING_MINIMUM[name])
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,19 @@ class CoverageReport:
     @property
     def complete(self) -> bool:
         return not self.uncovered_blocks
+
+    def __repr__(self) -> str:
+        # A 128k pattern has thousands of blocks: show counts and a few examples, not all of them.
+        groups = sum(1 for g in self.group_uncovered_blocks if g)
+        return (f"CoverageReport(num_blocks={self.num_blocks}, "
+                f"uncovered={len(self.uncovered_blocks)} {_few(self.uncovered_blocks)}, "
+                f"groups_with_holes={groups}/{len(self.group_uncovered_blocks)})")
+
+
+def _few(blocks: list, n: int = 4) -> str:
+    if len(blocks) <= 2 * n:
+        return str(list(blocks))
+    return "[" + ", ".join(map(str, blocks[:n])) + ", ..., " + ", ".join(map(str, blocks[-n:])) + "]"
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,40 +130,39 @@ class S2Pattern:
 
     num_heads: int
     num_kv_heads: Optional[int] = None
-    block_size: int = 64
-    local_blocks: int = 16
-    vert_stride: int = 8
-    head_offset: int = 0
-    num_dense_heads: int = 0
-    homo_head: bool = False
-    head_step: Optional[int] = None
+    # The S2 settings (``_SETTING``): what a schedule sets per layer, independent of the model's
+    # head counts. Adding a field here with that metadata makes it a schedule key everywhere.
+    block_size: int = field(default=64, metadata=_SETTING)
+    local_blocks: int = field(default=16, metadata=_SETTING)
+    vert_stride: int = field(default=8, metadata=_SETTING)
+    head_offset: int = field(default=0, metadata=_SETTING)
+    num_dense_heads: int = field(default=0, metadata=_SETTING)
+    homo_head: bool = field(default=False, metadata=_SETTING)
+    head_step: Optional[int] = field(default=None, metadata=_SETTING)
     head_start: int = 0
     head_end: Optional[int] = None
     user_mask: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __post_init__(self):
-        _check_int("num_heads", self.num_heads, 1)
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        _check_int("num_kv_heads", self.num_kv_heads, 1)
+        try:
+            _check_int("num_heads", self.num_heads, 1)
+            if self.num_kv_heads is None:
+                object.__setattr__(self, "num_kv_heads", self.num_heads)
+            _check_int("num_kv_heads", self.num_kv_heads, 1)
+            for name, value in self.settings().items():
+                check_setting(name, value)
+        except ValueError as e:
+            raise ValueError(f"S2Pattern: {e}") from None
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"S2Pattern: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})")
-        if self.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(
-                f"S2Pattern: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size!r}")
-        _check_int("local_blocks", self.local_blocks, 1)
-        _check_int("vert_stride", self.vert_stride, 1)
-        _check_int("head_offset", self.head_offset, 0)
-        _check_int("num_dense_heads", self.num_dense_heads, 0)
         if self.num_dense_heads and self.num_heads % self.num_dense_heads:
             raise ValueError(
                 f"S2Pattern: num_dense_heads ({self.num_dense_heads}) must divide num_heads "
                 f"({self.num_heads}) so dense heads can be spread evenly")
         if self.head_step is None:
             object.__setattr__(self, "head_step", max(1, self.vert_stride // self.num_heads))
-        _check_int("head_step", self.head_step, 1)
         if self.head_end is None:
             object.__setattr__(self, "head_end", self.num_heads)
         if not (0 <= self.head_start < self.head_end <= self.num_heads):
@@ -145,6 +182,22 @@ class S2Pattern:
         cache = {} if self.user_mask is not None else _SHARED_LAYOUT_CACHES.setdefault(
             tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "user_mask"), {})
         object.__setattr__(self, "_cache", cache)
+
+    # ------------------------------------------------------------------ settings
+    @classmethod
+    def setting_names(cls) -> tuple:
+        """Names of the S2 settings: the fields a schedule may set per layer."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("setting"))
+
+    def settings(self) -> dict:
+        """``{name: value}`` of the S2 settings (``head_step`` resolved to its value)."""
+        return {name: getattr(self, name) for name in self.setting_names()}
+
+    def with_heads(self, num_heads: int, num_kv_heads: Optional[int] = None) -> "S2Pattern":
+        """The same S2 settings for a layer with other head counts (all global heads)."""
+        if self.user_mask is not None:
+            raise ValueError("S2Pattern.with_heads: a user-mask pattern has fixed heads")
+        return S2Pattern(num_heads=num_heads, num_kv_heads=num_kv_heads, **self.settings())
 
     # ------------------------------------------------------------------ construction helpers
     def _validate_user_mask(self, m: torch.Tensor) -> None:

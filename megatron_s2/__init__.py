@@ -1,31 +1,35 @@
-"""megatron_s2: S2 sparse attention for Megatron-core GPT pretraining.
+"""megatron_s2: S2 sparse attention for Megatron-core GPT models (the plugin).
 
-    from megatron_s2 import AttentionSchedule, build_gpt_model
-    schedule = AttentionSchedule.from_yaml("configs/attention/phi3_small.yaml")
-    model = build_gpt_model(config, schedule, vocab_size=..., max_sequence_length=8192)
+    from megatron_s2 import S2TransformerConfig, build_gpt_model
+    config = S2TransformerConfig(num_layers=32, ..., s2_schedule="configs/attention/phi3_small.yaml",
+                                 s2_seq_length=8192)
+    model = build_gpt_model(config, vocab_size=..., max_sequence_length=8192)
 
 Megatron-LM: ``MEGATRON_S2_SCHEDULE=schedule.yaml pretrain_gpt.py --spec megatron_s2.specs
 s2_layer_spec ...`` (see docs/megatron.md).
 
-Only the schedule is imported eagerly; the Megatron-dependent parts load on first use so that
-``import megatron_s2`` (e.g. for the trainer's config parsing) stays light.
+Data flows one way: schedule YAML -> :class:`AttentionSchedule` -> :class:`S2TransformerConfig`
+-> specs -> core attention -> ``s2attn``. Only the schedule is imported eagerly; the
+Megatron-dependent parts load on first use. The training application lives in
+``megatron_s2.training``.
 """
 
-from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, S2Settings, ScheduleError
+from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 
 _LAZY = {
+    "S2TransformerConfig": "config",
     "build_gpt_model": "model",
     "load_unsharded_parameters": "model",
-    "S2CoreAttention": "core_attention",
-    "ScheduledCoreAttention": "core_attention",
-    "FusedDenseAttention": "dense_attention",
+    "S2CoreAttention": "attention",
+    "ScheduledCoreAttention": "attention",
+    "FusedDenseAttention": "attention",
     "SPNorm": "norm",
     "get_s2_layer_local_spec": "specs",
     "get_s2_layer_te_spec": "specs",
     "get_s2_decoder_block_spec": "specs",
 }
 
-__all__ = ["AttentionSchedule", "S2Settings", "ScheduleError", "SCHEDULE_ENV_VAR", *_LAZY]
+__all__ = ["AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR", *_LAZY]
 
 
 def __getattr__(name):

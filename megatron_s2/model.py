@@ -1,85 +1,40 @@
-"""One-call GPTModel builder with an attention schedule, and TP/PP-agnostic weight helpers."""
+"""One-call ``GPTModel`` builder for an :class:`S2TransformerConfig`, and TP/PP-agnostic
+weight helpers (load one set of unsharded weights into any layout, compare across layouts)."""
 
 from __future__ import annotations
 
 import inspect
-import logging
-import os
 import re
-from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
+from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from .core_attention import (CONFIG_SCHEDULE_ATTR, CONFIG_SEQ_LENGTH_ATTR, CONFIG_TRUE_GROUPS_ATTR,
-                             true_num_query_groups)
-from .schedule import AttentionSchedule
+from .config import S2TransformerConfig
 from .specs import get_s2_decoder_block_spec
 
-logger = logging.getLogger(__name__)
 
-ScheduleLike = Union[AttentionSchedule, Mapping, str, os.PathLike]
-
-
-def as_schedule(schedule: ScheduleLike) -> AttentionSchedule:
-    """An :class:`AttentionSchedule` from a schedule, its mapping, or a YAML path."""
-    if isinstance(schedule, AttentionSchedule):
-        return schedule
-    if isinstance(schedule, Mapping):
-        return AttentionSchedule.from_dict(schedule)
-    if isinstance(schedule, (str, os.PathLike)):
-        return AttentionSchedule.from_yaml(str(schedule))
-    raise ValueError(f"schedule must be an AttentionSchedule, a mapping or a YAML path, "
-                     f"got {type(schedule).__name__}")
-
-
-def attach_schedule(config, schedule: ScheduleLike, seq_length: Optional[int] = None) -> AttentionSchedule:
-    """Validate ``schedule`` against ``config`` and store it on the config (with the true GQA
-    group count and the training sequence length), where the core attention modules find it.
-    Logs the per-layer table on rank 0. Returns the schedule."""
-    schedule = as_schedule(schedule)
-    if getattr(config, CONFIG_TRUE_GROUPS_ATTR, None) is None:
-        setattr(config, CONFIG_TRUE_GROUPS_ATTR, config.num_query_groups or config.num_attention_heads)
-    if seq_length is not None:
-        setattr(config, CONFIG_SEQ_LENGTH_ATTR, seq_length)
-    groups = true_num_query_groups(config)
-    schedule.validate(config.num_layers, config.num_attention_heads, groups,
-                      config.tensor_model_parallel_size, seq_length)
-    if getattr(config, CONFIG_SCHEDULE_ATTR, None) is not schedule:
-        setattr(config, CONFIG_SCHEDULE_ATTR, schedule)
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        if rank0:
-            logger.info("S2 attention schedule%s:\n%s",
-                        f" ({schedule.source})" if schedule.source else "",
-                        schedule.summary(config.num_layers, config.num_attention_heads, groups,
-                                         seq_length))
-    return schedule
-
-
-def build_gpt_model(config, schedule: ScheduleLike, vocab_size: int, max_sequence_length: int,
+def build_gpt_model(config: S2TransformerConfig, vocab_size: int, max_sequence_length: int,
                     pre_process: bool = True, post_process: bool = True, use_te: bool = False,
-                    seq_length: Optional[int] = None, vp_stage: Optional[int] = None,
-                    qk_layernorm: bool = False, **gpt_kwargs) -> GPTModel:
-    """Build a Megatron-core ``GPTModel`` whose attention follows ``schedule``.
+                    vp_stage: Optional[int] = None, qk_layernorm: bool = False,
+                    **gpt_kwargs) -> GPTModel:
+    """Build a Megatron-core ``GPTModel`` whose attention follows ``config.s2_schedule``.
 
     Args:
-        config: the model's ``TransformerConfig`` (``attention_dropout`` must be 0 when any layer
-            is S2). The schedule is stored on it as ``config.s2_schedule``. An optional custom
-            attribute ``config.s2_backend`` selects the ``s2_attention`` backend ("auto",
-            "triton", "reference"; default "auto").
-        schedule: :class:`AttentionSchedule`, its mapping, or a YAML path.
+        config: an :class:`S2TransformerConfig` (schedule, true GQA groups, training sequence
+            length and kernel backend are its fields, validated when it was built).
         vocab_size, max_sequence_length, pre_process, post_process: as for ``GPTModel``.
         use_te: Transformer Engine flavour (TE linears/norms, TE attention on dense layers).
-        seq_length: training sequence length for validation and the density table (default
-            ``max_sequence_length``).
         vp_stage: virtual pipeline stage of this model chunk (also passed to ``GPTModel``).
+        qk_layernorm: normalize queries and keys per head.
         gpt_kwargs: passed to ``GPTModel`` (``position_embedding_type``, ``rotary_base``, ...).
     Returns:
         the ``GPTModel`` for this rank's pipeline (and virtual pipeline) stage.
     """
-    seq_length = max_sequence_length if seq_length is None else seq_length
-    schedule = attach_schedule(config, schedule, seq_length)
-    spec = get_s2_decoder_block_spec(config, schedule, use_te=use_te, vp_stage=vp_stage,
+    if not isinstance(config, S2TransformerConfig):
+        raise TypeError(f"build_gpt_model needs a megatron_s2.S2TransformerConfig (the attention "
+                        f"schedule is one of its fields), got {type(config).__name__}")
+    spec = get_s2_decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage,
                                      qk_layernorm=qk_layernorm)
     if vp_stage is not None and "vp_stage" in inspect.signature(GPTModel.__init__).parameters:
         gpt_kwargs["vp_stage"] = vp_stage

@@ -16,30 +16,46 @@ under its ``attention:`` key)::
       indices: [0, -1]       # more dense layers (0-based; negative counts from the end)
     overrides:               # per-layer changes of any s2 key (0-based layer index)
       3: {vert_stride: 16}
+    allow_coverage_holes: false  # true: allow S2 layers whose heads together miss key blocks
 
 **Layer indices in YAML are 0-based** (like the pattern string and Python lists), while
 Megatron's ``layer_number`` is 1-based and global: :meth:`AttentionSchedule.layer_pattern` takes
 the Megatron number. Everything unspecified is S2 with the ``s2`` defaults. An override on a dense
 layer is an error (it would silently do nothing).
+
+The ``s2`` keys are exactly :meth:`s2attn.S2Pattern.setting_names`: ``S2Pattern`` owns the schema
+and its checks, so a new S2 setting becomes a schedule key without an edit here.
+
+**Union coverage.** The paper's rule is that the heads of an S2 layer together attend every key
+block. :meth:`AttentionSchedule.validate` computes every S2 layer's coverage at the training
+length (or, without one, at a length where every stripe phase shows) and refuses holes unless
+``allow_coverage_holes: true`` (ablations may want them).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-from s2attn import S2Pattern, SUPPORTED_BLOCK_SIZES
+import torch
 
-__all__ = ["S2Settings", "AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR"]
+from s2attn import S2Pattern
+from s2attn.pattern import check_setting
+
+__all__ = ["AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR", "DEFAULT_S2_SETTINGS"]
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_ENV_VAR = "MEGATRON_S2_SCHEDULE"
 
-_TOP_KEYS = ("s2", "dense_layers", "overrides")
+_TOP_KEYS = ("s2", "dense_layers", "overrides", "allow_coverage_holes")
 _DENSE_KEYS = ("pattern", "indices")
+
+# The schedule's defaults are S2Pattern's own (block 64, local 16, stride 8, phase 0).
+DEFAULT_S2_SETTINGS: Dict[str, Any] = S2Pattern(num_heads=1).settings() | {"head_step": None}
 
 
 class ScheduleError(ValueError):
@@ -50,47 +66,20 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-@dataclass(frozen=True)
-class S2Settings:
-    """The S2 pattern settings of one layer (see :class:`s2attn.S2Pattern`)."""
-
-    block_size: int = 64
-    local_blocks: int = 16
-    vert_stride: int = 8
-    head_offset: int = 0
-    head_step: Optional[int] = None
-    num_dense_heads: int = 0
-    homo_head: bool = False
-
-    @classmethod
-    def keys(cls) -> tuple:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    def updated(self, values: Mapping[str, Any], where: str) -> "S2Settings":
-        """A copy with ``values`` applied; each key and value checked, errors name ``where.key``."""
-        if not isinstance(values, Mapping):
-            raise ScheduleError(f"{where} must be a mapping of S2 settings, got {type(values).__name__}")
-        for key, value in values.items():
-            name = f"{where}.{key}"
-            if key not in self.keys():
-                raise ScheduleError(f"unknown key {name}; allowed keys: {', '.join(self.keys())}")
-            if key == "block_size":
-                if value not in SUPPORTED_BLOCK_SIZES or not _is_int(value):
-                    raise ScheduleError(f"{name} must be one of {SUPPORTED_BLOCK_SIZES}, got {value!r}")
-            elif key == "homo_head":
-                if not isinstance(value, bool):
-                    raise ScheduleError(f"{name} must be true or false, got {value!r}")
-            elif key == "head_step" and value is None:
-                pass
-            else:
-                minimum = {"local_blocks": 1, "vert_stride": 1, "head_step": 1}.get(key, 0)
-                if not _is_int(value) or value < minimum:
-                    raise ScheduleError(f"{name} must be an integer >= {minimum}, got {value!r}")
-        return dataclasses.replace(self, **dict(values))
-
-    def pattern(self, num_heads: int, num_kv_heads: int) -> S2Pattern:
-        """The full-model (all global heads) pattern of a layer with these settings."""
-        return S2Pattern(num_heads=num_heads, num_kv_heads=num_kv_heads, **dataclasses.asdict(self))
+def _checked_settings(values: Any, where: str) -> Dict[str, Any]:
+    """``values`` as a dict of S2 settings, each key and value checked by ``S2Pattern``'s rules;
+    errors name ``where.key``."""
+    if not isinstance(values, Mapping):
+        raise ScheduleError(f"{where} must be a mapping of S2 settings, got {type(values).__name__}")
+    names = S2Pattern.setting_names()
+    for key, value in values.items():
+        if key not in names:
+            raise ScheduleError(f"unknown key {where}.{key}; allowed keys: {', '.join(names)}")
+        try:
+            check_setting(key, value)
+        except ValueError as e:
+            raise ScheduleError(f"{where}.{e}") from None
+    return dict(values)
 
 
 @dataclass
@@ -100,13 +89,18 @@ class AttentionSchedule:
     Build it with :meth:`from_yaml` / :meth:`from_dict`; check it against a model with
     :meth:`validate`. Layer indices (``dense_indices``, ``overrides``) are 0-based and may be
     negative (counted from the last layer); they are resolved against ``num_layers`` on use.
+    ``s2`` and each override hold :class:`s2attn.S2Pattern` settings.
     """
 
-    s2: S2Settings = field(default_factory=S2Settings)
+    s2: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_S2_SETTINGS))
     dense_pattern: str = ""
     dense_indices: List[int] = field(default_factory=list)
     overrides: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    allow_coverage_holes: bool = False
     source: Optional[str] = None  # where it came from, for messages
+    # Model shapes this schedule was validated against: a schedule travels from the run config
+    # through the Megatron config to every layer, and is checked once per shape.
+    _validated: set = field(default_factory=set, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -115,7 +109,7 @@ class AttentionSchedule:
         """Parse and check the mapping described in the module docstring.
 
         ``prefix`` names the mapping in error messages (``attention.s2.vert_stride ...``).
-        Model-dependent checks (layer ranges, heads, TP) are in :meth:`validate`.
+        Model-dependent checks (layer ranges, heads, TP, coverage) are in :meth:`validate`.
         """
         d = {} if d is None else d
         if not isinstance(d, Mapping):
@@ -123,7 +117,7 @@ class AttentionSchedule:
         for key in d:
             if key not in _TOP_KEYS:
                 raise ScheduleError(f"unknown key {prefix}.{key}; allowed keys: {', '.join(_TOP_KEYS)}")
-        s2 = S2Settings().updated(d.get("s2") or {}, f"{prefix}.s2")
+        s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(d.get("s2") or {}, f"{prefix}.s2")
 
         dense = d.get("dense_layers") or {}
         if not isinstance(dense, Mapping):
@@ -155,10 +149,12 @@ class AttentionSchedule:
             except (TypeError, ValueError):
                 raise ScheduleError(f"{prefix}.overrides key {k!r} must be an integer layer index "
                                     f"(0-based)") from None
-            s2.updated(v, f"{prefix}.overrides.{k}")  # type/range check of each key now
-            overrides[idx] = dict(v)
+            overrides[idx] = _checked_settings(v, f"{prefix}.overrides.{k}")
+        holes = d.get("allow_coverage_holes", False)
+        if not isinstance(holes, bool):
+            raise ScheduleError(f"{prefix}.allow_coverage_holes must be true or false, got {holes!r}")
         return cls(s2=s2, dense_pattern=pattern.upper(), dense_indices=list(indices),
-                   overrides=overrides, source=source)
+                   overrides=overrides, allow_coverage_holes=holes, source=source)
 
     @classmethod
     def from_yaml(cls, path: str, prefix: str = "attention") -> "AttentionSchedule":
@@ -171,7 +167,10 @@ class AttentionSchedule:
 
     @classmethod
     def from_env(cls) -> Optional["AttentionSchedule"]:
-        """The schedule named by ``$MEGATRON_S2_SCHEDULE`` (a YAML path), or None if unset."""
+        """The schedule named by ``$MEGATRON_S2_SCHEDULE`` (a YAML path), or None if unset.
+
+        The documented fallback for Megatron-LM's ``pretrain_gpt.py --spec``, whose plain
+        ``TransformerConfig`` cannot carry a schedule; read here and nowhere else."""
         path = os.environ.get(SCHEDULE_ENV_VAR)
         if not path:
             return None
@@ -181,6 +180,18 @@ class AttentionSchedule:
         if cached is None:
             cached = _ENV_CACHE[path] = cls.from_yaml(path)
         return cached
+
+    @classmethod
+    def coerce(cls, schedule: Any) -> "AttentionSchedule":
+        """An :class:`AttentionSchedule` from a schedule, its mapping, or a YAML path."""
+        if isinstance(schedule, AttentionSchedule):
+            return schedule
+        if isinstance(schedule, Mapping):
+            return cls.from_dict(schedule)
+        if isinstance(schedule, (str, os.PathLike)):
+            return cls.from_yaml(str(schedule))
+        raise ScheduleError(f"a schedule must be an AttentionSchedule, a mapping or a YAML path, "
+                            f"got {type(schedule).__name__}")
 
     @classmethod
     def all_s2(cls, **s2_settings) -> "AttentionSchedule":
@@ -194,7 +205,7 @@ class AttentionSchedule:
 
     def to_dict(self) -> Dict[str, Any]:
         """The mapping :meth:`from_dict` reads (round-trips)."""
-        out: Dict[str, Any] = {"s2": dataclasses.asdict(self.s2)}
+        out: Dict[str, Any] = {"s2": dict(self.s2)}
         dense: Dict[str, Any] = {}
         if self.dense_pattern:
             dense["pattern"] = self.dense_pattern
@@ -204,6 +215,8 @@ class AttentionSchedule:
             out["dense_layers"] = dense
         if self.overrides:
             out["overrides"] = {int(k): dict(v) for k, v in self.overrides.items()}
+        if self.allow_coverage_holes:
+            out["allow_coverage_holes"] = True
         return out
 
     # ------------------------------------------------------------------ per-layer queries
@@ -227,14 +240,28 @@ class AttentionSchedule:
             dense.add(self._resolve(i, num_layers, "attention.dense_layers.indices"))
         return sorted(dense)
 
-    def layer_settings(self, index: int, num_layers: int) -> Optional[S2Settings]:
-        """S2 settings of 0-based layer ``index``, or None if the layer is dense."""
+    def _override_key(self, index: int, num_layers: int) -> Optional[int]:
+        """The ``overrides`` key that applies to 0-based layer ``index``, if any (last wins)."""
+        found = None
+        for k in self.overrides:
+            if self._resolve(k, num_layers, f"attention.overrides.{k}") == index:
+                found = k
+        return found
+
+    def _where(self, index: int, num_layers: int) -> str:
+        """The YAML key that sets layer ``index``'s S2 settings, for messages."""
+        k = self._override_key(index, num_layers)
+        return "attention.s2" if k is None else f"attention.overrides.{k}"
+
+    def layer_settings(self, index: int, num_layers: int) -> Optional[Dict[str, Any]]:
+        """S2 settings (``S2Pattern`` keyword arguments) of 0-based layer ``index``, or None if
+        the layer is dense."""
         if index in self.dense_layer_indices(num_layers):
             return None
-        settings = self.s2
+        settings = dict(self.s2)
         for k, v in self.overrides.items():
-            if self._resolve(k, num_layers, "attention.overrides") == index:
-                settings = settings.updated(v, f"attention.overrides.{k}")
+            if self._resolve(k, num_layers, f"attention.overrides.{k}") == index:
+                settings.update(v)
         return settings
 
     def layer_pattern(self, layer_number: int, num_heads: int, num_kv_heads: Optional[int] = None,
@@ -251,9 +278,14 @@ class AttentionSchedule:
         settings = self.layer_settings(layer_number - 1, num_layers)
         if settings is None:
             return None
-        return settings.pattern(num_heads, num_kv_heads or num_heads)
+        return S2Pattern(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, **settings)
 
-    # ------------------------------------------------------------------ validation and reports
+    def layer_kinds(self, num_layers: int) -> List[str]:
+        """``'S2'`` or ``'dense'`` per 0-based layer."""
+        dense = set(self.dense_layer_indices(num_layers))
+        return ["dense" if i in dense else "S2" for i in range(num_layers)]
+
+    # ------------------------------------------------------------------ validation
     def validate(self, num_layers: int, num_attention_heads: int,
                  num_query_groups: Optional[int] = None, tensor_model_parallel_size: int = 1,
                  seq_length: Optional[int] = None) -> None:
@@ -261,11 +293,15 @@ class AttentionSchedule:
 
         Checks: layer indices in range, no override on a dense layer, every S2 layer's pattern
         constructible (dense heads divide the heads, ...), heads and GQA groups divisible by the
-        TP size (a group split across ranks cannot be computed by one rank), and ``seq_length`` a
-        multiple of every S2 layer's block size.
+        TP size (a group split across ranks cannot be computed by one rank), ``seq_length`` a
+        multiple of every S2 layer's block size, and union coverage (:func:`coverage_length`)
+        unless ``allow_coverage_holes``. Free when repeated for the same model shape.
         """
         groups = num_query_groups or num_attention_heads
         tp = tensor_model_parallel_size
+        shape = (num_layers, num_attention_heads, groups, tp, seq_length)
+        if shape in self._validated:
+            return
         if num_attention_heads % tp:
             raise ScheduleError(f"num_attention_heads ({num_attention_heads}) must be divisible by "
                                 f"tensor_model_parallel_size ({tp})")
@@ -289,23 +325,21 @@ class AttentionSchedule:
             settings = self.layer_settings(i, num_layers)
             if settings is None:
                 continue
-            where = (f"attention.overrides.{i}" if any(self._resolve(k, num_layers, "") == i
-                                                       for k in self.overrides) else "attention.s2")
+            where = self._where(i, num_layers)
             try:
-                settings.pattern(num_attention_heads, groups)
-                settings.pattern(num_attention_heads, rank_groups).for_tp_rank(0, tp)
+                pattern = S2Pattern(num_heads=num_attention_heads, num_kv_heads=groups, **settings)
+                pattern.with_heads(num_attention_heads, rank_groups).for_tp_rank(0, tp)
             except ValueError as e:
                 raise ScheduleError(f"{where} (layer {i}): {e}") from None
-            if seq_length is not None and seq_length % settings.block_size:
+            if seq_length is not None and seq_length % pattern.block_size:
                 raise ScheduleError(
-                    f"{where}.block_size ({settings.block_size}) must divide the sequence length "
+                    f"{where}.block_size ({pattern.block_size}) must divide the sequence length "
                     f"({seq_length}) (layer {i})")
+            if not self.allow_coverage_holes:
+                _check_coverage(pattern, seq_length, where, i)
+        self._validated.add(shape)
 
-    def layer_kinds(self, num_layers: int) -> List[str]:
-        """``'S2'`` or ``'dense'`` per 0-based layer."""
-        dense = set(self.dense_layer_indices(num_layers))
-        return ["dense" if i in dense else "S2" for i in range(num_layers)]
-
+    # ------------------------------------------------------------------ reports
     def attention_pairs(self, num_layers: int, num_heads: int, num_kv_heads: Optional[int],
                         seq_length: int) -> List[int]:
         """Attended (query, key) token pairs per layer for one sequence, summed over all heads;
@@ -313,30 +347,33 @@ class AttentionSchedule:
         causal = seq_length * (seq_length + 1) // 2 * num_heads
         out = []
         for i in range(num_layers):
-            settings = self.layer_settings(i, num_layers)
-            out.append(causal if settings is None
-                       else settings.pattern(num_heads, num_kv_heads or num_heads).attended_pairs(seq_length))
+            p = self.layer_pattern(i + 1, num_heads, num_kv_heads, num_layers)
+            out.append(causal if p is None else p.attended_pairs(seq_length))
         return out
 
     def summary(self, num_layers: int, num_heads: int, num_kv_heads: Optional[int] = None,
                 seq_length: Optional[int] = None) -> str:
-        """Table of the effective per-layer schedule (and density at ``seq_length``)."""
+        """Table of the effective per-layer schedule: settings, union coverage (at
+        ``seq_length``, else at :func:`coverage_length`) and density at ``seq_length``."""
         kv = num_kv_heads or num_heads
-        header = ["layer", "kind", "block", "local", "stride", "offset", "step", "dense_heads", "homo"]
+        header = ["layer", "kind", "block", "local", "stride", "offset", "step", "dense_heads",
+                  "homo", "coverage"]
         if seq_length:
             header.append(f"density@{seq_length}")
         rows = []
         pairs = self.attention_pairs(num_layers, num_heads, kv, seq_length) if seq_length else None
         causal = seq_length * (seq_length + 1) // 2 * num_heads if seq_length else None
         for i in range(num_layers):
-            s = self.layer_settings(i, num_layers)
-            if s is None:
-                row = [str(i), "dense"] + ["-"] * 7
+            p = self.layer_pattern(i + 1, num_heads, kv, num_layers)
+            if p is None:
+                row = [str(i), "dense"] + ["-"] * 7 + ["full"]
             else:
-                p = s.pattern(num_heads, kv)
-                row = [str(i), "S2", str(s.block_size), str(s.local_blocks), str(s.vert_stride),
-                       str(s.head_offset), str(p.head_step), str(s.num_dense_heads),
-                       "y" if s.homo_head else "n"]
+                report = p.coverage(seq_length or coverage_length(p))
+                cov = ("full" if report.complete
+                       else f"{len(report.uncovered_blocks)}/{report.num_blocks} unseen")
+                row = [str(i), "S2", str(p.block_size), str(p.local_blocks), str(p.vert_stride),
+                       str(p.head_offset), str(p.head_step), str(p.num_dense_heads),
+                       "y" if p.homo_head else "n", cov]
             if seq_length:
                 row.append(f"{pairs[i] / causal:.3f}")
             rows.append(row)
@@ -349,8 +386,46 @@ class AttentionSchedule:
                          f"(attended pairs / dense causal pairs over all layers)")
         return "\n".join(lines)
 
+    def log_summary(self, num_layers: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                    seq_length: Optional[int] = None) -> None:
+        """Log :meth:`summary` once per model shape, on rank 0, to logger ``megatron_s2.schedule``
+        (whichever path built the model: ``build_gpt_model`` or ``pretrain_gpt.py --spec``)."""
+        key = ("logged", num_layers, num_heads, num_kv_heads, seq_length)
+        if key in self._validated:
+            return
+        self._validated.add(key)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        logger.info("S2 attention schedule%s:\n%s", f" ({self.source})" if self.source else "",
+                    self.summary(num_layers, num_heads, num_kv_heads, seq_length))
+
     def copy(self) -> "AttentionSchedule":
         return copy.deepcopy(self)
+
+
+def coverage_length(pattern: S2Pattern) -> int:
+    """Tokens at which every stripe phase's hole (if any) is visible: past one local window plus
+    a full stride of blocks, so a length-free check equals the check at any longer length."""
+    return (pattern.local_blocks + pattern.vert_stride + 1) * pattern.block_size
+
+
+def _check_coverage(pattern: S2Pattern, seq_length: Optional[int], where: str, layer: int) -> None:
+    length = seq_length or coverage_length(pattern)
+    report = pattern.coverage(length)
+    if report.complete:
+        return
+    phases = {pattern.phase(h) for h in range(pattern.num_heads)}
+    unseen = (f"{len(report.uncovered_blocks)} of {report.num_blocks} key blocks unseen at "
+              f"{seq_length} tokens" if seq_length else
+              f"{pattern.vert_stride - len(phases)} of every {pattern.vert_stride} key blocks "
+              f"unseen beyond the local window")
+    raise ScheduleError(
+        f"{where} (layer {layer}): the {pattern.num_heads} heads together leave {unseen} "
+        f"(e.g. blocks {report.uncovered_blocks[:4]}): vert_stride={pattern.vert_stride} with "
+        f"head_step={pattern.head_step}{', homo_head' if pattern.homo_head else ''} gives only "
+        f"{len(phases)} of {pattern.vert_stride} stripe phases. Use vert_stride <= num_heads, "
+        f"head_step=1, dense heads (num_dense_heads), or set attention.allow_coverage_holes: true "
+        f"if the holes are intended")
 
 
 _ENV_CACHE: Dict[str, AttentionSchedule] = {}

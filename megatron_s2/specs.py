@@ -4,9 +4,9 @@ Two ways to describe a hybrid model:
 
 * **One layer spec for every layer** (:func:`get_s2_layer_local_spec`, :func:`get_s2_layer_te_spec`,
   and the ready objects :data:`s2_layer_spec` / :data:`s2_layer_spec_te`). Its core attention is
-  :class:`~megatron_s2.core_attention.ScheduledCoreAttention`, which picks S2 or dense attention
-  by the layer's global number from the run's schedule (``config.s2_schedule`` or
-  ``$MEGATRON_S2_SCHEDULE``). This is what Megatron-LM's ``pretrain_gpt.py --spec MODULE NAME``
+  :class:`~megatron_s2.attention.ScheduledCoreAttention`, which picks S2 or dense attention
+  by the layer's global number from the model's schedule (``S2TransformerConfig.s2_schedule``,
+  or ``$MEGATRON_S2_SCHEDULE`` for a plain ``TransformerConfig``). This is what Megatron-LM's ``pretrain_gpt.py --spec MODULE NAME``
   needs: ``--spec megatron_s2.specs s2_layer_spec``.
 * **A block spec with one explicit spec per layer** (:func:`get_s2_decoder_block_spec`), sliced
   to a pipeline stage like Megatron's ``get_gpt_decoder_block_spec``; the module of every layer
@@ -14,7 +14,8 @@ Two ways to describe a hybrid model:
 
 Flavours: *local* (Megatron's own linears, :class:`~megatron_s2.norm.SPNorm` norms that support
 sequence parallelism, dense layers on fused SDPA) and *TE* (Transformer Engine linears with fused
-norms, TE attention for dense layers). The TE spec object is ``None`` when TE is not installed.
+norms, TE attention for dense layers). Asking for a TE spec (or ``s2_layer_spec_te``) without
+Transformer Engine raises an error that says what to install or which spec to use instead.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from .core_attention import S2CoreAttention, ScheduledCoreAttention
-from .dense_attention import FusedDenseAttention
+from .attention import FusedDenseAttention, S2CoreAttention, ScheduledCoreAttention
+from .config import s2_settings_of
 from .norm import SPNorm
-from .schedule import AttentionSchedule
 
 try:
     # Import TE itself first: without it, megatron.core.extensions.transformer_engine still
@@ -59,13 +59,24 @@ except Exception:  # ImportError, or TE present but broken for this torch
     HAVE_TE = False
 
 __all__ = ["get_s2_layer_local_spec", "get_s2_layer_te_spec", "get_s2_decoder_block_spec",
-           "s2_layer_spec", "s2_layer_spec_te", "HAVE_TE"]
+           "s2_layer_spec", "s2_layer_spec_te", "HAVE_TE", "TransformerEngineMissing"]
+
+
+class TransformerEngineMissing(RuntimeError):
+    """A Transformer Engine spec was asked for where ``transformer_engine`` does not import.
+
+    A ``RuntimeError`` on purpose: Megatron's ``import_module`` (``--spec``) turns an
+    ``ImportError`` into a log line and a ``None`` spec."""
 
 
 def _require_te(what: str) -> None:
     if not HAVE_TE:
-        raise ValueError(f"{what}: Transformer Engine is not installed (or failed to import); "
-                         f"use the local spec (use_te=False)")
+        raise TransformerEngineMissing(
+            f"{what} needs NVIDIA Transformer Engine, which is not installed here (or failed to "
+            f"import with this torch). Install it (pip install --no-build-isolation "
+            f"'transformer_engine[pytorch]', matching your CUDA and torch), or use the local "
+            f"spec: --spec megatron_s2.specs s2_layer_spec --transformer-impl local under "
+            f"Megatron-LM, use_te=False in megatron_s2.build_gpt_model")
 
 
 def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
@@ -105,33 +116,29 @@ def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
     )
 
 
-def _scheduled_core_attention(use_te: bool, schedule: Optional[AttentionSchedule]) -> ModuleSpec:
-    params = {"dense_attention": TEDotProductAttention if use_te else FusedDenseAttention}
-    if schedule is not None:
-        params["schedule"] = schedule
-    return ModuleSpec(module=ScheduledCoreAttention, params=params)
+def _scheduled_core_attention(use_te: bool) -> ModuleSpec:
+    dense = TEDotProductAttention if use_te else FusedDenseAttention
+    return ModuleSpec(module=ScheduledCoreAttention, params={"dense_attention": dense})
 
 
-def get_s2_layer_local_spec(schedule: Optional[AttentionSchedule] = None,
-                            qk_layernorm: bool = False) -> ModuleSpec:
+def get_s2_layer_local_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """One ``TransformerLayer`` spec for all layers of a hybrid model, Megatron-core modules only.
 
-    Core attention is chosen per layer from ``schedule`` (default: the config's / environment's,
-    resolved when the model is built). Norms are :class:`SPNorm` (LayerNorm or RMSNorm per
-    ``config.normalization``; sequence parallel works)."""
-    return _layer_spec(_scheduled_core_attention(False, schedule), False, qk_layernorm)
+    Core attention is chosen per layer from the model config's schedule when the model is
+    built. Norms are :class:`SPNorm` (LayerNorm or RMSNorm per ``config.normalization``;
+    sequence parallel works)."""
+    return _layer_spec(_scheduled_core_attention(False), False, qk_layernorm)
 
 
-def get_s2_layer_te_spec(schedule: Optional[AttentionSchedule] = None,
-                         qk_layernorm: bool = False) -> ModuleSpec:
+def get_s2_layer_te_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """Like :func:`get_s2_layer_local_spec` with Transformer Engine linears and fused norms;
     dense layers use ``TEDotProductAttention``."""
     _require_te("get_s2_layer_te_spec")
-    return _layer_spec(_scheduled_core_attention(True, schedule), True, qk_layernorm)
+    return _layer_spec(_scheduled_core_attention(True), True, qk_layernorm)
 
 
-def get_s2_decoder_block_spec(config, schedule: AttentionSchedule, use_te: bool = False,
-                              vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+def get_s2_decoder_block_spec(config, use_te: bool = False, vp_stage: Optional[int] = None,
+                              pp_rank: Optional[int] = None,
                               qk_layernorm: bool = False) -> TransformerBlockSubmodules:
     """``TransformerBlockSubmodules`` for this pipeline (and virtual pipeline) stage.
 
@@ -143,8 +150,8 @@ def get_s2_decoder_block_spec(config, schedule: AttentionSchedule, use_te: bool 
     if use_te:
         _require_te("get_s2_decoder_block_spec(use_te=True)")
     dense = TEDotProductAttention if use_te else FusedDenseAttention
-    s2 = ModuleSpec(module=S2CoreAttention, params={"schedule": schedule})
-    specs = [_layer_spec(dense if kind == "dense" else s2, use_te, qk_layernorm)
+    schedule = s2_settings_of(config).schedule
+    specs = [_layer_spec(dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm)
              for kind in schedule.layer_kinds(config.num_layers)]
 
     layout = getattr(config, "pipeline_model_parallel_layout", None)
@@ -161,7 +168,16 @@ def get_s2_decoder_block_spec(config, schedule: AttentionSchedule, use_te: bool 
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=TENorm if use_te else SPNorm)
 
 
+class _TransformerEngineMissingLayer(TransformerLayer):
+    """Stands in for the TE layer spec where TE does not import: building a model with it fails
+    with :class:`TransformerEngineMissing` instead of Megatron's "specialize for NoneType"."""
+
+    def __init__(self, *args, **kwargs):
+        _require_te("megatron_s2.specs.s2_layer_spec_te")
+
+
 # Ready-made objects for `pretrain_gpt.py --spec megatron_s2.specs s2_layer_spec` (Megatron-LM
 # imports a spec object, not a factory). The schedule is resolved when each layer is built.
 s2_layer_spec: ModuleSpec = get_s2_layer_local_spec()
-s2_layer_spec_te: Optional[ModuleSpec] = get_s2_layer_te_spec() if HAVE_TE else None
+s2_layer_spec_te: ModuleSpec = (get_s2_layer_te_spec() if HAVE_TE
+                                else ModuleSpec(module=_TransformerEngineMissingLayer))

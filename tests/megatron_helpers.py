@@ -36,7 +36,7 @@ def init_single_process() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def tiny_config(**kw):
+def tiny_config(config_class=None, **kw):
     """A 4-layer, hidden-64, 8-head (4 KV groups, head size 16) TransformerConfig for CPU tests."""
     from megatron.core.transformer import TransformerConfig
 
@@ -49,7 +49,14 @@ def tiny_config(**kw):
                 bias_activation_fusion=False, masked_softmax_fusion=False,
                 gradient_accumulation_fusion=False, params_dtype=torch.float32)
     base.update(kw)
-    return TransformerConfig(**base)
+    return (config_class or TransformerConfig)(**base)
+
+
+def tiny_s2_config(schedule, **kw):
+    """:func:`tiny_config` as a ``megatron_s2.S2TransformerConfig`` carrying ``schedule``."""
+    from megatron_s2.config import S2TransformerConfig
+
+    return tiny_config(config_class=S2TransformerConfig, s2_schedule=schedule, **kw)
 
 
 def import_tool(name: str = "gpu_parallel_check"):

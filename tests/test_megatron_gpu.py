@@ -30,8 +30,7 @@ def test_core_attention_modules_on_cuda_8k(dtype):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_s2.core_attention import S2CoreAttention
-    from megatron_s2.dense_attention import FusedDenseAttention
+    from megatron_s2.attention import FusedDenseAttention, S2CoreAttention
     from s2attn import S2Pattern, s2_attention_reference
 
     s, b, h, g, d = 8192, 1, 8, 2, 64

@@ -5,14 +5,18 @@ import os
 import pytest
 import torch
 
-from megatron_helpers import REPO, TINY_SCHEDULE, init_single_process, tiny_config
+from megatron_helpers import REPO, TINY_SCHEDULE, init_single_process, tiny_config, tiny_s2_config
 
 pytest.importorskip("megatron.core")
 
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
-from megatron_s2.core_attention import S2CoreAttention, ScheduledCoreAttention  # noqa: E402
-from megatron_s2.dense_attention import FusedDenseAttention  # noqa: E402
+from megatron_s2.attention import (  # noqa: E402
+    FusedDenseAttention,
+    S2CoreAttention,
+    ScheduledCoreAttention,
+)
+from megatron_s2.config import S2TransformerConfig  # noqa: E402
 from megatron_s2.schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError  # noqa: E402
 from s2attn import S2Pattern, s2_attention_reference  # noqa: E402
 
@@ -64,9 +68,8 @@ def _build(schedule, backend="reference", **cfg_kw):
     Triton kernels, under the interpreter in this test session)."""
     from megatron_s2.model import build_gpt_model
 
-    cfg = tiny_config(**cfg_kw)
-    cfg.s2_backend = backend
-    return build_gpt_model(cfg, schedule, vocab_size=VOCAB, max_sequence_length=SEQ)
+    cfg = tiny_s2_config(schedule, s2_backend=backend, s2_seq_length=SEQ, **cfg_kw)
+    return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def _fwd_bwd(model):
@@ -127,12 +130,11 @@ def test_s2_core_attention_tp_ranks_compute_their_rows_of_the_full_pattern():
 
 
 def test_s2_layer_follows_global_layer_number():
-    sched = AttentionSchedule.from_dict(TINY_SCHEDULE)
-    cfg = tiny_config()
-    m3 = S2CoreAttention(cfg, 3, AttnMaskType.causal, "self", schedule=sched, pg_collection=_PG(0, 1))
+    cfg = tiny_s2_config(TINY_SCHEDULE)
+    m3 = S2CoreAttention(cfg, 3, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
     assert (m3.pattern.vert_stride, m3.pattern.num_dense_heads) == (4, 2)  # override of 0-based 2
     with pytest.raises(ValueError, match="layer 2 is dense"):
-        S2CoreAttention(cfg, 2, AttnMaskType.causal, "self", schedule=sched, pg_collection=_PG(0, 1))
+        S2CoreAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
 
 
 def test_s2_with_full_window_is_dense_causal():
@@ -180,7 +182,7 @@ def test_unsupported_configurations_fail_at_construction(cls, cfg_kw, ctor_kw, m
 def test_s2_rejects_dropout_dense_accepts_it():
     cfg = tiny_config(attention_dropout=0.1)
     pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
-    with pytest.raises(ValueError, match="attention_dropout=0.0"):
+    with pytest.raises(ValueError, match=r"attention_dropout=0.0 \(Megatron-LM: --attention-dropout 0.0\)"):
         S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1))
     FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
 
@@ -230,15 +232,17 @@ def test_build_gpt_model_validates_schedule():
     with pytest.raises(ScheduleError, match=r"attention\.dense_layers\.indices"):
         _build({"dense_layers": {"indices": [9]}})
     with pytest.raises(ScheduleError, match=r"attention\.s2\.block_size \(64\) must divide"):
-        from megatron_s2.model import build_gpt_model
-        build_gpt_model(tiny_config(), {"s2": {"block_size": 64}}, vocab_size=VOCAB,
-                        max_sequence_length=SEQ, seq_length=96)
+        tiny_s2_config({"s2": {"block_size": 64}}, s2_seq_length=96)
+    from megatron_s2.model import build_gpt_model
+
+    with pytest.raises(TypeError, match="S2TransformerConfig"):
+        build_gpt_model(tiny_config(), vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def test_build_logs_schedule_table(caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="megatron_s2.model"):
+    with caplog.at_level(logging.INFO, logger="megatron_s2.schedule"):
         _build(TINY_SCHEDULE)
     assert "density@128" in caplog.text and "dense" in caplog.text
 
@@ -246,14 +250,13 @@ def test_build_logs_schedule_table(caplog):
 def test_block_spec_slices_pipeline_stages():
     from megatron_s2.specs import get_s2_decoder_block_spec
 
-    sched = AttentionSchedule.from_dict({"dense_layers": {"indices": [2]}})
-    cfg = tiny_config(num_layers=4)
+    cfg = tiny_s2_config({"dense_layers": {"indices": [2]}}, num_layers=4)
     cfg.pipeline_model_parallel_size = 2
-    stage1 = get_s2_decoder_block_spec(cfg, sched, pp_rank=1)
+    stage1 = get_s2_decoder_block_spec(cfg, pp_rank=1)
     cores = [s.submodules.self_attention.submodules.core_attention for s in stage1.layer_specs]
     # Stage 1 holds global layers 2 and 3 (0-based): dense then S2.
     assert cores[0] is FusedDenseAttention
-    assert cores[1].module is S2CoreAttention
+    assert cores[1] is S2CoreAttention
 
 
 def test_spec_import_module_path(tmp_path, monkeypatch):
@@ -270,7 +273,6 @@ def test_spec_import_module_path(tmp_path, monkeypatch):
     assert spec is not None
     assert spec.submodules.self_attention.submodules.core_attention.module is ScheduledCoreAttention
     cfg = tiny_config()
-    cfg.s2_backend = "reference"
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=SEQ)
     assert [k for k, _ in _core_kinds(model)] == ["FusedDenseAttention", "S2CoreAttention"] * 2
@@ -302,9 +304,45 @@ def test_te_spec_absent_or_buildable():
     from megatron_s2 import specs
 
     if not specs.HAVE_TE:
-        assert specs.s2_layer_spec_te is None
-        with pytest.raises(ValueError, match="Transformer Engine"):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.spec_utils import import_module
+
+        # As Megatron-LM's --spec imports it: an object, which fails at build with the reason.
+        spec = import_module(("megatron_s2.specs", "s2_layer_spec_te"))
+        with pytest.raises(specs.TransformerEngineMissing,
+                           match=r"Transformer Engine.*pip install.*s2_layer_spec "
+                                 r"--transformer-impl local"):
+            GPTModel(config=tiny_config(), transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ)
+        with pytest.raises(specs.TransformerEngineMissing, match="Transformer Engine"):
             specs.get_s2_layer_te_spec()
     else:
         assert specs.s2_layer_spec_te.submodules.self_attention.submodules.core_attention.params[
             "dense_attention"].__name__ == "TEDotProductAttention"
+
+
+# ---------------------------------------------------------------------- typed config
+def test_s2_transformer_config_declares_validates_and_survives_copies():
+    import copy
+
+    path = os.path.join(REPO, "configs", "attention", "ablation_overrides.yaml")
+    cfg = tiny_s2_config(path, num_layers=8, s2_seq_length=SEQ)
+    assert isinstance(cfg.s2_schedule, AttentionSchedule) and cfg.s2_schedule.source == path
+    assert cfg.s2_num_query_groups == 4 and cfg.attention_dropout == 0.0
+    # Megatron deep-copies the config and fakes num_query_groups when groups < TP.
+    dup = copy.deepcopy(cfg)
+    dup.num_query_groups = 8
+    assert dup.s2_num_query_groups == 4 and dup.s2_schedule.to_dict() == cfg.s2_schedule.to_dict()
+    assert "s2_schedule" in {f.name for f in __import__("dataclasses").fields(S2TransformerConfig)}
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"s2_schedule": None}, "s2_schedule is required"),
+    ({"s2_schedule": {}, "s2_backend": "cuda"}, r"s2_backend must be one of"),
+    ({"s2_schedule": {"s2": {"vert_stride": 0}}}, r"attention\.s2\.vert_stride"),
+    ({"s2_schedule": {"s2": {"block_size": 16, "local_blocks": 1, "vert_stride": 16}},
+      "s2_seq_length": 512}, r"unseen at 512 tokens"),
+])
+def test_s2_transformer_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(config_class=S2TransformerConfig, **kw)

@@ -116,7 +116,7 @@ def test_shipped_examples_exist():
     assert {"phi3_small.yaml", "all_s2.yaml", "ablation_overrides.yaml"} <= names
     phi3 = AttentionSchedule.from_yaml(os.path.join(REPO, "configs", "attention", "phi3_small.yaml"))
     assert phi3.layer_kinds(4) == ["S2", "dense", "S2", "dense"]
-    assert phi3.s2.head_offset == 1
+    assert phi3.s2["head_offset"] == 1
 
 
 def test_env_var(tmp_path, monkeypatch):
@@ -124,9 +124,60 @@ def test_env_var(tmp_path, monkeypatch):
     f.write_text("s2: {block_size: 32, vert_stride: 4}\ndense_layers: {indices: [0]}\n")
     monkeypatch.setenv(SCHEDULE_ENV_VAR, str(f))
     s = AttentionSchedule.from_env()
-    assert s.s2.block_size == 32 and s.layer_kinds(2) == ["dense", "S2"]
+    assert s.s2["block_size"] == 32 and s.layer_kinds(2) == ["dense", "S2"]
     monkeypatch.setenv(SCHEDULE_ENV_VAR, str(tmp_path / "missing.yaml"))
     with pytest.raises(ScheduleError, match=SCHEDULE_ENV_VAR):
         AttentionSchedule.from_env()
     monkeypatch.delenv(SCHEDULE_ENV_VAR)
     assert AttentionSchedule.from_env() is None
+
+
+# ---------------------------------------------------------------------- union coverage at build
+def test_coverage_holes_are_an_error_naming_layer_and_settings():
+    # 32 heads, stride 64: head_step 2 gives 32 of 64 phases, so every other block is unseen.
+    s = AttentionSchedule.from_dict({"s2": {"vert_stride": 64}, "dense_layers": {"indices": [0]}})
+    with pytest.raises(ScheduleError, match=r"attention\.s2 \(layer 1\).*1016 of 2048 key blocks "
+                                            r"unseen at 131072 tokens.*32 of 64 stripe phases"
+                                            r".*allow_coverage_holes"):
+        s.validate(2, 32, 8, 1, 131072)
+    # Without a training length: the same holes, found at a length where every phase shows.
+    with pytest.raises(ScheduleError, match=r"32 of every 64 key blocks unseen"):
+        AttentionSchedule.from_dict({"s2": {"vert_stride": 64}}).validate(2, 32, 8, 1)
+
+
+def test_coverage_holes_in_an_override_name_the_override():
+    s = AttentionSchedule.from_dict({"overrides": {1: {"homo_head": True}}})
+    with pytest.raises(ScheduleError, match=r"attention\.overrides\.1 \(layer 1\).*homo_head"):
+        s.validate(2, 8, 4, 1, 4096)
+
+
+def test_coverage_holes_allowed_when_the_schedule_says_so_and_shown_in_the_table():
+    d = {"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 16}, "allow_coverage_holes": True}
+    s = AttentionSchedule.from_dict(d)
+    s.validate(2, 8, 4, 1, 1024)                      # 8 heads, stride 16: half the phases
+    row = s.summary(2, 8, 4, 1024).splitlines()[2]
+    assert "31/64 unseen" in row  # odd blocks 1..61 (62, 63 lie in every later window)
+    assert AttentionSchedule.from_dict(s.to_dict()).allow_coverage_holes
+    with pytest.raises(ScheduleError, match="allow_coverage_holes must be true or false"):
+        AttentionSchedule.from_dict({"allow_coverage_holes": "yes"})
+
+
+def test_short_training_length_has_no_holes_inside_the_local_window():
+    # At 2 blocks of 16 with local 2 every key block is in every later query's window.
+    AttentionSchedule.from_dict({"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 64}}
+                                ).validate(1, 8, 4, 1, 32)
+
+
+def test_full_coverage_shown_in_the_table():
+    table = AttentionSchedule.from_dict(HYBRID).summary(6, 8, 4, 256)
+    assert "coverage" in table.splitlines()[0]
+    assert all(line.split()[9] == "full" for line in table.splitlines()[2:-1])
+
+
+def test_schedule_keys_are_the_pattern_settings():
+    from s2attn import S2Pattern
+
+    assert set(AttentionSchedule().s2) == set(S2Pattern.setting_names())
+    p = AttentionSchedule.from_dict({"s2": {"head_step": 2, "homo_head": False}}).layer_pattern(
+        1, 8, 4, num_layers=1)
+    assert p.settings() == {**AttentionSchedule().s2, "head_step": 2}

@@ -1,0 +1,256 @@
+"""Core attention modules for Megatron-core's ``SelfAttentionSubmodules.core_attention`` slot.
+
+All three have the constructor and forward contract of Megatron's ``DotProductAttention``:
+
+* :class:`S2CoreAttention` -- S2 block-sparse attention for one layer. Its pattern is the layer's
+  full-model pattern (chosen by the **global** layer number) restricted to this TP rank's
+  **global** head range, so every rank computes exactly its rows of the full model.
+* :class:`FusedDenseAttention` -- dense causal attention on PyTorch's fused SDPA kernels (the
+  dense layers of the local spec; Megatron's local ``DotProductAttention`` materializes the
+  ``[b, h, s, s]`` scores, which does not fit at long context).
+* :class:`ScheduledCoreAttention` -- returns one of the two (or the TE spec's dense attention)
+  for each layer from the attention schedule, so one layer spec serves a whole hybrid model
+  (``pretrain_gpt.py --spec megatron_s2.specs s2_layer_spec``).
+
+The schedule and the other S2 settings come from the config (:func:`megatron_s2.config.
+s2_settings_of`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from s2attn import S2Pattern, s2_attention
+
+from .config import s2_backend_of, s2_settings_of
+
+__all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
+
+
+def _tp_group(pg_collection):
+    """The tensor-parallel group from a ``ProcessGroupCollection`` or Megatron's globals."""
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
+
+
+def _check_layer_support(module: str, config, layer_number: int, attn_mask_type,
+                         attention_type, extra_kwargs: dict) -> None:
+    """Construction-time checks shared by the S2 and fused dense modules (ValueError)."""
+    where = f"{module} (layer {layer_number})"
+    if attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"{where}: attn_mask_type must be AttnMaskType.causal, "
+                         f"got {attn_mask_type}")
+    if attention_type != "self":
+        raise ValueError(f"{where}: attention_type must be 'self', got {attention_type!r}")
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise ValueError(f"{where}: context_parallel_size={cp} is not supported yet; use "
+                         f"context_parallel_size=1")
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type not in (None, "vanilla"):
+        raise ValueError(f"{where}: softmax_type must be 'vanilla', got {softmax_type!r}")
+    if getattr(config, "window_size", None) is not None:
+        raise ValueError(f"{where}: window_size (sliding-window attention) is not supported; S2 "
+                         f"layers have their own local window")
+    k_ch, v_ch = extra_kwargs.get("k_channels"), extra_kwargs.get("v_channels")
+    if any(ch is not None and ch != config.kv_channels for ch in (k_ch, v_ch)):
+        raise ValueError(f"{where}: different key/value head sizes (multi-latent attention) are "
+                         f"not supported")
+
+
+def _check_forward_support(module: str, attn_mask_type, attention_bias, packed_seq_params):
+    """Forward-time checks: things only the forward call reveals."""
+    if packed_seq_params is not None:
+        raise ValueError(f"{module}: packed sequences (packed_seq_params, THD format) are not "
+                         f"supported; train on fixed-length [s, b] batches")
+    if attention_bias is not None:
+        raise ValueError(f"{module}: attention_bias is not supported")
+    if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"{module}: attn_mask_type must be AttnMaskType.causal, "
+                         f"got {attn_mask_type}")
+
+
+class S2CoreAttention(MegatronModule):
+    """S2 block-sparse causal core attention for one transformer layer.
+
+    Args (Megatron's core-attention contract, plus):
+        pattern: an explicit full-model :class:`s2attn.S2Pattern` (all global heads); default:
+            the schedule's pattern for ``layer_number``.
+
+    Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (this rank's heads, GQA
+    groups not repeated) -> ``[sq, b, np * hn]``.
+
+    Unsupported (ValueError at construction): non-causal masks, attention dropout > 0, context
+    parallelism, non-vanilla softmax, sliding windows, MLA head sizes, FP8 attention; at forward:
+    packed/THD sequences, attention bias. ``apply_query_key_layer_scaling`` needs nothing: it
+    rescales by the layer number before the softmax and back inside it, a numerical no-op for
+    the fp32-accumulating kernel.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, pattern: Optional[S2Pattern] = None, **kwargs):
+        super().__init__(config=config)
+        name = type(self).__name__
+        _check_layer_support(name, config, layer_number, attn_mask_type, attention_type, kwargs)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"{name} (layer {layer_number}): attention dropout ({dropout}) is not implemented "
+                f"for S2 layers; set TransformerConfig.attention_dropout=0.0 (Megatron-LM: "
+                f"--attention-dropout 0.0)")
+        if getattr(config, "fp8_dot_product_attention", False):
+            raise ValueError(f"{name} (layer {layer_number}): fp8_dot_product_attention is not "
+                             f"supported by S2 layers")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = _softmax_scale(config, softmax_scale)
+        self.backend = s2_backend_of(config)
+
+        tp_group = _tp_group(pg_collection)
+        heads = config.num_attention_heads
+        # config.num_query_groups is what this rank's K/V carry (Megatron's replicated value
+        # when the true groups are fewer than TP ranks). Phases are per query head, so the rows
+        # of the pattern do not depend on it.
+        groups = config.num_query_groups or heads
+        if pattern is None:
+            pattern = s2_settings_of(config).schedule.layer_pattern(layer_number, heads, groups,
+                                                                    config.num_layers)
+            if pattern is None:
+                raise ValueError(f"{name}: layer {layer_number} is dense in the attention "
+                                 f"schedule; build it with ScheduledCoreAttention or a dense module")
+        elif pattern.num_heads != heads:
+            raise ValueError(f"{name}: pattern has {pattern.num_heads} heads, the model {heads} "
+                             f"(pattern heads are global, across TP ranks)")
+        else:
+            pattern = pattern.with_heads(heads, groups)
+        self.global_pattern = pattern
+        # Equal patterns share the kernels' index-structure cache, so S2 layers with the same
+        # settings build their layouts once for the whole model.
+        self.pattern = pattern.for_tp_rank(tp_group.rank(), tp_group.size())
+
+    def extra_repr(self) -> str:
+        p = self.pattern
+        return (f"layer={self.layer_number}, heads=[{p.head_start}, {p.head_end}) of "
+                f"{p.num_heads}, {p.describe()}")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None,
+                **kwargs) -> torch.Tensor:
+        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
+
+        ``attention_mask`` is ignored: causality comes from the mask type (checked)."""
+        _check_forward_support(type(self).__name__, attn_mask_type, attention_bias,
+                               packed_seq_params)
+        sq, b, nq, hn = query.shape
+        out = s2_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                           self.pattern, softmax_scale=self.softmax_scale, backend=self.backend)
+        # out is [b, sq, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
+        return out.transpose(0, 1).reshape(sq, b, nq * hn)
+
+
+def _sdpa_has_gqa() -> bool:
+    # A builtin without an introspectable signature: read its docstring (torch >= 2.5 has it).
+    return "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+_SDPA_HAS_GQA = _sdpa_has_gqa()
+
+
+class FusedDenseAttention(MegatronModule):
+    """Dense causal attention with ``DotProductAttention``'s contract, on fused SDPA kernels
+    (flash / cuDNN / memory-efficient on GPU: O(s) memory).
+
+    Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
+    -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
+    tracker, as Megatron does it).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, **kwargs):
+        super().__init__(config=config)
+        _check_layer_support(type(self).__name__, config, layer_number, attn_mask_type,
+                             attention_type, kwargs)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = float(config.attention_dropout if attention_dropout is None
+                               else attention_dropout)
+        self.softmax_scale = _softmax_scale(config, softmax_scale)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_number}, dense causal (SDPA), dropout={self.dropout_p}"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None,
+                **kwargs) -> torch.Tensor:
+        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
+
+        ``attention_mask`` is ignored: the mask type is causal (checked at construction)."""
+        _check_forward_support(type(self).__name__, attn_mask_type, attention_bias,
+                               packed_seq_params)
+        sq, b, nq, hn = query.shape
+        # SDPA wants [b, h, s, d]; the permutes are views.
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        ng = k.shape[1]
+        gqa = {}
+        if ng != nq:
+            if _SDPA_HAS_GQA:
+                gqa["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(nq // ng, dim=1)
+                v = v.repeat_interleave(nq // ng, dim=1)
+        p = self.dropout_p if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  scale=self.softmax_scale, **gqa)
+
+        if p > 0 and not self.config.sequence_parallel:
+            # Heads differ across TP ranks, so their dropout masks must too (Megatron's rule).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = attend()
+        else:
+            out = attend()
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)
+
+
+class ScheduledCoreAttention:
+    """Core-attention builder: S2 or dense for each layer, from the attention schedule.
+
+    ``ScheduledCoreAttention(config=..., layer_number=..., ...)`` returns an
+    :class:`S2CoreAttention` for S2 layers and ``dense_attention(...)`` for dense ones (default
+    :class:`FusedDenseAttention`; the TE spec passes Transformer Engine's attention through
+    ``ModuleSpec(params={"dense_attention": ...})``). The layer is looked up by its global
+    1-based ``layer_number``, so one spec serves every pipeline stage.
+    """
+
+    def __new__(cls, config, layer_number: int, attn_mask_type: AttnMaskType,
+                attention_type: str = "self", *, dense_attention=FusedDenseAttention, **kwargs):
+        schedule = s2_settings_of(config).schedule
+        pattern = schedule.layer_pattern(layer_number, config.num_attention_heads,
+                                         config.num_query_groups, config.num_layers)
+        module = dense_attention if pattern is None else S2CoreAttention
+        if pattern is not None:
+            kwargs["pattern"] = pattern
+        return module(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                      attention_type=attention_type, **kwargs)
