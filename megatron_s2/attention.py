@@ -125,7 +125,7 @@ class S2CoreAttention(MegatronModule):
         # config.num_query_groups is what this rank's K/V carry (Megatron's replicated value
         # when the true groups are fewer than TP ranks). Phases are per query head, so the rows
         # of the pattern do not depend on it.
-        groups = config.num_query_groups or heads
+        groups = config.num_query_groups
         if pattern is None:
             pattern = s2_settings_of(config).schedule.layer_pattern(layer_number, heads, groups,
                                                                     config.num_layers)

@@ -102,7 +102,7 @@ def s2_settings_of(config) -> S2Settings:
             f"schedule. Build it as megatron_s2.S2TransformerConfig(..., s2_schedule=...) or, "
             f"under Megatron-LM's pretrain_gpt.py --spec, point ${SCHEDULE_ENV_VAR} at a "
             f"schedule YAML")
-    settings = S2Settings(schedule, config.num_query_groups or config.num_attention_heads, None,
+    settings = S2Settings(schedule, config.num_query_groups, None,
                           "auto")
     schedule.validate(config.num_layers, config.num_attention_heads, settings.num_query_groups,
                       config.tensor_model_parallel_size)

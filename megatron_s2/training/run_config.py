@@ -63,6 +63,11 @@ class ModelConfig:
     recompute_num_layers: int = 1
 
     @property
+    def query_groups(self) -> int:
+        """KV groups: ``num_query_groups``, else one per head (no GQA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
     def ffn_size(self) -> int:
         """FFN width: ``ffn_hidden_size``, else Megatron's default 4h (also with SwiGLU)."""
         return self.ffn_hidden_size or 4 * self.hidden_size
@@ -226,7 +231,7 @@ class RunConfig:
             raise ConfigError(
                 f"model.hidden_size ({m.hidden_size}) must be divisible by "
                 f"model.num_attention_heads ({m.num_attention_heads}) unless model.kv_channels is set")
-        groups = m.num_query_groups or m.num_attention_heads
+        groups = m.query_groups
         if m.num_attention_heads % groups:
             raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
                               f"by model.num_query_groups ({groups})")
