@@ -20,6 +20,7 @@ Transformer Engine raises an error that says what to install or which spec to us
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -79,6 +80,15 @@ def _require_te(what: str) -> None:
             f"Megatron-LM, use_te=False in megatron_s2.build_gpt_model")
 
 
+def _mlp_spec(fc1, fc2):
+    submodules = MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+    # megatron-core >= 0.19 builds a layer's MLP through MLP.as_mlp_submodule (and warns when it
+    # has to rewrap a ModuleSpec); 0.16.1 knows only the ModuleSpec form.
+    if hasattr(MLP, "as_mlp_submodule"):
+        return partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
 def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
     if use_te:
         _require_te("S2 TE layer spec")
@@ -109,7 +119,7 @@ def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_mlp_norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)),
+            mlp=_mlp_spec(fc1, fc2),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),

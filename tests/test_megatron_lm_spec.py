@@ -46,7 +46,8 @@ DATA_FLAGS = {"--no-create-attention-mask-in-dataloader"}
 
 def documented_flags() -> list:
     """The words of the ``S2_LOCAL_FLAGS=( ... )`` array in docs/megatron.md."""
-    text = open(DOC).read()
+    with open(DOC) as f:
+        text = f.read()
     m = re.search(r"S2_LOCAL_FLAGS=\((.*?)\n\)", text, re.S)
     assert m, "docs/megatron.md has no S2_LOCAL_FLAGS=( ... ) block"
     words = []
