@@ -8,9 +8,9 @@ Importable without Megatron. The Triton kernels run on CUDA, or on the CPU under
 ``TRITON_INTERPRET=1``; the PyTorch reference is the CPU fallback.
 """
 
-from .pattern import S2Pattern, CoverageReport, SUPPORTED_BLOCK_SIZES
-from .reference import s2_attention_reference
 from .attention import s2_attention
+from .pattern import SUPPORTED_BLOCK_SIZES, CoverageReport, S2Pattern
+from .reference import s2_attention_reference
 
 __all__ = ["S2Pattern", "CoverageReport", "SUPPORTED_BLOCK_SIZES", "s2_attention",
            "s2_attention_reference"]

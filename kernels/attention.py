@@ -25,34 +25,42 @@ def validate_inputs(q, k, v, pattern: S2Pattern, q_start: int, k_start: int) -> 
         raise TypeError(f"s2_attention: pattern must be an S2Pattern, got {type(pattern).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"s2_attention: {name} must be a 4-D tensor [batch, seq, heads, head_dim]")
+            raise ValueError(
+                f"s2_attention: {name} must be a 4-D tensor [batch, seq, heads, head_dim]")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"s2_attention: dtype must be fp16, bf16, fp32 or fp64, got {q.dtype}")
+        raise ValueError(
+            f"s2_attention: dtype must be fp16, bf16, fp32 or fp64, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"s2_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"s2_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError("s2_attention: q, k, v must be on the same device")
     b, sq, hq, d = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"s2_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        raise ValueError(
+            f"s2_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"s2_attention: k/v batch and head_dim {tuple(k.shape)} must match q {tuple(q.shape)}")
+        raise ValueError(f"s2_attention: k/v batch and head_dim {tuple(k.shape)} must match "
+                         f"q {tuple(q.shape)}")
     hkv = k.shape[2]
     if hq != pattern.local_num_heads:
         raise ValueError(
-            f"s2_attention: q has {hq} heads but the pattern covers {pattern.local_num_heads} heads "
-            f"(global heads [{pattern.head_start}, {pattern.head_end})); use pattern.head_range()")
+            f"s2_attention: q has {hq} heads but the pattern covers "
+            f"{pattern.local_num_heads} heads (global heads [{pattern.head_start}, "
+            f"{pattern.head_end})); use pattern.head_range()")
     if hkv != pattern.local_num_kv_heads:
         raise ValueError(
-            f"s2_attention: k/v have {hkv} heads but the pattern expects {pattern.local_num_kv_heads} "
-            f"KV heads (num_heads={pattern.num_heads}, num_kv_heads={pattern.num_kv_heads})")
+            f"s2_attention: k/v have {hkv} heads but the pattern expects "
+            f"{pattern.local_num_kv_heads} KV heads (num_heads={pattern.num_heads}, "
+            f"num_kv_heads={pattern.num_kv_heads})")
     if sq < 1 or k.shape[1] < 1:
         raise ValueError("s2_attention: sequence lengths must be >= 1")
     B = pattern.block_size
     for name, val in (("q_start", q_start), ("k_start", k_start)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0 or val % B:
             raise ValueError(
-                f"s2_attention: {name} must be a non-negative multiple of block_size={B}, got {val!r}")
+                f"s2_attention: {name} must be a non-negative multiple of block_size={B}, "
+                f"got {val!r}")
     pattern.check_seq_len(q_start + sq, "q_start + seq_q")
     pattern.check_seq_len(k_start + k.shape[1], "k_start + seq_k")
 
@@ -73,8 +81,8 @@ def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2P
             scale included), differentiable, so partial results over key chunks can be merged.
         q_start, k_start: absolute token positions of ``q[:, 0]`` and ``k[:, 0]`` (multiples of
             the block size); the pattern and the causal mask use absolute positions.
-        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"`` (PyTorch),
-            or ``"auto"`` (Triton when usable).
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
+            (PyTorch), or ``"auto"`` (Triton when usable).
     Returns:
         ``out`` with q's shape, dtype and memory layout (and ``lse`` if ``return_lse``). Query rows
         that attend no key (only possible with offsets) are 0 with lse ``-inf``.
@@ -90,11 +98,13 @@ def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2P
                 f"s2_attention: head_dim must be one of {SUPPORTED_HEAD_DIMS} for the Triton "
                 f"backend, got {q.shape[-1]}")
         if not _triton_usable(q):
-            raise ValueError("s2_attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
+            raise ValueError(
+                "s2_attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
         from .triton_attention import S2AttentionFunction
         out, lse = S2AttentionFunction.apply(q, k, v, pattern, scale, q_start, k_start)
         return (out, lse) if return_lse else out
     if backend == "triton":
-        raise ValueError("s2_attention: the Triton backend does not take fp64; use backend='reference'")
+        raise ValueError(
+            "s2_attention: the Triton backend does not take fp64; use backend='reference'")
     return s2_attention_reference(q, k, v, pattern, softmax_scale=scale, return_lse=return_lse,
                                   q_start=q_start, k_start=k_start)

@@ -25,6 +25,9 @@ import torch
 
 from .pattern import S2Pattern
 
+# Smallest tile side: tl.dot needs at least 16 rows and columns.
+MIN_TILE = 16
+
 
 class MergeNotExact(ValueError):
     """A user mask whose attending rows are not contiguous inside a merged query tile."""
@@ -88,7 +91,8 @@ def _s2_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, blo
     # Stripes strictly left of the band: j in [kb_lo, min(qb0 - L, kb_hi)], j % V == r.
     va = torch.full_like(qb0, kb_lo)
     vb = torch.clamp(qb0 - L, max=kb_hi)
-    n_vert = torch.div(vb - r, V, rounding_mode="floor") - torch.div(va - 1 - r, V, rounding_mode="floor")
+    n_vert = (torch.div(vb - r, V, rounding_mode="floor")
+              - torch.div(va - 1 - r, V, rounding_mode="floor"))
     n_vert = torch.where(dn | (vb < va), torch.zeros_like(n_vert), n_vert)
     first_v = va + torch.remainder(r - va, V)
     sub = B // block_n
@@ -124,7 +128,8 @@ def _mask_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, b
     per = max(1, B // block_m)
     if per > 1:
         h, i, j = (x.repeat_interleave(per) for x in (h, i, j))
-        t = torch.div(i * B - q_start, block_m, rounding_mode="floor") + torch.arange(per, device=device).repeat(len(i) // per)
+        t = (torch.div(i * B - q_start, block_m, rounding_mode="floor")
+             + torch.arange(per, device=device).repeat(len(i) // per))
     else:
         t = torch.div(i * B - q_start, block_m, rounding_mode="floor")
     keep = t < nqt
@@ -144,8 +149,10 @@ def _mask_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, b
     tile_start = q_start + tt * block_m
     tile_end = torch.clamp(tile_start + block_m, max=q_start + seq_q)
     sub = B // block_n
-    item, jj, tile_start, tile_end, imin, imax = (x.repeat_interleave(sub) for x in (item, jj, tile_start, tile_end, imin, imax))
-    kt = torch.div(jj * B - k_start, block_n, rounding_mode="floor") + torch.arange(sub, device=device).repeat(len(uniq))
+    item, jj, tile_start, tile_end, imin, imax = (
+        x.repeat_interleave(sub) for x in (item, jj, tile_start, tile_end, imin, imax))
+    kt = (torch.div(jj * B - k_start, block_n, rounding_mode="floor")
+          + torch.arange(sub, device=device).repeat(len(uniq)))
     lo = torch.maximum(imin * B, tile_start)
     hi = torch.minimum((imax + 1) * B, tile_end)
     return item, kt, lo, hi
@@ -175,8 +182,8 @@ def _full_first(group: torch.Tensor, full: torch.Tensor, ptr: torch.Tensor, num_
     start = ptr[:-1][group]
     full_rank = before - before[start] if n else before
     n_full = torch.bincount(group[full], minlength=num_groups)
-    pos = torch.where(full, start + full_rank,
-                      start + n_full[group] + (torch.arange(n, device=group.device) - start - full_rank))
+    rank_in_rest = torch.arange(n, device=group.device) - start - full_rank
+    pos = torch.where(full, start + full_rank, start + n_full[group] + rank_in_rest)
     perm = torch.empty_like(pos)
     perm[pos] = torch.arange(n, device=group.device)
     return perm, n_full
@@ -224,7 +231,9 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
         t = item % nqt
         citem = h * nkt + kt
         # Stable sort by key tile keeps query tiles ascending inside each (head, key tile).
-        by_col = torch.sort(citem.to(torch.int32) if H * nkt < 2**31 else citem, stable=True).indices
+        # int32 keys sort faster; the key range decides whether they fit.
+        fits = H * nkt <= torch.iinfo(torch.int32).max
+        by_col = torch.sort(citem.to(torch.int32) if fits else citem, stable=True).indices
         citem_s = citem[by_col]
         col_ptr, ccounts = _ptrs(citem_s, H * nkt)
         corder, nc_full = _full_first(citem_s, full[by_col], col_ptr, H * nkt)
@@ -240,9 +249,10 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
 def layout_for(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device,
                with_csc=False) -> TileLayout:
     """Like :func:`build_layout`, falling back to unmerged query tiles (``block_m`` = block
-    size, at least 16) when a user mask cannot be merged exactly."""
+    size, at least ``MIN_TILE``) when a user mask cannot be merged exactly."""
     try:
-        return build_layout(pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device, with_csc)
+        return build_layout(pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device,
+                            with_csc)
     except MergeNotExact:
-        bm = max(16, min(block_m, pattern.block_size))
+        bm = max(MIN_TILE, min(block_m, pattern.block_size))
         return build_layout(pattern, seq_q, seq_k, q_start, k_start, bm, block_n, device, with_csc)

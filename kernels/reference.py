@@ -14,6 +14,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .pattern import S2Pattern
 
+# Query tokens per checkpointed chunk: bounds the reference's peak memory to about
+# chunk x seq_k scores per head.
+DEFAULT_CHUNK_TOKENS = 1024
+
 
 def _chunk(q, k, v, pattern: S2Pattern, scale: float, q_pos0: int, k_start: int):
     """q: [b, c, hq, d] at absolute positions q_pos0..; k, v: [b, sk, hq, d] (already grouped)."""
@@ -37,7 +41,8 @@ def _chunk(q, k, v, pattern: S2Pattern, scale: float, q_pos0: int, k_start: int)
 
 def s2_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2Pattern,
                            softmax_scale: Optional[float] = None, return_lse: bool = False,
-                           q_start: int = 0, k_start: int = 0, chunk_tokens: int = 1024):
+                           q_start: int = 0, k_start: int = 0,
+                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
     """Reference S2 attention (same contract as :func:`s2attn.s2_attention`).
 
     Args:
@@ -45,6 +50,7 @@ def s2_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
         pattern: pattern whose local heads match ``heads``.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         q_start, k_start: absolute token position of the first query / key.
+        chunk_tokens: query tokens per checkpointed chunk (peak memory ~ chunk x seq_k scores).
     Returns:
         out ``[batch, seq_q, heads, head_dim]`` in q's dtype (and lse ``[batch, heads, seq_q]``,
         fp32 natural log, if ``return_lse``). Computed in fp32 (fp64 for fp64 inputs).
@@ -63,11 +69,11 @@ def s2_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     for a, b in zip(bounds[:-1], bounds[1:]):
         fn = lambda qq, kk, vv, a=a: _chunk(qq, kk, vv, pattern, scale, q_start + a, k_start)
         if torch.is_grad_enabled() and (qf.requires_grad or kf.requires_grad or vf.requires_grad):
-            o, l = checkpoint(fn, qf[:, a:b], kf, vf, use_reentrant=False)
+            o, lse = checkpoint(fn, qf[:, a:b], kf, vf, use_reentrant=False)
         else:
-            o, l = fn(qf[:, a:b], kf, vf)
+            o, lse = fn(qf[:, a:b], kf, vf)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse)
     out = torch.cat(outs, dim=1).to(q.dtype)
     if return_lse:
         return out, torch.cat(lses, dim=-1).float()

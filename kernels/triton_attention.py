@@ -13,8 +13,6 @@ natural-log log-sum-exp of the scaled logits, fp32, shape ``[batch, heads, seq_q
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -22,8 +20,10 @@ import triton.language as tl
 from .layout import layout_for
 from .pattern import S2Pattern
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# Logits are kept in base 2 (exp2 is the fast path); the LSE is returned in natural log.
+# constexpr so the @triton.jit code can read them (it reads no other globals).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 # --------------------------------------------------------------------------------------- forward
@@ -105,17 +105,18 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     tl.store(O + b * stride_ob + h64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_os
-             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
     tl.store(LSE + (b * num_heads + h64) * seq_q + offs_m, lse, mask=row_ok)
 
 
 # -------------------------------------------------------------------------------------- backward
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his, e_begin, e_end,
-                k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos, stride_dod,
-                seq_q, q_start, qk_scale,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
+                e_begin, e_end, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
+                stride_dod, seq_q, q_start, qk_scale,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     for e in range(e_begin, e_end):
         qt = tl.load(rows + e)
@@ -123,8 +124,10 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, 
         m64 = m_idx[:, None].to(tl.int64)
         if MASKED:
             row_ok = m_idx < seq_q
-            q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
+            q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd,
+                        mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod,
+                         mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_base + m_idx, mask=row_ok, other=0.0)
             delta = tl.load(delta_base + m_idx, mask=row_ok, other=0.0)
             # Rows that attend nothing (lse = -inf, only with offsets) must give p = 0, not NaN.
@@ -135,13 +138,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, 
             lse = tl.load(lse_base + m_idx)
             delta = tl.load(delta_base + m_idx)
         # Transposed scores [BLOCK_N, BLOCK_M]: keys are this program's rows.
-        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - (lse * 1.4426950408889634)[None, :]
+        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - (lse * LOG2E)[None, :]
         if MASKED:
             q_abs = q_start + m_idx
             lo = tl.load(los + e)
             hi = tl.load(his + e)
-            ok = (k_abs[:, None] <= q_abs[None, :]) & (q_abs[None, :] >= lo) & (q_abs[None, :] < hi) \
-                & (m_idx[None, :] < seq_q)
+            ok = (k_abs[:, None] <= q_abs[None, :]) & (q_abs[None, :] >= lo) \
+                & (q_abs[None, :] < hi) & (m_idx[None, :] < seq_q)
             sT = tl.where(ok, sT, float("-inf"))
         pT = tl.math.exp2(sT)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
@@ -176,10 +179,10 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, HEAD_DIM)
     n64 = offs_n[:, None].to(tl.int64)
     key_ok = offs_n < seq_k
-    k = tl.load(K + b * stride_kb + kvh64 * stride_kh + n64 * stride_ks + offs_d[None, :] * stride_kd,
-                mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + kvh64 * stride_vh + n64 * stride_vs + offs_d[None, :] * stride_vd,
-                mask=key_ok[:, None], other=0.0)
+    k = tl.load(K + b * stride_kb + kvh64 * stride_kh + n64 * stride_ks
+                + offs_d[None, :] * stride_kd, mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + kvh64 * stride_vh + n64 * stride_vs
+                + offs_d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
     k_abs = k_start + offs_n
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -201,10 +204,12 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                              e1, e2, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
                              stride_dod, seq_q, q_start, qk_scale, BLOCK_M, True, PRECISION)
     dk *= sm_scale
-    tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=key_ok[:, None])
+    tl.store(DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs
+             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=key_ok[:, None])
 
 
 @triton.jit
@@ -217,8 +222,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e
         n_idx = kt * BLOCK_N + offs_n
         n64 = n_idx[:, None].to(tl.int64)
         if MASKED:
-            k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd, mask=n_idx[:, None] < seq_k, other=0.0)
-            v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd, mask=n_idx[:, None] < seq_k, other=0.0)
+            k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd,
+                        mask=n_idx[:, None] < seq_k, other=0.0)
+            v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=n_idx[:, None] < seq_k, other=0.0)
         else:
             k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd)
             v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd)
@@ -265,15 +272,15 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_q
     m64 = offs_m[:, None].to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h64 * stride_qh + m64 * stride_qs + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos + offs_d[None, :] * stride_dod,
-                 mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + m64 * stride_qs
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos
+                 + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
     row_base = (b * num_heads + h64) * seq_q
     lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-    o = tl.load(O + b * stride_ob + h64 * stride_oh + m64 * stride_os + offs_d[None, :] * stride_od,
-                mask=row_ok[:, None], other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    o = tl.load(O + b * stride_ob + h64 * stride_oh + m64 * stride_os
+                + offs_d[None, :] * stride_od, mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + row_base + offs_m, mask=row_ok, other=0.0)
@@ -292,8 +299,9 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
                    offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
                    BLOCK_N, True, PRECISION)
     dq *= sm_scale
-    tl.store(DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------- launching
@@ -343,7 +351,7 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
     _s2_fwd_kernel[grid](
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E,
+        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return out, lse
@@ -352,13 +360,14 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
 def bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg):
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["dkdv_m"], cfg["bn"], q.device, with_csc=True)
+    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["dkdv_m"], cfg["bn"], q.device,
+                     with_csc=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
         q, k, v, do, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
-        hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E, scale,
+        hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E.value, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
         num_warps=cfg["dkdv_warps"], num_stages=cfg["bwd_stages"])
     return dk, dv
@@ -375,7 +384,7 @@ def bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg):
         q, k, v, out, do, lse, dlse if dlse is not None else lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(do), *_strides(dq),
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E, scale,
+        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
         HAS_DLSE=dlse is not None, num_warps=cfg["dq_warps"], num_stages=cfg["bwd_stages"])
     return dq, delta

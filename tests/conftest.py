@@ -6,7 +6,6 @@ to be set before ``triton`` is first imported, and pytest loads this file before
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -54,7 +53,8 @@ if not CUDA:
 def pytest_configure(config):
     # The Triton interpreter's scalar handling under numpy 2.x (harmless, thousands per test).
     config.addinivalue_line(
-        "filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+        "filterwarnings",
+        "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -77,8 +77,8 @@ def token_mask(pattern, seq_q, seq_k, q_start=0, k_start=0):
     qpos = torch.arange(q_start, q_start + seq_q)
     kpos = torch.arange(k_start, k_start + seq_k)
     qb0, kb0 = q_start // B, k_start // B
-    bm = pattern.block_mask((q_start + seq_q - 1) // B - qb0 + 1, (k_start + seq_k - 1) // B - kb0 + 1,
-                            qb0, kb0)
+    nq, nk = (q_start + seq_q - 1) // B - qb0 + 1, (k_start + seq_k - 1) // B - kb0 + 1
+    bm = pattern.block_mask(nq, nk, qb0, kb0)
     m = bm[:, qpos // B - qb0][:, :, kpos // B - kb0]
     return m & (kpos[None, :] <= qpos[:, None])[None]
 
@@ -166,13 +166,11 @@ def assert_matches(got: dict, ref: dict, tol: float, names=("out", "lse", "dq", 
         if ref.get(n) is None:
             continue
         assert got[n] is not None, f"{n} missing"
-        assert got[n].shape == ref[n].shape, f"{n}: shape {tuple(got[n].shape)} != {tuple(ref[n].shape)}"
+        assert got[n].shape == ref[n].shape, \
+            f"{n}: shape {tuple(got[n].shape)} != {tuple(ref[n].shape)}"
         assert torch.isfinite(got[n]).all() or n == "lse", f"{n} has non-finite values"
         errs[n] = rel_err(got[n], ref[n])
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
     return errs
 
-
-def default_scale(head_dim):
-    return 1.0 / math.sqrt(head_dim)
