@@ -1,9 +1,9 @@
 """Explicit CPU mode: run Megatron-core's GPU-only paths on the CPU (gloo), for tests and demos.
 
-megatron-core 0.16.1 hard-codes CUDA in places that have nothing to do with the math: the
-tensor-parallel RNG tracker, RoPE's ``inv_freq``, DDP grad buffers, the optimizers' parameter
-type assertions, the pipeline schedules, ``dist_checkpointing.save``. :func:`enable_cpu_mode`
-patches exactly those seams, process-wide:
+megatron-core (0.16.1 to 0.19.x) hard-codes CUDA in places that have nothing to do with the
+math: the tensor-parallel RNG tracker, RoPE's ``inv_freq``, DDP grad buffers, the optimizers'
+parameter type assertions, the pipeline schedules, ``dist_checkpointing.save``, DDP's stream
+synchronisation (0.19). :func:`enable_cpu_mode` patches exactly those seams, process-wide:
 
 * ``cuda`` devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, a bare device index) become
   ``cpu`` in torch's tensor factories, ``Tensor.to``, ``Tensor.cuda``, ``Module.cuda``;
@@ -11,6 +11,10 @@ patches exactly those seams, process-wide:
 * ``torch.cuda.current_device/synchronize/set_device/empty_cache/...`` are CPU no-ops, the CUDA
   RNG (``torch.cuda.manual_seed``, ``get/set_rng_state`` and Megatron's tracker helpers) is the CPU
   generator;
+* streams and events (``torch.cuda.current_stream/default_stream/Stream/Event/stream/set_stream``,
+  ``Tensor.record_stream``) are inert stand-ins: the CPU runs everything in program order, so
+  there is nothing to order. megatron-core 0.19's DDP needs this: ``start_grad_sync`` asks for
+  the current stream on every step (to wait on CUDA-graph events), also without CUDA graphs;
 * ``Tensor.type()`` reports CPU tensors with CUDA type names (``torch.cuda.FloatTensor``) so the
   optimizers' checks pass;
 * gloo lacks ``reduce_scatter_tensor`` (sequence parallelism), so it is emulated with an
@@ -22,6 +26,7 @@ behaves as on one GPU per process). It is idempotent. Do not use it in a GPU run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -81,6 +86,60 @@ def _reduce_scatter_tensor_gloo(orig):
     return reduce_scatter_tensor
 
 
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: already complete when created."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end_event) -> float:
+        return 0.0
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is already ordered, so every wait is done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    # `with stream:` is how some callers switch streams.
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _DoneWork:
     def wait(self, *args, **kwargs):
         return True
@@ -124,7 +183,9 @@ def enable_cpu_mode() -> None:
         if args or kwargs:
             return orig_type(self, *args, **kwargs)
         t = orig_type(self)
-        return t.replace("torch.", "torch.cuda.", 1) if t.startswith("torch.") and ".cuda." not in t else t
+        if t.startswith("torch.") and ".cuda." not in t:
+            return t.replace("torch.", "torch.cuda.", 1)
+        return t
 
     torch.Tensor.type = type_
 
@@ -144,6 +205,13 @@ def enable_cpu_mode() -> None:
     cuda.memory_reserved = lambda *a, **k: 0
     cuda.max_memory_reserved = lambda *a, **k: 0
     cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _CPU_STREAM
+    cuda.default_stream = lambda *a, **k: _CPU_STREAM
+    cuda.set_stream = lambda *a, **k: None
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    torch.Tensor.record_stream = lambda self, *a, **k: None
     try:
         cuda.random.get_rng_state = cuda.get_rng_state
         cuda.random.set_rng_state = cuda.set_rng_state
