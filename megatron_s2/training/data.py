@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from .run_config import ConfigError
 
-__all__ = ["DatasetTokenizer", "build_datasets", "micro_batches", "Datasets"]
+__all__ = ["DatasetTokenizer", "build_datasets", "micro_batches", "chunk_micro_batches", "Datasets"]
 
 
 class DatasetTokenizer:
@@ -64,7 +65,9 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
     ``weights`` None weighs corpora by their size. Raises :class:`ConfigError` naming a prefix
     whose ``.bin``/``.idx`` is missing, or a split that leaves a needed part empty.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     for prefix in prefixes:
@@ -146,3 +149,12 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
         if not cycle:
             return
         consumed_samples = 0
+
+
+def chunk_micro_batches(num_chunks: int, dataset, consumed_samples: int, micro_batch_size: int,
+                        dp_rank: int, dp_size: int, num_workers: int = 0,
+                        cycle: bool = False) -> list[Iterator[dict]]:
+    """One :func:`micro_batches` iterator per model chunk, all over the same samples: an
+    interleaved pipeline schedule calls ``next()`` once per chunk for every micro-batch."""
+    return [micro_batches(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size,
+                          num_workers=num_workers, cycle=cycle) for _ in range(num_chunks)]

@@ -1,0 +1,117 @@
+"""One global batch through Megatron's pipeline schedule: the forward step, the loss function and
+the loss reduction over micro-batches and data-parallel ranks.
+
+The loss follows Megatron's 3-tuple convention (``calculate_per_token_loss=True`` in the model
+config): each micro-batch returns the sum of its token losses and its token count, and
+``finalize_model_grads`` divides the gradients by the token count of the whole global batch.
+That is exact under context parallelism and with uneven loss masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+__all__ = ["LOSS_KEY", "BATCH_KEYS", "loss_func", "forward_step", "reduce_loss", "StepLoss",
+           "ForwardBackward", "zero_grad"]
+
+# Name of the loss report each micro-batch returns to the schedule.
+LOSS_KEY = "lm loss"
+# The sample fields the model consumes; the datasets also carry an attention mask we never use
+# (the S2 kernels take no dense mask).
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor):
+    """Megatron's 3-tuple loss of one micro-batch: ``(sum of token losses, token count,
+    {LOSS_KEY: [loss sum, tokens]})``. ``poison`` makes the loss NaN (the NaN-stop test hook)."""
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.float().view(-1) * mask)
+    if poison:
+        loss = loss * float("nan")
+    num_tokens = mask.sum().to(torch.int)
+    # Clone: the schedule scales the returned loss in place.
+    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+    return loss, num_tokens, {LOSS_KEY: report}
+
+
+def forward_step(device: torch.device, context_parallel_size: int, poison: bool, data_iterator,
+                 model):
+    """Megatron ``forward_step_func``: the next micro-batch through ``model``.
+
+    Bind the first three arguments with ``functools.partial``; under context parallelism each
+    rank keeps its part of the sequence."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = next(data_iterator)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in BATCH_KEYS}
+    if context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(batch)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"], poison)
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """Loss of one global batch, the same on every rank."""
+
+    loss: float  # mean over its tokens (NaN without tokens)
+    tokens: float
+
+
+def reduce_loss(reports: list, device: torch.device) -> StepLoss:
+    """Reduce the schedule's per-micro-batch reports over micro-batches and data-parallel ranks
+    (on the last pipeline stage) and hand the result to every pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for item in reports:
+            total += item[LOSS_KEY].to(device=device, dtype=torch.float64)
+        torch.distributed.all_reduce(total,
+                                     group=ps.get_data_parallel_group(with_context_parallel=True))
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+    loss_sum, tokens = total.tolist()
+    return StepLoss(loss_sum / tokens if tokens > 0 else float("nan"), tokens)
+
+
+class ForwardBackward:
+    """Runs one global batch of ``model`` (its chunks, one per virtual pipeline stage) through
+    Megatron's schedule for the current parallel layout (none, 1F1B or interleaved)."""
+
+    def __init__(self, model: list, *, num_microbatches: int, seq_length: int,
+                 micro_batch_size: int, device: torch.device, context_parallel_size: int = 1):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.model = model
+        self.num_microbatches = num_microbatches
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self.context_parallel_size = context_parallel_size
+        self._schedule = get_forward_backward_func()
+
+    def __call__(self, data_iterators: list, *, forward_only: bool = False,
+                 poison_loss: bool = False) -> StepLoss:
+        """Forward (and, unless ``forward_only``, backward into the gradient buffers) over
+        ``num_microbatches`` micro-batches; ``data_iterators`` holds one iterator per chunk.
+        Returns the batch's loss on every rank."""
+        step = partial(forward_step, self.device, self.context_parallel_size, poison_loss)
+        reports = self._schedule(
+            forward_step_func=step,
+            data_iterator=data_iterators[0] if len(data_iterators) == 1 else data_iterators,
+            model=self.model, num_microbatches=self.num_microbatches,
+            seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only)
+        return reduce_loss(reports, self.device)
+
+
+def zero_grad(model: list, optimizer) -> None:
+    """Clear DDP's gradient buffers and the optimizer's gradients before a step."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
