@@ -4,8 +4,13 @@ import os
 
 import pytest
 
+from megatron_s2.training.metrics import (
+    MetricsLogger,
+    model_flops_per_iteration,
+    plot_loss_curve,
+    read_jsonl,
+)
 from megatron_s2.training.run_config import load_config
-from megatron_s2.training.metrics import MetricsLogger, model_flops_per_iteration, plot_loss_curve, read_jsonl
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -18,14 +23,14 @@ def test_flops_dense_matches_the_textbook_formula():
     # SwiGLU MLP (3 h x 4h matrices), QKV + output projections, LM head; fwd+bwd = 3x fwd.
     matmul = 2 * tokens * (L * (4 * h * h + 3 * h * 4 * h) + h * V)
     attn = B * 4 * (h // m.num_attention_heads) * m.num_attention_heads * L * s * (s + 1) // 2
-    assert model_flops_per_iteration(cfg, V, cfg.schedule()) == pytest.approx(3 * (matmul + attn))
+    assert model_flops_per_iteration(m, cfg.train.global_batch_size, V, cfg.schedule()) == pytest.approx(3 * (matmul + attn))
 
 
 def test_flops_count_s2_layers_at_their_density():
     dense = load_config(os.path.join(CONFIGS, "gpt-125m-dense.yaml"))
     s2 = load_config(os.path.join(CONFIGS, "gpt-125m-s2.yaml"))
-    fd = model_flops_per_iteration(dense, 384, dense.schedule())
-    fs = model_flops_per_iteration(s2, 384, s2.schedule())
+    fd = model_flops_per_iteration(dense.model, dense.train.global_batch_size, 384, dense.schedule())
+    fs = model_flops_per_iteration(s2.model, s2.train.global_batch_size, 384, s2.schedule())
     m = s2.model
     pairs_dense = sum(dense.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None, m.seq_length))
     pairs_s2 = sum(s2.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None, m.seq_length))

@@ -2,7 +2,7 @@
 
 import sys
 
-from .trainer import main
+from .cli import main
 
 if __name__ == "__main__":  # torch_dist checkpoint saving spawns processes: keep this guard
     sys.exit(main())

@@ -24,12 +24,16 @@ import logging
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-__all__ = ["latest_iteration", "save_checkpoint", "load_checkpoint", "checkpoint_path", "TRACKER"]
+from .run_config import CheckpointConfig
+
+__all__ = ["latest_iteration", "save_checkpoint", "load_checkpoint", "checkpoint_path", "TRACKER",
+           "Checkpointer", "ResumePoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -278,3 +282,71 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
     if same_model_layout and state.get("rng_state") is not None:
         _set_rng_state(state["rng_state"])
     return int(state["iteration"]), int(state["consumed_samples"])
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run resumed: the checkpoint loaded and the training state it held."""
+
+    path: str
+    iteration: int
+    consumed_samples: int
+
+
+class Checkpointer:
+    """The run's checkpoints: what to resume from, when to save, where saves go.
+
+    Args:
+        config: the run config's ``checkpoint`` section.
+        directory: the run's own checkpoint directory (``checkpoint.dir`` or its default).
+        model, optimizer, scheduler: what a checkpoint holds (model chunks, Megatron optimizer,
+            ``OptimizerParamScheduler``).
+        run_config: the run config as a mapping, stored in every checkpoint.
+    """
+
+    def __init__(self, config: CheckpointConfig, directory: str, *, model: list, optimizer,
+                 scheduler, run_config: dict):
+        self.config = config
+        self.directory = directory
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.run_config = run_config
+        self.last_checkpoint: Optional[str] = None
+        self._start_iteration = 0
+
+    def load(self) -> Optional[ResumePoint]:
+        """Load the checkpoint to resume from (collective); None when there is none or
+        ``checkpoint.resume`` is off.
+
+        The run's own checkpoints win over ``checkpoint.load_dir``: a preempted run that started
+        from another run's checkpoint must resume from where it got to.
+        """
+        if not self.config.resume:
+            return None
+        root = self.directory
+        if latest_iteration(root) is None and self.config.load_dir:
+            root = self.config.load_dir
+        if latest_iteration(root) is None:
+            return None
+        iteration, consumed = load_checkpoint(root, self.model, self.optimizer, self.scheduler,
+                                              load_optimizer=self.config.load_optimizer)
+        self.last_checkpoint = checkpoint_path(root, iteration)
+        self._start_iteration = iteration
+        return ResumePoint(self.last_checkpoint, iteration, consumed)
+
+    def should_save(self, iteration: int) -> bool:
+        """Save after ``iteration``? Every ``checkpoint.save_interval`` iterations (0 = never)."""
+        return bool(self.config.save_interval) and iteration % self.config.save_interval == 0
+
+    def should_save_at_end(self, iteration: int) -> bool:
+        """Save when the run finishes at ``iteration``? With ``checkpoint.save_at_end``, unless
+        this process trained nothing or ``iteration`` is already saved here."""
+        return (self.config.save_at_end and iteration != self._start_iteration
+                and self.last_checkpoint != checkpoint_path(self.directory, iteration))
+
+    def save(self, iteration: int, consumed_samples: int) -> str:
+        """Save the state after ``iteration`` (collective); returns the checkpoint's path."""
+        self.last_checkpoint = save_checkpoint(
+            self.directory, iteration, self.model, self.optimizer, self.scheduler,
+            consumed_samples=consumed_samples, config=self.run_config,
+            keep_last=self.config.keep_last)
+        return self.last_checkpoint

@@ -19,30 +19,40 @@ forward. TFLOP/s per GPU divides by the step time and the world size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["model_flops_per_iteration", "MetricsLogger", "plot_loss_curve", "memory_gib"]
+from .run_config import LoggingConfig, ModelConfig
+
+__all__ = ["model_flops_per_iteration", "MetricsLogger", "plot_loss_curve", "memory_gib",
+           "Throughput", "ThroughputMeter", "read_jsonl"]
 
 
-def model_flops_per_iteration(cfg, vocab_size: int, schedule) -> float:
-    """Model FLOPs (forward + backward) of one optimizer step; see the module docstring."""
-    m = cfg.model
+def model_flops_per_iteration(model: ModelConfig, global_batch_size: int, vocab_size: int,
+                              schedule) -> float:
+    """Model FLOPs (forward + backward) of one optimizer step; see the module docstring.
+
+    ``model`` is the run config's model section, ``schedule`` its attention schedule."""
+    m = model
     h, L = m.hidden_size, m.num_layers
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
     d = m.kv_channels or h // heads
     f = m.ffn_size
-    tokens = cfg.train.global_batch_size * m.seq_length
+    tokens = global_batch_size * m.seq_length
     mlp_mats = 3 if m.swiglu else 2
-    per_token = L * (h * (heads * d + 2 * groups * d) + heads * d * h + mlp_mats * h * f) + h * vocab_size
+    per_token = (L * (h * (heads * d + 2 * groups * d) + heads * d * h + mlp_mats * h * f)
+                 + h * vocab_size)
     matmul = 2.0 * tokens * per_token
     pairs = sum(schedule.attention_pairs(L, heads, groups, m.seq_length))
-    attn = cfg.train.global_batch_size * 4.0 * d * pairs
+    attn = global_batch_size * 4.0 * d * pairs
     return 3.0 * (matmul + attn)
 
 
@@ -65,11 +75,15 @@ class MetricsLogger:
     and JSONL.
 
     Only the global rank 0 writes; every other rank gets a logger whose methods do nothing.
+    ``log_interval``: training records every that many iterations and after the last one
+    (:meth:`should_log`).
     """
 
     def __init__(self, run_dir: str, total_iters: int, start_iter: int, *, enabled: bool,
-                 progress_bar: bool = True, tensorboard: bool = True):
+                 progress_bar: bool = True, tensorboard: bool = True, log_interval: int = 1):
         self.enabled = enabled
+        self.total_iters = total_iters
+        self.log_interval = log_interval
         self.run_dir = run_dir
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
         self._bar = None
@@ -95,6 +109,18 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it",
                              dynamic_ncols=True, leave=True)
+
+    @classmethod
+    def from_config(cls, config: LoggingConfig, run_dir: str, total_iters: int, start_iter: int, *,
+                    enabled: bool) -> MetricsLogger:
+        """The logger of a run's ``logging`` section (``run_dir``: the resolved run directory)."""
+        return cls(run_dir, total_iters, start_iter, enabled=enabled,
+                   progress_bar=config.progress_bar, tensorboard=config.tensorboard,
+                   log_interval=config.log_interval)
+
+    def should_log(self, iteration: int) -> bool:
+        """Write a training record after ``iteration``? (Every rank gets the same answer.)"""
+        return iteration % self.log_interval == 0 or iteration == self.total_iters
 
     def _truncate_after(self, start_iter: int) -> None:
         if not os.path.exists(self.jsonl_path):
@@ -182,20 +208,97 @@ def plot_loss_curve(jsonl_path: str, out_path: str, title: Optional[str] = None)
     return out_path
 
 
-class StepTimer:
-    """Wall time between log intervals (synchronising CUDA so the time is the GPU's)."""
+def _synchronized_clock() -> float:
+    """Seconds on a monotonic clock, after the GPU finished its queued work (so that a lap
+    measures the GPU's time, not the host's)."""
+    import torch
 
-    def __init__(self):
-        self.t0 = time.perf_counter()
+    if torch.cuda.is_available() and torch.version.cuda is not None:
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # CPU mode stubs CUDA
+            pass
+    return time.perf_counter()
 
-    def lap(self) -> float:
-        import torch
 
-        if torch.cuda.is_available() and torch.version.cuda is not None:
-            try:
-                torch.cuda.synchronize()
-            except Exception:
-                pass
-        t = time.perf_counter()
-        dt, self.t0 = t - self.t0, t
+@dataclass(frozen=True)
+class Throughput:
+    """Training speed over some iterations."""
+
+    seconds_per_iteration: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (see the module docstring)
+
+
+class ThroughputMeter:
+    """Training time in windows (one per logged record) and the throughput they give.
+
+    Only training counts: :meth:`paused` leaves out evaluation and checkpoint saves. The first
+    window holds the warm-up (allocator, first-call overheads), so the run's :meth:`mean` leaves
+    it out when there are others.
+
+    Args:
+        tokens_per_iteration: global batch size x sequence length.
+        flops_per_iteration: :func:`model_flops_per_iteration`.
+        world_size: processes (GPUs) sharing the work.
+        clock: seconds; default synchronises CUDA first.
+    """
+
+    def __init__(self, tokens_per_iteration: int, flops_per_iteration: float, world_size: int,
+                 clock: Callable[[], float] = _synchronized_clock):
+        self.tokens_per_iteration = tokens_per_iteration
+        self.flops_per_iteration = flops_per_iteration
+        self.world_size = world_size
+        self._clock = clock
+        self._t0 = clock()
+        self._iters, self._time = 0, 0.0
+        self._windows: list[tuple[int, float]] = []  # (iterations, seconds)
+        self.last = Throughput(0.0, 0.0, 0.0)
+
+    def _lap(self) -> float:
+        t = self._clock()
+        dt, self._t0 = t - self._t0, t
         return dt
+
+    def start(self) -> None:
+        """Start timing now (setup before this does not count)."""
+        self._lap()
+
+    def step(self) -> None:
+        """Count one training iteration into the current window."""
+        self._iters += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Bank the training time so far; the time inside the block is not training."""
+        self._time += self._lap()
+        try:
+            yield
+        finally:
+            self._lap()
+
+    def _throughput(self, iters: int, seconds: float) -> Throughput:
+        per_iter = seconds / iters
+        return Throughput(per_iter, self.tokens_per_iteration / per_iter,
+                          self.flops_per_iteration / per_iter / self.world_size / 1e12)
+
+    def close_window(self) -> Throughput:
+        """End the current window (at least one iteration) and return its throughput."""
+        self._time += self._lap()
+        self.last = self._throughput(self._iters, self._time)
+        self._windows.append((self._iters, self._time))
+        self._iters, self._time = 0, 0.0
+        return self.last
+
+    def finish(self) -> None:
+        """Keep the iterations of a run that stopped between two records, up to the last one."""
+        if self._iters:
+            self._windows.append((self._iters, self._time))
+            self._iters, self._time = 0, 0.0
+
+    def mean(self) -> Throughput:
+        """Throughput of the run without its warm-up window; the last window's (zeros without
+        any) when no time was measured."""
+        steady = self._windows[1:] or self._windows
+        iters, seconds = sum(w[0] for w in steady), sum(w[1] for w in steady)
+        return self._throughput(iters, seconds) if seconds else self.last
