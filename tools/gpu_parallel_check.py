@@ -9,10 +9,11 @@ TP/PP/SP layouts must match the single-device run (same seed, same initial weigh
 
 The script launches each layout itself (torch.multiprocessing, one process per device):
 the TP=1/PP=1 reference on one device first, then every parallel layout on 2 devices. Each run
-starts from the reference's initial weights (loaded through megatron_s2.model's TP/PP-agnostic
-loader), trains with Megatron-core's pipeline schedules, DDP, finalize_model_grads and optimizer,
-and records per-step loss and grad norm plus the first step's gradients. A table with PASS/FAIL
-per layout is printed and written as JSON to --out; exit status 1 on any FAIL.
+builds its model, DDP, optimizer and forward step with the trainer's building blocks
+(megatron_s2.training.parallel and .step), starts from the reference's initial weights (loaded
+through megatron_s2.model's TP/PP-agnostic loader), trains with Megatron-core's pipeline
+schedules, and records per-step loss and grad norm plus the first step's gradients. A table
+with PASS/FAIL per layout is printed and written as JSON to --out; exit status 1 on any FAIL.
 
 The functions are importable (the CPU tests in tests/test_megatron_parallel.py use them).
 """
@@ -91,6 +92,24 @@ class CheckConfig:
     gnorm_rtol: float = 5e-2
     grad_rtol: float = 1e-1
 
+    def model_config(self):
+        """The model as the trainer's ``model`` section: RMSNorm, SwiGLU, RoPE, untied output."""
+        from megatron_s2.training.run_config import ModelConfig
+
+        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           num_attention_heads=self.num_attention_heads,
+                           num_query_groups=self.num_query_groups,
+                           ffn_hidden_size=self.ffn_hidden_size, seq_length=self.seq_length,
+                           vocab_size=self.vocab_size)
+
+    def optimizer_config(self):
+        """Adam at a constant ``lr`` (no warm-up, no weight decay, Megatron's default betas):
+        the layouts are compared step by step, not trained."""
+        from megatron_s2.training.run_config import OptimizerConfig
+
+        return OptimizerConfig(lr=self.lr, min_lr=self.lr, weight_decay=0.0, adam_beta2=0.999,
+                               clip_grad=1.0, lr_warmup_iters=0, lr_decay_style="constant")
+
     @classmethod
     def tiny_cpu(cls, **kw) -> "CheckConfig":
         base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
@@ -117,6 +136,15 @@ class Layout:
     def world(self) -> int:
         return self.tp * self.pp
 
+    def parallel_config(self):
+        """The layout as the trainer's ``parallel`` section (plain DDP: DP is 1 here)."""
+        from megatron_s2.training.run_config import ParallelConfig
+
+        return ParallelConfig(tensor_model_parallel_size=self.tp,
+                              pipeline_model_parallel_size=self.pp,
+                              virtual_pipeline_model_parallel_size=self.vpp,
+                              sequence_parallel=self.sp, use_distributed_optimizer=False)
+
 
 REFERENCE = Layout("tp1_pp1")
 GPU_LAYOUTS = [Layout("tp2_sp", tp=2, sp=True), Layout("pp2", pp=2), Layout("tp2", tp=2),
@@ -139,67 +167,16 @@ def _init_process(rank: int, world: int, port: int, cc: CheckConfig):
 
 
 def _setup_layout(cc: CheckConfig, layout: Layout):
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron_s2.training.parallel import init_model_parallel
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp)
-    tensor_parallel.get_cuda_rng_tracker().reset()
-    tensor_parallel.model_parallel_cuda_manual_seed(cc.seed)
-    torch.manual_seed(cc.seed)
-
-
-def _transformer_config(cc: CheckConfig, layout: Layout):
-    from megatron.core.transformer import TransformerConfig
-
-    dtype = torch.bfloat16 if cc.dtype == "bf16" else torch.float32
-    kw = dict(
-        num_layers=cc.num_layers, hidden_size=cc.hidden_size,
-        num_attention_heads=cc.num_attention_heads, num_query_groups=cc.num_query_groups,
-        ffn_hidden_size=cc.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=layout.sp,
-        pipeline_dtype=dtype, params_dtype=torch.float32, bf16=cc.dtype == "bf16",
-        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-    )
-    cfg_backend = cc.backend
-    if layout.vpp:
-        # Megatron-LM's defaults; the core defaults silently train wrong with VPP (notes).
-        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    config = TransformerConfig(**kw)
-    config.s2_backend = cfg_backend
-    return config
-
-
-def _build_chunks(cc: CheckConfig, layout: Layout, config):
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_s2.model import build_gpt_model
-
-    chunks = []
-    for vp in range(layout.vpp or 1):
-        vp_stage = vp if layout.vpp else None
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        m = build_gpt_model(config, cc.schedule, vocab_size=cc.vocab_size,
-                            max_sequence_length=cc.seq_length, pre_process=pre, post_process=post,
-                            vp_stage=vp_stage, position_embedding_type="rope", rotary_base=10000,
-                            share_embeddings_and_output_weights=False)
-        if not cc.cpu:
-            m.cuda(torch.cuda.current_device())
-        chunks.append(m)
-    return chunks, DistributedDataParallel, DistributedDataParallelConfig, Float16Module
+    init_model_parallel(layout.parallel_config(), seed=cc.seed)
 
 
 def _batches(cc: CheckConfig, step: int) -> List[Dict[str, torch.Tensor]]:
     """Deterministic micro batches (identical in every layout): noisy repeated motifs so the
     loss actually moves in a few steps."""
     g = torch.Generator().manual_seed(cc.seed * 1000 + step)
+    positions = torch.arange(cc.seq_length).expand(cc.micro_batch_size, -1)
     out = []
     for _ in range(cc.num_microbatches):
         motif = torch.randint(0, cc.vocab_size, (cc.micro_batch_size, 97), generator=g)
@@ -207,7 +184,9 @@ def _batches(cc: CheckConfig, step: int) -> List[Dict[str, torch.Tensor]]:
         seq = motif.repeat(1, reps)[:, :cc.seq_length + 1]
         noise = torch.rand(seq.shape, generator=g) < 0.1
         seq = torch.where(noise, torch.randint(0, cc.vocab_size, seq.shape, generator=g), seq)
-        out.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()})
+        out.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
+                    "loss_mask": torch.ones(cc.micro_batch_size, cc.seq_length),
+                    "position_ids": positions})
     return out
 
 
@@ -236,82 +215,50 @@ def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: List[L
 
 
 def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
-    from functools import partial
-
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    """Train ``cc.steps`` steps of ``layout`` with the trainer's building blocks; save this rank's
+    losses, grad norms and first-step gradients."""
     from megatron_s2.model import (load_unsharded_parameters, named_parameters_unsharded,
                                    unsharded_parameters)
+    from megatron_s2.training import parallel
+    from megatron_s2.training.step import ForwardBackward, zero_grad
 
-    config = _transformer_config(cc, layout)
-    chunks, DDP, DDPConfig, Float16Module = _build_chunks(cc, layout, config)
+    model_cfg, par = cc.model_config(), layout.parallel_config()
+    bf16 = cc.dtype == "bf16"
+    config = parallel.transformer_config(model_cfg, par, cc.schedule, bf16=bf16,
+                                         backend=cc.backend)
+    chunks = parallel.build_model_chunks(model_cfg, config, cc.vocab_size, gpu=not cc.cpu)
     init_path = os.path.join(workdir, "init.pt")
-    is_ref = layout.world == 1
-    if is_ref:
+    if layout.world == 1:  # the reference: its initial weights are every layout's
         torch.save(unsharded_parameters(chunks[0]), init_path)
     else:
         load_unsharded_parameters(chunks, torch.load(init_path))
-    if cc.dtype == "bf16":
-        chunks = [Float16Module(config, m) for m in chunks]
-    ddp_cfg = DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                        use_distributed_optimizer=False)
-    chunks = [DDP(config, ddp_cfg, m) for m in chunks]
-    for m in chunks:
-        m.broadcast_params()  # no-op at DP=1; keeps the standard Megatron sequence
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=cc.lr, weight_decay=0.0, bf16=cc.dtype == "bf16",
-                        clip_grad=1.0, params_dtype=torch.float32, use_distributed_optimizer=False),
-        chunks)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = opt.scale_loss
-    config.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    model = parallel.wrap_model_chunks(chunks, config, par, bf16=bf16)
+    optimizer, scheduler = parallel.build_optimizer(cc.optimizer_config(), par, model, bf16=bf16,
+                                                    train_iters=cc.steps)
+    parallel.connect_schedule_hooks(config, model, optimizer, par)
 
     device = torch.device("cpu") if cc.cpu else torch.device("cuda", torch.cuda.current_device())
-    positions = torch.arange(cc.seq_length, device=device)[None].expand(cc.micro_batch_size, -1)
-
-    def loss_func(loss_mask, output):
-        loss = output.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        b = next(data_iterator)
-        tokens = b["tokens"].to(device)
-        labels = b["labels"].to(device)
-        out = model(tokens, positions, None, labels=labels)
-        return out, partial(loss_func, None)
-
-    fwd_bwd = get_forward_backward_func()
+    forward_backward = ForwardBackward(model, num_microbatches=cc.num_microbatches,
+                                       seq_length=cc.seq_length,
+                                       micro_batch_size=cc.micro_batch_size, device=device)
     losses, gnorms = [], []
     grad_report = None
+    for chunk in model:
+        chunk.train()
     for step in range(cc.steps):
-        for m in chunks:
-            m.train()
-            m.zero_grad_buffer()
-        opt.zero_grad()
+        zero_grad(model, optimizer)
         batches = _batches(cc, step)
-        iters = [iter(batches) for _ in chunks]
-        out = fwd_bwd(forward_step_func=forward_step,
-                      data_iterator=iters if len(chunks) > 1 else iters[0],
-                      model=chunks if len(chunks) > 1 else chunks[0],
-                      num_microbatches=cc.num_microbatches, seq_length=cc.seq_length,
-                      micro_batch_size=cc.micro_batch_size, forward_only=False)
+        # Every rank gets the batch's loss (reduced on the last pipeline stage).
+        loss = forward_backward([iter(batches) for _ in model]).loss
         if step == 0:
             grads = {}
-            for name, p, _ in named_parameters_unsharded(chunks):
+            for name, p, _ in named_parameters_unsharded(model):
                 g = getattr(p, "main_grad", None)
                 grads[name] = (g if g is not None else p.grad).detach().float().cpu().clone()
             grad_report = grads
-        ok, gnorm, _ = opt.step()
-        loss = torch.tensor(0.0, device=device)
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and out:
-            loss = torch.stack([o["lm loss"] for o in out]).mean().to(device)
-        # The last stage holds the loss; every rank reports it.
-        torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_pipeline_model_parallel_group())
-        losses.append(float(loss))
+        _, gnorm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        losses.append(loss)
         gnorms.append(float(gnorm))
     torch.save({"rank": rank, "losses": losses, "grad_norms": gnorms, "grads": grad_report},
                os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
