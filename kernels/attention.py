@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .pattern import S2Pattern
 from .reference import s2_attention_reference
+
+if TYPE_CHECKING:  # imported lazily: triton.jit decides at import whether to interpret them
+    from .triton_attention import KernelConfig
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 BACKENDS = ("auto", "triton", "reference")
@@ -67,7 +70,8 @@ def validate_inputs(q, k, v, pattern: S2Pattern, q_start: int, k_start: int) -> 
 
 def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2Pattern,
                  softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 q_start: int = 0, k_start: int = 0, backend: str = "auto"):
+                 q_start: int = 0, k_start: int = 0, backend: str = "auto",
+                 kernel_config: Optional[KernelConfig] = None):
     """Causal S2 block-sparse attention with autograd.
 
     Args:
@@ -83,6 +87,10 @@ def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2P
             the block size); the pattern and the causal mask use absolute positions.
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
             (PyTorch), or ``"auto"`` (Triton when usable).
+        kernel_config: tile shapes and launch options of the Triton kernels
+            (``s2attn.triton_attention.KernelConfig``), used for the forward and the backward;
+            default ``kernel_config(pattern, head_dim, q.device)`` from the same module. The
+            reference backend has no tiles and ignores it.
     Returns:
         ``out`` with q's shape, dtype and memory layout (and ``lse`` if ``return_lse``). Query rows
         that attend no key (only possible with offsets) are 0 with lse ``-inf``.
@@ -100,8 +108,12 @@ def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2P
         if not _triton_usable(q):
             raise ValueError(
                 "s2_attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
-        from .triton_attention import S2AttentionFunction
-        out, lse = S2AttentionFunction.apply(q, k, v, pattern, scale, q_start, k_start)
+        from .triton_attention import KernelConfig, S2AttentionFunction
+        if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+            raise TypeError(f"s2_attention: kernel_config must be a KernelConfig, "
+                            f"got {type(kernel_config).__name__}")
+        out, lse = S2AttentionFunction.apply(q, k, v, pattern, scale, q_start, k_start,
+                                             kernel_config)
         return (out, lse) if return_lse else out
     if backend == "triton":
         raise ValueError(

@@ -13,11 +13,15 @@ natural-log log-sum-exp of the scaled logits, fp32, shape ``[batch, heads, seq_q
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from .layout import layout_for
+from .layout import MIN_TILE, layout_for
 from .pattern import S2Pattern
 
 # Logits are kept in base 2 (exp2 is the fast path); the LSE is returned in natural log.
@@ -305,29 +309,96 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
 
 
 # ------------------------------------------------------------------------------------- launching
-# Benchmarks and tuning sweeps set entries here (same keys as kernel_config's result).
-CONFIG_OVERRIDES: dict = {}
+# Key tiles: one pattern block, or 64-key slices of a larger one (never two blocks).
+MAX_BLOCK_N = 64
+# Merge-Q: query tiles span several small pattern blocks, up to this many tokens.
+MAX_BLOCK_M = 128
 
 
-def kernel_config(pattern: S2Pattern, head_dim: int, device: torch.device) -> dict:
-    """Tile shapes and launch options. Key tiles never span two pattern blocks; query tiles
-    merge several small blocks (Merge-Q) so MMAs stay large."""
-    cfg = _default_config(pattern, head_dim, device)
-    cfg.update(CONFIG_OVERRIDES)
-    return cfg
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
 
-def _default_config(pattern: S2Pattern, head_dim: int, device: torch.device) -> dict:
-    B = pattern.block_size
-    bn = min(B, 64)
-    if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and still merge
-        return dict(bn=bn, fwd_m=min(128, 2 * B), fwd_warps=4, fwd_stages=1,
-                    dq_m=min(128, 2 * B), dq_warps=4, dkdv_m=32, dkdv_warps=4, bwd_stages=1)
-    big = head_dim >= 128
-    # Measured on H100 (tools/tune_kernels.py, d=128, block 64): see docs/benchmarks.md.
-    return dict(bn=bn, fwd_m=64, fwd_warps=4, fwd_stages=3,
-                dq_m=128, dq_warps=8 if big else 4, dkdv_m=32, dkdv_warps=4,
-                bwd_stages=2 if head_dim > 128 else 3)
+@dataclass(frozen=True)
+class PassConfig:
+    """Launch shape of one kernel pass: query tile rows ``block_m`` (a power of two >= 16),
+    ``num_warps`` (a power of two) and software-pipeline ``num_stages`` (>= 1)."""
+
+    block_m: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        if not _is_pow2(self.block_m) or self.block_m < MIN_TILE:
+            raise ValueError(f"PassConfig.block_m must be a power of two >= {MIN_TILE}, "
+                             f"got {self.block_m!r}")
+        if not _is_pow2(self.num_warps):
+            raise ValueError(f"PassConfig.num_warps must be a power of two, got {self.num_warps!r}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) \
+                or self.num_stages < 1:
+            raise ValueError(f"PassConfig.num_stages must be an integer >= 1, "
+                             f"got {self.num_stages!r}")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shapes and launch options of the three kernels of one attention call.
+
+    ``block_n``: key tile of every pass (a power of two >= 16 that divides the pattern's block
+    size, so a key tile never spans two pattern blocks). ``fwd``, ``dq``, ``dkdv``: the
+    :class:`PassConfig` of the forward, dQ and dK/dV kernels; their ``block_m`` may merge several
+    pattern blocks (Merge-Q). Derive variants with ``dataclasses.replace``, e.g.
+    ``replace(cfg, dq=PassConfig(64, 4, 3))``.
+    """
+
+    block_n: int
+    fwd: PassConfig
+    dq: PassConfig
+    dkdv: PassConfig
+
+    def __post_init__(self):
+        if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
+            raise ValueError(f"KernelConfig.block_n must be a power of two >= {MIN_TILE}, "
+                             f"got {self.block_n!r}")
+        for name in ("fwd", "dq", "dkdv"):
+            if not isinstance(getattr(self, name), PassConfig):
+                raise TypeError(f"KernelConfig.{name} must be a PassConfig, "
+                                f"got {type(getattr(self, name)).__name__}")
+
+
+# GPU defaults, measured on H100 (tools/tune_kernels.py, d=128, block 64; docs/benchmarks.md).
+GPU_FWD = PassConfig(block_m=64, num_warps=4, num_stages=3)
+GPU_DQ = PassConfig(block_m=128, num_warps=8, num_stages=3)
+GPU_DKDV = PassConfig(block_m=32, num_warps=4, num_stages=3)
+# Off d=128 (not re-tuned): narrower heads run dQ on 4 warps, wider ones (256) pipeline both
+# backward passes 2 deep.
+WIDE_HEAD_DIM = 128
+GPU_DQ_NARROW_WARPS = 4
+GPU_BWD_WIDE_STAGES = 2
+# Interpreter: query tiles of two pattern blocks still exercise Merge-Q while keeping the CPU
+# tests fast; dK/dV takes the GPU's query tile; there is no pipeline to stage.
+INTERPRETER_MERGED_BLOCKS = 2
+INTERPRETER_WARPS = 4
+INTERPRETER_STAGES = 1
+
+
+def kernel_config(pattern: S2Pattern, head_dim: int, device) -> KernelConfig:
+    """The default :class:`KernelConfig` for ``pattern`` at ``head_dim`` on ``device`` (a
+    ``torch.device`` or its name): CUDA gets the tuned GPU shapes, anything else the
+    interpreter's."""
+    block_n = min(pattern.block_size, MAX_BLOCK_N)
+    if torch.device(device).type != "cuda":
+        merged = PassConfig(min(MAX_BLOCK_M, INTERPRETER_MERGED_BLOCKS * pattern.block_size),
+                            INTERPRETER_WARPS, INTERPRETER_STAGES)
+        return KernelConfig(block_n, fwd=merged, dq=merged,
+                            dkdv=dataclasses.replace(merged, block_m=GPU_DKDV.block_m))
+    dq, dkdv = GPU_DQ, GPU_DKDV
+    if head_dim < WIDE_HEAD_DIM:
+        dq = dataclasses.replace(dq, num_warps=GPU_DQ_NARROW_WARPS)
+    if head_dim > WIDE_HEAD_DIM:
+        dq = dataclasses.replace(dq, num_stages=GPU_BWD_WIDE_STAGES)
+        dkdv = dataclasses.replace(dkdv, num_stages=GPU_BWD_WIDE_STAGES)
+    return KernelConfig(block_n, fwd=GPU_FWD, dq=dq, dkdv=dkdv)
 
 
 def _strides(t):
@@ -339,12 +410,15 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start: int, cfg=None):
-    """Returns ``out`` (q's layout) and ``lse [b, h, seq_q]`` fp32."""
-    cfg = cfg or kernel_config(pattern, q.shape[-1], q.device)
+def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start: int,
+               config: Optional[KernelConfig] = None):
+    """Forward pass. q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` (any strides); ``config``
+    defaults to :func:`kernel_config`. Returns ``out`` (q's shape and layout) and ``lse
+    [b, h, sq]`` fp32."""
+    cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["fwd_m"], cfg["bn"], q.device)
+    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg.fwd.block_m, cfg.block_n, q.device)
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     grid = (lay.num_heads * lay.num_q_tiles * b,)
@@ -353,15 +427,18 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
         hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+        num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
     return out, lse
 
 
-def bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg):
+def bwd_dkdv(do, q, k, v, lse, delta, pattern: S2Pattern, scale: float, q_start: int,
+             k_start: int, config: KernelConfig):
+    """dK/dV pass: do like q, lse and delta ``[b, h, sq]`` fp32 (``delta`` from
+    :func:`bwd_dq`). Returns ``dk, dv`` in the layouts of k, v."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["dkdv_m"], cfg["bn"], q.device,
-                     with_csc=True)
+    lay = layout_for(pattern, sq, sk, q_start, k_start, config.dkdv.block_m, config.block_n,
+                     q.device, with_csc=True)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
         q, k, v, do, lse, delta, dk, dv,
@@ -369,15 +446,19 @@ def bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg):
         lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
         hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E.value, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        num_warps=cfg["dkdv_warps"], num_stages=cfg["bwd_stages"])
+        num_warps=config.dkdv.num_warps,
+        num_stages=config.dkdv.num_stages)
     return dk, dv
 
 
-def bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg):
-    """dQ pass; also returns ``delta [b, h, seq_q]`` (fp32) for :func:`bwd_dkdv`."""
+def bwd_dq(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
+           k_start: int, config: KernelConfig):
+    """dQ pass: do like q, dlse ``[b, h, sq]`` fp32 contiguous or None. Returns ``dq`` (q's
+    layout) and ``delta [b, h, sq]`` fp32 for :func:`bwd_dkdv`."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg["dq_m"], cfg["bn"], q.device)
+    lay = layout_for(pattern, sq, sk, q_start, k_start, config.dq.block_m, config.block_n,
+                     q.device)
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
     _s2_dq_kernel[(hq * lay.num_q_tiles * b,)](
@@ -386,27 +467,33 @@ def bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg):
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
         hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        HAS_DLSE=dlse is not None, num_warps=cfg["dq_warps"], num_stages=cfg["bwd_stages"])
+        HAS_DLSE=dlse is not None, num_warps=config.dq.num_warps,
+        num_stages=config.dq.num_stages)
     return dq, delta
 
 
 def s2_backward(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
-                k_start: int, cfg=None):
-    """Returns ``dq, dk, dv`` in the layouts of q, k, v."""
-    cfg = cfg or kernel_config(pattern, q.shape[-1], q.device)
+                k_start: int, config: Optional[KernelConfig] = None):
+    """Backward of :func:`s2_forward` for upstream ``do`` (like q) and ``dlse`` (``[b, h, sq]``
+    or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
+    cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
     dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg)
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg)
     return dq, dk, dv
 
 
 class S2AttentionFunction(torch.autograd.Function):
-    """autograd wrapper: ``(q, k, v, pattern, scale, q_start, k_start) -> (out, lse)``."""
+    """autograd wrapper: ``(q, k, v, pattern, scale, q_start, k_start, config=None) -> (out,
+    lse)``; ``config`` (a :class:`KernelConfig`, default :func:`kernel_config`) serves both the
+    forward and the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern, scale, q_start, k_start):
-        out, lse = s2_forward(q, k, v, pattern, scale, q_start, k_start)
+    def forward(ctx, q, k, v, pattern, scale, q_start, k_start, config=None):
+        if config is None:
+            config = kernel_config(pattern, q.shape[-1], q.device)
+        out, lse = s2_forward(q, k, v, pattern, scale, q_start, k_start, config)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (pattern, scale, q_start, k_start)
+        ctx.args = (pattern, scale, q_start, k_start, config)
         # Unused outputs (lse when the caller did not ask for it) arrive as None, not zeros.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -418,4 +505,4 @@ class S2AttentionFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv = s2_backward(dout, dlse.contiguous() if dlse is not None else None,
                                  q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None

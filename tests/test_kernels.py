@@ -84,8 +84,8 @@ CASES = [
     Case("bf16-b64-mqa-off", block=64, heads=2, kv_heads=1, dtype=torch.bfloat16, seq_q=200,
          q_start=64, seq_k=264, local=1, stride=2, head_dim=64),
     # fp16
-    Case("fp16-b32-gqa2", block=32, heads=4, kv_heads=2, dtype=torch.float16, seq_q=170, head_dim=64,
-         local=1, stride=2),
+    Case("fp16-b32-gqa2", block=32, heads=4, kv_heads=2, dtype=torch.float16, seq_q=170,
+         head_dim=64, local=1, stride=2),
 ]
 
 
@@ -141,7 +141,8 @@ def _check_bf16_not_worse_than_unfused_bf16(c, got, ref, views):
     base = attention_with_grads(bf16_attention, leaves, leaves, do, dl)
     for n in ("out", "dq", "dk", "dv"):
         e_k, e_b = rel_err(got[n], ref[n]), rel_err(base[n], ref[n])
-        assert e_k <= 2.0 * e_b + 2e-3, f"{n}: kernel bf16 error {e_k:.3g} vs unfused bf16 {e_b:.3g}"
+        assert e_k <= 2.0 * e_b + 2e-3, \
+            f"{n}: kernel bf16 error {e_k:.3g} vs unfused bf16 {e_b:.3g}"
 
 
 def test_empty_rows_are_zero_with_minus_inf_lse():
@@ -180,7 +181,8 @@ def test_output_keeps_caller_layout_without_copying_inputs(monkeypatch):
     assert seen["bwd"] == expect
     for x in leaves:
         assert x.grad.is_contiguous()  # gradient arrives in the storage's own [s, b, h, d] layout
-    ref = s2_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(), pattern)
+    ref = s2_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(),
+                                 pattern)
     assert rel_err(out.detach(), ref) <= FP32_TOL
 
 
@@ -213,8 +215,9 @@ def test_tp_rank_output_equals_slice_of_full_pattern(rank, tp):
     qs, ks, vs = (x.detach()[:, :, a:b].clone().requires_grad_(True)
                   for x, a, b in ((q, h0, h1), (k, h0 // g, h1 // g), (v, h0 // g, h1 // g)))
     do, dl = upstream_grads(1, S, h1 - h0, d)
-    got = attention_with_grads(lambda a, b, c: s2_attention(a, b, c, rp, return_lse=True, backend="triton"),
-                               (qs, ks, vs), (qs, ks, vs), do, dl)
+    got = attention_with_grads(
+        lambda a, b, c: s2_attention(a, b, c, rp, return_lse=True, backend="triton"),
+        (qs, ks, vs), (qs, ks, vs), do, dl)
     assert_matches(got, {"out": ref_full[0][:, :, h0:h1], "lse": ref_full[1][:, h0:h1]}, FP32_TOL)
     ref_rank = fp64_reference((qs, ks, vs), rp, do, dl)
     assert_matches(got, ref_rank, FP32_TOL)
@@ -256,6 +259,82 @@ def test_user_mask_exact(kind, block, seq):
     assert_matches(got, ref, FP32_TOL)
 
 
+# ------------------------------------------------------------------------------ kernel configs
+def _old_default_config(block, head_dim, cuda):
+    """The defaults as the former module-level dict gave them (pinned: must not drift)."""
+    bn = min(block, 64)
+    if not cuda:
+        return dict(bn=bn, fwd_m=min(128, 2 * block), fwd_warps=4, fwd_stages=1,
+                    dq_m=min(128, 2 * block), dq_warps=4, dq_stages=1,
+                    dkdv_m=32, dkdv_warps=4, dkdv_stages=1)
+    bwd_stages = 2 if head_dim > 128 else 3
+    return dict(bn=bn, fwd_m=64, fwd_warps=4, fwd_stages=3,
+                dq_m=128, dq_warps=8 if head_dim >= 128 else 4, dq_stages=bwd_stages,
+                dkdv_m=32, dkdv_warps=4, dkdv_stages=bwd_stages)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+def test_default_kernel_config_unchanged(device, block, head_dim):
+    p = S2Pattern(num_heads=2, block_size=block, local_blocks=2, vert_stride=2)
+    cfg = tri_mod.kernel_config(p, head_dim, torch.device(device))
+    flat = dict(bn=cfg.block_n)
+    for name in ("fwd", "dq", "dkdv"):
+        pc = getattr(cfg, name)
+        flat.update({f"{name}_m": pc.block_m, f"{name}_warps": pc.num_warps,
+                     f"{name}_stages": pc.num_stages})
+    assert flat == _old_default_config(block, head_dim, device == "cuda")
+    assert tri_mod.kernel_config(p, head_dim, device) == cfg  # a device name works too
+
+
+@pytest.mark.timeout(120)
+def test_kernel_config_reaches_every_launch(monkeypatch):
+    """A config given to s2_attention shapes the forward and both backward launches."""
+    c = Case("cfg", block=32, heads=4, kv_heads=2, seq_q=150, local=1, stride=2)
+    pattern = c.pattern()
+    PC = tri_mod.PassConfig
+    cfg = tri_mod.KernelConfig(block_n=16, fwd=PC(16, 4, 1), dq=PC(64, 2, 1), dkdv=PC(16, 1, 1))
+    assert cfg != tri_mod.kernel_config(pattern, c.head_dim, DEVICE)
+    tiles = []
+    orig_layout = tri_mod.layout_for
+
+    def layout_for(pattern_, sq, sk, qs, ks, block_m, block_n, device, with_csc=False):
+        tiles.append((block_m, block_n, with_csc))
+        return orig_layout(pattern_, sq, sk, qs, ks, block_m, block_n, device, with_csc)
+
+    monkeypatch.setattr(tri_mod, "layout_for", layout_for)
+    leaves, views = make_inputs(1, c.seq_q, c.seq_q, c.heads, c.kv_heads, c.head_dim, c.dtype)
+    do, dl = upstream_grads(1, c.seq_q, c.heads, c.head_dim)
+    got = attention_with_grads(
+        lambda q, k, v: s2_attention(q, k, v, pattern, return_lse=True, backend="triton",
+                                     kernel_config=cfg), leaves, views, do, dl)
+    assert tiles == [(16, 16, False), (64, 16, False), (16, 16, True)]
+    assert_matches(got, fp64_reference(views, pattern, do, dl), FP32_TOL)
+
+
+def test_kernel_config_checked():
+    PC = tri_mod.PassConfig
+    with pytest.raises(ValueError, match="block_m"):
+        PC(24, 4, 1)
+    with pytest.raises(ValueError, match="num_warps"):
+        PC(32, 3, 1)
+    with pytest.raises(ValueError, match="num_stages"):
+        PC(32, 4, 0)
+    with pytest.raises(ValueError, match="block_n"):
+        tri_mod.KernelConfig(8, PC(32, 4, 1), PC(32, 4, 1), PC(32, 4, 1))
+    with pytest.raises(TypeError, match="dq"):
+        tri_mod.KernelConfig(16, PC(32, 4, 1), dict(block_m=32), PC(32, 4, 1))
+    q, k, v = _api_inputs()
+    p = S2Pattern(num_heads=4, num_kv_heads=2, block_size=16, local_blocks=2, vert_stride=4)
+    with pytest.raises(TypeError, match="kernel_config"):
+        s2_attention(q, k, v, p, backend="triton", kernel_config={"fwd_m": 64})
+    # A key tile larger than the pattern's block would span two blocks.
+    big_n = tri_mod.KernelConfig(32, PC(32, 4, 1), PC(32, 4, 1), PC(32, 4, 1))
+    with pytest.raises(ValueError, match="block_n"):
+        s2_attention(q, k, v, p, backend="triton", kernel_config=big_n)
+
+
 # ------------------------------------------------------------------------------ bad arguments
 def _api_inputs(b=1, s=64, h=4, hkv=2, d=32, dtype=torch.float32):
     q = torch.randn(b, s, h, d, dtype=dtype)
@@ -268,7 +347,8 @@ BAD_CALLS = [
     ("kv heads", lambda p: (_api_inputs(h=4, hkv=1), {}), "k/v"),
     ("q_start", lambda p: (_api_inputs(), dict(q_start=8)), "q_start"),
     ("k_start", lambda p: (_api_inputs(), dict(k_start=-16)), "k_start"),
-    ("dtype", lambda p: ((lambda q, k, v: (q, k.to(torch.bfloat16), v))(*_api_inputs()), {}), "dtype"),
+    ("dtype", lambda p: ((lambda q, k, v: (q, k.to(torch.bfloat16), v))(*_api_inputs()), {}),
+     "dtype"),
     ("head_dim", lambda p: (_api_inputs(d=48), {}), "head_dim"),
     ("kv shape", lambda p: ((lambda q, k, v: (q, k, v[:, :32]))(*_api_inputs()), {}), "shape"),
     ("backend", lambda p: (_api_inputs(), dict(backend="cuda")), "backend"),

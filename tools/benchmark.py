@@ -1,7 +1,7 @@
 """Benchmark S2 attention against FlexAttention (same pattern) and dense causal SDPA.
 
     python tools/benchmark.py                       # the docs/benchmarks.md table (GPU)
-    python tools/benchmark.py --seqs 32768 --sweep  # also try kernel tile configs
+    python tools/benchmark.py --seqs 32768 --sweep  # also try alternative kernel configs
 
 For each sequence length (batch x seq = --tokens), times forward and forward+backward with CUDA
 events (``triton.testing.do_bench``, median, after warm-up) for:
@@ -15,23 +15,27 @@ Effective TFLOP/s count attended token pairs only: forward 4*d per pair, backwar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from s2attn import S2Pattern, s2_attention
-from s2attn import triton_attention
 from s2attn.layout import layout_for
+from s2attn.triton_attention import KernelConfig, PassConfig, kernel_config
 
+# FlexAttention's BlockMask granularity (its default block size).
 FLEX_BLOCK = 128
+# FLOPs per attended (query, key) pair and head dim: QK^T and PV, 2 each; backward 2.5x forward.
+FWD_FLOPS_PER_PAIR_DIM = 4
+BWD_FLOPS_OVER_FWD = 2.5
 
 
 def tflops(pairs: int, d: int, ms: float, with_bwd: bool) -> float:
-    flops = 4 * d * pairs * (3.5 if with_bwd else 1.0)
+    flops = FWD_FLOPS_PER_PAIR_DIM * d * pairs * (1.0 + (BWD_FLOPS_OVER_FWD if with_bwd else 0.0))
     return flops / (ms * 1e-3) / 1e12
 
 
@@ -67,8 +71,7 @@ def flex_block_mask(pattern: S2Pattern, seq: int, device):
     n_full = torch.zeros_like(n_sub)
     n_sub.index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
     n_full.index_add_(0, idx, full.to(torch.int32))
-    n_keys = torch.clamp(torch.full((nk,), seq, device=device) - torch.arange(nk, device=device) * FLEX_BLOCK,
-                         max=FLEX_BLOCK)
+    n_keys = torch.clamp(seq - torch.arange(nk, device=device) * FLEX_BLOCK, max=FLEX_BLOCK)
     subs_needed = (-(-n_keys // bn)).to(torch.int32)
     n_sub, n_full = n_sub.view(H, nq, nk), n_full.view(H, nq, nk)
     is_full = n_full == subs_needed[None, None, :]
@@ -89,16 +92,44 @@ def flex_block_mask(pattern: S2Pattern, seq: int, device):
                                     mask_mod=mask_mod, seq_lengths=(seq, seq))
 
 
-def run_case(seq, args, d, block, rows, sweep_cfgs):
+def sweep_configs(base: KernelConfig) -> list:
+    """Alternatives to ``base`` around each pass's tuned point (see tools/tune_kernels.py for a
+    per-kernel sweep)."""
+    r = dataclasses.replace
+
+    def stages(n):
+        return r(base, fwd=r(base.fwd, num_stages=n), dq=r(base.dq, num_stages=n),
+                 dkdv=r(base.dkdv, num_stages=n))
+    return [r(base, fwd=PassConfig(128, 4, base.fwd.num_stages)),
+            r(base, fwd=PassConfig(128, 8, base.fwd.num_stages)),
+            r(base, dq=PassConfig(64, 4, base.dq.num_stages)),
+            r(base, dkdv=r(base.dkdv, block_m=64)),
+            r(base, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
+            stages(2), stages(4)]
+
+
+def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
+    """``s2attn`` for the default config, else the fields that differ from it."""
+    diffs = [f"bn={cfg.block_n}"] if cfg.block_n != base.block_n else []
+    for name in ("fwd", "dq", "dkdv"):
+        got, ref = getattr(cfg, name), getattr(base, name)
+        diffs += [f"{name}.{f.name}={getattr(got, f.name)}" for f in dataclasses.fields(got)
+                  if getattr(got, f.name) != getattr(ref, f.name)]
+    return "s2attn" + ("" if not diffs else " " + ",".join(diffs))
+
+
+def run_case(seq, args, d, block, rows, sweep):
     dev = torch.device("cuda")
     batch = max(1, args.tokens // seq)
     H, Hkv = args.heads, args.kv_heads or args.heads
-    pat = S2Pattern(num_heads=H, num_kv_heads=Hkv, block_size=block, local_blocks=args.local_blocks,
-                    vert_stride=args.vert_stride, head_offset=args.head_offset)
+    pat = S2Pattern(num_heads=H, num_kv_heads=Hkv, block_size=block,
+                    local_blocks=args.local_blocks, vert_stride=args.vert_stride,
+                    head_offset=args.head_offset)
     s2_pairs = pat.attended_pairs(seq) * batch
     dense_pairs = seq * (seq + 1) // 2 * H * batch
     torch.manual_seed(0)
-    mk = lambda h: torch.randn(batch, seq, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    mk = lambda h: torch.randn(batch, seq, h, d, device=dev, dtype=torch.bfloat16,
+                               requires_grad=True)
     q, k, v = mk(H), mk(Hkv), mk(Hkv)
     grad = torch.randn_like(q)
     res = []
@@ -109,21 +140,20 @@ def run_case(seq, args, d, block, rows, sweep_cfgs):
             ms_fb = bench(fb)
         except Exception as exc:  # a baseline that cannot run at this size is reported, not fatal
             print(f"  {name}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-            res.append(dict(name=name, seq=seq, batch=batch, d=d, block=block, error=str(exc)[:300]))
+            res.append(dict(name=name, seq=seq, batch=batch, d=d, block=block,
+                            error=str(exc)[:300]))
             return
-        r = dict(name=name, seq=seq, batch=batch, d=d, block=block, fwd_ms=ms_f, fwdbwd_ms=ms_fb,
-                 fwd_tflops=tflops(pairs, d, ms_f, False), fwdbwd_tflops=tflops(pairs, d, ms_fb, True))
+        r = dict(name=name, seq=seq, batch=batch, d=d, block=block, fwd_ms=ms_f,
+                 fwdbwd_ms=ms_fb, fwd_tflops=tflops(pairs, d, ms_f, False),
+                 fwdbwd_tflops=tflops(pairs, d, ms_fb, True))
         res.append(r)
-        print(f"  {name:<14} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | fwd+bwd {ms_fb:8.2f} ms "
-              f"{r['fwdbwd_tflops']:6.0f} TF/s", flush=True)
+        print(f"  {name:<14} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
+              f"fwd+bwd {ms_fb:8.2f} ms {r['fwdbwd_tflops']:6.0f} TF/s", flush=True)
 
-    for cfg in sweep_cfgs:
-        triton_attention.CONFIG_OVERRIDES.clear()
-        triton_attention.CONFIG_OVERRIDES.update(cfg)
-        label = "s2attn" + ("" if not cfg else " " + ",".join(f"{a}={b}" for a, b in cfg.items()))
-        run = lambda: s2_attention(q, k, v, pat)
-        record(label, s2_pairs, run, fwd_bwd(run, (q, k, v), grad))
-    triton_attention.CONFIG_OVERRIDES.clear()
+    base = kernel_config(pat, d, dev)
+    for cfg in [base] + (sweep_configs(base) if sweep else []):
+        run = lambda cfg=cfg: s2_attention(q, k, v, pat, kernel_config=cfg)
+        record(config_label(cfg, base), s2_pairs, run, fwd_bwd(run, (q, k, v), grad))
     if "flex" in rows:
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
@@ -136,35 +166,40 @@ def run_case(seq, args, d, block, rows, sweep_cfgs):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qd, kd, vd = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     gd = grad.transpose(1, 2).contiguous()
-    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
         if name.split()[1] not in rows:
             continue
 
         def run(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=Hkv != H)
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                      enable_gqa=Hkv != H)
         record(name + " dense", dense_pairs, run, fwd_bwd(run, (qd, kd, vd), gd))
     return res, pat.density(seq)
 
 
 def summarize(results):
     """Markdown table with speedups of s2attn over each baseline (fwd+bwd)."""
-    lines = ["| seq x batch | d | block | density | kernel | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | s2attn speedup (fwd+bwd) |",
+    lines = ["| seq x batch | d | block | density | kernel | fwd ms | fwd TF/s | fwd+bwd ms "
+             "| fwd+bwd TF/s | s2attn speedup (fwd+bwd) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (seq, d, block, dens), rs in results.items():
         ours = next((r for r in rs if r["name"] == "s2attn" and "fwdbwd_ms" in r), None)
         for r in rs:
+            row = f"| {seq} x {r['batch']} | {d} | {block} | {dens:.3f} | {r['name']} |"
             if "fwdbwd_ms" not in r:
-                lines.append(f"| {seq} x {r['batch']} | {d} | {block} | {dens:.3f} | {r['name']} | failed | | | | |")
+                lines.append(f"{row} failed | | | | |")
                 continue
             sp = "" if ours is None or r is ours else f"{r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x"
-            lines.append(f"| {seq} x {r['batch']} | {d} | {block} | {dens:.3f} | {r['name']} | {r['fwd_ms']:.2f} | "
-                         f"{r['fwd_tflops']:.0f} | {r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {sp} |")
+            lines.append(f"{row} {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
+                         f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {sp} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--tokens", type=int, default=131072, help="batch x seq per case")
     ap.add_argument("--heads", type=int, default=32)
@@ -182,15 +217,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tools/benchmark.py needs a CUDA GPU")
-    sweep = [{}]
-    if args.sweep:
-        sweep += [dict(fwd_m=128, fwd_warps=4), dict(fwd_m=64, fwd_warps=4), dict(bwd_m=32, bwd_warps=4),
-                  dict(bwd_m=64, bwd_warps=4), dict(bwd_m=128, bwd_warps=8), dict(stages=2), dict(stages=4)]
     rows = set(args.rows.split(","))
-    cases = [(s, args.head_dim, args.block_size, rows, sweep) for s in args.seqs]
+    cases = [(s, args.head_dim, args.block_size, rows, args.sweep) for s in args.seqs]
     if args.extra:
-        cases += [(32768, 64, args.block_size, {"flex", "cudnn"}, [{}]),
-                  (32768, args.head_dim, 16, {"flex"}, [{}])]
+        cases += [(32768, 64, args.block_size, {"flex", "cudnn"}, False),
+                  (32768, args.head_dim, 16, {"flex"}, False)]
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"{datetime.date.today()} | heads {args.heads}/{args.kv_heads or args.heads} "
           f"L={args.local_blocks} V={args.vert_stride} tokens={args.tokens}", flush=True)

@@ -3,24 +3,27 @@
     python tools/tune_kernels.py --seq 32768 --tokens 131072
 
 Prints one line per (kernel, config) with the median time; the fastest per kernel is what
-``triton_attention._default_config`` should use on this GPU.
+``triton_attention.kernel_config`` should return on this GPU (its ``GPU_*`` defaults).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import triton.testing
 
 from s2attn import S2Pattern
 from s2attn import triton_attention as ta
+from s2attn.triton_attention import PassConfig
 
-FWD = [dict(fwd_m=m, fwd_warps=w, fwd_stages=s) for m, w, s in
+# Candidates per pass as (block_m, num_warps, num_stages).
+FWD = [PassConfig(*c) for c in
        [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3)]]
-DKDV = [dict(dkdv_m=m, dkdv_warps=w, bwd_stages=s) for m, w, s in
+DKDV = [PassConfig(*c) for c in
         [(32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 3), (64, 4, 3), (64, 8, 3), (64, 8, 2)]]
-DQ = [dict(dq_m=m, dq_warps=w, bwd_stages=s) for m, w, s in
+DQ = [PassConfig(*c) for c in
       [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 8, 2), (128, 4, 3)]]
 
 
@@ -36,7 +39,8 @@ def main(argv=None):
     dev = torch.device("cuda")
     b = max(1, args.tokens // args.seq)
     H, G, d = args.heads, args.kv_heads or args.heads, args.head_dim
-    pat = S2Pattern(num_heads=H, num_kv_heads=G, block_size=args.block_size, local_blocks=16, vert_stride=8)
+    pat = S2Pattern(num_heads=H, num_kv_heads=G, block_size=args.block_size, local_blocks=16,
+                    vert_stride=8)
     mk = lambda h: torch.randn(b, args.seq, h, d, device=dev, dtype=torch.bfloat16)
     q, k, v = mk(H), mk(G), mk(G)
     do = torch.randn_like(q)
@@ -51,9 +55,10 @@ def main(argv=None):
             ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c))):
         best = None
         for cand in cands:
-            cfg = dict(base, **cand)
+            cfg = dataclasses.replace(base, **{name: cand})
             try:
-                ms = triton.testing.do_bench(lambda: fn(cfg), warmup=25, rep=100, return_mode="median")
+                ms = triton.testing.do_bench(lambda fn=fn, cfg=cfg: fn(cfg), warmup=25, rep=100,
+                                             return_mode="median")
             except Exception as exc:  # e.g. out of shared memory for a tile shape
                 print(f"  {name:5} {cand}: failed {type(exc).__name__}")
                 continue
