@@ -28,6 +28,40 @@ from .pattern import S2Pattern
 # constexpr so the @triton.jit code can read them (it reads no other globals).
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# fp32 -> bf16 keeps the high 16 bits of the fp32 pattern (used only under the interpreter).
+_BF16_DROPPED_BITS = tl.constexpr(16)
+_BF16_HALF_ULP = tl.constexpr(1 << 15)
+_BF16_KEPT_MASK = tl.constexpr(0xFFFF0000)
+
+
+# --------------------------------------------------------------------- interpreter-safe helpers
+# On the GPU both helpers are exactly the plain operation (INTERPRET is a constexpr False there).
+@triton.jit
+def _mma(a, b, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """``a @ b`` with fp32 accumulation."""
+    if INTERPRET:
+        # The interpreter stores bf16 as uint16 and its tl.dot multiplies those raw bits
+        # (triton-lang/triton#11584). Widened operands give what a bf16/fp16 MMA computes: exact
+        # products summed in fp32.
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` to ``dtype``, rounding to nearest even like the GPU's conversion."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            # The interpreter converts fp32 to bf16 by dropping the low bits (round toward zero,
+            # twice the GPU's error). Round the fp32 bits to nearest even first: the drop is
+            # then exact. NaNs are left alone (rounding could carry their payload into inf).
+            bits = x.to(tl.uint32, bitcast=True)
+            bits += _BF16_HALF_ULP - 1 + ((bits >> _BF16_DROPPED_BITS) & 1)
+            rounded = (bits & _BF16_KEPT_MASK).to(tl.float32, bitcast=True)
+            x = tl.where(x != x, x, rounded)
+    return x.to(dtype)
 
 
 # --------------------------------------------------------------------------------------- forward
@@ -35,7 +69,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
                q_abs, offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
                seq_k, k_start, qk_scale,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+               INTERPRET: tl.constexpr):
     for e in range(e_begin, e_end):
         kt = tl.load(cols + e)
         n_idx = kt * BLOCK_N + offs_n
@@ -45,7 +80,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
             k = tl.load(k_ptrs, mask=n_idx[None, :] < seq_k, other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = _mma(q, k, PRECISION, INTERPRET) * qk_scale
         if MASKED:
             lo = tl.load(los + e)
             hi = tl.load(his + e)
@@ -62,7 +97,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
             v = tl.load(v_ptrs, mask=n_idx[:, None] < seq_k, other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _mma(_cast(p, v.dtype, INTERPRET), v, PRECISION, INTERPRET)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -76,7 +111,7 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
                    row_ptr, row_split, cols, los, his, order,
                    num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group, qk_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     n_items = num_heads * num_q_tiles
     item = tl.load(order + pid % n_items)
@@ -102,16 +137,16 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
     e2 = tl.load(row_ptr + item + 1)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e0, e1, q_abs,
                                offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                               seq_k, k_start, qk_scale, BLOCK_N, False, PRECISION)
+                               seq_k, k_start, qk_scale, BLOCK_N, False, PRECISION, INTERPRET)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e1, e2, q_abs,
                                offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                               seq_k, k_start, qk_scale, BLOCK_N, True, PRECISION)
+                               seq_k, k_start, qk_scale, BLOCK_N, True, PRECISION, INTERPRET)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     tl.store(O + b * stride_ob + h64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_os
-             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             + offs_d[None, :] * stride_od, _cast(out, O.dtype.element_ty, INTERPRET),
              mask=row_ok[:, None])
     tl.store(LSE + (b * num_heads + h64) * seq_q + offs_m, lse, mask=row_ok)
 
@@ -121,7 +156,8 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
                 e_begin, e_end, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
                 stride_dod, seq_q, q_start, qk_scale,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                INTERPRET: tl.constexpr):
     for e in range(e_begin, e_end):
         qt = tl.load(rows + e)
         m_idx = qt * BLOCK_M + offs_m
@@ -142,7 +178,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, 
             lse = tl.load(lse_base + m_idx)
             delta = tl.load(delta_base + m_idx)
         # Transposed scores [BLOCK_N, BLOCK_M]: keys are this program's rows.
-        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - (lse * LOG2E)[None, :]
+        sT = _mma(k, tl.trans(q), PRECISION, INTERPRET) * qk_scale - (lse * LOG2E)[None, :]
         if MASKED:
             q_abs = q_start + m_idx
             lo = tl.load(los + e)
@@ -151,10 +187,10 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, 
                 & (q_abs[None, :] < hi) & (m_idx[None, :] < seq_q)
             sT = tl.where(ok, sT, float("-inf"))
         pT = tl.math.exp2(sT)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv += _mma(_cast(pT, do.dtype, INTERPRET), do, PRECISION, INTERPRET)
+        dpT = _mma(v, tl.trans(do), PRECISION, INTERPRET)
         dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+        dk += _mma(_cast(dsT, q.dtype, INTERPRET), q, PRECISION, INTERPRET)
     return dk, dv
 
 
@@ -170,7 +206,7 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                     num_heads, seq_q, seq_k, q_start, k_start, num_k_tiles, group,
                     qk_scale, sm_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     n_items = (num_heads // group) * num_k_tiles
     item = tl.load(order + pid % n_items)
@@ -203,16 +239,18 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         e2 = tl.load(col_ptr + c + 1)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
                              e0, e1, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
-                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, False, PRECISION)
+                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, False, PRECISION,
+                             INTERPRET)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
                              e1, e2, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
-                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, True, PRECISION)
+                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, True, PRECISION,
+                             INTERPRET)
     dk *= sm_scale
     tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks
-             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             + offs_d[None, :] * stride_dkd, _cast(dk, DK.dtype.element_ty, INTERPRET),
              mask=key_ok[:, None])
     tl.store(DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs
-             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             + offs_d[None, :] * stride_dvd, _cast(dv, DV.dtype.element_ty, INTERPRET),
              mask=key_ok[:, None])
 
 
@@ -220,7 +258,8 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e_end,
               q_abs, offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
               seq_k, k_start, qk_scale,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+              INTERPRET: tl.constexpr):
     for e in range(e_begin, e_end):
         kt = tl.load(cols + e)
         n_idx = kt * BLOCK_N + offs_n
@@ -233,7 +272,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e
         else:
             k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd)
             v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None]
+        s = _mma(q, tl.trans(k), PRECISION, INTERPRET) * qk_scale - lse2[:, None]
         if MASKED:
             lo = tl.load(los + e)
             hi = tl.load(his + e)
@@ -241,9 +280,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e
                 & (q_abs[:, None] < hi) & (n_idx[None, :] < seq_k)
             s = tl.where(ok, s, float("-inf"))
         p = tl.math.exp2(s)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = _mma(do, tl.trans(v), PRECISION, INTERPRET)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += _mma(_cast(ds, k.dtype, INTERPRET), k, PRECISION, INTERPRET)
     return dq
 
 
@@ -259,7 +298,7 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
                   num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group,
                   qk_scale, sm_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr):
+                  PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, INTERPRET: tl.constexpr):
     # dQ programs own query rows, so they also produce each row's
     # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE) and store it
     # for the dK/dV pass, which runs afterwards.
@@ -298,17 +337,21 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
     e2 = tl.load(row_ptr + item + 1)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e0, e1, q_abs, offs_n,
                    offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
-                   BLOCK_N, False, PRECISION)
+                   BLOCK_N, False, PRECISION, INTERPRET)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e1, e2, q_abs, offs_n,
                    offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
-                   BLOCK_N, True, PRECISION)
+                   BLOCK_N, True, PRECISION, INTERPRET)
     dq *= sm_scale
     tl.store(DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             + offs_d[None, :] * stride_dqd, _cast(dq, DQ.dtype.element_ty, INTERPRET),
              mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------- launching
+# The kernels run under Triton's interpreter iff triton.jit saw TRITON_INTERPRET at import time;
+# checking the kernel object (not the environment now) keeps the flag true to what runs.
+_INTERPRETED = not isinstance(_s2_fwd_kernel, triton.runtime.JITFunction)
+
 # Key tiles: one pattern block, or 64-key slices of a larger one (never two blocks).
 MAX_BLOCK_N = 64
 # Merge-Q: query tiles span several small pattern blocks, up to this many tokens.
@@ -427,7 +470,7 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
         hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
+        INTERPRET=_INTERPRETED, num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
     return out, lse
 
 
@@ -446,7 +489,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, pattern: S2Pattern, scale: float, q_start:
         lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
         hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E.value, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        num_warps=config.dkdv.num_warps,
+        INTERPRET=_INTERPRETED, num_warps=config.dkdv.num_warps,
         num_stages=config.dkdv.num_stages)
     return dk, dv
 
@@ -467,7 +510,7 @@ def bwd_dq(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_star
         lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
         hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value, scale,
         BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        HAS_DLSE=dlse is not None, num_warps=config.dq.num_warps,
+        HAS_DLSE=dlse is not None, INTERPRET=_INTERPRETED, num_warps=config.dq.num_warps,
         num_stages=config.dq.num_stages)
     return dq, delta
 

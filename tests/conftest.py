@@ -1,7 +1,9 @@
 """Shared setup and helpers for the s2attn tests.
 
 Without CUDA the real Triton kernels run under the Triton interpreter: ``TRITON_INTERPRET=1`` has
-to be set before ``triton`` is first imported, and pytest loads this file before any test module.
+to be set before the kernels are defined (``triton.jit`` reads it when ``s2attn.triton_attention``
+is first imported), and pytest loads this file before any test module. bf16 under the interpreter
+needs no help from here: the kernels handle it themselves (tests/test_interpreter_dtypes.py).
 """
 
 from __future__ import annotations
@@ -14,40 +16,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-
-def _patch_interpreter_bf16_dot() -> None:
-    """Triton's interpreter stores bfloat16 as uint16 and its ``tl.dot`` multiplies the raw bit
-    patterns (triton-lang/triton#11584; upstream answer: bf16 is not supported by the
-    interpreter). Convert bf16 operands to fp32 before the matmul, which is what a bf16 MMA with
-    fp32 accumulation computes, so the bf16 kernel paths can be tested on CPU. Casts (e.g. the
-    kernels' ``p.to(v.dtype)`` rounding) already go through the interpreter's correct path."""
-    from triton.runtime import interpreter as itp
-    import triton.language as tl
-
-    builder = itp.InterpreterBuilder
-    if getattr(builder.create_dot, "_s2_bf16_fixed", False):
-        return
-    orig = builder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
-            def f32(x):
-                if x.dtype.scalar == tl.bfloat16:
-                    data = itp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-                    return itp.TensorHandle(data, tl.float32)
-                return x
-            a, b = f32(a), f32(b)
-        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    create_dot._s2_bf16_fixed = True
-    builder.create_dot = create_dot
-
-
-if not CUDA:
-    _patch_interpreter_bf16_dot()
 
 
 def pytest_configure(config):
