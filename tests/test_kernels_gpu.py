@@ -37,7 +37,8 @@ def norm_err(a, b):
 
 def _inputs(b, s, h, hkv, d, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    mk = lambda hh: torch.randn(b, s, hh, d, device=DEV, generator=g).to(torch.bfloat16).requires_grad_(True)
+    mk = lambda hh: (torch.randn(b, s, hh, d, device=DEV, generator=g).to(torch.bfloat16)
+                     .requires_grad_(True))
     q, k, v = mk(h), mk(hkv), mk(hkv)
     do = torch.randn(b, s, h, d, device=DEV, generator=g, dtype=torch.float64)
     return (q, k, v), do
