@@ -23,20 +23,28 @@ def test_flops_dense_matches_the_textbook_formula():
     # SwiGLU MLP (3 h x 4h matrices), QKV + output projections, LM head; fwd+bwd = 3x fwd.
     matmul = 2 * tokens * (L * (4 * h * h + 3 * h * 4 * h) + h * V)
     attn = B * 4 * (h // m.num_attention_heads) * m.num_attention_heads * L * s * (s + 1) // 2
-    assert model_flops_per_iteration(m, cfg.train.global_batch_size, V, cfg.schedule()) == pytest.approx(3 * (matmul + attn))
+    flops = model_flops_per_iteration(m, cfg.train.global_batch_size, V, cfg.schedule())
+    assert flops == pytest.approx(3 * (matmul + attn))
 
 
 def test_flops_count_s2_layers_at_their_density():
     dense = load_config(os.path.join(CONFIGS, "gpt-125m-dense.yaml"))
     s2 = load_config(os.path.join(CONFIGS, "gpt-125m-s2.yaml"))
-    fd = model_flops_per_iteration(dense.model, dense.train.global_batch_size, 384, dense.schedule())
-    fs = model_flops_per_iteration(s2.model, s2.train.global_batch_size, 384, s2.schedule())
+    def flops(cfg):
+        return model_flops_per_iteration(cfg.model, cfg.train.global_batch_size, 384,
+                                         cfg.schedule())
+
+    fd, fs = flops(dense), flops(s2)
     m = s2.model
-    pairs_dense = sum(dense.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None, m.seq_length))
-    pairs_s2 = sum(s2.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None, m.seq_length))
+    def pairs(cfg):
+        return sum(cfg.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None,
+                                                  m.seq_length))
+
+    pairs_dense, pairs_s2 = pairs(dense), pairs(s2)
     assert pairs_s2 < pairs_dense
     d = m.hidden_size // m.num_attention_heads
-    assert fd - fs == pytest.approx(3 * s2.train.global_batch_size * 4 * d * (pairs_dense - pairs_s2))
+    batch = s2.train.global_batch_size
+    assert fd - fs == pytest.approx(3 * batch * 4 * d * (pairs_dense - pairs_s2))
 
 
 def test_metrics_logger_resume_truncates_and_plots(tmp_path):
@@ -52,7 +60,8 @@ def test_metrics_logger_resume_truncates_and_plots(tmp_path):
     recs = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [(r["kind"], r["iteration"]) for r in recs] == [("train", i) for i in range(1, 6)]
     assert recs[-1]["loss"] == 1.0
-    assert plot_loss_curve(str(tmp_path / "metrics.jsonl"), str(tmp_path / "l.png")) == str(tmp_path / "l.png")
+    png = str(tmp_path / "l.png")
+    assert plot_loss_curve(str(tmp_path / "metrics.jsonl"), png) == png
     assert (tmp_path / "l.png").stat().st_size > 0
 
 

@@ -29,7 +29,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
@@ -84,7 +84,7 @@ class CheckConfig:
     lr: float = 1e-3
     dtype: str = "bf16"  # bf16 | fp32
     seed: int = 1234
-    schedule: Dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_SCHEDULE)))
+    schedule: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_SCHEDULE)))
     cpu: bool = False
     backend: str = "auto"  # s2_attention backend; the CPU check uses the PyTorch reference
     # Relative tolerances (fp32 CPU runs are exact to ~1e-5; bf16 GPU runs reduce differently).
@@ -111,11 +111,11 @@ class CheckConfig:
                                clip_grad=1.0, lr_warmup_iters=0, lr_decay_style="constant")
 
     @classmethod
-    def tiny_cpu(cls, **kw) -> "CheckConfig":
+    def tiny_cpu(cls, **kw) -> CheckConfig:
         base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                     ffn_hidden_size=128, vocab_size=128, seq_length=128, num_microbatches=4,
-                    steps=2, dtype="fp32", cpu=True, backend="reference", loss_rtol=1e-4, gnorm_rtol=1e-3,
-                    grad_rtol=1e-3,
+                    steps=2, dtype="fp32", cpu=True, backend="reference", loss_rtol=1e-4,
+                    gnorm_rtol=1e-3, grad_rtol=1e-3,
                     schedule={"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8,
                                      "head_offset": 1},
                               "dense_layers": {"pattern": "SD"},
@@ -172,7 +172,7 @@ def _setup_layout(cc: CheckConfig, layout: Layout):
     init_model_parallel(layout.parallel_config(), seed=cc.seed)
 
 
-def _batches(cc: CheckConfig, step: int) -> List[Dict[str, torch.Tensor]]:
+def _batches(cc: CheckConfig, step: int) -> list[dict[str, torch.Tensor]]:
     """Deterministic micro batches (identical in every layout): noisy repeated motifs so the
     loss actually moves in a few steps."""
     g = torch.Generator().manual_seed(cc.seed * 1000 + step)
@@ -190,7 +190,7 @@ def _batches(cc: CheckConfig, step: int) -> List[Dict[str, torch.Tensor]]:
     return out
 
 
-def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: List[Layout],
+def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: list[Layout],
               workdir: str):
     """Run ``layouts`` (all of ``world`` ranks) one after the other in this process."""
     layout = None
@@ -217,8 +217,11 @@ def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: List[L
 def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
     """Train ``cc.steps`` steps of ``layout`` with the trainer's building blocks; save this rank's
     losses, grad norms and first-step gradients."""
-    from megatron_s2.model import (load_unsharded_parameters, named_parameters_unsharded,
-                                   unsharded_parameters)
+    from megatron_s2.model import (
+        load_unsharded_parameters,
+        named_parameters_unsharded,
+        unsharded_parameters,
+    )
     from megatron_s2.training import parallel
     from megatron_s2.training.step import ForwardBackward, zero_grad
 
@@ -271,13 +274,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layouts(cc: CheckConfig, layouts: List[Layout], workdir: str) -> None:
+def run_layouts(cc: CheckConfig, layouts: list[Layout], workdir: str) -> None:
     """Run layouts of one world size in one set of spawned processes (one per device), one after
     the other; raise with the ranks' tracebacks on failure."""
     import torch.multiprocessing as mp
 
     world = layouts[0].world
-    if any(l.world != world for l in layouts):
+    if any(layout.world != world for layout in layouts):
         raise ValueError("run_layouts: all layouts must use the same number of processes")
     try:
         mp.spawn(_run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world,
@@ -285,7 +288,7 @@ def run_layouts(cc: CheckConfig, layouts: List[Layout], workdir: str) -> None:
     except Exception as e:
         errs = [open(os.path.join(workdir, f)).read() for f in sorted(os.listdir(workdir))
                 if ".error." in f]
-        raise RuntimeError(f"layouts {[l.name for l in layouts]} failed:\n"
+        raise RuntimeError(f"layouts {[layout.name for layout in layouts]} failed:\n"
                            + "\n".join(errs or [str(e)])) from e
 
 
@@ -297,7 +300,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def compare(cc: CheckConfig, layout: Layout, workdir: str) -> Dict:
+def compare(cc: CheckConfig, layout: Layout, workdir: str) -> dict:
     """Compare a finished layout with the reference; returns a row with ``passed``."""
     ref = torch.load(os.path.join(workdir, f"{REFERENCE.name}.rank0.pt"))
     full_ref_grads = ref["grads"]
@@ -307,7 +310,8 @@ def compare(cc: CheckConfig, layout: Layout, workdir: str) -> Dict:
         r = torch.load(os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
         losses, gnorms = r["losses"], r["grad_norms"]
         loss_err = max([loss_err] + [_rel(a, b) for a, b in zip(r["losses"], ref["losses"])])
-        gnorm_err = max([gnorm_err] + [_rel(a, b) for a, b in zip(r["grad_norms"], ref["grad_norms"])])
+        gnorm_err = max([gnorm_err] + [_rel(a, b)
+                                       for a, b in zip(r["grad_norms"], ref["grad_norms"])])
         for name, g in r["grads"].items():
             expect = _slice_like(full_ref_grads[name], g, name, layout, rank, cc)
             denom = expect.abs().max().clamp_min(1e-8)
@@ -329,22 +333,23 @@ def _slice_like(full: torch.Tensor, local: torch.Tensor, name: str, layout: Layo
     tp_rank = rank % layout.tp  # Megatron's default order puts TP innermost
     dims = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
     if len(dims) != 1:
-        raise ValueError(f"{name}: cannot match reference {tuple(full.shape)} to {tuple(local.shape)}")
+        raise ValueError(f"{name}: cannot match reference {tuple(full.shape)} to "
+                         f"{tuple(local.shape)}")
     d = dims[0]
     if "linear_fc1." in name and d == 0:
         return torch.cat([h.chunk(layout.tp, 0)[tp_rank] for h in full.chunk(2, 0)], 0)
     return full.chunk(layout.tp, d)[tp_rank]
 
 
-def run_check(cc: CheckConfig, layouts: List[Layout], workdir: Optional[str] = None) -> List[Dict]:
+def run_check(cc: CheckConfig, layouts: list[Layout], workdir: Optional[str] = None) -> list[dict]:
     """Reference + layouts; returns one comparison row per layout. Layouts of the same world
     size share one launch (Megatron's parallel state is rebuilt between them)."""
     workdir = workdir or tempfile.mkdtemp(prefix="s2_parallel_check_")
     os.makedirs(workdir, exist_ok=True)
     run_layout(cc, REFERENCE, workdir)
     rows = {}
-    for world in sorted({l.world for l in layouts}):
-        group = [l for l in layouts if l.world == world]
+    for world in sorted({layout.world for layout in layouts}):
+        group = [layout for layout in layouts if layout.world == world]
         t0 = time.time()
         error = None
         try:
@@ -358,10 +363,10 @@ def run_check(cc: CheckConfig, layouts: List[Layout], workdir: Optional[str] = N
                 row = {"layout": layout.name, "passed": False, "error": error or str(e)}
             row["seconds"] = round((time.time() - t0) / len(group), 1)
             rows[layout.name] = row
-    return [rows[l.name] for l in layouts]
+    return [rows[layout.name] for layout in layouts]
 
 
-def format_table(rows: List[Dict]) -> str:
+def format_table(rows: list[dict]) -> str:
     lines = [f"{'layout':<10} {'result':<6} {'max rel loss':>12} {'max rel gnorm':>13} "
              f"{'max rel grad@0':>14} {'seconds':>8}"]
     for r in rows:
@@ -373,8 +378,8 @@ def format_table(rows: List[Dict]) -> str:
                      f"{r['max_rel_grad_diff_step0']:>14.2e} {r['seconds']:>8}")
     for r in rows:
         if "losses" in r:
-            lines.append(f"  {r['layout']}: losses {['%.5f' % x for x in r['losses']]} "
-                         f"(ref {['%.5f' % x for x in r['ref_losses']]})")
+            lines.append(f"  {r['layout']}: losses {[f'{x:.5f}' for x in r['losses']]} "
+                         f"(ref {[f'{x:.5f}' for x in r['ref_losses']]})")
     return "\n".join(lines)
 
 
@@ -392,9 +397,11 @@ def tolerances(dtype: str, cpu: bool):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny model on CPU/gloo (megatron_s2 CPU mode)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="tiny model on CPU/gloo (megatron_s2 CPU mode)")
     ap.add_argument("--layouts", default=None,
-                    help="comma-separated subset of: " + ",".join(l.name for l in GPU_LAYOUTS))
+                    help="comma-separated subset of: "
+                         + ",".join(layout.name for layout in GPU_LAYOUTS))
     ap.add_argument("--seq-length", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
@@ -417,13 +424,14 @@ def main(argv=None) -> int:
     layouts = GPU_LAYOUTS
     if args.layouts:
         wanted = args.layouts.split(",")
-        layouts = [l for l in GPU_LAYOUTS if l.name in wanted]
+        layouts = [layout for layout in GPU_LAYOUTS if layout.name in wanted]
         if len(layouts) != len(wanted):
-            ap.error(f"--layouts: choose from {[l.name for l in GPU_LAYOUTS]}")
+            ap.error(f"--layouts: choose from {[layout.name for layout in GPU_LAYOUTS]}")
     if not args.cpu:
         n = torch.cuda.device_count()
-        if n < max(l.world for l in layouts):
-            print(f"need {max(l.world for l in layouts)} GPUs, found {n}", file=sys.stderr)
+        needed = max(layout.world for layout in layouts)
+        if n < needed:
+            print(f"need {needed} GPUs, found {n}", file=sys.stderr)
             return 2
     rows = run_check(cc, layouts, args.workdir)
     print(f"config: {json.dumps({k: v for k, v in asdict(cc).items() if k != 'schedule'})}")

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 # Distributed-optimizer state format (see the module docstring).
 OPTIMIZER_FORMAT = "dp_reshardable"
+# The parallel sizes that shard the model (and so the optimizer state); DP is not among them.
+MODEL_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp")
 
 
 def checkpoint_path(root: str, iteration: int) -> str:
@@ -237,7 +239,8 @@ def _prune(root: str, keep_last: int, keep: int) -> None:
 
 
 def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
-                    iteration: Optional[int] = None, load_optimizer: bool = True) -> tuple[int, int]:
+                    iteration: Optional[int] = None,
+                    load_optimizer: bool = True) -> tuple[int, int]:
     """Load the newest (or the given) checkpoint under ``root`` into model/optimizer/scheduler.
 
     Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is no checkpoint.
@@ -254,17 +257,18 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     common = dist_checkpointing.load_common_state_dict(path)
     saved, now = common["parallel"], _parallel_layout()
-    same_model_layout = all(saved[k] == now[k] for k in ("tp", "pp", "vpp", "cp"))
+    same_model_layout = all(saved[k] == now[k] for k in MODEL_LAYOUT_KEYS)
     if load_optimizer and common.get("optimizer_format", OPTIMIZER_FORMAT) != OPTIMIZER_FORMAT:
-        raise ValueError(f"checkpoint {path}: optimizer format {common['optimizer_format']!r} is not "
-                         f"{OPTIMIZER_FORMAT!r}; load it with checkpoint.load_optimizer=false")
+        raise ValueError(f"checkpoint {path}: optimizer format {common['optimizer_format']!r} "
+                         f"is not {OPTIMIZER_FORMAT!r}; load it with "
+                         f"checkpoint.load_optimizer=false")
     load_scheduler = load_optimizer
     if load_optimizer and not same_model_layout:
         logger.warning(
             "checkpoint %s was saved at TP/PP/VPP/CP %s and is loaded at %s: the dp_reshardable "
             "optimizer state cannot follow, so the model and the LR schedule are loaded and the "
             "optimizer state restarts",
-            path, [saved[k] for k in ("tp", "pp", "vpp", "cp")], [now[k] for k in ("tp", "pp", "vpp", "cp")])
+            path, [saved[k] for k in MODEL_LAYOUT_KEYS], [now[k] for k in MODEL_LAYOUT_KEYS])
         load_optimizer = False
     sd = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optimizer,
                              with_rng=same_model_layout)

@@ -1,8 +1,8 @@
 """Training and validation data through Megatron's GPT dataset and blending builders.
 
-Indexed datasets (``.bin/.idx``, written by :mod:`megatron_s2.training.preprocess`) are blended and split
-by :class:`~megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder`
-into :class:`~megatron.core.datasets.gpt_dataset.GPTDataset` samples of ``seq_length + 1`` tokens.
+Indexed datasets (``.bin/.idx``, written by :mod:`megatron_s2.training.preprocess`) are blended
+and split by Megatron's ``BlendedMegatronDatasetBuilder`` into
+:class:`~megatron.core.datasets.gpt_dataset.GPTDataset` samples of ``seq_length + 1`` tokens.
 Documents are concatenated with their EOD tokens the Megatron way (a sample may span documents;
 ``train.reset_position_ids`` / ``train.eod_mask_loss`` change how boundaries are treated).
 
@@ -56,8 +56,8 @@ class Datasets:
     valid: Optional[object]
 
 
-def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, tokenizer, seq_length: int,
-                   seed: int, split: str, train_samples: int, valid_samples: int,
+def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, tokenizer,
+                   seq_length: int, seed: int, split: str, train_samples: int, valid_samples: int,
                    cache_dir: Optional[str] = None, reset_position_ids: bool = False,
                    eod_mask_loss: bool = False) -> Datasets:
     """Build the blended train/valid GPT datasets (call on every rank, after torch.distributed).
@@ -74,8 +74,8 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise ConfigError(
-                    f"data.blend: {prefix + ext} does not exist (prefixes name .bin/.idx pairs written "
-                    f"by tools/prepare_data.py, without the extension)")
+                    f"data.blend: {prefix + ext} does not exist (prefixes name .bin/.idx pairs "
+                    f"written by tools/prepare_data.py, without the extension)")
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
     config = GPTDatasetConfig(
@@ -99,15 +99,17 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
     if train is None:
         raise ConfigError(f"data.split {split!r} leaves no training data")
     if valid_samples > 0 and valid is None:
-        raise ConfigError(f"data.split {split!r} leaves no validation data but train.eval_iters > 0; "
-                         f"give the valid split a weight or set train.eval_iters=0")
+        raise ConfigError(f"data.split {split!r} leaves no validation data but "
+                          f"train.eval_iters > 0; give the valid split a weight or set "
+                          f"train.eval_iters=0")
     return Datasets(train=train, valid=valid)
 
 
 class _MicroBatchSampler(torch.utils.data.Sampler):
     """Index lists of this rank's micro-batches, starting after ``consumed`` global samples."""
 
-    def __init__(self, total: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+    def __init__(self, total: int, consumed: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int):
         self.total, self.consumed = total, consumed
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
 
@@ -138,13 +140,14 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
     reads the same held-out samples at every evaluation).
     """
     while True:
-        sampler = _MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+        sampler = _MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
+                                     dp_size)
         if len(sampler) == 0:
             raise ValueError(f"dataset of {len(dataset)} samples has no micro-batch left after "
                              f"{consumed_samples} consumed samples")
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                             persistent_workers=False,
-                                             worker_init_fn=_ignore_sigterm if num_workers else None)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=False,
+            worker_init_fn=_ignore_sigterm if num_workers else None)
         yield from loader
         if not cycle:
             return

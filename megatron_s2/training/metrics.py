@@ -60,7 +60,8 @@ def memory_gib() -> tuple[str, float]:
     """(label, GiB): peak CUDA memory allocated on this GPU, else this process's resident set."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and torch.version.cuda is not None:
+    if (torch.cuda.is_available() and torch.cuda.device_count() > 0
+            and torch.version.cuda is not None):
         try:
             return "gpu_mem_gib", torch.cuda.max_memory_allocated() / 2**30
         except Exception:  # CPU mode: torch.cuda is stubbed
@@ -100,9 +101,11 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_iter + 1)
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                         purge_step=start_iter + 1)
             except ImportError:
-                print("[megatron-s2] tensorboard is not installed; TensorBoard logging is off", flush=True)
+                print("[megatron-s2] tensorboard is not installed; TensorBoard logging is off",
+                      flush=True)
         # A bar redrawn with carriage returns is noise in a log file (slurm, CI): only on a TTY.
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -127,7 +130,8 @@ class MetricsLogger:
             return
         with open(self.jsonl_path) as f:
             lines = f.readlines()
-        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("iteration", 0) <= start_iter]
+        kept = [ln for ln in lines
+                if ln.strip() and json.loads(ln).get("iteration", 0) <= start_iter]
         if len(kept) != len(lines):
             with open(self.jsonl_path, "w") as f:
                 f.writelines(kept)
@@ -158,7 +162,8 @@ class MetricsLogger:
         if self._tb is not None:
             step = record["iteration"]
             for k, v in record.items():
-                if k not in ("iteration", "kind") and isinstance(v, (int, float)) and math.isfinite(v):
+                if (k not in ("iteration", "kind") and isinstance(v, (int, float))
+                        and math.isfinite(v)):
                     self._tb.add_scalar(f"{prefix}/{k}", v, step)
             self._tb.flush()
 
@@ -184,8 +189,11 @@ def read_jsonl(path: str) -> list[dict]:
 def plot_loss_curve(jsonl_path: str, out_path: str, title: Optional[str] = None) -> Optional[str]:
     """Plot train (and validation) loss from ``metrics.jsonl`` to a PNG; None if nothing to plot."""
     records = read_jsonl(jsonl_path)
-    train = [(r["iteration"], r["loss"]) for r in records if r.get("kind") == "train" and "loss" in r]
-    valid = [(r["iteration"], r["loss"]) for r in records if r.get("kind") == "valid" and "loss" in r]
+    def curve(kind: str) -> list:
+        return [(r["iteration"], r["loss"]) for r in records
+                if r.get("kind") == kind and "loss" in r]
+
+    train, valid = curve("train"), curve("valid")
     if not train:
         return None
     import matplotlib
