@@ -12,5 +12,10 @@ from .attention import s2_attention
 from .pattern import SUPPORTED_BLOCK_SIZES, CoverageReport, S2Pattern
 from .reference import s2_attention_reference
 
-__all__ = ["S2Pattern", "CoverageReport", "SUPPORTED_BLOCK_SIZES", "s2_attention",
-           "s2_attention_reference"]
+__all__ = [
+    "S2Pattern",
+    "CoverageReport",
+    "SUPPORTED_BLOCK_SIZES",
+    "s2_attention",
+    "s2_attention_reference",
+]

@@ -29,33 +29,38 @@ def validate_inputs(q, k, v, pattern: S2Pattern, q_start: int, k_start: int) -> 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(
-                f"s2_attention: {name} must be a 4-D tensor [batch, seq, heads, head_dim]")
+                f"s2_attention: {name} must be a 4-D tensor [batch, seq, heads, head_dim]"
+            )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(
-            f"s2_attention: dtype must be fp16, bf16, fp32 or fp64, got {q.dtype}")
+        raise ValueError(f"s2_attention: dtype must be fp16, bf16, fp32 or fp64, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(
-            f"s2_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+            f"s2_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError("s2_attention: q, k, v must be on the same device")
     b, sq, hq, d = q.shape
     if k.shape != v.shape:
         raise ValueError(
-            f"s2_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+            f"s2_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape"
+        )
     if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"s2_attention: k/v batch and head_dim {tuple(k.shape)} must match "
-                         f"q {tuple(q.shape)}")
+        raise ValueError(
+            f"s2_attention: k/v batch and head_dim {tuple(k.shape)} must match q {tuple(q.shape)}"
+        )
     hkv = k.shape[2]
     if hq != pattern.local_num_heads:
         raise ValueError(
             f"s2_attention: q has {hq} heads but the pattern covers "
             f"{pattern.local_num_heads} heads (global heads [{pattern.head_start}, "
-            f"{pattern.head_end})); use pattern.head_range()")
+            f"{pattern.head_end})); use pattern.head_range()"
+        )
     if hkv != pattern.local_num_kv_heads:
         raise ValueError(
             f"s2_attention: k/v have {hkv} heads but the pattern expects "
             f"{pattern.local_num_kv_heads} KV heads (num_heads={pattern.num_heads}, "
-            f"num_kv_heads={pattern.num_kv_heads})")
+            f"num_kv_heads={pattern.num_kv_heads})"
+        )
     if sq < 1 or k.shape[1] < 1:
         raise ValueError("s2_attention: sequence lengths must be >= 1")
     B = pattern.block_size
@@ -63,15 +68,24 @@ def validate_inputs(q, k, v, pattern: S2Pattern, q_start: int, k_start: int) -> 
         if isinstance(val, bool) or not isinstance(val, int) or val < 0 or val % B:
             raise ValueError(
                 f"s2_attention: {name} must be a non-negative multiple of block_size={B}, "
-                f"got {val!r}")
+                f"got {val!r}"
+            )
     pattern.check_seq_len(q_start + sq, "q_start + seq_q")
     pattern.check_seq_len(k_start + k.shape[1], "k_start + seq_k")
 
 
-def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2Pattern,
-                 softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 q_start: int = 0, k_start: int = 0, backend: str = "auto",
-                 kernel_config: Optional[KernelConfig] = None):
+def s2_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: S2Pattern,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    q_start: int = 0,
+    k_start: int = 0,
+    backend: str = "auto",
+    kernel_config: Optional[KernelConfig] = None,
+):
     """Causal S2 block-sparse attention with autograd.
 
     Args:
@@ -104,19 +118,34 @@ def s2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2P
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
                 f"s2_attention: head_dim must be one of {SUPPORTED_HEAD_DIMS} for the Triton "
-                f"backend, got {q.shape[-1]}")
+                f"backend, got {q.shape[-1]}"
+            )
         if not _triton_usable(q):
             raise ValueError(
-                "s2_attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
+                "s2_attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1"
+            )
         from .triton_attention import KernelConfig, S2AttentionFunction
+
         if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
-            raise TypeError(f"s2_attention: kernel_config must be a KernelConfig, "
-                            f"got {type(kernel_config).__name__}")
-        out, lse = S2AttentionFunction.apply(q, k, v, pattern, scale, q_start, k_start,
-                                             kernel_config)
+            raise TypeError(
+                f"s2_attention: kernel_config must be a KernelConfig, "
+                f"got {type(kernel_config).__name__}"
+            )
+        out, lse = S2AttentionFunction.apply(
+            q, k, v, pattern, scale, q_start, k_start, kernel_config
+        )
         return (out, lse) if return_lse else out
     if backend == "triton":
         raise ValueError(
-            "s2_attention: the Triton backend does not take fp64; use backend='reference'")
-    return s2_attention_reference(q, k, v, pattern, softmax_scale=scale, return_lse=return_lse,
-                                  q_start=q_start, k_start=k_start)
+            "s2_attention: the Triton backend does not take fp64; use backend='reference'"
+        )
+    return s2_attention_reference(
+        q,
+        k,
+        v,
+        pattern,
+        softmax_scale=scale,
+        return_lse=return_lse,
+        q_start=q_start,
+        k_start=k_start,
+    )

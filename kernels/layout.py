@@ -91,8 +91,9 @@ def _s2_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, blo
     # Stripes strictly left of the band: j in [kb_lo, min(qb0 - L, kb_hi)], j % V == r.
     va = torch.full_like(qb0, kb_lo)
     vb = torch.clamp(qb0 - L, max=kb_hi)
-    n_vert = (torch.div(vb - r, V, rounding_mode="floor")
-              - torch.div(va - 1 - r, V, rounding_mode="floor"))
+    n_vert = torch.div(vb - r, V, rounding_mode="floor") - torch.div(
+        va - 1 - r, V, rounding_mode="floor"
+    )
     n_vert = torch.where(dn | (vb < va), torch.zeros_like(n_vert), n_vert)
     first_v = va + torch.remainder(r - va, V)
     sub = B // block_n
@@ -128,8 +129,9 @@ def _mask_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, b
     per = max(1, B // block_m)
     if per > 1:
         h, i, j = (x.repeat_interleave(per) for x in (h, i, j))
-        t = (torch.div(i * B - q_start, block_m, rounding_mode="floor")
-             + torch.arange(per, device=device).repeat(len(i) // per))
+        t = torch.div(i * B - q_start, block_m, rounding_mode="floor") + torch.arange(
+            per, device=device
+        ).repeat(len(i) // per)
     else:
         t = torch.div(i * B - q_start, block_m, rounding_mode="floor")
     keep = t < nqt
@@ -150,9 +152,11 @@ def _mask_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, b
     tile_end = torch.clamp(tile_start + block_m, max=q_start + seq_q)
     sub = B // block_n
     item, jj, tile_start, tile_end, imin, imax = (
-        x.repeat_interleave(sub) for x in (item, jj, tile_start, tile_end, imin, imax))
-    kt = (torch.div(jj * B - k_start, block_n, rounding_mode="floor")
-          + torch.arange(sub, device=device).repeat(len(uniq)))
+        x.repeat_interleave(sub) for x in (item, jj, tile_start, tile_end, imin, imax)
+    )
+    kt = torch.div(jj * B - k_start, block_n, rounding_mode="floor") + torch.arange(
+        sub, device=device
+    ).repeat(len(uniq))
     lo = torch.maximum(imin * B, tile_start)
     hi = torch.minimum((imax + 1) * B, tile_end)
     return item, kt, lo, hi
@@ -162,8 +166,13 @@ def _full_flags(item, kt, lo, hi, nqt, seq_q, seq_k, q_start, k_start, block_m, 
     t = item % nqt
     t0 = q_start + t * block_m
     t1 = t0 + block_m
-    return ((lo <= t0) & (hi >= t1) & (t1 <= q_start + seq_q)
-            & (k_start + (kt + 1) * block_n - 1 <= t0) & ((kt + 1) * block_n <= seq_k))
+    return (
+        (lo <= t0)
+        & (hi >= t1)
+        & (t1 <= q_start + seq_q)
+        & (k_start + (kt + 1) * block_n - 1 <= t0)
+        & ((kt + 1) * block_n <= seq_k)
+    )
 
 
 def _ptrs(groups, num_groups):
@@ -198,8 +207,17 @@ def _head_major_heavy_first(work: torch.Tensor, num_heads: int) -> torch.Tensor:
     return torch.argsort(head * (most + 1) + (most - work), stable=True)
 
 
-def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_start: int,
-                 block_m: int, block_n: int, device, with_csc: bool) -> TileLayout:
+def build_layout(
+    pattern: S2Pattern,
+    seq_q: int,
+    seq_k: int,
+    q_start: int,
+    k_start: int,
+    block_m: int,
+    block_n: int,
+    device,
+    with_csc: bool,
+) -> TileLayout:
     """Build (or fetch from the pattern's cache) the tile layout for one attention call."""
     key = (seq_q, seq_k, q_start, k_start, block_m, block_n, str(device), with_csc)
     cache = pattern._cache
@@ -221,11 +239,19 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
     row_ptr, counts = _ptrs(item, H * nqt)
     order, n_full = _full_first(item, full, row_ptr, H * nqt)
     lay = TileLayout(
-        block_m=block_m, block_n=block_n, num_heads=H, group=pattern.group_size,
-        num_q_tiles=nqt, num_k_tiles=nkt,
-        row_ptr=i32(row_ptr), row_split=i32(row_ptr[:-1] + n_full), cols=i32(kt[order]),
-        lo=i32(lo[order]), hi=i32(hi[order]),
-        q_order=i32(_head_major_heavy_first(counts, H)))
+        block_m=block_m,
+        block_n=block_n,
+        num_heads=H,
+        group=pattern.group_size,
+        num_q_tiles=nqt,
+        num_k_tiles=nkt,
+        row_ptr=i32(row_ptr),
+        row_split=i32(row_ptr[:-1] + n_full),
+        cols=i32(kt[order]),
+        lo=i32(lo[order]),
+        hi=i32(hi[order]),
+        q_order=i32(_head_major_heavy_first(counts, H)),
+    )
     if with_csc:
         h = torch.div(item, nqt, rounding_mode="floor")
         t = item % nqt
@@ -246,13 +272,15 @@ def build_layout(pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, k_sta
     return lay
 
 
-def layout_for(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device,
-               with_csc=False) -> TileLayout:
+def layout_for(
+    pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device, with_csc=False
+) -> TileLayout:
     """Like :func:`build_layout`, falling back to unmerged query tiles (``block_m`` = block
     size, at least ``MIN_TILE``) when a user mask cannot be merged exactly."""
     try:
-        return build_layout(pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device,
-                            with_csc)
+        return build_layout(
+            pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device, with_csc
+        )
     except MergeNotExact:
         bm = max(MIN_TILE, min(block_m, pattern.block_size))
         return build_layout(pattern, seq_q, seq_k, q_start, k_start, bm, block_n, device, with_csc)

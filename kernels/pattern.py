@@ -48,8 +48,13 @@ _SHARED_LAYOUT_CACHES: dict = {}
 _SETTING = {"setting": True}
 
 # Smallest allowed value of each integer setting (block_size has its own list).
-_SETTING_MINIMUM = {"local_blocks": 1, "vert_stride": 1, "head_offset": 0, "num_dense_heads": 0,
-                    "head_step": 1}
+_SETTING_MINIMUM = {
+    "local_blocks": 1,
+    "vert_stride": 1,
+    "head_offset": 0,
+    "num_dense_heads": 0,
+    "head_step": 1,
+}
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -64,7 +69,9 @@ def check_setting(name: str, value) -> None:
     (``attention.s2.``, ``S2Pattern: ``).
     """
     if name not in S2Pattern.setting_names():
-        raise ValueError(f"unknown S2 setting {name!r}; allowed: {', '.join(S2Pattern.setting_names())}")
+        raise ValueError(
+            f"unknown S2 setting {name!r}; allowed: {', '.join(S2Pattern.setting_names())}"
+        )
     if name == "block_size":
         if isinstance(value, bool) or value not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {value!r}")
@@ -97,15 +104,19 @@ class CoverageReport:
     def __repr__(self) -> str:
         # A 128k pattern has thousands of blocks: show counts and a few examples, not all of them.
         groups = sum(1 for g in self.group_uncovered_blocks if g)
-        return (f"CoverageReport(num_blocks={self.num_blocks}, "
-                f"uncovered={len(self.uncovered_blocks)} {_few(self.uncovered_blocks)}, "
-                f"groups_with_holes={groups}/{len(self.group_uncovered_blocks)})")
+        return (
+            f"CoverageReport(num_blocks={self.num_blocks}, "
+            f"uncovered={len(self.uncovered_blocks)} {_few(self.uncovered_blocks)}, "
+            f"groups_with_holes={groups}/{len(self.group_uncovered_blocks)})"
+        )
 
 
 def _few(blocks: list, n: int = 4) -> str:
     if len(blocks) <= 2 * n:
         return str(list(blocks))
-    return "[" + ", ".join(map(str, blocks[:n])) + ", ..., " + ", ".join(map(str, blocks[-n:])) + "]"
+    return (
+        "[" + ", ".join(map(str, blocks[:n])) + ", ..., " + ", ".join(map(str, blocks[-n:])) + "]"
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,11 +167,13 @@ class S2Pattern:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"S2Pattern: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})")
+                f"({self.num_kv_heads})"
+            )
         if self.num_dense_heads and self.num_heads % self.num_dense_heads:
             raise ValueError(
                 f"S2Pattern: num_dense_heads ({self.num_dense_heads}) must divide num_heads "
-                f"({self.num_heads}) so dense heads can be spread evenly")
+                f"({self.num_heads}) so dense heads can be spread evenly"
+            )
         if self.head_step is None:
             object.__setattr__(self, "head_step", max(1, self.vert_stride // self.num_heads))
         if self.head_end is None:
@@ -168,19 +181,29 @@ class S2Pattern:
         if not (0 <= self.head_start < self.head_end <= self.num_heads):
             raise ValueError(
                 f"S2Pattern: head range [{self.head_start}, {self.head_end}) must lie within "
-                f"[0, {self.num_heads}) and be non-empty")
+                f"[0, {self.num_heads}) and be non-empty"
+            )
         g = self.group_size
         if self.head_start % g or self.head_end % g:
             raise ValueError(
                 f"S2Pattern: head range [{self.head_start}, {self.head_end}) splits a GQA group "
-                f"of {g} query heads; ranges must start and end on multiples of {g}")
+                f"of {g} query heads; ranges must start and end on multiples of {g}"
+            )
         if self.user_mask is not None:
             self._validate_user_mask(self.user_mask)
         # Kernel layouts depend only on these values, so equal S2 patterns (every S2 layer of a
         # model built from one schedule) share one cache instead of each layer building and
         # holding its own copy. A user mask's tensor is no safe key: it keeps a private cache.
-        cache = {} if self.user_mask is not None else _SHARED_LAYOUT_CACHES.setdefault(
-            tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "user_mask"), {})
+        cache = (
+            {}
+            if self.user_mask is not None
+            else _SHARED_LAYOUT_CACHES.setdefault(
+                tuple(
+                    getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "user_mask"
+                ),
+                {},
+            )
+        )
         object.__setattr__(self, "_cache", cache)
 
     # ------------------------------------------------------------------ settings
@@ -193,7 +216,7 @@ class S2Pattern:
         """``{name: value}`` of the S2 settings (``head_step`` resolved to its value)."""
         return {name: getattr(self, name) for name in self.setting_names()}
 
-    def with_heads(self, num_heads: int, num_kv_heads: Optional[int] = None) -> "S2Pattern":
+    def with_heads(self, num_heads: int, num_kv_heads: Optional[int] = None) -> S2Pattern:
         """The same S2 settings for a layer with other head counts (all global heads)."""
         if self.user_mask is not None:
             raise ValueError("S2Pattern.with_heads: a user-mask pattern has fixed heads")
@@ -202,37 +225,54 @@ class S2Pattern:
     # ------------------------------------------------------------------ construction helpers
     def _validate_user_mask(self, m: torch.Tensor) -> None:
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != 3:
-            raise ValueError("S2Pattern: user_mask must be a bool tensor of shape (num_heads, nb, nb)")
+            raise ValueError(
+                "S2Pattern: user_mask must be a bool tensor of shape (num_heads, nb, nb)"
+            )
         if m.shape[0] != self.num_heads or m.shape[1] != m.shape[2]:
             raise ValueError(
-                f"S2Pattern: user_mask shape {tuple(m.shape)} must be (num_heads={self.num_heads}, nb, nb)")
+                f"S2Pattern: user_mask shape {tuple(m.shape)} must be "
+                f"(num_heads={self.num_heads}, nb, nb)"
+            )
         nb = m.shape[1]
         upper = torch.triu(torch.ones(nb, nb, dtype=torch.bool, device=m.device), diagonal=1)
         if (m & upper).any():
-            raise ValueError("S2Pattern: user_mask is not causal (a key block j > query block i is set)")
+            raise ValueError(
+                "S2Pattern: user_mask is not causal (a key block j > query block i is set)"
+            )
         if not m.diagonal(dim1=1, dim2=2).all():
-            raise ValueError("S2Pattern: user_mask must attend the diagonal block of every query block")
+            raise ValueError(
+                "S2Pattern: user_mask must attend the diagonal block of every query block"
+            )
 
     @classmethod
-    def from_block_mask(cls, mask: torch.Tensor, block_size: int, num_kv_heads: Optional[int] = None):
+    def from_block_mask(
+        cls, mask: torch.Tensor, block_size: int, num_kv_heads: Optional[int] = None
+    ):
         """Pattern from an arbitrary causal ``(num_heads, nb, nb)`` bool block mask."""
         mask = mask.to(torch.bool).cpu().contiguous()
-        return cls(num_heads=mask.shape[0], num_kv_heads=num_kv_heads, block_size=block_size,
-                   user_mask=mask)
+        return cls(
+            num_heads=mask.shape[0],
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            user_mask=mask,
+        )
 
-    def head_range(self, start: int, end: int) -> "S2Pattern":
+    def head_range(self, start: int, end: int) -> S2Pattern:
         """The same pattern restricted to global heads ``[start, end)`` (e.g. a TP rank's)."""
         if not (self.head_start <= start < end <= self.head_end):
             raise ValueError(
-                f"S2Pattern.head_range: [{start}, {end}) is not inside [{self.head_start}, {self.head_end})")
+                f"S2Pattern.head_range: [{start}, {end}) is not inside "
+                f"[{self.head_start}, {self.head_end})"
+            )
         return dataclasses.replace(self, head_start=start, head_end=end)
 
-    def for_tp_rank(self, rank: int, world_size: int) -> "S2Pattern":
+    def for_tp_rank(self, rank: int, world_size: int) -> S2Pattern:
         """Heads of tensor-parallel rank ``rank``, split the way Megatron splits them."""
         if self.num_heads % world_size or self.num_kv_heads % world_size:
             raise ValueError(
                 f"S2Pattern: num_heads ({self.num_heads}) and num_kv_heads ({self.num_kv_heads}) "
-                f"must be divisible by the tensor-parallel size ({world_size})")
+                f"must be divisible by the tensor-parallel size ({world_size})"
+            )
         n = self.num_heads // world_size
         return self.head_range(rank * n, (rank + 1) * n)
 
@@ -278,8 +318,9 @@ class S2Pattern:
         are those with ``j % vert_stride == residue``."""
         hs = list(self.heads)
         dense = torch.tensor([self.is_dense_head(h) for h in hs], dtype=torch.bool, device=device)
-        res = torch.tensor([(-self.phase(h)) % self.vert_stride for h in hs], dtype=torch.int64,
-                           device=device)
+        res = torch.tensor(
+            [(-self.phase(h)) % self.vert_stride for h in hs], dtype=torch.int64, device=device
+        )
         return dense, res
 
     @property
@@ -291,7 +332,7 @@ class S2Pattern:
         """
         if self.user_mask is None:
             return True
-        m = self.user_mask[self.head_start:self.head_end].to(torch.int8)
+        m = self.user_mask[self.head_start : self.head_end].to(torch.int8)
         # Along each column from the diagonal down, the mask may only switch 1 -> 0 once.
         # Strictly below the diagonal: the causal 0 -> 1 step onto the diagonal is no re-attend.
         below = torch.tril(torch.ones(m.shape[1], m.shape[2], dtype=torch.bool), diagonal=-1)
@@ -300,8 +341,13 @@ class S2Pattern:
         return not bool(rises.any())
 
     # ------------------------------------------------------------------ masks and counts
-    def block_mask(self, num_q_blocks: int, num_k_blocks: Optional[int] = None,
-                   q_block_start: int = 0, k_block_start: int = 0) -> torch.Tensor:
+    def block_mask(
+        self,
+        num_q_blocks: int,
+        num_k_blocks: Optional[int] = None,
+        q_block_start: int = 0,
+        k_block_start: int = 0,
+    ) -> torch.Tensor:
         """Bool ``(local_heads, num_q_blocks, num_k_blocks)`` block mask at absolute block offsets.
 
         For tests, plots and small sequences: at 128k with block 16 this is gigabytes; the
@@ -315,8 +361,9 @@ class S2Pattern:
             if i.max() >= nb or j.max() >= nb:
                 raise ValueError(
                     f"S2Pattern: user_mask covers {nb} blocks ({nb * self.block_size} tokens); "
-                    f"blocks up to {max(int(i.max()), int(j.max()))} were requested")
-            return self.user_mask[self.head_start:self.head_end][:, i, j]
+                    f"blocks up to {max(int(i.max()), int(j.max()))} were requested"
+                )
+            return self.user_mask[self.head_start : self.head_end][:, i, j]
         dense, res = self.head_params()
         causal = j <= i
         local = (i - j) < self.local_blocks
@@ -328,7 +375,8 @@ class S2Pattern:
             raise ValueError(f"S2Pattern: {name} must be >= 1, got {seq_len}")
         if self.max_seq_len is not None and seq_len > self.max_seq_len:
             raise ValueError(
-                f"S2Pattern: {name}={seq_len} exceeds the user mask's {self.max_seq_len} tokens")
+                f"S2Pattern: {name}={seq_len} exceeds the user mask's {self.max_seq_len} tokens"
+            )
 
     def attended_pairs(self, seq_len: int) -> int:
         """Number of attended (query, key) token pairs summed over local heads, causal, for one
@@ -369,16 +417,24 @@ class S2Pattern:
         later query block, for a sequence of ``seq_len`` tokens over the local heads."""
         self.check_seq_len(seq_len)
         nb = math.ceil(seq_len / self.block_size)
-        groups = [list(range(s, s + self.group_size))
-                  for s in range(self.head_start, self.head_end, self.group_size)]
+        groups = [
+            list(range(s, s + self.group_size))
+            for s in range(self.head_start, self.head_end, self.group_size)
+        ]
         if self.user_mask is None:
+
             def holes(heads):
                 if any(self.is_dense_head(h) for h in heads):
                     return []
                 res = {(-self.phase(h)) % self.vert_stride for h in heads}
                 # A block j is reached from rows i < j + L by the local window; later rows need a
                 # stripe, and such rows exist only if j + L <= nb - 1.
-                return [j for j in range(nb) if j + self.local_blocks < nb and j % self.vert_stride not in res]
+                return [
+                    j
+                    for j in range(nb)
+                    if j + self.local_blocks < nb and j % self.vert_stride not in res
+                ]
+
             allh = list(self.heads)
             return CoverageReport(nb, holes(allh), [holes(g) for g in groups])
         m = self.block_mask(nb, nb)
@@ -388,13 +444,19 @@ class S2Pattern:
             lower = torch.tril(torch.ones(nb, nb, dtype=torch.bool))
             ok = (any_h | ~lower).all(0)
             return [int(j) for j in torch.nonzero(~ok).flatten()]
+
         base = self.head_start
-        return CoverageReport(nb, holes_mask(slice(None)),
-                              [holes_mask(slice(g[0] - base, g[-1] + 1 - base)) for g in groups])
+        return CoverageReport(
+            nb,
+            holes_mask(slice(None)),
+            [holes_mask(slice(g[0] - base, g[-1] + 1 - base)) for g in groups],
+        )
 
     def describe(self) -> str:
         if self.user_mask is not None:
             return f"user block mask ({self.user_mask.shape[1]} blocks of {self.block_size})"
-        return (f"S2(block={self.block_size}, local={self.local_blocks}, stride={self.vert_stride}, "
-                f"offset={self.head_offset}, step={self.head_step}, dense_heads={self.num_dense_heads}"
-                f"{', homo' if self.homo_head else ''})")
+        return (
+            f"S2(block={self.block_size}, local={self.local_blocks}, stride={self.vert_stride}, "
+            f"offset={self.head_offset}, step={self.head_step}, dense_heads={self.num_dense_heads}"
+            f"{', homo' if self.homo_head else ''})"
+        )

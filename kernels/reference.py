@@ -39,10 +39,17 @@ def _chunk(q, k, v, pattern: S2Pattern, scale: float, q_pos0: int, k_start: int)
     return o, lse
 
 
-def s2_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: S2Pattern,
-                           softmax_scale: Optional[float] = None, return_lse: bool = False,
-                           q_start: int = 0, k_start: int = 0,
-                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+def s2_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: S2Pattern,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    q_start: int = 0,
+    k_start: int = 0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+):
     """Reference S2 attention (same contract as :func:`s2attn.s2_attention`).
 
     Args:

@@ -66,11 +66,33 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
-               q_abs, offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
-               seq_k, k_start, qk_scale,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _fwd_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    cols,
+    los,
+    his,
+    e_begin,
+    e_end,
+    q_abs,
+    offs_n,
+    offs_d,
+    stride_ks,
+    stride_kd,
+    stride_vs,
+    stride_vd,
+    seq_k,
+    k_start,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     for e in range(e_begin, e_end):
         kt = tl.load(cols + e)
         n_idx = kt * BLOCK_N + offs_n
@@ -84,8 +106,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
         if MASKED:
             lo = tl.load(los + e)
             hi = tl.load(his + e)
-            ok = ((k_start + n_idx)[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo) \
-                & (q_abs[:, None] < hi) & (n_idx[None, :] < seq_k)
+            ok = (
+                ((k_start + n_idx)[None, :] <= q_abs[:, None])
+                & (q_abs[:, None] >= lo)
+                & (q_abs[:, None] < hi)
+                & (n_idx[None, :] < seq_k)
+            )
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -103,15 +129,48 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e_begin, e_end,
 
 
 @triton.jit
-def _s2_fwd_kernel(Q, K, V, O, LSE,
-                   stride_qb, stride_qs, stride_qh, stride_qd,
-                   stride_kb, stride_ks, stride_kh, stride_kd,
-                   stride_vb, stride_vs, stride_vh, stride_vd,
-                   stride_ob, stride_os, stride_oh, stride_od,
-                   row_ptr, row_split, cols, los, his, order,
-                   num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group, qk_scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+def _s2_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    row_ptr,
+    row_split,
+    cols,
+    los,
+    his,
+    order,
+    num_heads,
+    seq_q,
+    seq_k,
+    q_start,
+    k_start,
+    num_q_tiles,
+    group,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_items = num_heads * num_q_tiles
     item = tl.load(order + pid % n_items)
@@ -125,8 +184,15 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
     offs_d = tl.arange(0, HEAD_DIM)
     q_abs = q_start + offs_m
     row_ok = offs_m < seq_q
-    q = tl.load(Q + b * stride_qb + h64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q
+        + b * stride_qb
+        + h64 * stride_qh
+        + offs_m[:, None].to(tl.int64) * stride_qs
+        + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -135,39 +201,123 @@ def _s2_fwd_kernel(Q, K, V, O, LSE,
     e0 = tl.load(row_ptr + item)
     e1 = tl.load(row_split + item)
     e2 = tl.load(row_ptr + item + 1)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e0, e1, q_abs,
-                               offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                               seq_k, k_start, qk_scale, BLOCK_N, False, PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, cols, los, his, e1, e2, q_abs,
-                               offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                               seq_k, k_start, qk_scale, BLOCK_N, True, PRECISION, INTERPRET)
+    acc, l_i, m_i = _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        cols,
+        los,
+        his,
+        e0,
+        e1,
+        q_abs,
+        offs_n,
+        offs_d,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        seq_k,
+        k_start,
+        qk_scale,
+        BLOCK_N,
+        False,
+        PRECISION,
+        INTERPRET,
+    )
+    acc, l_i, m_i = _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        cols,
+        los,
+        his,
+        e1,
+        e2,
+        q_abs,
+        offs_n,
+        offs_d,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        seq_k,
+        k_start,
+        qk_scale,
+        BLOCK_N,
+        True,
+        PRECISION,
+        INTERPRET,
+    )
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    tl.store(O + b * stride_ob + h64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_os
-             + offs_d[None, :] * stride_od, _cast(out, O.dtype.element_ty, INTERPRET),
-             mask=row_ok[:, None])
+    tl.store(
+        Out
+        + b * stride_ob
+        + h64 * stride_oh
+        + offs_m[:, None].to(tl.int64) * stride_os
+        + offs_d[None, :] * stride_od,
+        _cast(out, Out.dtype.element_ty, INTERPRET),
+        mask=row_ok[:, None],
+    )
     tl.store(LSE + (b * num_heads + h64) * seq_q + offs_m, lse, mask=row_ok)
 
 
 # -------------------------------------------------------------------------------------- backward
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
-                e_begin, e_end, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
-                stride_dod, seq_q, q_start, qk_scale,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                INTERPRET: tl.constexpr):
+def _dkdv_tiles(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    rows,
+    los,
+    his,
+    e_begin,
+    e_end,
+    k_abs,
+    offs_m,
+    offs_d,
+    stride_qs,
+    stride_qd,
+    stride_dos,
+    stride_dod,
+    seq_q,
+    q_start,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     for e in range(e_begin, e_end):
         qt = tl.load(rows + e)
         m_idx = qt * BLOCK_M + offs_m
         m64 = m_idx[:, None].to(tl.int64)
         if MASKED:
             row_ok = m_idx < seq_q
-            q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod,
-                         mask=row_ok[:, None], other=0.0)
+            q = tl.load(
+                q_base + m64 * stride_qs + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + m64 * stride_dos + offs_d[None, :] * stride_dod,
+                mask=row_ok[:, None],
+                other=0.0,
+            )
             lse = tl.load(lse_base + m_idx, mask=row_ok, other=0.0)
             delta = tl.load(delta_base + m_idx, mask=row_ok, other=0.0)
             # Rows that attend nothing (lse = -inf, only with offsets) must give p = 0, not NaN.
@@ -183,8 +333,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, 
             q_abs = q_start + m_idx
             lo = tl.load(los + e)
             hi = tl.load(his + e)
-            ok = (k_abs[:, None] <= q_abs[None, :]) & (q_abs[None, :] >= lo) \
-                & (q_abs[None, :] < hi) & (m_idx[None, :] < seq_q)
+            ok = (
+                (k_abs[:, None] <= q_abs[None, :])
+                & (q_abs[None, :] >= lo)
+                & (q_abs[None, :] < hi)
+                & (m_idx[None, :] < seq_q)
+            )
             sT = tl.where(ok, sT, float("-inf"))
         pT = tl.math.exp2(sT)
         dv += _mma(_cast(pT, do.dtype, INTERPRET), do, PRECISION, INTERPRET)
@@ -195,18 +349,60 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, 
 
 
 @triton.jit
-def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                    stride_qb, stride_qs, stride_qh, stride_qd,
-                    stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd,
-                    stride_dob, stride_dos, stride_doh, stride_dod,
-                    stride_dkb, stride_dks, stride_dkh, stride_dkd,
-                    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                    col_ptr, col_split, rows, los, his, order,
-                    num_heads, seq_q, seq_k, q_start, k_start, num_k_tiles, group,
-                    qk_scale, sm_scale,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+def _s2_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dod,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dkd,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_dvd,
+    col_ptr,
+    col_split,
+    rows,
+    los,
+    his,
+    order,
+    num_heads,
+    seq_q,
+    seq_k,
+    q_start,
+    k_start,
+    num_k_tiles,
+    group,
+    qk_scale,
+    sm_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_items = (num_heads // group) * num_k_tiles
     item = tl.load(order + pid % n_items)
@@ -219,10 +415,16 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, HEAD_DIM)
     n64 = offs_n[:, None].to(tl.int64)
     key_ok = offs_n < seq_k
-    k = tl.load(K + b * stride_kb + kvh64 * stride_kh + n64 * stride_ks
-                + offs_d[None, :] * stride_kd, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + kvh64 * stride_vh + n64 * stride_vs
-                + offs_d[None, :] * stride_vd, mask=key_ok[:, None], other=0.0)
+    k = tl.load(
+        K + b * stride_kb + kvh64 * stride_kh + n64 * stride_ks + offs_d[None, :] * stride_kd,
+        mask=key_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + kvh64 * stride_vh + n64 * stride_vs + offs_d[None, :] * stride_vd,
+        mask=key_ok[:, None],
+        other=0.0,
+    )
     k_abs = k_start + offs_n
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -237,38 +439,121 @@ def _s2_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         e0 = tl.load(col_ptr + c)
         e1 = tl.load(col_split + c)
         e2 = tl.load(col_ptr + c + 1)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
-                             e0, e1, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
-                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, False, PRECISION,
-                             INTERPRET)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, los, his,
-                             e1, e2, k_abs, offs_m, offs_d, stride_qs, stride_qd, stride_dos,
-                             stride_dod, seq_q, q_start, qk_scale, BLOCK_M, True, PRECISION,
-                             INTERPRET)
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            rows,
+            los,
+            his,
+            e0,
+            e1,
+            k_abs,
+            offs_m,
+            offs_d,
+            stride_qs,
+            stride_qd,
+            stride_dos,
+            stride_dod,
+            seq_q,
+            q_start,
+            qk_scale,
+            BLOCK_M,
+            False,
+            PRECISION,
+            INTERPRET,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            rows,
+            los,
+            his,
+            e1,
+            e2,
+            k_abs,
+            offs_m,
+            offs_d,
+            stride_qs,
+            stride_qd,
+            stride_dos,
+            stride_dod,
+            seq_q,
+            q_start,
+            qk_scale,
+            BLOCK_M,
+            True,
+            PRECISION,
+            INTERPRET,
+        )
     dk *= sm_scale
-    tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks
-             + offs_d[None, :] * stride_dkd, _cast(dk, DK.dtype.element_ty, INTERPRET),
-             mask=key_ok[:, None])
-    tl.store(DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs
-             + offs_d[None, :] * stride_dvd, _cast(dv, DV.dtype.element_ty, INTERPRET),
-             mask=key_ok[:, None])
+    tl.store(
+        DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks + offs_d[None, :] * stride_dkd,
+        _cast(dk, DK.dtype.element_ty, INTERPRET),
+        mask=key_ok[:, None],
+    )
+    tl.store(
+        DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs + offs_d[None, :] * stride_dvd,
+        _cast(dv, DV.dtype.element_ty, INTERPRET),
+        mask=key_ok[:, None],
+    )
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e_end,
-              q_abs, offs_n, offs_d, stride_ks, stride_kd, stride_vs, stride_vd,
-              seq_k, k_start, qk_scale,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-              INTERPRET: tl.constexpr):
+def _dq_tiles(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    cols,
+    los,
+    his,
+    e_begin,
+    e_end,
+    q_abs,
+    offs_n,
+    offs_d,
+    stride_ks,
+    stride_kd,
+    stride_vs,
+    stride_vd,
+    seq_k,
+    k_start,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     for e in range(e_begin, e_end):
         kt = tl.load(cols + e)
         n_idx = kt * BLOCK_N + offs_n
         n64 = n_idx[:, None].to(tl.int64)
         if MASKED:
-            k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd,
-                        mask=n_idx[:, None] < seq_k, other=0.0)
-            v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd,
-                        mask=n_idx[:, None] < seq_k, other=0.0)
+            k = tl.load(
+                k_base + n64 * stride_ks + offs_d[None, :] * stride_kd,
+                mask=n_idx[:, None] < seq_k,
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + n64 * stride_vs + offs_d[None, :] * stride_vd,
+                mask=n_idx[:, None] < seq_k,
+                other=0.0,
+            )
         else:
             k = tl.load(k_base + n64 * stride_ks + offs_d[None, :] * stride_kd)
             v = tl.load(v_base + n64 * stride_vs + offs_d[None, :] * stride_vd)
@@ -276,8 +561,12 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e
         if MASKED:
             lo = tl.load(los + e)
             hi = tl.load(his + e)
-            ok = ((k_start + n_idx)[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo) \
-                & (q_abs[:, None] < hi) & (n_idx[None, :] < seq_k)
+            ok = (
+                ((k_start + n_idx)[None, :] <= q_abs[:, None])
+                & (q_abs[:, None] >= lo)
+                & (q_abs[:, None] < hi)
+                & (n_idx[None, :] < seq_k)
+            )
             s = tl.where(ok, s, float("-inf"))
         p = tl.math.exp2(s)
         dp = _mma(do, tl.trans(v), PRECISION, INTERPRET)
@@ -287,18 +576,62 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e_begin, e
 
 
 @triton.jit
-def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
-                  stride_qb, stride_qs, stride_qh, stride_qd,
-                  stride_kb, stride_ks, stride_kh, stride_kd,
-                  stride_vb, stride_vs, stride_vh, stride_vd,
-                  stride_ob, stride_os, stride_oh, stride_od,
-                  stride_dob, stride_dos, stride_doh, stride_dod,
-                  stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-                  row_ptr, row_split, cols, los, his, order,
-                  num_heads, seq_q, seq_k, q_start, k_start, num_q_tiles, group,
-                  qk_scale, sm_scale,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, INTERPRET: tl.constexpr):
+def _s2_dq_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    LSE,
+    DLSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dod,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dqd,
+    row_ptr,
+    row_split,
+    cols,
+    los,
+    his,
+    order,
+    num_heads,
+    seq_q,
+    seq_k,
+    q_start,
+    k_start,
+    num_q_tiles,
+    group,
+    qk_scale,
+    sm_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     # dQ programs own query rows, so they also produce each row's
     # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE) and store it
     # for the dK/dV pass, which runs afterwards.
@@ -315,15 +648,24 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_q
     m64 = offs_m[:, None].to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h64 * stride_qh + m64 * stride_qs
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos
-                 + offs_d[None, :] * stride_dod, mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h64 * stride_qh + m64 * stride_qs + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos + offs_d[None, :] * stride_dod,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     row_base = (b * num_heads + h64) * seq_q
     lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    o = tl.load(O + b * stride_ob + h64 * stride_oh + m64 * stride_os
-                + offs_d[None, :] * stride_od, mask=row_ok[:, None], other=0.0)
+    o = tl.load(
+        Out + b * stride_ob + h64 * stride_oh + m64 * stride_os + offs_d[None, :] * stride_od,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + row_base + offs_m, mask=row_ok, other=0.0)
@@ -335,16 +677,68 @@ def _s2_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ,
     e0 = tl.load(row_ptr + item)
     e1 = tl.load(row_split + item)
     e2 = tl.load(row_ptr + item + 1)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e0, e1, q_abs, offs_n,
-                   offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
-                   BLOCK_N, False, PRECISION, INTERPRET)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, cols, los, his, e1, e2, q_abs, offs_n,
-                   offs_d, stride_ks, stride_kd, stride_vs, stride_vd, seq_k, k_start, qk_scale,
-                   BLOCK_N, True, PRECISION, INTERPRET)
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        cols,
+        los,
+        his,
+        e0,
+        e1,
+        q_abs,
+        offs_n,
+        offs_d,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        seq_k,
+        k_start,
+        qk_scale,
+        BLOCK_N,
+        False,
+        PRECISION,
+        INTERPRET,
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        cols,
+        los,
+        his,
+        e1,
+        e2,
+        q_abs,
+        offs_n,
+        offs_d,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        seq_k,
+        k_start,
+        qk_scale,
+        BLOCK_N,
+        True,
+        PRECISION,
+        INTERPRET,
+    )
     dq *= sm_scale
-    tl.store(DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs
-             + offs_d[None, :] * stride_dqd, _cast(dq, DQ.dtype.element_ty, INTERPRET),
-             mask=row_ok[:, None])
+    tl.store(
+        DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs + offs_d[None, :] * stride_dqd,
+        _cast(dq, DQ.dtype.element_ty, INTERPRET),
+        mask=row_ok[:, None],
+    )
 
 
 # ------------------------------------------------------------------------------------- launching
@@ -373,14 +767,19 @@ class PassConfig:
 
     def __post_init__(self):
         if not _is_pow2(self.block_m) or self.block_m < MIN_TILE:
-            raise ValueError(f"PassConfig.block_m must be a power of two >= {MIN_TILE}, "
-                             f"got {self.block_m!r}")
+            raise ValueError(
+                f"PassConfig.block_m must be a power of two >= {MIN_TILE}, got {self.block_m!r}"
+            )
         if not _is_pow2(self.num_warps):
             raise ValueError(f"PassConfig.num_warps must be a power of two, got {self.num_warps!r}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) \
-                or self.num_stages < 1:
-            raise ValueError(f"PassConfig.num_stages must be an integer >= 1, "
-                             f"got {self.num_stages!r}")
+        if (
+            isinstance(self.num_stages, bool)
+            or not isinstance(self.num_stages, int)
+            or self.num_stages < 1
+        ):
+            raise ValueError(
+                f"PassConfig.num_stages must be an integer >= 1, got {self.num_stages!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -401,12 +800,15 @@ class KernelConfig:
 
     def __post_init__(self):
         if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
-            raise ValueError(f"KernelConfig.block_n must be a power of two >= {MIN_TILE}, "
-                             f"got {self.block_n!r}")
+            raise ValueError(
+                f"KernelConfig.block_n must be a power of two >= {MIN_TILE}, got {self.block_n!r}"
+            )
         for name in ("fwd", "dq", "dkdv"):
             if not isinstance(getattr(self, name), PassConfig):
-                raise TypeError(f"KernelConfig.{name} must be a PassConfig, "
-                                f"got {type(getattr(self, name)).__name__}")
+                raise TypeError(
+                    f"KernelConfig.{name} must be a PassConfig, "
+                    f"got {type(getattr(self, name)).__name__}"
+                )
 
 
 # GPU defaults, measured on H100 (tools/tune_kernels.py, d=128, block 64; docs/benchmarks.md).
@@ -431,10 +833,17 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device) -> KernelConfig:
     interpreter's."""
     block_n = min(pattern.block_size, MAX_BLOCK_N)
     if torch.device(device).type != "cuda":
-        merged = PassConfig(min(MAX_BLOCK_M, INTERPRETER_MERGED_BLOCKS * pattern.block_size),
-                            INTERPRETER_WARPS, INTERPRETER_STAGES)
-        return KernelConfig(block_n, fwd=merged, dq=merged,
-                            dkdv=dataclasses.replace(merged, block_m=GPU_DKDV.block_m))
+        merged = PassConfig(
+            min(MAX_BLOCK_M, INTERPRETER_MERGED_BLOCKS * pattern.block_size),
+            INTERPRETER_WARPS,
+            INTERPRETER_STAGES,
+        )
+        return KernelConfig(
+            block_n,
+            fwd=merged,
+            dq=merged,
+            dkdv=dataclasses.replace(merged, block_m=GPU_DKDV.block_m),
+        )
     dq, dkdv = GPU_DQ, GPU_DKDV
     if head_dim < WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, num_warps=GPU_DQ_NARROW_WARPS)
@@ -453,8 +862,16 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start: int,
-               config: Optional[KernelConfig] = None):
+def s2_forward(
+    q,
+    k,
+    v,
+    pattern: S2Pattern,
+    scale: float,
+    q_start: int,
+    k_start: int,
+    config: Optional[KernelConfig] = None,
+):
     """Forward pass. q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` (any strides); ``config``
     defaults to :func:`kernel_config`. Returns ``out`` (q's shape and layout) and ``lse
     [b, h, sq]`` fp32."""
@@ -466,57 +883,188 @@ def s2_forward(q, k, v, pattern: S2Pattern, scale: float, q_start: int, k_start:
     lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     grid = (lay.num_heads * lay.num_q_tiles * b,)
     _s2_fwd_kernel[grid](
-        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value,
-        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        INTERPRET=_INTERPRETED, num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages)
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(out),
+        lay.row_ptr,
+        lay.row_split,
+        lay.cols,
+        lay.lo,
+        lay.hi,
+        lay.q_order,
+        hq,
+        sq,
+        sk,
+        q_start,
+        k_start,
+        lay.num_q_tiles,
+        lay.group,
+        scale * LOG2E.value,
+        BLOCK_M=lay.block_m,
+        BLOCK_N=lay.block_n,
+        HEAD_DIM=d,
+        PRECISION=_precision(q.dtype),
+        INTERPRET=_INTERPRETED,
+        num_warps=cfg.fwd.num_warps,
+        num_stages=cfg.fwd.num_stages,
+    )
     return out, lse
 
 
-def bwd_dkdv(do, q, k, v, lse, delta, pattern: S2Pattern, scale: float, q_start: int,
-             k_start: int, config: KernelConfig):
+def bwd_dkdv(
+    do,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    pattern: S2Pattern,
+    scale: float,
+    q_start: int,
+    k_start: int,
+    config: KernelConfig,
+):
     """dK/dV pass: do like q, lse and delta ``[b, h, sq]`` fp32 (``delta`` from
     :func:`bwd_dq`). Returns ``dk, dv`` in the layouts of k, v."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, config.dkdv.block_m, config.block_n,
-                     q.device, with_csc=True)
+    lay = layout_for(
+        pattern,
+        sq,
+        sk,
+        q_start,
+        k_start,
+        config.dkdv.block_m,
+        config.block_n,
+        q.device,
+        with_csc=True,
+    )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
-        q, k, v, do, lse, delta, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        lay.col_ptr, lay.col_split, lay.rows, lay.lo_c, lay.hi_c, lay.kv_order,
-        hq, sq, sk, q_start, k_start, lay.num_k_tiles, lay.group, scale * LOG2E.value, scale,
-        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        INTERPRET=_INTERPRETED, num_warps=config.dkdv.num_warps,
-        num_stages=config.dkdv.num_stages)
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dk),
+        *_strides(dv),
+        lay.col_ptr,
+        lay.col_split,
+        lay.rows,
+        lay.lo_c,
+        lay.hi_c,
+        lay.kv_order,
+        hq,
+        sq,
+        sk,
+        q_start,
+        k_start,
+        lay.num_k_tiles,
+        lay.group,
+        scale * LOG2E.value,
+        scale,
+        BLOCK_M=lay.block_m,
+        BLOCK_N=lay.block_n,
+        HEAD_DIM=d,
+        PRECISION=_precision(q.dtype),
+        INTERPRET=_INTERPRETED,
+        num_warps=config.dkdv.num_warps,
+        num_stages=config.dkdv.num_stages,
+    )
     return dk, dv
 
 
-def bwd_dq(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
-           k_start: int, config: KernelConfig):
+def bwd_dq(
+    do,
+    dlse,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    pattern: S2Pattern,
+    scale: float,
+    q_start: int,
+    k_start: int,
+    config: KernelConfig,
+):
     """dQ pass: do like q, dlse ``[b, h, sq]`` fp32 contiguous or None. Returns ``dq`` (q's
     layout) and ``delta [b, h, sq]`` fp32 for :func:`bwd_dkdv`."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, config.dq.block_m, config.block_n,
-                     q.device)
+    lay = layout_for(pattern, sq, sk, q_start, k_start, config.dq.block_m, config.block_n, q.device)
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
     _s2_dq_kernel[(hq * lay.num_q_tiles * b,)](
-        q, k, v, out, do, lse, dlse if dlse is not None else lse, delta, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(do), *_strides(dq),
-        lay.row_ptr, lay.row_split, lay.cols, lay.lo, lay.hi, lay.q_order,
-        hq, sq, sk, q_start, k_start, lay.num_q_tiles, lay.group, scale * LOG2E.value, scale,
-        BLOCK_M=lay.block_m, BLOCK_N=lay.block_n, HEAD_DIM=d, PRECISION=_precision(q.dtype),
-        HAS_DLSE=dlse is not None, INTERPRET=_INTERPRETED, num_warps=config.dq.num_warps,
-        num_stages=config.dq.num_stages)
+        q,
+        k,
+        v,
+        out,
+        do,
+        lse,
+        dlse if dlse is not None else lse,
+        delta,
+        dq,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(out),
+        *_strides(do),
+        *_strides(dq),
+        lay.row_ptr,
+        lay.row_split,
+        lay.cols,
+        lay.lo,
+        lay.hi,
+        lay.q_order,
+        hq,
+        sq,
+        sk,
+        q_start,
+        k_start,
+        lay.num_q_tiles,
+        lay.group,
+        scale * LOG2E.value,
+        scale,
+        BLOCK_M=lay.block_m,
+        BLOCK_N=lay.block_n,
+        HEAD_DIM=d,
+        PRECISION=_precision(q.dtype),
+        HAS_DLSE=dlse is not None,
+        INTERPRET=_INTERPRETED,
+        num_warps=config.dq.num_warps,
+        num_stages=config.dq.num_stages,
+    )
     return dq, delta
 
 
-def s2_backward(do, dlse, q, k, v, out, lse, pattern: S2Pattern, scale: float, q_start: int,
-                k_start: int, config: Optional[KernelConfig] = None):
+def s2_backward(
+    do,
+    dlse,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    pattern: S2Pattern,
+    scale: float,
+    q_start: int,
+    k_start: int,
+    config: Optional[KernelConfig] = None,
+):
     """Backward of :func:`s2_forward` for upstream ``do`` (like q) and ``dlse`` (``[b, h, sq]``
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
@@ -546,6 +1094,7 @@ class S2AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = s2_backward(dout, dlse.contiguous() if dlse is not None else None,
-                                 q, k, v, out, lse, *ctx.args)
+        dq, dk, dv = s2_backward(
+            dout, dlse.contiguous() if dlse is not None else None, q, k, v, out, lse, *ctx.args
+        )
         return dq, dk, dv, None, None, None, None, None

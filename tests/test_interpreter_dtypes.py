@@ -118,9 +118,14 @@ print(json.dumps(result))
 def fresh(tmp_path_factory):
     """Run SCRIPT in a new interpreter (outside tests/, so no conftest is in reach)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)],
-                          cwd=tmp_path_factory.mktemp("fresh"), env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT)],
+        cwd=tmp_path_factory.mktemp("fresh"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -12,11 +12,19 @@ import zlib
 
 import pytest
 import torch
+from conftest import (
+    DEVICE,
+    assert_matches,
+    attention_with_grads,
+    fp64_reference,
+    make_inputs,
+    rel_err,
+    token_mask,
+    upstream_grads,
+)
 
 import s2attn.triton_attention as tri_mod
 from s2attn import S2Pattern, s2_attention, s2_attention_reference
-from conftest import (DEVICE, assert_matches, attention_with_grads, fp64_reference, make_inputs,
-                      rel_err, token_mask, upstream_grads)
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -46,9 +54,16 @@ class Case:
     out_grad: bool = True
 
     def pattern(self):
-        return S2Pattern(num_heads=self.heads, num_kv_heads=self.kv_heads or self.heads,
-                         block_size=self.block, local_blocks=self.local, vert_stride=self.stride,
-                         head_offset=self.offset, num_dense_heads=self.dense, homo_head=self.homo)
+        return S2Pattern(
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads or self.heads,
+            block_size=self.block,
+            local_blocks=self.local,
+            vert_stride=self.stride,
+            head_offset=self.offset,
+            num_dense_heads=self.dense,
+            homo_head=self.homo,
+        )
 
 
 CASES = [
@@ -58,8 +73,16 @@ CASES = [
     Case("b32-d64-gqa2", block=32, head_dim=64, heads=4, kv_heads=2, seq_q=301, stride=4),
     Case("b64-d16-mqa", block=64, head_dim=16, heads=4, kv_heads=1, seq_q=333, local=1, stride=2),
     Case("b128-d32", block=128, head_dim=32, heads=2, kv_heads=1, seq_q=300, local=1, stride=2),
-    Case("b16-d64-gqa4-phi3", block=16, head_dim=64, heads=4, kv_heads=1, seq_q=181, stride=4,
-         offset=1),
+    Case(
+        "b16-d64-gqa4-phi3",
+        block=16,
+        head_dim=64,
+        heads=4,
+        kv_heads=1,
+        seq_q=181,
+        stride=4,
+        offset=1,
+    ),
     # head_step > 1 (fewer heads than the stride)
     Case("b16-step2", block=16, heads=2, stride=4, local=1, seq_q=170),
     Case("dense-heads", block=16, heads=4, kv_heads=2, dense=2, seq_q=150, stride=4),
@@ -81,11 +104,31 @@ CASES = [
     Case("grad-lse-only", block=32, heads=2, out_grad=False, seq_q=150, local=1, stride=2),
     # bf16
     Case("bf16-b16-gqa2", block=16, heads=4, kv_heads=2, dtype=torch.bfloat16, seq_q=181, stride=4),
-    Case("bf16-b64-mqa-off", block=64, heads=2, kv_heads=1, dtype=torch.bfloat16, seq_q=200,
-         q_start=64, seq_k=264, local=1, stride=2, head_dim=64),
+    Case(
+        "bf16-b64-mqa-off",
+        block=64,
+        heads=2,
+        kv_heads=1,
+        dtype=torch.bfloat16,
+        seq_q=200,
+        q_start=64,
+        seq_k=264,
+        local=1,
+        stride=2,
+        head_dim=64,
+    ),
     # fp16
-    Case("fp16-b32-gqa2", block=32, heads=4, kv_heads=2, dtype=torch.float16, seq_q=170,
-         head_dim=64, local=1, stride=2),
+    Case(
+        "fp16-b32-gqa2",
+        block=32,
+        heads=4,
+        kv_heads=2,
+        dtype=torch.float16,
+        seq_q=170,
+        head_dim=64,
+        local=1,
+        stride=2,
+    ),
 ]
 
 
@@ -93,15 +136,30 @@ def _run_case(c: Case, pattern=None):
     pattern = pattern or c.pattern()
     seq_k = c.seq_k or c.seq_q
     hkv = c.kv_heads or c.heads
-    leaves, views = make_inputs(c.batch, c.seq_q, seq_k, c.heads, hkv, c.head_dim, c.dtype,
-                                seed=zlib.crc32(c.id.encode()) % 1000, layout=c.layout)
+    leaves, views = make_inputs(
+        c.batch,
+        c.seq_q,
+        seq_k,
+        c.heads,
+        hkv,
+        c.head_dim,
+        c.dtype,
+        seed=zlib.crc32(c.id.encode()) % 1000,
+        layout=c.layout,
+    )
     do, dl = upstream_grads(c.batch, c.seq_q, c.heads, c.head_dim)
     do, dl = (do if c.out_grad else None), (dl if c.lse_grad else None)
     kw = dict(softmax_scale=c.scale, q_start=c.q_start, k_start=c.k_start)
     got = attention_with_grads(
-        lambda q, k, v: s2_attention(q, k, v, pattern, return_lse=c.lse_grad or not c.out_grad,
-                                     backend="triton", **kw),
-        leaves, views, do, dl, return_lse=c.lse_grad or not c.out_grad)
+        lambda q, k, v: s2_attention(
+            q, k, v, pattern, return_lse=c.lse_grad or not c.out_grad, backend="triton", **kw
+        ),
+        leaves,
+        views,
+        do,
+        dl,
+        return_lse=c.lse_grad or not c.out_grad,
+    )
     ref = fp64_reference(views, pattern, do, dl, **kw)
     return got, ref, views, leaves
 
@@ -126,7 +184,7 @@ def _check_bf16_not_worse_than_unfused_bf16(c, got, ref, views):
     pattern = c.pattern()
     mask = token_mask(pattern, c.seq_q, c.seq_k or c.seq_q, c.q_start, c.k_start).to(DEVICE)
     g = c.heads // (c.kv_heads or c.heads)
-    scale = c.scale or 1.0 / c.head_dim ** 0.5
+    scale = c.scale or 1.0 / c.head_dim**0.5
 
     def bf16_attention(q, k, v):
         k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
@@ -141,8 +199,9 @@ def _check_bf16_not_worse_than_unfused_bf16(c, got, ref, views):
     base = attention_with_grads(bf16_attention, leaves, leaves, do, dl)
     for n in ("out", "dq", "dk", "dv"):
         e_k, e_b = rel_err(got[n], ref[n]), rel_err(base[n], ref[n])
-        assert e_k <= 2.0 * e_b + 2e-3, \
+        assert e_k <= 2.0 * e_b + 2e-3, (
             f"{n}: kernel bf16 error {e_k:.3g} vs unfused bf16 {e_b:.3g}"
+        )
 
 
 def test_empty_rows_are_zero_with_minus_inf_lse():
@@ -181,8 +240,9 @@ def test_output_keeps_caller_layout_without_copying_inputs(monkeypatch):
     assert seen["bwd"] == expect
     for x in leaves:
         assert x.grad.is_contiguous()  # gradient arrives in the storage's own [s, b, h, d] layout
-    ref = s2_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(),
-                                 pattern)
+    ref = s2_attention_reference(
+        q.detach().double(), k.detach().double(), v.detach().double(), pattern
+    )
     assert rel_err(out.detach(), ref) <= FP32_TOL
 
 
@@ -198,26 +258,40 @@ def test_backward_is_deterministic():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank,tp", [(1, 2), (2, 4)])
 def test_tp_rank_output_equals_slice_of_full_pattern(rank, tp):
-    full = S2Pattern(num_heads=8, num_kv_heads=4, block_size=16, local_blocks=1, vert_stride=8,
-                     head_offset=1)
+    full = S2Pattern(
+        num_heads=8, num_kv_heads=4, block_size=16, local_blocks=1, vert_stride=8, head_offset=1
+    )
     rp = full.for_tp_rank(rank, tp)
     S, d = 200, 32
     h0, h1 = rp.head_start, rp.head_end
     g = full.group_size
     # The rank's pattern must differ from a pattern that forgets the global head index, or the
     # comparison below could not catch a head-indexing bug.
-    naive = S2Pattern(num_heads=h1 - h0, num_kv_heads=(h1 - h0) // g, block_size=16,
-                      local_blocks=1, vert_stride=8, head_offset=1)
+    naive = S2Pattern(
+        num_heads=h1 - h0,
+        num_kv_heads=(h1 - h0) // g,
+        block_size=16,
+        local_blocks=1,
+        vert_stride=8,
+        head_offset=1,
+    )
     assert not torch.equal(naive.block_mask(13), rp.block_mask(13))
     _, (q, k, v) = make_inputs(1, S, S, 8, 4, d, torch.float32, seed=rank)
-    ref_full = s2_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(),
-                                      full, return_lse=True)
-    qs, ks, vs = (x.detach()[:, :, a:b].clone().requires_grad_(True)
-                  for x, a, b in ((q, h0, h1), (k, h0 // g, h1 // g), (v, h0 // g, h1 // g)))
+    ref_full = s2_attention_reference(
+        q.detach().double(), k.detach().double(), v.detach().double(), full, return_lse=True
+    )
+    qs, ks, vs = (
+        x.detach()[:, :, a:b].clone().requires_grad_(True)
+        for x, a, b in ((q, h0, h1), (k, h0 // g, h1 // g), (v, h0 // g, h1 // g))
+    )
     do, dl = upstream_grads(1, S, h1 - h0, d)
     got = attention_with_grads(
         lambda a, b, c: s2_attention(a, b, c, rp, return_lse=True, backend="triton"),
-        (qs, ks, vs), (qs, ks, vs), do, dl)
+        (qs, ks, vs),
+        (qs, ks, vs),
+        do,
+        dl,
+    )
     assert_matches(got, {"out": ref_full[0][:, :, h0:h1], "lse": ref_full[1][:, h0:h1]}, FP32_TOL)
     ref_rank = fp64_reference((qs, ks, vs), rp, do, dl)
     assert_matches(got, ref_rank, FP32_TOL)
@@ -245,8 +319,9 @@ def _inefficient_user_mask(heads, nb, gen):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,block,seq", [("efficient", 16, 190), ("inefficient", 16, 190),
-                                            ("inefficient", 64, 300)])
+@pytest.mark.parametrize(
+    "kind,block,seq", [("efficient", 16, 190), ("inefficient", 16, 190), ("inefficient", 64, 300)]
+)
 def test_user_mask_exact(kind, block, seq):
     gen = torch.Generator().manual_seed(7)
     nb = -(-seq // block) + 1
@@ -264,13 +339,31 @@ def _old_default_config(block, head_dim, cuda):
     """The defaults as the former module-level dict gave them (pinned: must not drift)."""
     bn = min(block, 64)
     if not cuda:
-        return dict(bn=bn, fwd_m=min(128, 2 * block), fwd_warps=4, fwd_stages=1,
-                    dq_m=min(128, 2 * block), dq_warps=4, dq_stages=1,
-                    dkdv_m=32, dkdv_warps=4, dkdv_stages=1)
+        return dict(
+            bn=bn,
+            fwd_m=min(128, 2 * block),
+            fwd_warps=4,
+            fwd_stages=1,
+            dq_m=min(128, 2 * block),
+            dq_warps=4,
+            dq_stages=1,
+            dkdv_m=32,
+            dkdv_warps=4,
+            dkdv_stages=1,
+        )
     bwd_stages = 2 if head_dim > 128 else 3
-    return dict(bn=bn, fwd_m=64, fwd_warps=4, fwd_stages=3,
-                dq_m=128, dq_warps=8 if head_dim >= 128 else 4, dq_stages=bwd_stages,
-                dkdv_m=32, dkdv_warps=4, dkdv_stages=bwd_stages)
+    return dict(
+        bn=bn,
+        fwd_m=64,
+        fwd_warps=4,
+        fwd_stages=3,
+        dq_m=128,
+        dq_warps=8 if head_dim >= 128 else 4,
+        dq_stages=bwd_stages,
+        dkdv_m=32,
+        dkdv_warps=4,
+        dkdv_stages=bwd_stages,
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -282,8 +375,13 @@ def test_default_kernel_config_unchanged(device, block, head_dim):
     flat = dict(bn=cfg.block_n)
     for name in ("fwd", "dq", "dkdv"):
         pc = getattr(cfg, name)
-        flat.update({f"{name}_m": pc.block_m, f"{name}_warps": pc.num_warps,
-                     f"{name}_stages": pc.num_stages})
+        flat.update(
+            {
+                f"{name}_m": pc.block_m,
+                f"{name}_warps": pc.num_warps,
+                f"{name}_stages": pc.num_stages,
+            }
+        )
     assert flat == _old_default_config(block, head_dim, device == "cuda")
     assert tri_mod.kernel_config(p, head_dim, device) == cfg  # a device name works too
 
@@ -307,8 +405,14 @@ def test_kernel_config_reaches_every_launch(monkeypatch):
     leaves, views = make_inputs(1, c.seq_q, c.seq_q, c.heads, c.kv_heads, c.head_dim, c.dtype)
     do, dl = upstream_grads(1, c.seq_q, c.heads, c.head_dim)
     got = attention_with_grads(
-        lambda q, k, v: s2_attention(q, k, v, pattern, return_lse=True, backend="triton",
-                                     kernel_config=cfg), leaves, views, do, dl)
+        lambda q, k, v: s2_attention(
+            q, k, v, pattern, return_lse=True, backend="triton", kernel_config=cfg
+        ),
+        leaves,
+        views,
+        do,
+        dl,
+    )
     assert tiles == [(16, 16, False), (64, 16, False), (16, 16, True)]
     assert_matches(got, fp64_reference(views, pattern, do, dl), FP32_TOL)
 
@@ -347,8 +451,11 @@ BAD_CALLS = [
     ("kv heads", lambda p: (_api_inputs(h=4, hkv=1), {}), "k/v"),
     ("q_start", lambda p: (_api_inputs(), dict(q_start=8)), "q_start"),
     ("k_start", lambda p: (_api_inputs(), dict(k_start=-16)), "k_start"),
-    ("dtype", lambda p: ((lambda q, k, v: (q, k.to(torch.bfloat16), v))(*_api_inputs()), {}),
-     "dtype"),
+    (
+        "dtype",
+        lambda p: ((lambda q, k, v: (q, k.to(torch.bfloat16), v))(*_api_inputs()), {}),
+        "dtype",
+    ),
     ("head_dim", lambda p: (_api_inputs(d=48), {}), "head_dim"),
     ("kv shape", lambda p: ((lambda q, k, v: (q, k, v[:, :32]))(*_api_inputs()), {}), "shape"),
     ("backend", lambda p: (_api_inputs(), dict(backend="cuda")), "backend"),

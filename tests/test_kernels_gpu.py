@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CUDA, assert_matches, attention_with_grads, token_mask
 
 from s2attn import S2Pattern, s2_attention, s2_attention_reference
-from conftest import CUDA, assert_matches, attention_with_grads, token_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
@@ -37,8 +37,9 @@ def norm_err(a, b):
 
 def _inputs(b, s, h, hkv, d, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    mk = lambda hh: (torch.randn(b, s, hh, d, device=DEV, generator=g).to(torch.bfloat16)
-                     .requires_grad_(True))
+    mk = lambda hh: (
+        torch.randn(b, s, hh, d, device=DEV, generator=g).to(torch.bfloat16).requires_grad_(True)
+    )
     q, k, v = mk(h), mk(hkv), mk(hkv)
     do = torch.randn(b, s, h, d, device=DEV, generator=g, dtype=torch.float64)
     return (q, k, v), do
@@ -51,9 +52,15 @@ def _fp32(leaves):
 def _sdpa(mask=None, causal=False, group=1):
     def fn(q, k, v):
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=causal,
+        )
         return o.transpose(1, 2)
+
     return fn
 
 
@@ -70,18 +77,31 @@ def _assert_not_worse(ours, ours_ref, dense, dense_ref, factor=1.5, eps=2e-3):
 @pytest.mark.parametrize("block,heads,kv_heads,head_dim", [(64, 16, 4, 128), (16, 8, 2, 64)])
 def test_bf16_vs_sdpa_with_equivalent_mask_4k(block, heads, kv_heads, head_dim):
     S = 4096
-    p = S2Pattern(num_heads=heads, num_kv_heads=kv_heads, block_size=block, local_blocks=16,
-                  vert_stride=8, head_offset=1)
+    p = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        local_blocks=16,
+        vert_stride=8,
+        head_offset=1,
+    )
     leaves, do = _inputs(1, S, heads, kv_heads, head_dim, seed=block)
-    ours = attention_with_grads(lambda q, k, v: s2_attention(q, k, v, p, backend="triton"),
-                                leaves, leaves, do, return_lse=False)
+    ours = attention_with_grads(
+        lambda q, k, v: s2_attention(q, k, v, p, backend="triton"),
+        leaves,
+        leaves,
+        do,
+        return_lse=False,
+    )
     f32 = _fp32(leaves)
-    ref = attention_with_grads(lambda q, k, v: s2_attention_reference(q, k, v, p), f32, f32, do,
-                               return_lse=False)
+    ref = attention_with_grads(
+        lambda q, k, v: s2_attention_reference(q, k, v, p), f32, f32, do, return_lse=False
+    )
     # Dense bf16 kernel on the same inputs with the same pattern as a boolean mask.
     mask = token_mask(p, S, S).to(DEV)[None]  # [1, h, S, S]
-    dense = attention_with_grads(_sdpa(mask=mask, group=heads // kv_heads), leaves, leaves, do,
-                                 return_lse=False)
+    dense = attention_with_grads(
+        _sdpa(mask=mask, group=heads // kv_heads), leaves, leaves, do, return_lse=False
+    )
     del mask
     # Both against the same fp32 reference.
     _assert_not_worse(ours, ref, dense, ref)
@@ -93,13 +113,19 @@ def test_bf16_16k_same_magnitude_as_dense_causal():
     S, H, HKV, D = 16384, 8, 2, 128
     p = S2Pattern(num_heads=H, num_kv_heads=HKV, block_size=64, local_blocks=16, vert_stride=8)
     leaves, do = _inputs(1, S, H, HKV, D, seed=3)
-    ours = attention_with_grads(lambda q, k, v: s2_attention(q, k, v, p, return_lse=True,
-                                                             backend="triton"),
-                                leaves, leaves, do)
+    ours = attention_with_grads(
+        lambda q, k, v: s2_attention(q, k, v, p, return_lse=True, backend="triton"),
+        leaves,
+        leaves,
+        do,
+    )
     f32 = _fp32(leaves)
     ref = attention_with_grads(
         lambda q, k, v: s2_attention_reference(q, k, v, p, return_lse=True, chunk_tokens=2048),
-        f32, f32, do)
+        f32,
+        f32,
+        do,
+    )
     sd = _sdpa(causal=True, group=H // HKV)
     dense = attention_with_grads(sd, leaves, leaves, do, return_lse=False)
     dense_ref = attention_with_grads(sd, f32, f32, do, return_lse=False)
@@ -110,7 +136,7 @@ def test_bf16_16k_same_magnitude_as_dense_causal():
 @pytest.mark.timeout(300)
 def test_fp32_small_cases_exact_on_gpu():
     """The interpreter cases' fp32 exactness also holds for the compiled kernels."""
-    from test_kernels import CASES, _run_case, FP32_TOL
+    from test_kernels import CASES, FP32_TOL, _run_case
 
     for c in CASES:
         if c.id in ("b16-d32-mha", "b64-d16-mqa", "k_after_q", "sbhd-gqa", "b128-d32"):
@@ -136,7 +162,7 @@ def test_64bit_offsets_forward():
         return x.transpose(0, 1)
 
     q, k, v = mk(), mk(), mk()
-    assert q.numel() > 2 ** 31
+    assert q.numel() > 2**31
     with torch.no_grad():
         out, lse = s2_attention(q, k, v, p, return_lse=True, backend="triton")
     assert out.stride() == q.stride()
@@ -144,20 +170,30 @@ def test_64bit_offsets_forward():
     hp = p.head_range(*heads)
     for b in (0, Bt - 1):
         for start in (0, S // 2, S - 128):
-            sl = lambda x, a, e: x[b:b + 1, a:e, heads[0]:heads[1]].float()
+            sl = lambda x, a, e, b=b: x[b : b + 1, a:e, heads[0] : heads[1]].float()
             with torch.no_grad():
-                r_out, r_lse = s2_attention_reference(sl(q, start, start + 128), sl(k, 0, S),
-                                                      sl(v, 0, S), hp, return_lse=True,
-                                                      q_start=start, chunk_tokens=128)
-            got = dict(out=out[b:b + 1, start:start + 128, heads[0]:heads[1]],
-                       lse=lse[b:b + 1, heads[0]:heads[1], start:start + 128])
+                r_out, r_lse = s2_attention_reference(
+                    sl(q, start, start + 128),
+                    sl(k, 0, S),
+                    sl(v, 0, S),
+                    hp,
+                    return_lse=True,
+                    q_start=start,
+                    chunk_tokens=128,
+                )
+            got = dict(
+                out=out[b : b + 1, start : start + 128, heads[0] : heads[1]],
+                lse=lse[b : b + 1, heads[0] : heads[1], start : start + 128],
+            )
             assert_matches(got, dict(out=r_out, lse=r_lse), 2e-2, names=("out", "lse"))
     del q, k, v, out, lse
 
 
 def test_layout_128k_builds_well_under_a_second_on_gpu():
-    from s2attn.layout import build_layout
     import time
+
+    from s2attn.layout import build_layout
+
     pat = S2Pattern(num_heads=32, block_size=64, local_blocks=16, vert_stride=8)
     build_layout(pat, 8192, 8192, 0, 0, 64, 64, "cuda", with_csc=True)  # CUDA context, kernels
     torch.cuda.synchronize()

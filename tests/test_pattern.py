@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
+from conftest import token_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from s2attn import S2Pattern
 from s2attn.layout import build_layout, layout_for
-from conftest import token_mask
 
 
 def M(*rows: str) -> torch.Tensor:
@@ -20,38 +20,46 @@ def M(*rows: str) -> torch.Tensor:
 
 # Block masks worked out by hand (8 blocks). Key block j is vertical for head h iff
 # (j + phase(h)) % V == 0, phase(h) = h * step + offset; local band L = 2 includes the diagonal.
-RES0 = M("10000000",  # stripes at j % 4 == 0
-         "11000000",
-         "11100000",
-         "10110000",
-         "10011000",
-         "10001100",
-         "10001110",
-         "10001011")
-RES3 = M("10000000",  # stripes at j % 4 == 3
-         "11000000",
-         "01100000",
-         "00110000",
-         "00011000",
-         "00011100",
-         "00010110",
-         "00010011")
-RES2 = M("10000000",  # stripes at j % 4 == 2
-         "11000000",
-         "01100000",
-         "00110000",
-         "00111000",
-         "00101100",
-         "00100110",
-         "00100011")
-RES1 = M("10000000",  # stripes at j % 4 == 1
-         "11000000",
-         "01100000",
-         "01110000",
-         "01011000",
-         "01001100",
-         "01000110",
-         "01000111")
+RES0 = M(
+    "10000000",  # stripes at j % 4 == 0
+    "11000000",
+    "11100000",
+    "10110000",
+    "10011000",
+    "10001100",
+    "10001110",
+    "10001011",
+)
+RES3 = M(
+    "10000000",  # stripes at j % 4 == 3
+    "11000000",
+    "01100000",
+    "00110000",
+    "00011000",
+    "00011100",
+    "00010110",
+    "00010011",
+)
+RES2 = M(
+    "10000000",  # stripes at j % 4 == 2
+    "11000000",
+    "01100000",
+    "00110000",
+    "00111000",
+    "00101100",
+    "00100110",
+    "00100011",
+)
+RES1 = M(
+    "10000000",  # stripes at j % 4 == 1
+    "11000000",
+    "01100000",
+    "01110000",
+    "01011000",
+    "01001100",
+    "01000110",
+    "01000111",
+)
 
 
 def _p(**kw):
@@ -78,26 +86,30 @@ def test_golden_fewer_heads_than_stride():
     # 2 heads, V = 8: step = 4; offset 1: phase 1 (j%8==7) and phase 5 (j%8==3); L = 1.
     p = S2Pattern(num_heads=2, block_size=16, local_blocks=1, vert_stride=8, head_offset=1)
     assert p.head_step == 4
-    h1 = M("1000000000",
-           "0100000000",
-           "0010000000",
-           "0001000000",
-           "0001100000",
-           "0001010000",
-           "0001001000",
-           "0001000100",
-           "0001000010",
-           "0001000001")
-    h0 = M("1000000000",
-           "0100000000",
-           "0010000000",
-           "0001000000",
-           "0000100000",
-           "0000010000",
-           "0000001000",
-           "0000000100",
-           "0000000110",
-           "0000000101")
+    h1 = M(
+        "1000000000",
+        "0100000000",
+        "0010000000",
+        "0001000000",
+        "0001100000",
+        "0001010000",
+        "0001001000",
+        "0001000100",
+        "0001000010",
+        "0001000001",
+    )
+    h0 = M(
+        "1000000000",
+        "0100000000",
+        "0010000000",
+        "0001000000",
+        "0000100000",
+        "0000010000",
+        "0000001000",
+        "0000000100",
+        "0000000110",
+        "0000000101",
+    )
     bm = p.block_mask(10)
     assert torch.equal(bm[0], h0)
     assert torch.equal(bm[1], h1)
@@ -130,8 +142,15 @@ def test_block_mask_offsets_are_absolute():
     assert torch.equal(p.block_mask(3, 5, q_block_start=5, k_block_start=1), full[:, 5:8, 1:6])
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(num_kv_heads=4, head_offset=1), dict(num_dense_heads=4),
-                                dict(homo_head=True, num_kv_heads=4)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(num_kv_heads=4, head_offset=1),
+        dict(num_dense_heads=4),
+        dict(homo_head=True, num_kv_heads=4),
+    ],
+)
 def test_head_range_rows_equal_full_rows(kw):
     p = S2Pattern(num_heads=8, block_size=16, local_blocks=2, vert_stride=8, **kw)
     full = p.block_mask(20)
@@ -140,7 +159,7 @@ def test_head_range_rows_equal_full_rows(kw):
             rp = p.for_tp_rank(r, tp)
             n = 8 // tp
             assert (rp.head_start, rp.head_end) == (r * n, (r + 1) * n)
-            assert torch.equal(rp.block_mask(20), full[r * n:(r + 1) * n])
+            assert torch.equal(rp.block_mask(20), full[r * n : (r + 1) * n])
     assert torch.equal(p.head_range(2, 6).block_mask(20), full[2:6])
     um = S2Pattern.from_block_mask(full, 16, num_kv_heads=4)
     assert torch.equal(um.head_range(4, 8).block_mask(20), full[4:8])
@@ -150,8 +169,9 @@ def test_head_range_rows_equal_full_rows(kw):
 def test_coverage_complete_when_heads_ge_stride():
     rep = S2Pattern(num_heads=8, block_size=64, local_blocks=4, vert_stride=8).coverage(64 * 100)
     assert rep.complete and rep.uncovered_blocks == []
-    rep = S2Pattern(num_heads=32, num_kv_heads=8, block_size=64, local_blocks=16,
-                    vert_stride=8).coverage(131072)
+    rep = S2Pattern(
+        num_heads=32, num_kv_heads=8, block_size=64, local_blocks=16, vert_stride=8
+    ).coverage(131072)
     assert rep.complete
 
 
@@ -202,17 +222,35 @@ def test_kv_cache_efficiency_of_efficient_user_masks(src):
 
 
 # ------------------------------------------------------------------------------ density
-@pytest.mark.parametrize("seq,kw", [
-    (333, dict(num_heads=4, block_size=16, local_blocks=2, vert_stride=3)),
-    (200, dict(num_heads=4, num_kv_heads=2, block_size=32, local_blocks=1, vert_stride=2,
-               num_dense_heads=2, head_offset=1)),
-    (64 * 7 + 5, dict(num_heads=2, block_size=64, local_blocks=2, vert_stride=4, homo_head=True)),
-])
+@pytest.mark.parametrize(
+    "seq,kw",
+    [
+        (333, dict(num_heads=4, block_size=16, local_blocks=2, vert_stride=3)),
+        (
+            200,
+            dict(
+                num_heads=4,
+                num_kv_heads=2,
+                block_size=32,
+                local_blocks=1,
+                vert_stride=2,
+                num_dense_heads=2,
+                head_offset=1,
+            ),
+        ),
+        (
+            64 * 7 + 5,
+            dict(num_heads=2, block_size=64, local_blocks=2, vert_stride=4, homo_head=True),
+        ),
+    ],
+)
 def test_density_matches_brute_force(seq, kw):
     p = S2Pattern(**kw)
     tm = token_mask(p, seq, seq)
     assert p.attended_pairs(seq) == int(tm.sum())
-    assert p.density(seq) == pytest.approx(int(tm.sum()) / (seq * (seq + 1) // 2 * p.num_heads), abs=1e-12)
+    assert p.density(seq) == pytest.approx(
+        int(tm.sum()) / (seq * (seq + 1) // 2 * p.num_heads), abs=1e-12
+    )
     um = S2Pattern.from_block_mask(p.block_mask(-(-seq // p.block_size)), p.block_size)
     assert um.attended_pairs(seq) == int(tm.sum())
 
@@ -238,7 +276,9 @@ BAD_PATTERNS = [
 ]
 
 
-@pytest.mark.parametrize("kw,word", BAD_PATTERNS, ids=[w + str(i) for i, (_, w) in enumerate(BAD_PATTERNS)])
+@pytest.mark.parametrize(
+    "kw,word", BAD_PATTERNS, ids=[w + str(i) for i, (_, w) in enumerate(BAD_PATTERNS)]
+)
 def test_pattern_rejects_bad_arguments(kw, word):
     with pytest.raises(ValueError, match=word):
         S2Pattern(**kw)
@@ -292,18 +332,20 @@ def expand_layout(lay, seq_q, seq_k, q_start, k_start):
     for item in range(H * nqt):
         h, t = divmod(item, nqt)
         assert rp[item] <= rs[item] <= rp[item + 1]
-        kts = cols[rp[item]:rp[item + 1]]
+        kts = cols[rp[item] : rp[item + 1]]
         assert len(set(kts)) == len(kts), f"item {item}: repeated key tiles"
         # full entries first, each part sorted by key tile
-        assert kts[:rs[item] - rp[item]] == sorted(kts[:rs[item] - rp[item]])
-        assert kts[rs[item] - rp[item]:] == sorted(kts[rs[item] - rp[item]:])
+        assert kts[: rs[item] - rp[item]] == sorted(kts[: rs[item] - rp[item]])
+        assert kts[rs[item] - rp[item] :] == sorted(kts[rs[item] - rp[item] :])
         r0, r1 = t * bm, min((t + 1) * bm, seq_q)
         for e in range(rp[item], rp[item + 1]):
             c0, c1 = cols[e] * bn, min((cols[e] + 1) * bn, seq_k)
             assert 0 <= c0 < seq_k
             qp, kp = qpos_all[r0:r1], kpos_all[c0:c1]
             sub = (qp >= lo[e])[:, None] & (qp < hi[e])[:, None] & (kp[None, :] <= qp[:, None])
-            needs_no_mask = bool(sub.all()) and (t + 1) * bm <= seq_q and (cols[e] + 1) * bn <= seq_k
+            needs_no_mask = (
+                bool(sub.all()) and (t + 1) * bm <= seq_q and (cols[e] + 1) * bn <= seq_k
+            )
             assert (e < rs[item]) == needs_no_mask, f"entry {e}: full flag {e < rs[item]}"
             out[h, r0:r1, c0:c1] |= sub
     return out
@@ -326,7 +368,7 @@ def csc_entries(lay):
         a, s, b = int(lay.col_ptr[item]), int(lay.col_split[item]), int(lay.col_ptr[item + 1])
         assert a <= s <= b
         rows = lay.rows[a:b].tolist()
-        assert rows[:s - a] == sorted(rows[:s - a]) and rows[s - a:] == sorted(rows[s - a:])
+        assert rows[: s - a] == sorted(rows[: s - a]) and rows[s - a :] == sorted(rows[s - a :])
         for e in range(a, b):
             key = (item // nkt, int(lay.rows[e]), item % nkt)
             assert key not in ent
@@ -356,16 +398,53 @@ LAYOUT_CASES = [
     # (pattern kwargs, seq_q, seq_k, q_start, k_start, block_m, block_n)
     (dict(num_heads=4, block_size=16, local_blocks=2, vert_stride=3), 333, 333, 0, 0, 64, 16),
     (dict(num_heads=4, block_size=16, local_blocks=2, vert_stride=3), 333, 333, 0, 0, 16, 16),
-    (dict(num_heads=4, num_kv_heads=2, block_size=32, local_blocks=3, vert_stride=4, head_offset=1),
-     301, 301, 0, 0, 128, 32),
-    (dict(num_heads=2, num_kv_heads=1, block_size=64, local_blocks=1, vert_stride=2), 400, 400, 0, 0,
-     32, 64),
+    (
+        dict(
+            num_heads=4, num_kv_heads=2, block_size=32, local_blocks=3, vert_stride=4, head_offset=1
+        ),
+        301,
+        301,
+        0,
+        0,
+        128,
+        32,
+    ),
+    (
+        dict(num_heads=2, num_kv_heads=1, block_size=64, local_blocks=1, vert_stride=2),
+        400,
+        400,
+        0,
+        0,
+        32,
+        64,
+    ),
     (dict(num_heads=2, block_size=128, local_blocks=1, vert_stride=2), 600, 600, 0, 0, 128, 64),
     (dict(num_heads=2, block_size=128, local_blocks=1, vert_stride=2), 600, 600, 0, 0, 32, 64),
-    (dict(num_heads=4, num_kv_heads=2, block_size=16, local_blocks=2, vert_stride=4,
-          num_dense_heads=2), 250, 250, 0, 0, 64, 16),
-    (dict(num_heads=2, block_size=16, local_blocks=1, vert_stride=4, homo_head=True), 200, 200, 0, 0,
-     32, 16),
+    (
+        dict(
+            num_heads=4,
+            num_kv_heads=2,
+            block_size=16,
+            local_blocks=2,
+            vert_stride=4,
+            num_dense_heads=2,
+        ),
+        250,
+        250,
+        0,
+        0,
+        64,
+        16,
+    ),
+    (
+        dict(num_heads=2, block_size=16, local_blocks=1, vert_stride=4, homo_head=True),
+        200,
+        200,
+        0,
+        0,
+        32,
+        16,
+    ),
     (dict(num_heads=2, block_size=16, local_blocks=2, vert_stride=3), 150, 214, 64, 0, 64, 16),
     (dict(num_heads=2, block_size=16, local_blocks=2, vert_stride=3), 200, 136, 0, 64, 64, 16),
     (dict(num_heads=2, block_size=16, local_blocks=2, vert_stride=3), 100, 160, 128, 0, 32, 16),
@@ -390,13 +469,14 @@ def test_layout_expands_to_reference_token_mask(kw, sq, sk, qs, ks, bm, bn, path
 
 
 def test_layout_head_range_equals_rows_of_full():
-    p = S2Pattern(num_heads=8, num_kv_heads=4, block_size=16, local_blocks=2, vert_stride=8,
-                  head_offset=1)
+    p = S2Pattern(
+        num_heads=8, num_kv_heads=4, block_size=16, local_blocks=2, vert_stride=8, head_offset=1
+    )
     full = expand_layout(build_layout(p, 300, 300, 0, 0, 64, 16, "cpu", True), 300, 300, 0, 0)
     for r in range(2):
         rp = p.for_tp_rank(r, 2)
         lay = build_layout(rp, 300, 300, 0, 0, 64, 16, "cpu", True)
-        assert torch.equal(expand_layout(lay, 300, 300, 0, 0), full[4 * r:4 * r + 4])
+        assert torch.equal(expand_layout(lay, 300, 300, 0, 0), full[4 * r : 4 * r + 4])
 
 
 def test_non_mergeable_user_mask_falls_back_and_stays_exact():
@@ -419,7 +499,7 @@ class _MaxNumel(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+        for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
                 self.max = max(self.max, o.numel())
         return out
@@ -429,7 +509,9 @@ LAYOUT_128K = dict(num_heads=32, block_size=64, local_blocks=16, vert_stride=8)
 
 
 def _build_128k():
-    return build_layout(S2Pattern(**LAYOUT_128K), 131072, 131072, 0, 0, 128, 64, "cpu", with_csc=True)
+    return build_layout(
+        S2Pattern(**LAYOUT_128K), 131072, 131072, 0, 0, 128, 64, "cpu", with_csc=True
+    )
 
 
 @pytest.mark.timeout(120)
@@ -438,8 +520,10 @@ def test_layout_128k_build_time():
     t0, c0 = time.perf_counter(), time.process_time()
     lay = _build_128k()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"\nlayout build, 128k tokens, 32 heads, with CSC: {dt:.3f} s wall, {cpu:.3f} s CPU, "
-          f"nnz {lay.nnz}")
+    print(
+        f"\nlayout build, 128k tokens, 32 heads, with CSC: {dt:.3f} s wall, {cpu:.3f} s CPU, "
+        f"nnz {lay.nnz}"
+    )
     # On the CPU this is a sanity bound (O(nnz) work, ~4.7M entries, shared 2-core CI box); the
     # kernels build layouts on the GPU, where tests/test_kernels_gpu.py requires < 1 s.
     assert cpu < 12.0
@@ -464,8 +548,15 @@ def test_equal_s2_patterns_share_layouts_but_user_masks_do_not():
     kw = dict(num_heads=4, block_size=16, local_blocks=2, vert_stride=4)
     lay = build_layout(S2Pattern(**kw), 200, 200, 0, 0, 32, 16, "cpu", True)
     assert build_layout(S2Pattern(**kw), 200, 200, 0, 0, 32, 16, "cpu", True) is lay
-    assert build_layout(S2Pattern(**kw, head_offset=1), 200, 200, 0, 0, 32, 16, "cpu", True) is not lay
-    assert build_layout(S2Pattern(**kw).head_range(0, 2), 200, 200, 0, 0, 32, 16, "cpu", True) is not lay
+    assert (
+        build_layout(S2Pattern(**kw, head_offset=1), 200, 200, 0, 0, 32, 16, "cpu", True) is not lay
+    )
+    assert (
+        build_layout(S2Pattern(**kw).head_range(0, 2), 200, 200, 0, 0, 32, 16, "cpu", True)
+        is not lay
+    )
     m1 = S2Pattern.from_block_mask(S2Pattern(**kw).block_mask(13), 16)
     m2 = S2Pattern.from_block_mask(S2Pattern(**kw, head_offset=1).block_mask(13), 16)
-    assert build_layout(m1, 200, 200, 0, 0, 32, 16, "cpu", True) is not build_layout(m2, 200, 200, 0, 0, 32, 16, "cpu", True)
+    assert build_layout(m1, 200, 200, 0, 0, 32, 16, "cpu", True) is not build_layout(
+        m2, 200, 200, 0, 0, 32, 16, "cpu", True
+    )

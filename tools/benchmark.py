@@ -41,6 +41,7 @@ def tflops(pairs: int, d: int, ms: float, with_bwd: bool) -> float:
 
 def bench(fn, warmup=25, rep=100) -> float:
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -49,12 +50,14 @@ def fwd_bwd(run, inputs, grad):
         for t in inputs:
             t.grad = None
         run().backward(grad)
+
     return step
 
 
 def flex_block_mask(pattern: S2Pattern, seq: int, device):
     """FlexAttention BlockMask for ``pattern`` from our layout at 128-token granularity."""
     from torch.nn.attention.flex_attention import BlockMask
+
     B, L, V = pattern.block_size, pattern.local_blocks, pattern.vert_stride
     bn = min(B, FLEX_BLOCK)
     lay = layout_for(pattern, seq, seq, 0, 0, FLEX_BLOCK, bn, device)
@@ -81,6 +84,7 @@ def flex_block_mask(pattern: S2Pattern, seq: int, device):
         num = sel.sum(-1).to(torch.int32)[None]
         ind = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None]
         return num, ind
+
     kv_num, kv_ind = to_indices(is_part)
     full_num, full_ind = to_indices(is_full)
     dense, res = pattern.head_params(device)
@@ -88,8 +92,16 @@ def flex_block_mask(pattern: S2Pattern, seq: int, device):
     def mask_mod(b, h, q_idx, kv_idx):
         qb, kb = q_idx // B, kv_idx // B
         return (kv_idx <= q_idx) & (((qb - kb) < L) | (kb % V == res[h]) | dense[h])
-    return BlockMask.from_kv_blocks(kv_num, kv_ind, full_num, full_ind, BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(seq, seq))
+
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_ind,
+        full_num,
+        full_ind,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(seq, seq),
+    )
 
 
 def sweep_configs(base: KernelConfig) -> list:
@@ -98,14 +110,22 @@ def sweep_configs(base: KernelConfig) -> list:
     r = dataclasses.replace
 
     def stages(n):
-        return r(base, fwd=r(base.fwd, num_stages=n), dq=r(base.dq, num_stages=n),
-                 dkdv=r(base.dkdv, num_stages=n))
-    return [r(base, fwd=PassConfig(128, 4, base.fwd.num_stages)),
-            r(base, fwd=PassConfig(128, 8, base.fwd.num_stages)),
-            r(base, dq=PassConfig(64, 4, base.dq.num_stages)),
-            r(base, dkdv=r(base.dkdv, block_m=64)),
-            r(base, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
-            stages(2), stages(4)]
+        return r(
+            base,
+            fwd=r(base.fwd, num_stages=n),
+            dq=r(base.dq, num_stages=n),
+            dkdv=r(base.dkdv, num_stages=n),
+        )
+
+    return [
+        r(base, fwd=PassConfig(128, 4, base.fwd.num_stages)),
+        r(base, fwd=PassConfig(128, 8, base.fwd.num_stages)),
+        r(base, dq=PassConfig(64, 4, base.dq.num_stages)),
+        r(base, dkdv=r(base.dkdv, block_m=64)),
+        r(base, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
+        stages(2),
+        stages(4),
+    ]
 
 
 def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
@@ -113,8 +133,11 @@ def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     diffs = [f"bn={cfg.block_n}"] if cfg.block_n != base.block_n else []
     for name in ("fwd", "dq", "dkdv"):
         got, ref = getattr(cfg, name), getattr(base, name)
-        diffs += [f"{name}.{f.name}={getattr(got, f.name)}" for f in dataclasses.fields(got)
-                  if getattr(got, f.name) != getattr(ref, f.name)]
+        diffs += [
+            f"{name}.{f.name}={getattr(got, f.name)}"
+            for f in dataclasses.fields(got)
+            if getattr(got, f.name) != getattr(ref, f.name)
+        ]
     return "s2attn" + ("" if not diffs else " " + ",".join(diffs))
 
 
@@ -122,14 +145,20 @@ def run_case(seq, args, d, block, rows, sweep):
     dev = torch.device("cuda")
     batch = max(1, args.tokens // seq)
     H, Hkv = args.heads, args.kv_heads or args.heads
-    pat = S2Pattern(num_heads=H, num_kv_heads=Hkv, block_size=block,
-                    local_blocks=args.local_blocks, vert_stride=args.vert_stride,
-                    head_offset=args.head_offset)
+    pat = S2Pattern(
+        num_heads=H,
+        num_kv_heads=Hkv,
+        block_size=block,
+        local_blocks=args.local_blocks,
+        vert_stride=args.vert_stride,
+        head_offset=args.head_offset,
+    )
     s2_pairs = pat.attended_pairs(seq) * batch
     dense_pairs = seq * (seq + 1) // 2 * H * batch
     torch.manual_seed(0)
-    mk = lambda h: torch.randn(batch, seq, h, d, device=dev, dtype=torch.bfloat16,
-                               requires_grad=True)
+    mk = lambda h: torch.randn(
+        batch, seq, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True
+    )
     q, k, v = mk(H), mk(Hkv), mk(Hkv)
     grad = torch.randn_like(q)
     res = []
@@ -140,15 +169,27 @@ def run_case(seq, args, d, block, rows, sweep):
             ms_fb = bench(fb)
         except Exception as exc:  # a baseline that cannot run at this size is reported, not fatal
             print(f"  {name}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-            res.append(dict(name=name, seq=seq, batch=batch, d=d, block=block,
-                            error=str(exc)[:300]))
+            res.append(
+                dict(name=name, seq=seq, batch=batch, d=d, block=block, error=str(exc)[:300])
+            )
             return
-        r = dict(name=name, seq=seq, batch=batch, d=d, block=block, fwd_ms=ms_f,
-                 fwdbwd_ms=ms_fb, fwd_tflops=tflops(pairs, d, ms_f, False),
-                 fwdbwd_tflops=tflops(pairs, d, ms_fb, True))
+        r = dict(
+            name=name,
+            seq=seq,
+            batch=batch,
+            d=d,
+            block=block,
+            fwd_ms=ms_f,
+            fwdbwd_ms=ms_fb,
+            fwd_tflops=tflops(pairs, d, ms_f, False),
+            fwdbwd_tflops=tflops(pairs, d, ms_fb, True),
+        )
         res.append(r)
-        print(f"  {name:<14} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
-              f"fwd+bwd {ms_fb:8.2f} ms {r['fwdbwd_tflops']:6.0f} TF/s", flush=True)
+        print(
+            f"  {name:<14} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
+            f"fwd+bwd {ms_fb:8.2f} ms {r['fwdbwd_tflops']:6.0f} TF/s",
+            flush=True,
+        )
 
     base = kernel_config(pat, d, dev)
     for cfg in [base] + (sweep_configs(base) if sweep else []):
@@ -156,6 +197,7 @@ def run_case(seq, args, d, block, rows, sweep):
         record(config_label(cfg, base), s2_pairs, run, fwd_bwd(run, (q, k, v), grad))
     if "flex" in rows:
         from torch.nn.attention.flex_attention import flex_attention
+
         flex = torch.compile(flex_attention, dynamic=False)
         bm = flex_block_mask(pat, seq, dev)
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
@@ -164,26 +206,33 @@ def run_case(seq, args, d, block, rows, sweep):
         record("flex (same S2)", s2_pairs, run, fwd_bwd(run, (qt, kt, vt), gt))
         del qt, kt, vt
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     qd, kd, vd = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     gd = grad.transpose(1, 2).contiguous()
-    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
-                          ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, backend in (
+        ("sdpa flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+    ):
         if name.split()[1] not in rows:
             continue
 
         def run(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                      enable_gqa=Hkv != H)
+                return F.scaled_dot_product_attention(
+                    qd, kd, vd, is_causal=True, enable_gqa=Hkv != H
+                )
+
         record(name + " dense", dense_pairs, run, fwd_bwd(run, (qd, kd, vd), gd))
     return res, pat.density(seq)
 
 
 def summarize(results):
     """Markdown table with speedups of s2attn over each baseline (fwd+bwd)."""
-    lines = ["| seq x batch | d | block | density | kernel | fwd ms | fwd TF/s | fwd+bwd ms "
-             "| fwd+bwd TF/s | s2attn speedup (fwd+bwd) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| seq x batch | d | block | density | kernel | fwd ms | fwd TF/s | fwd+bwd ms "
+        "| fwd+bwd TF/s | s2attn speedup (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (seq, d, block, dens), rs in results.items():
         ours = next((r for r in rs if r["name"] == "s2attn" and "fwdbwd_ms" in r), None)
         for r in rs:
@@ -192,14 +241,17 @@ def summarize(results):
                 lines.append(f"{row} failed | | | | |")
                 continue
             sp = "" if ours is None or r is ours else f"{r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x"
-            lines.append(f"{row} {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
-                         f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {sp} |")
+            lines.append(
+                f"{row} {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
+                f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {sp} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--tokens", type=int, default=131072, help="batch x seq per case")
     ap.add_argument("--heads", type=int, default=32)
@@ -210,8 +262,11 @@ def main(argv=None):
     ap.add_argument("--vert-stride", type=int, default=8)
     ap.add_argument("--head-offset", type=int, default=0)
     ap.add_argument("--rows", default="flex,flash,cudnn", help="baselines to run (comma list)")
-    ap.add_argument("--extra", action="store_true",
-                    help="also run head_dim 64 and block 16 rows at 32k (s2attn and flex)")
+    ap.add_argument(
+        "--extra",
+        action="store_true",
+        help="also run head_dim 64 and block 16 rows at 32k (s2attn and flex)",
+    )
     ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configs")
     ap.add_argument("--json", default=None, help="write raw results here")
     args = ap.parse_args(argv)
@@ -220,11 +275,16 @@ def main(argv=None):
     rows = set(args.rows.split(","))
     cases = [(s, args.head_dim, args.block_size, rows, args.sweep) for s in args.seqs]
     if args.extra:
-        cases += [(32768, 64, args.block_size, {"flex", "cudnn"}, False),
-                  (32768, args.head_dim, 16, {"flex"}, False)]
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"{datetime.date.today()} | heads {args.heads}/{args.kv_heads or args.heads} "
-          f"L={args.local_blocks} V={args.vert_stride} tokens={args.tokens}", flush=True)
+        cases += [
+            (32768, 64, args.block_size, {"flex", "cudnn"}, False),
+            (32768, args.head_dim, 16, {"flex"}, False),
+        ]
+    print(
+        f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"{datetime.date.today()} | heads {args.heads}/{args.kv_heads or args.heads} "
+        f"L={args.local_blocks} V={args.vert_stride} tokens={args.tokens}",
+        flush=True,
+    )
     results = {}
     for seq, d, block, rws, sw in cases:
         print(f"seq {seq} d {d} block {block}", flush=True)
@@ -235,9 +295,17 @@ def main(argv=None):
     print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
-                       "argv": sys.argv, "results": [r for rs in results.values() for r in rs],
-                       "table": table}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "date": str(datetime.date.today()),
+                    "argv": sys.argv,
+                    "results": [r for rs in results.values() for r in rs],
+                    "table": table,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,18 @@ from s2attn import triton_attention as ta
 from s2attn.triton_attention import PassConfig
 
 # Candidates per pass as (block_m, num_warps, num_stages).
-FWD = [PassConfig(*c) for c in
-       [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3)]]
-DKDV = [PassConfig(*c) for c in
-        [(32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 3), (64, 4, 3), (64, 8, 3), (64, 8, 2)]]
-DQ = [PassConfig(*c) for c in
-      [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 8, 2), (128, 4, 3)]]
+FWD = [
+    PassConfig(*c)
+    for c in [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3)]
+]
+DKDV = [
+    PassConfig(*c)
+    for c in [(32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 3), (64, 4, 3), (64, 8, 3), (64, 8, 2)]
+]
+DQ = [
+    PassConfig(*c)
+    for c in [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 8, 2), (128, 4, 3)]
+]
 
 
 def main(argv=None):
@@ -39,26 +45,29 @@ def main(argv=None):
     dev = torch.device("cuda")
     b = max(1, args.tokens // args.seq)
     H, G, d = args.heads, args.kv_heads or args.heads, args.head_dim
-    pat = S2Pattern(num_heads=H, num_kv_heads=G, block_size=args.block_size, local_blocks=16,
-                    vert_stride=8)
+    pat = S2Pattern(
+        num_heads=H, num_kv_heads=G, block_size=args.block_size, local_blocks=16, vert_stride=8
+    )
     mk = lambda h: torch.randn(b, args.seq, h, d, device=dev, dtype=torch.bfloat16)
     q, k, v = mk(H), mk(G), mk(G)
     do = torch.randn_like(q)
-    scale = d ** -0.5
+    scale = d**-0.5
     base = ta.kernel_config(pat, d, dev)
     out, lse = ta.s2_forward(q, k, v, pat, scale, 0, 0, base)
     _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, base)
     print(f"seq {args.seq} x {b}, heads {H}/{G}, d {d}, block {args.block_size}; default {base}")
     for name, cands, fn in (
-            ("fwd", FWD, lambda c: ta.s2_forward(q, k, v, pat, scale, 0, 0, c)),
-            ("dkdv", DKDV, lambda c: ta.bwd_dkdv(do, q, k, v, lse, delta, pat, scale, 0, 0, c)),
-            ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c))):
+        ("fwd", FWD, lambda c: ta.s2_forward(q, k, v, pat, scale, 0, 0, c)),
+        ("dkdv", DKDV, lambda c: ta.bwd_dkdv(do, q, k, v, lse, delta, pat, scale, 0, 0, c)),
+        ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c)),
+    ):
         best = None
         for cand in cands:
             cfg = dataclasses.replace(base, **{name: cand})
             try:
-                ms = triton.testing.do_bench(lambda fn=fn, cfg=cfg: fn(cfg), warmup=25, rep=100,
-                                             return_mode="median")
+                ms = triton.testing.do_bench(
+                    lambda fn=fn, cfg=cfg: fn(cfg), warmup=25, rep=100, return_mode="median"
+                )
             except Exception as exc:  # e.g. out of shared memory for a tile shape
                 print(f"  {name:5} {cand}: failed {type(exc).__name__}")
                 continue
