@@ -45,41 +45,50 @@ def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
 
 
-def _check_layer_support(module: str, config, layer_number: int, attn_mask_type,
-                         attention_type, extra_kwargs: dict) -> None:
+def _check_layer_support(
+    module: str, config, layer_number: int, attn_mask_type, attention_type, extra_kwargs: dict
+) -> None:
     """Construction-time checks shared by the S2 and fused dense modules (ValueError)."""
     where = f"{module} (layer {layer_number})"
     if attn_mask_type != AttnMaskType.causal:
-        raise ValueError(f"{where}: attn_mask_type must be AttnMaskType.causal, "
-                         f"got {attn_mask_type}")
+        raise ValueError(
+            f"{where}: attn_mask_type must be AttnMaskType.causal, got {attn_mask_type}"
+        )
     if attention_type != "self":
         raise ValueError(f"{where}: attention_type must be 'self', got {attention_type!r}")
     cp = getattr(config, "context_parallel_size", 1) or 1
     if cp > 1:
-        raise ValueError(f"{where}: context_parallel_size={cp} is not supported yet; use "
-                         f"context_parallel_size=1")
+        raise ValueError(
+            f"{where}: context_parallel_size={cp} is not supported yet; use context_parallel_size=1"
+        )
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type not in (None, "vanilla"):
         raise ValueError(f"{where}: softmax_type must be 'vanilla', got {softmax_type!r}")
     if getattr(config, "window_size", None) is not None:
-        raise ValueError(f"{where}: window_size (sliding-window attention) is not supported; S2 "
-                         f"layers have their own local window")
+        raise ValueError(
+            f"{where}: window_size (sliding-window attention) is not supported; S2 "
+            f"layers have their own local window"
+        )
     k_ch, v_ch = extra_kwargs.get("k_channels"), extra_kwargs.get("v_channels")
     if any(ch is not None and ch != config.kv_channels for ch in (k_ch, v_ch)):
-        raise ValueError(f"{where}: different key/value head sizes (multi-latent attention) are "
-                         f"not supported")
+        raise ValueError(
+            f"{where}: different key/value head sizes (multi-latent attention) are not supported"
+        )
 
 
 def _check_forward_support(module: str, attn_mask_type, attention_bias, packed_seq_params):
     """Forward-time checks: things only the forward call reveals."""
     if packed_seq_params is not None:
-        raise ValueError(f"{module}: packed sequences (packed_seq_params, THD format) are not "
-                         f"supported; train on fixed-length [s, b] batches")
+        raise ValueError(
+            f"{module}: packed sequences (packed_seq_params, THD format) are not "
+            f"supported; train on fixed-length [s, b] batches"
+        )
     if attention_bias is not None:
         raise ValueError(f"{module}: attention_bias is not supported")
     if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
-        raise ValueError(f"{module}: attn_mask_type must be AttnMaskType.causal, "
-                         f"got {attn_mask_type}")
+        raise ValueError(
+            f"{module}: attn_mask_type must be AttnMaskType.causal, got {attn_mask_type}"
+        )
 
 
 class S2CoreAttention(MegatronModule):
@@ -99,10 +108,19 @@ class S2CoreAttention(MegatronModule):
     the fp32-accumulating kernel.
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str = "self", attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, pattern: Optional[S2Pattern] = None, **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        pattern: Optional[S2Pattern] = None,
+        **kwargs,
+    ):
         super().__init__(config=config)
         name = type(self).__name__
         _check_layer_support(name, config, layer_number, attn_mask_type, attention_type, kwargs)
@@ -111,10 +129,13 @@ class S2CoreAttention(MegatronModule):
             raise ValueError(
                 f"{name} (layer {layer_number}): attention dropout ({dropout}) is not implemented "
                 f"for S2 layers; set TransformerConfig.attention_dropout=0.0 (Megatron-LM: "
-                f"--attention-dropout 0.0)")
+                f"--attention-dropout 0.0)"
+            )
         if getattr(config, "fp8_dot_product_attention", False):
-            raise ValueError(f"{name} (layer {layer_number}): fp8_dot_product_attention is not "
-                             f"supported by S2 layers")
+            raise ValueError(
+                f"{name} (layer {layer_number}): fp8_dot_product_attention is not "
+                f"supported by S2 layers"
+            )
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = _softmax_scale(config, softmax_scale)
@@ -127,14 +148,19 @@ class S2CoreAttention(MegatronModule):
         # of the pattern do not depend on it.
         groups = config.num_query_groups
         if pattern is None:
-            pattern = s2_settings_of(config).schedule.layer_pattern(layer_number, heads, groups,
-                                                                    config.num_layers)
+            pattern = s2_settings_of(config).schedule.layer_pattern(
+                layer_number, heads, groups, config.num_layers
+            )
             if pattern is None:
-                raise ValueError(f"{name}: layer {layer_number} is dense in the attention "
-                                 f"schedule; build it with ScheduledCoreAttention or a dense module")
+                raise ValueError(
+                    f"{name}: layer {layer_number} is dense in the attention "
+                    f"schedule; build it with ScheduledCoreAttention or a dense module"
+                )
         elif pattern.num_heads != heads:
-            raise ValueError(f"{name}: pattern has {pattern.num_heads} heads, the model {heads} "
-                             f"(pattern heads are global, across TP ranks)")
+            raise ValueError(
+                f"{name}: pattern has {pattern.num_heads} heads, the model {heads} "
+                f"(pattern heads are global, across TP ranks)"
+            )
         else:
             pattern = pattern.with_heads(heads, groups)
         self.global_pattern = pattern
@@ -144,22 +170,37 @@ class S2CoreAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         p = self.pattern
-        return (f"layer={self.layer_number}, heads=[{p.head_start}, {p.head_end}) of "
-                f"{p.num_heads}, {p.describe()}")
+        return (
+            f"layer={self.layer_number}, heads=[{p.head_start}, {p.head_end}) of "
+            f"{p.num_heads}, {p.describe()}"
+        )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor],
-                attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None,
-                **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> torch.Tensor:
         """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
 
         ``attention_mask`` is ignored: causality comes from the mask type (checked)."""
-        _check_forward_support(type(self).__name__, attn_mask_type, attention_bias,
-                               packed_seq_params)
+        _check_forward_support(
+            type(self).__name__, attn_mask_type, attention_bias, packed_seq_params
+        )
         sq, b, nq, hn = query.shape
-        out = s2_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                           self.pattern, softmax_scale=self.softmax_scale, backend=self.backend)
+        out = s2_attention(
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            self.pattern,
+            softmax_scale=self.softmax_scale,
+            backend=self.backend,
+        )
         # out is [b, sq, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
         return out.transpose(0, 1).reshape(sq, b, nq * hn)
 
@@ -181,32 +222,49 @@ class FusedDenseAttention(MegatronModule):
     tracker, as Megatron does it).
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str = "self", attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        **kwargs,
+    ):
         super().__init__(config=config)
-        _check_layer_support(type(self).__name__, config, layer_number, attn_mask_type,
-                             attention_type, kwargs)
+        _check_layer_support(
+            type(self).__name__, config, layer_number, attn_mask_type, attention_type, kwargs
+        )
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
-        self.dropout_p = float(config.attention_dropout if attention_dropout is None
-                               else attention_dropout)
+        self.dropout_p = float(
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.softmax_scale = _softmax_scale(config, softmax_scale)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_number}, dense causal (SDPA), dropout={self.dropout_p}"
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor],
-                attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None,
-                **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> torch.Tensor:
         """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
 
         ``attention_mask`` is ignored: the mask type is causal (checked at construction)."""
-        _check_forward_support(type(self).__name__, attn_mask_type, attention_bias,
-                               packed_seq_params)
+        _check_forward_support(
+            type(self).__name__, attn_mask_type, attention_bias, packed_seq_params
+        )
         sq, b, nq, hn = query.shape
         # SDPA wants [b, h, s, d]; the permutes are views.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -221,8 +279,9 @@ class FusedDenseAttention(MegatronModule):
         p = self.dropout_p if self.training else 0.0
 
         def attend():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                  scale=self.softmax_scale, **gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **gqa
+            )
 
         if p > 0 and not self.config.sequence_parallel:
             # Heads differ across TP ranks, so their dropout masks must too (Megatron's rule).
@@ -244,13 +303,27 @@ class ScheduledCoreAttention:
     1-based ``layer_number``, so one spec serves every pipeline stage.
     """
 
-    def __new__(cls, config, layer_number: int, attn_mask_type: AttnMaskType,
-                attention_type: str = "self", *, dense_attention=FusedDenseAttention, **kwargs):
+    def __new__(
+        cls,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        *,
+        dense_attention=FusedDenseAttention,
+        **kwargs,
+    ):
         schedule = s2_settings_of(config).schedule
-        pattern = schedule.layer_pattern(layer_number, config.num_attention_heads,
-                                         config.num_query_groups, config.num_layers)
+        pattern = schedule.layer_pattern(
+            layer_number, config.num_attention_heads, config.num_query_groups, config.num_layers
+        )
         module = dense_attention if pattern is None else S2CoreAttention
         if pattern is not None:
             kwargs["pattern"] = pattern
-        return module(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
-                      attention_type=attention_type, **kwargs)
+        return module(
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            **kwargs,
+        )

@@ -20,11 +20,20 @@ class SPNorm:
     keep the ``weight``/``bias`` names of ``WrappedTorchNorm``. Input ``[s(/tp), b, h]``.
     """
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = None):
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = None,
+    ):
         if getattr(config, "layernorm_zero_centered_gamma", False) or zero_centered_gamma:
-            raise ValueError("SPNorm: layernorm_zero_centered_gamma is not supported; use the "
-                             "Transformer Engine spec or set it to False")
+            raise ValueError(
+                "SPNorm: layernorm_zero_centered_gamma is not supported; use the "
+                "Transformer Engine spec or set it to False"
+            )
         if getattr(config, "memory_efficient_layer_norm", False):
             raise ValueError("SPNorm: memory_efficient_layer_norm is not supported")
         kind = normalization or config.normalization
@@ -33,7 +42,9 @@ class SPNorm:
         elif kind == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         else:
-            raise ValueError(f"SPNorm: normalization must be 'LayerNorm' or 'RMSNorm', got {kind!r}")
+            raise ValueError(
+                f"SPNorm: normalization must be 'LayerNorm' or 'RMSNorm', got {kind!r}"
+            )
         for p in norm.parameters():
             # Read by finalize_model_grads (TP all-reduce of SP grads) and by the distributed
             # optimizer / checkpointing as "replicated across TP".

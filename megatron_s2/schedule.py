@@ -37,8 +37,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -55,7 +56,7 @@ _TOP_KEYS = ("s2", "dense_layers", "overrides", "allow_coverage_holes")
 _DENSE_KEYS = ("pattern", "indices")
 
 # The schedule's defaults are S2Pattern's own (block 64, local 16, stride 8, phase 0).
-DEFAULT_S2_SETTINGS: Dict[str, Any] = S2Pattern(num_heads=1).settings() | {"head_step": None}
+DEFAULT_S2_SETTINGS: dict[str, Any] = S2Pattern(num_heads=1).settings() | {"head_step": None}
 
 
 class ScheduleError(ValueError):
@@ -66,11 +67,13 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _checked_settings(values: Any, where: str) -> Dict[str, Any]:
+def _checked_settings(values: Any, where: str) -> dict[str, Any]:
     """``values`` as a dict of S2 settings, each key and value checked by ``S2Pattern``'s rules;
     errors name ``where.key``."""
     if not isinstance(values, Mapping):
-        raise ScheduleError(f"{where} must be a mapping of S2 settings, got {type(values).__name__}")
+        raise ScheduleError(
+            f"{where} must be a mapping of S2 settings, got {type(values).__name__}"
+        )
     names = S2Pattern.setting_names()
     for key, value in values.items():
         if key not in names:
@@ -92,10 +95,10 @@ class AttentionSchedule:
     ``s2`` and each override hold :class:`s2attn.S2Pattern` settings.
     """
 
-    s2: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_S2_SETTINGS))
+    s2: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_S2_SETTINGS))
     dense_pattern: str = ""
-    dense_indices: List[int] = field(default_factory=list)
-    overrides: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    dense_indices: list[int] = field(default_factory=list)
+    overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     allow_coverage_holes: bool = False
     source: Optional[str] = None  # where it came from, for messages
     # Model shapes this schedule was validated against: a schedule travels from the run config
@@ -104,8 +107,9 @@ class AttentionSchedule:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, d: Optional[Mapping[str, Any]], prefix: str = "attention",
-                  source: Optional[str] = None) -> "AttentionSchedule":
+    def from_dict(
+        cls, d: Optional[Mapping[str, Any]], prefix: str = "attention", source: Optional[str] = None
+    ) -> AttentionSchedule:
         """Parse and check the mapping described in the module docstring.
 
         ``prefix`` names the mapping in error messages (``attention.s2.vert_stride ...``).
@@ -116,48 +120,69 @@ class AttentionSchedule:
             raise ScheduleError(f"{prefix} must be a mapping, got {type(d).__name__}")
         for key in d:
             if key not in _TOP_KEYS:
-                raise ScheduleError(f"unknown key {prefix}.{key}; allowed keys: {', '.join(_TOP_KEYS)}")
+                raise ScheduleError(
+                    f"unknown key {prefix}.{key}; allowed keys: {', '.join(_TOP_KEYS)}"
+                )
         s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(d.get("s2") or {}, f"{prefix}.s2")
 
         dense = d.get("dense_layers") or {}
         if not isinstance(dense, Mapping):
-            raise ScheduleError(f"{prefix}.dense_layers must be a mapping with keys {_DENSE_KEYS}, "
-                                f"got {type(dense).__name__}")
+            raise ScheduleError(
+                f"{prefix}.dense_layers must be a mapping with keys {_DENSE_KEYS}, "
+                f"got {type(dense).__name__}"
+            )
         for key in dense:
             if key not in _DENSE_KEYS:
-                raise ScheduleError(f"unknown key {prefix}.dense_layers.{key}; allowed keys: "
-                                    f"{', '.join(_DENSE_KEYS)}")
+                raise ScheduleError(
+                    f"unknown key {prefix}.dense_layers.{key}; allowed keys: "
+                    f"{', '.join(_DENSE_KEYS)}"
+                )
         pattern = dense.get("pattern") or ""
         if not isinstance(pattern, str) or set(pattern.upper()) - {"S", "D"}:
-            raise ScheduleError(f"{prefix}.dense_layers.pattern must be a string of 'S' (S2) and "
-                                f"'D' (dense) characters, got {pattern!r}")
+            raise ScheduleError(
+                f"{prefix}.dense_layers.pattern must be a string of 'S' (S2) and "
+                f"'D' (dense) characters, got {pattern!r}"
+            )
         indices = dense.get("indices") or []
         if not isinstance(indices, (list, tuple)) or not all(_is_int(i) for i in indices):
-            raise ScheduleError(f"{prefix}.dense_layers.indices must be a list of integer layer "
-                                f"indices (0-based), got {indices!r}")
+            raise ScheduleError(
+                f"{prefix}.dense_layers.indices must be a list of integer layer "
+                f"indices (0-based), got {indices!r}"
+            )
 
         raw_over = d.get("overrides") or {}
         if not isinstance(raw_over, Mapping):
-            raise ScheduleError(f"{prefix}.overrides must be a mapping of layer index -> S2 settings, "
-                                f"got {type(raw_over).__name__}")
-        overrides: Dict[int, Dict[str, Any]] = {}
+            raise ScheduleError(
+                f"{prefix}.overrides must be a mapping of layer index -> S2 settings, "
+                f"got {type(raw_over).__name__}"
+            )
+        overrides: dict[int, dict[str, Any]] = {}
         for k, v in raw_over.items():
             try:
                 idx = int(k)
                 if isinstance(k, (bool, float)):
                     raise ValueError
             except (TypeError, ValueError):
-                raise ScheduleError(f"{prefix}.overrides key {k!r} must be an integer layer index "
-                                    f"(0-based)") from None
+                raise ScheduleError(
+                    f"{prefix}.overrides key {k!r} must be an integer layer index (0-based)"
+                ) from None
             overrides[idx] = _checked_settings(v, f"{prefix}.overrides.{k}")
         holes = d.get("allow_coverage_holes", False)
         if not isinstance(holes, bool):
-            raise ScheduleError(f"{prefix}.allow_coverage_holes must be true or false, got {holes!r}")
-        return cls(s2=s2, dense_pattern=pattern.upper(), dense_indices=list(indices),
-                   overrides=overrides, allow_coverage_holes=holes, source=source)
+            raise ScheduleError(
+                f"{prefix}.allow_coverage_holes must be true or false, got {holes!r}"
+            )
+        return cls(
+            s2=s2,
+            dense_pattern=pattern.upper(),
+            dense_indices=list(indices),
+            overrides=overrides,
+            allow_coverage_holes=holes,
+            source=source,
+        )
 
     @classmethod
-    def from_yaml(cls, path: str, prefix: str = "attention") -> "AttentionSchedule":
+    def from_yaml(cls, path: str, prefix: str = "attention") -> AttentionSchedule:
         """Load a schedule file (the mapping of the module docstring at the top level)."""
         import yaml
 
@@ -166,7 +191,7 @@ class AttentionSchedule:
         return cls.from_dict(d, prefix=prefix, source=str(path))
 
     @classmethod
-    def from_env(cls) -> Optional["AttentionSchedule"]:
+    def from_env(cls) -> Optional[AttentionSchedule]:
         """The schedule named by ``$MEGATRON_S2_SCHEDULE`` (a YAML path), or None if unset.
 
         The documented fallback for Megatron-LM's ``pretrain_gpt.py --spec``, whose plain
@@ -182,7 +207,7 @@ class AttentionSchedule:
         return cached
 
     @classmethod
-    def coerce(cls, schedule: Any) -> "AttentionSchedule":
+    def coerce(cls, schedule: Any) -> AttentionSchedule:
         """An :class:`AttentionSchedule` from a schedule, its mapping, or a YAML path."""
         if isinstance(schedule, AttentionSchedule):
             return schedule
@@ -190,23 +215,25 @@ class AttentionSchedule:
             return cls.from_dict(schedule)
         if isinstance(schedule, (str, os.PathLike)):
             return cls.from_yaml(str(schedule))
-        raise ScheduleError(f"a schedule must be an AttentionSchedule, a mapping or a YAML path, "
-                            f"got {type(schedule).__name__}")
+        raise ScheduleError(
+            f"a schedule must be an AttentionSchedule, a mapping or a YAML path, "
+            f"got {type(schedule).__name__}"
+        )
 
     @classmethod
-    def all_s2(cls, **s2_settings) -> "AttentionSchedule":
+    def all_s2(cls, **s2_settings) -> AttentionSchedule:
         """Every layer S2 with the given settings."""
         return cls.from_dict({"s2": s2_settings})
 
     @classmethod
-    def all_dense(cls) -> "AttentionSchedule":
+    def all_dense(cls) -> AttentionSchedule:
         """Every layer dense (a baseline through the same code path)."""
         return cls.from_dict({"dense_layers": {"pattern": "D"}})
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The mapping :meth:`from_dict` reads (round-trips)."""
-        out: Dict[str, Any] = {"s2": dict(self.s2)}
-        dense: Dict[str, Any] = {}
+        out: dict[str, Any] = {"s2": dict(self.s2)}
+        dense: dict[str, Any] = {}
         if self.dense_pattern:
             dense["pattern"] = self.dense_pattern
         if self.dense_indices:
@@ -222,20 +249,26 @@ class AttentionSchedule:
     # ------------------------------------------------------------------ per-layer queries
     def _resolve(self, idx: int, num_layers: int, where: str) -> int:
         if not -num_layers <= idx < num_layers:
-            raise ScheduleError(f"{where}: layer index {idx} is out of range for {num_layers} layers "
-                                f"(0-based indices 0..{num_layers - 1}, or negative from the end)")
+            raise ScheduleError(
+                f"{where}: layer index {idx} is out of range for {num_layers} layers "
+                f"(0-based indices 0..{num_layers - 1}, or negative from the end)"
+            )
         return idx % num_layers
 
-    def dense_layer_indices(self, num_layers: int) -> List[int]:
+    def dense_layer_indices(self, num_layers: int) -> list[int]:
         """Sorted 0-based indices of the dense layers of a ``num_layers``-layer model."""
         dense = set()
         if self.dense_pattern:
             if len(self.dense_pattern) > num_layers:
                 raise ScheduleError(
                     f"attention.dense_layers.pattern {self.dense_pattern!r} is longer than the "
-                    f"model's {num_layers} layers")
-            dense |= {i for i in range(num_layers)
-                      if self.dense_pattern[i % len(self.dense_pattern)] == "D"}
+                    f"model's {num_layers} layers"
+                )
+            dense |= {
+                i
+                for i in range(num_layers)
+                if self.dense_pattern[i % len(self.dense_pattern)] == "D"
+            }
         for i in self.dense_indices:
             dense.add(self._resolve(i, num_layers, "attention.dense_layers.indices"))
         return sorted(dense)
@@ -253,7 +286,7 @@ class AttentionSchedule:
         k = self._override_key(index, num_layers)
         return "attention.s2" if k is None else f"attention.overrides.{k}"
 
-    def layer_settings(self, index: int, num_layers: int) -> Optional[Dict[str, Any]]:
+    def layer_settings(self, index: int, num_layers: int) -> Optional[dict[str, Any]]:
         """S2 settings (``S2Pattern`` keyword arguments) of 0-based layer ``index``, or None if
         the layer is dense."""
         if index in self.dense_layer_indices(num_layers):
@@ -264,15 +297,22 @@ class AttentionSchedule:
                 settings.update(v)
         return settings
 
-    def layer_pattern(self, layer_number: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                      num_layers: Optional[int] = None) -> Optional[S2Pattern]:
+    def layer_pattern(
+        self,
+        layer_number: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        num_layers: Optional[int] = None,
+    ) -> Optional[S2Pattern]:
         """Full-model S2 pattern of Megatron layer ``layer_number`` (1-based, global), or None
         for a dense layer. ``num_layers`` is needed when the schedule uses negative indices or a
         pattern string; without it the largest index the schedule mentions bounds the model."""
         if num_layers is None:
-            num_layers = max([layer_number, len(self.dense_pattern)]
-                             + [abs(i) + (i >= 0) for i in self.dense_indices]
-                             + [abs(i) + (i >= 0) for i in self.overrides])
+            num_layers = max(
+                [layer_number, len(self.dense_pattern)]
+                + [abs(i) + (i >= 0) for i in self.dense_indices]
+                + [abs(i) + (i >= 0) for i in self.overrides]
+            )
         if not 1 <= layer_number <= num_layers:
             raise ScheduleError(f"layer_number {layer_number} is out of range 1..{num_layers}")
         settings = self.layer_settings(layer_number - 1, num_layers)
@@ -280,15 +320,20 @@ class AttentionSchedule:
             return None
         return S2Pattern(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, **settings)
 
-    def layer_kinds(self, num_layers: int) -> List[str]:
+    def layer_kinds(self, num_layers: int) -> list[str]:
         """``'S2'`` or ``'dense'`` per 0-based layer."""
         dense = set(self.dense_layer_indices(num_layers))
         return ["dense" if i in dense else "S2" for i in range(num_layers)]
 
     # ------------------------------------------------------------------ validation
-    def validate(self, num_layers: int, num_attention_heads: int,
-                 num_query_groups: Optional[int] = None, tensor_model_parallel_size: int = 1,
-                 seq_length: Optional[int] = None) -> None:
+    def validate(
+        self,
+        num_layers: int,
+        num_attention_heads: int,
+        num_query_groups: Optional[int] = None,
+        tensor_model_parallel_size: int = 1,
+        seq_length: Optional[int] = None,
+    ) -> None:
         """Check the schedule against a model; raise :class:`ScheduleError` naming the key.
 
         Checks: layer indices in range, no override on a dense layer, every S2 layer's pattern
@@ -303,24 +348,31 @@ class AttentionSchedule:
         if shape in self._validated:
             return
         if num_attention_heads % tp:
-            raise ScheduleError(f"num_attention_heads ({num_attention_heads}) must be divisible by "
-                                f"tensor_model_parallel_size ({tp})")
+            raise ScheduleError(
+                f"num_attention_heads ({num_attention_heads}) must be divisible by "
+                f"tensor_model_parallel_size ({tp})"
+            )
         if num_attention_heads % groups:
-            raise ScheduleError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
-                                f"num_query_groups ({groups})")
+            raise ScheduleError(
+                f"num_attention_heads ({num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({groups})"
+            )
         if (groups >= tp and groups % tp) or (groups < tp and tp % groups):
             raise ScheduleError(
                 f"num_query_groups ({groups}) and tensor_model_parallel_size ({tp}) do not fit: a "
                 f"GQA group would be split across TP ranks; use a group count divisible by the TP "
-                f"size (or dividing it, so Megatron replicates the groups)")
+                f"size (or dividing it, so Megatron replicates the groups)"
+            )
         # With groups < TP Megatron hands each rank one replicated KV head.
         rank_groups = max(groups, tp)
         dense = self.dense_layer_indices(num_layers)
         for k in self.overrides:
             idx = self._resolve(k, num_layers, f"attention.overrides.{k}")
             if idx in dense:
-                raise ScheduleError(f"attention.overrides.{k}: layer {idx} is a dense layer "
-                                    f"(attention.dense_layers); an S2 override would have no effect")
+                raise ScheduleError(
+                    f"attention.overrides.{k}: layer {idx} is a dense layer "
+                    f"(attention.dense_layers); an S2 override would have no effect"
+                )
         for i in range(num_layers):
             settings = self.layer_settings(i, num_layers)
             if settings is None:
@@ -334,14 +386,16 @@ class AttentionSchedule:
             if seq_length is not None and seq_length % pattern.block_size:
                 raise ScheduleError(
                     f"{where}.block_size ({pattern.block_size}) must divide the sequence length "
-                    f"({seq_length}) (layer {i})")
+                    f"({seq_length}) (layer {i})"
+                )
             if not self.allow_coverage_holes:
                 _check_coverage(pattern, seq_length, where, i)
         self._validated.add(shape)
 
     # ------------------------------------------------------------------ reports
-    def attention_pairs(self, num_layers: int, num_heads: int, num_kv_heads: Optional[int],
-                        seq_length: int) -> List[int]:
+    def attention_pairs(
+        self, num_layers: int, num_heads: int, num_kv_heads: Optional[int], seq_length: int
+    ) -> list[int]:
         """Attended (query, key) token pairs per layer for one sequence, summed over all heads;
         dense layers count the full causal triangle."""
         causal = seq_length * (seq_length + 1) // 2 * num_heads
@@ -351,13 +405,28 @@ class AttentionSchedule:
             out.append(causal if p is None else p.attended_pairs(seq_length))
         return out
 
-    def summary(self, num_layers: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                seq_length: Optional[int] = None) -> str:
+    def summary(
+        self,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        seq_length: Optional[int] = None,
+    ) -> str:
         """Table of the effective per-layer schedule: settings, union coverage (at
         ``seq_length``, else at :func:`coverage_length`) and density at ``seq_length``."""
         kv = num_kv_heads or num_heads
-        header = ["layer", "kind", "block", "local", "stride", "offset", "step", "dense_heads",
-                  "homo", "coverage"]
+        header = [
+            "layer",
+            "kind",
+            "block",
+            "local",
+            "stride",
+            "offset",
+            "step",
+            "dense_heads",
+            "homo",
+            "coverage",
+        ]
         if seq_length:
             header.append(f"density@{seq_length}")
         rows = []
@@ -369,11 +438,23 @@ class AttentionSchedule:
                 row = [str(i), "dense"] + ["-"] * 7 + ["full"]
             else:
                 report = p.coverage(seq_length or coverage_length(p))
-                cov = ("full" if report.complete
-                       else f"{len(report.uncovered_blocks)}/{report.num_blocks} unseen")
-                row = [str(i), "S2", str(p.block_size), str(p.local_blocks), str(p.vert_stride),
-                       str(p.head_offset), str(p.head_step), str(p.num_dense_heads),
-                       "y" if p.homo_head else "n", cov]
+                cov = (
+                    "full"
+                    if report.complete
+                    else f"{len(report.uncovered_blocks)}/{report.num_blocks} unseen"
+                )
+                row = [
+                    str(i),
+                    "S2",
+                    str(p.block_size),
+                    str(p.local_blocks),
+                    str(p.vert_stride),
+                    str(p.head_offset),
+                    str(p.head_step),
+                    str(p.num_dense_heads),
+                    "y" if p.homo_head else "n",
+                    cov,
+                ]
             if seq_length:
                 row.append(f"{pairs[i] / causal:.3f}")
             rows.append(row)
@@ -382,12 +463,19 @@ class AttentionSchedule:
         lines = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
         if seq_length:
             total = sum(pairs) / (causal * num_layers)
-            lines.append(f"model attention density at {seq_length} tokens: {total:.3f} "
-                         f"(attended pairs / dense causal pairs over all layers)")
+            lines.append(
+                f"model attention density at {seq_length} tokens: {total:.3f} "
+                f"(attended pairs / dense causal pairs over all layers)"
+            )
         return "\n".join(lines)
 
-    def log_summary(self, num_layers: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                    seq_length: Optional[int] = None) -> None:
+    def log_summary(
+        self,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        seq_length: Optional[int] = None,
+    ) -> None:
         """Log :meth:`summary` once per model shape, on rank 0, to logger ``megatron_s2.schedule``
         (whichever path built the model: ``build_gpt_model`` or ``pretrain_gpt.py --spec``)."""
         key = ("logged", num_layers, num_heads, num_kv_heads, seq_length)
@@ -396,10 +484,13 @@ class AttentionSchedule:
         self._validated.add(key)
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
-        logger.info("S2 attention schedule%s:\n%s", f" ({self.source})" if self.source else "",
-                    self.summary(num_layers, num_heads, num_kv_heads, seq_length))
+        logger.info(
+            "S2 attention schedule%s:\n%s",
+            f" ({self.source})" if self.source else "",
+            self.summary(num_layers, num_heads, num_kv_heads, seq_length),
+        )
 
-    def copy(self) -> "AttentionSchedule":
+    def copy(self) -> AttentionSchedule:
         return copy.deepcopy(self)
 
 
@@ -415,17 +506,21 @@ def _check_coverage(pattern: S2Pattern, seq_length: Optional[int], where: str, l
     if report.complete:
         return
     phases = {pattern.phase(h) for h in range(pattern.num_heads)}
-    unseen = (f"{len(report.uncovered_blocks)} of {report.num_blocks} key blocks unseen at "
-              f"{seq_length} tokens" if seq_length else
-              f"{pattern.vert_stride - len(phases)} of every {pattern.vert_stride} key blocks "
-              f"unseen beyond the local window")
+    unseen = (
+        f"{len(report.uncovered_blocks)} of {report.num_blocks} key blocks unseen at "
+        f"{seq_length} tokens"
+        if seq_length
+        else f"{pattern.vert_stride - len(phases)} of every {pattern.vert_stride} key blocks "
+        f"unseen beyond the local window"
+    )
     raise ScheduleError(
         f"{where} (layer {layer}): the {pattern.num_heads} heads together leave {unseen} "
         f"(e.g. blocks {report.uncovered_blocks[:4]}): vert_stride={pattern.vert_stride} with "
         f"head_step={pattern.head_step}{', homo_head' if pattern.homo_head else ''} gives only "
         f"{len(phases)} of {pattern.vert_stride} stripe phases. Use vert_stride <= num_heads, "
         f"head_step=1, dense heads (num_dense_heads), or set attention.allow_coverage_holes: true "
-        f"if the holes are intended")
+        f"if the holes are intended"
+    )
 
 
-_ENV_CACHE: Dict[str, AttentionSchedule] = {}
+_ENV_CACHE: dict[str, AttentionSchedule] = {}

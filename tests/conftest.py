@@ -23,7 +23,8 @@ def pytest_configure(config):
     # The Triton interpreter's scalar handling under numpy 2.x (harmless, thousands per test).
     config.addinivalue_line(
         "filterwarnings",
-        "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+        "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,8 +53,9 @@ def token_mask(pattern, seq_q, seq_k, q_start=0, k_start=0):
     return m & (kpos[None, :] <= qpos[:, None])[None]
 
 
-def make_inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=0, layout="bshd",
-                device=None):
+def make_inputs(
+    batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=0, layout="bshd", device=None
+):
     """Random q, k, v (leaf tensors requiring grad) in ``[batch, seq, heads, dim]`` shape.
 
     ``layout="sbhd"`` gives non-contiguous views ``x.transpose(0, 1)`` of ``[seq, batch, heads,
@@ -100,10 +102,17 @@ def attention_with_grads(fn, leaves, views, dout=None, dlse=None, return_lse=Tru
     grads = [None, None, None]
     if dout is not None or dlse is not None:
         loss.backward()
-        grads = [x.grad if x.grad is None or x is v else x.grad.transpose(0, 1)
-                 for x, v in zip(leaves, views)]
-    return dict(out=out.detach(), lse=None if lse is None else lse.detach(),
-                dq=grads[0], dk=grads[1], dv=grads[2])
+        grads = [
+            x.grad if x.grad is None or x is v else x.grad.transpose(0, 1)
+            for x, v in zip(leaves, views)
+        ]
+    return dict(
+        out=out.detach(),
+        lse=None if lse is None else lse.detach(),
+        dq=grads[0],
+        dk=grads[1],
+        dv=grads[2],
+    )
 
 
 def fp64_reference(views, pattern, dout=None, dlse=None, **kw):
@@ -113,7 +122,11 @@ def fp64_reference(views, pattern, dout=None, dlse=None, **kw):
     leaves = [x.detach().to(torch.float64).requires_grad_(True) for x in views]
     return attention_with_grads(
         lambda q, k, v: s2_attention_reference(q, k, v, pattern, return_lse=True, **kw),
-        leaves, leaves, dout, dlse)
+        leaves,
+        leaves,
+        dout,
+        dlse,
+    )
 
 
 def rel_err(a, b):
@@ -135,11 +148,11 @@ def assert_matches(got: dict, ref: dict, tol: float, names=("out", "lse", "dq", 
         if ref.get(n) is None:
             continue
         assert got[n] is not None, f"{n} missing"
-        assert got[n].shape == ref[n].shape, \
+        assert got[n].shape == ref[n].shape, (
             f"{n}: shape {tuple(got[n].shape)} != {tuple(ref[n].shape)}"
+        )
         assert torch.isfinite(got[n]).all() or n == "lse", f"{n} has non-finite values"
         errs[n] = rel_err(got[n], ref[n])
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
     return errs
-

@@ -42,12 +42,23 @@ def tiny_config(config_class=None, **kw):
 
     # kv_channels 16: the smallest head size the Triton kernels take (the test session runs them
     # under the interpreter on CPU).
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                kv_channels=16,
-                ffn_hidden_size=128, attention_dropout=0.0, hidden_dropout=0.0,
-                normalization="RMSNorm", use_cpu_initialization=True, add_bias_linear=False,
-                bias_activation_fusion=False, masked_softmax_fusion=False,
-                gradient_accumulation_fusion=False, params_dtype=torch.float32)
+    base = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=torch.float32,
+    )
     base.update(kw)
     return (config_class or TransformerConfig)(**base)
 

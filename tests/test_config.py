@@ -23,15 +23,20 @@ def test_shipped_configs_validate(path):
     cfg = load_config(path)
     cfg.schedule()  # the attention schedule fits the model
     p = cfg.parallel
-    cfg.validate(world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                 * p.context_parallel_size)
+    cfg.validate(
+        world_size=p.tensor_model_parallel_size
+        * p.pipeline_model_parallel_size
+        * p.context_parallel_size
+    )
 
 
 def test_shipped_configs_come_in_dense_s2_pairs():
     names = {os.path.basename(p)[:-5] for p in CONFIGS}
     for size in ("gpt-125m", "gpt-1.3b", "gpt-7b"):
         assert f"{size}-dense" in names and f"{size}-s2" in names, size
-        dense, s2 = (load_config(os.path.join(REPO, "configs", f"{size}-{k}.yaml")) for k in ("dense", "s2"))
+        dense, s2 = (
+            load_config(os.path.join(REPO, "configs", f"{size}-{k}.yaml")) for k in ("dense", "s2")
+        )
         # Twins differ only in the attention schedule and the run name.
         d, s = dense.to_dict(), s2.to_dict()
         for key in ("name", "attention"):
@@ -40,9 +45,19 @@ def test_shipped_configs_come_in_dense_s2_pairs():
 
 
 def test_overrides_parse_yaml_values_and_nest():
-    cfg = load_config(None, ["train.train_iters=7", "optimizer.lr_warmup_iters=2", "optimizer.lr=1e-3", "model.num_query_groups=2",
-                             "data.blend=[[0.3, a], [0.7, b]]", "attention.s2.vert_stride=8",
-                             "checkpoint.keep_last=2", "name=x"])
+    cfg = load_config(
+        None,
+        [
+            "train.train_iters=7",
+            "optimizer.lr_warmup_iters=2",
+            "optimizer.lr=1e-3",
+            "model.num_query_groups=2",
+            "data.blend=[[0.3, a], [0.7, b]]",
+            "attention.s2.vert_stride=8",
+            "checkpoint.keep_last=2",
+            "name=x",
+        ],
+    )
     assert cfg.train.train_iters == 7 and cfg.optimizer.lr == 1e-3
     assert cfg.model.num_query_groups == 2
     assert cfg.blend() == (["a", "b"], [0.3, 0.7])
@@ -56,30 +71,57 @@ def test_override_null_and_int_to_float():
     assert cfg.optimizer.lr_decay_iters is None
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1, got 0"),
-    ("train.bogus=1", "unknown key(s) train.bogus in train; allowed keys:"),
-    ("bogus.x=1", "unknown key(s) bogus in the run config; allowed keys:"),
-    ("train.train_iters=abc", "train.train_iters must be of type int, got 'abc'"),
-    ("train.train_iters=1.5", "train.train_iters must be of type int"),
-    ("logging.progress_bar=3", "logging.progress_bar must be of type bool"),
-    ("train.precision=fp16", "train.precision must be one of ['auto', 'bf16', 'fp32'], got 'fp16'"),
-    ("model.recompute=some", "model.recompute must be one of ['none', 'selective', 'full']"),
-    ("train.global_batch_size=6", "train.global_batch_size (6) must be divisible by train.micro_batch_size (4)"),
-    ("model.num_attention_heads=3", "model.hidden_size (128) must be divisible by model.num_attention_heads (3)"),
-    ("parallel.tensor_model_parallel_size=8", "must be divisible by parallel.tensor_model_parallel_size (8)"),
-    ("parallel.pipeline_model_parallel_size=3", "model.num_layers (4) must be divisible by the number of pipeline chunks"),
-    ("parallel.sequence_parallel=true", "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1"),
-    ("optimizer.min_lr=1.0", "optimizer.min_lr must be in [0, optimizer.lr="),
-    ("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters (500) must be smaller than the decay length"),
-    ("data.demo=false", "data.blend is empty"),
-    ("data.blend=[[0, a]]", "data.blend must be a list of prefixes or of [weight, prefix] pairs"),
-    ("data.split=90,10", "data.split must be three non-negative weights"),
-    ("train", "override 'train' must look like key.sub=value"),
-    ("train..x=1", "must look like key.sub=value"),
-    ("train.seed.x=1", "override 'train.seed.x=1': train.seed is not a section"),
-    ("name=a/b", "name must be a non-empty string without '/'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1, got 0"),
+        ("train.bogus=1", "unknown key(s) train.bogus in train; allowed keys:"),
+        ("bogus.x=1", "unknown key(s) bogus in the run config; allowed keys:"),
+        ("train.train_iters=abc", "train.train_iters must be of type int, got 'abc'"),
+        ("train.train_iters=1.5", "train.train_iters must be of type int"),
+        ("logging.progress_bar=3", "logging.progress_bar must be of type bool"),
+        (
+            "train.precision=fp16",
+            "train.precision must be one of ['auto', 'bf16', 'fp32'], got 'fp16'",
+        ),
+        ("model.recompute=some", "model.recompute must be one of ['none', 'selective', 'full']"),
+        (
+            "train.global_batch_size=6",
+            "train.global_batch_size (6) must be divisible by train.micro_batch_size (4)",
+        ),
+        (
+            "model.num_attention_heads=3",
+            "model.hidden_size (128) must be divisible by model.num_attention_heads (3)",
+        ),
+        (
+            "parallel.tensor_model_parallel_size=8",
+            "must be divisible by parallel.tensor_model_parallel_size (8)",
+        ),
+        (
+            "parallel.pipeline_model_parallel_size=3",
+            "model.num_layers (4) must be divisible by the number of pipeline chunks",
+        ),
+        (
+            "parallel.sequence_parallel=true",
+            "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1",
+        ),
+        ("optimizer.min_lr=1.0", "optimizer.min_lr must be in [0, optimizer.lr="),
+        (
+            "optimizer.lr_warmup_iters=500",
+            "optimizer.lr_warmup_iters (500) must be smaller than the decay length",
+        ),
+        ("data.demo=false", "data.blend is empty"),
+        (
+            "data.blend=[[0, a]]",
+            "data.blend must be a list of prefixes or of [weight, prefix] pairs",
+        ),
+        ("data.split=90,10", "data.split must be three non-negative weights"),
+        ("train", "override 'train' must look like key.sub=value"),
+        ("train..x=1", "must look like key.sub=value"),
+        ("train.seed.x=1", "override 'train.seed.x=1': train.seed is not a section"),
+        ("name=a/b", "name must be a non-empty string without '/'"),
+    ],
+)
 def test_validation_errors_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -97,13 +139,23 @@ def test_schedule_errors_are_config_errors():
 
 def test_world_size_checks():
     cfg = load_config(None, ["parallel.tensor_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="world size 3 is not divisible by tensor x pipeline x context"):
+    with pytest.raises(
+        ConfigError, match="world size 3 is not divisible by tensor x pipeline x context"
+    ):
         cfg.validate(world_size=3)
     cfg = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
-    with pytest.raises(ConfigError, match=r"train.global_batch_size \(4\) must be divisible by "
-                                          r"train.micro_batch_size x data-parallel size \(4 x 2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.global_batch_size \(4\) must be divisible by "
+        r"train.micro_batch_size x data-parallel size \(4 x 2\)",
+    ):
         cfg.validate(world_size=2)
-    assert load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2"]).num_microbatches(4) == 2
+    assert (
+        load_config(
+            None, ["train.global_batch_size=16", "train.micro_batch_size=2"]
+        ).num_microbatches(4)
+        == 2
+    )
 
 
 def test_missing_file_and_round_trip(tmp_path):

@@ -16,7 +16,12 @@ import pytest
 
 from megatron_s2.training.demo_corpus import demo_prefix, ensure_demo_data, generate_corpus
 from megatron_s2.training.preprocess import PreprocessStats, preprocess
-from megatron_s2.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, padded_vocab_size
+from megatron_s2.training.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    padded_vocab_size,
+)
 
 IndexedDataset = pytest.importorskip("megatron.core.datasets.indexed_dataset").IndexedDataset
 
@@ -85,14 +90,16 @@ def test_padded_vocab_size():
 
 def build_hf_tokenizer(directory, eos="<|endoftext|>", config=None):
     """Train a tiny BPE tokenizer with the `tokenizers` library and save it like save_pretrained."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<unk>", "<pad>"] + ([eos] if eos else [])
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([d for d in DOCS if d] * 3, trainer=trainer)
     directory = Path(directory)
@@ -151,7 +158,14 @@ def test_tokenizer_errors(tmp_path):
 def test_roundtrip_byte_jsonl(tmp_path, cache, workers):
     src = write_jsonl(tmp_path / "in.jsonl", DOCS)
     stats = PreprocessStats()
-    prefix = preprocess(src, tmp_path / "out" / "corpus", workers=workers, cache_dir=cache, progress=False, stats=stats)
+    prefix = preprocess(
+        src,
+        tmp_path / "out" / "corpus",
+        workers=workers,
+        cache_dir=cache,
+        progress=False,
+        stats=stats,
+    )
     assert prefix == str(tmp_path / "out" / "corpus")
     tok = ByteTokenizer()
     want = expected(tok, DOCS)
@@ -183,7 +197,9 @@ def test_no_eod(tmp_path, cache):
 def test_roundtrip_hf_tokenizer_multiprocess(tmp_path, cache):
     d = build_hf_tokenizer(tmp_path / "tok")
     src = write_jsonl(tmp_path / "in.jsonl", DOCS * 4)
-    prefix = preprocess(src, tmp_path / "hf", tokenizer=str(d), workers=2, cache_dir=cache, progress=False)
+    prefix = preprocess(
+        src, tmp_path / "hf", tokenizer=str(d), workers=2, cache_dir=cache, progress=False
+    )
     tok = load_tokenizer(str(d))
     assert read_back(prefix) == expected(tok, DOCS * 4)
 
@@ -205,18 +221,38 @@ def test_input_formats(tmp_path, cache):
     tok = ByteTokenizer()
 
     # Each format alone, and all of them in one call (order preserved).
-    for path, part in ((jsonl, texts[:10]), (json_array, texts[10:20]), (parquet, texts[20:30]), (txt, texts[30:40])):
-        prefix = preprocess(str(path), tmp_path / f"out_{Path(path).suffix[1:]}", text_key="body",
-                            cache_dir=cache, progress=False)
+    for path, part in (
+        (jsonl, texts[:10]),
+        (json_array, texts[10:20]),
+        (parquet, texts[20:30]),
+        (txt, texts[30:40]),
+    ):
+        prefix = preprocess(
+            str(path),
+            tmp_path / f"out_{Path(path).suffix[1:]}",
+            text_key="body",
+            cache_dir=cache,
+            progress=False,
+        )
         assert read_back(prefix) == expected(tok, part), path
-    prefix = preprocess([jsonl, str(json_array), str(parquet), str(txt)], tmp_path / "mixed",
-                        text_key="body", workers=2, cache_dir=cache, progress=False)
+    prefix = preprocess(
+        [jsonl, str(json_array), str(parquet), str(txt)],
+        tmp_path / "mixed",
+        text_key="body",
+        workers=2,
+        cache_dir=cache,
+        progress=False,
+    )
     assert read_back(prefix) == expected(tok, texts[:40])
 
     # A glob expands sorted (a.jsonl, b.json); text files can also be one document per file.
-    prefix = preprocess(str(src / "*.json*"), tmp_path / "globbed", text_key="body", cache_dir=cache, progress=False)
+    prefix = preprocess(
+        str(src / "*.json*"), tmp_path / "globbed", text_key="body", cache_dir=cache, progress=False
+    )
     assert read_back(prefix) == expected(tok, texts[:20])
-    prefix = preprocess(str(txt), tmp_path / "whole", text_sample_by="document", cache_dir=cache, progress=False)
+    prefix = preprocess(
+        str(txt), tmp_path / "whole", text_sample_by="document", cache_dir=cache, progress=False
+    )
     assert read_back(prefix) == expected(tok, [txt.read_text()])
 
 
@@ -255,7 +291,9 @@ def test_errors_name_the_problem(tmp_path, cache, monkeypatch):
     (tmp_path / "data.xyz").write_text("x")
     with pytest.raises(ValueError, match=r"suffix '\.xyz'.*--input-format"):
         run(str(tmp_path / "data.xyz"))
-    with pytest.raises(ValueError, match=r"no column 'body' \(columns: \['id', 'text'\]\).*text_key"):
+    with pytest.raises(
+        ValueError, match=r"no column 'body' \(columns: \['id', 'text'\]\).*text_key"
+    ):
         run(good, text_key="body")
     with pytest.raises(ValueError, match=r"row 0: column 'id' holds int"):
         run(good, text_key="id")
@@ -283,8 +321,21 @@ def test_errors_name_the_problem(tmp_path, cache, monkeypatch):
 def test_cli(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", DOCS[:20], key="body")
     out = tmp_path / "cli" / "corpus"
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--input", src, "--output-prefix", str(out),
-           "--text-key", "body", "--workers", "2", "--cache-dir", str(tmp_path / "c"), "--no-progress"]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "prepare_data.py"),
+        "--input",
+        src,
+        "--output-prefix",
+        str(out),
+        "--text-key",
+        "body",
+        "--workers",
+        "2",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--no-progress",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "documents" in r.stdout
@@ -294,7 +345,9 @@ def test_cli(tmp_path):
 def test_cli_errors(tmp_path, capsys):
     from megatron_s2.training.preprocess import main
 
-    assert main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 2
+    assert (
+        main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 2
+    )
     assert "prepare_data: error: input file" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: required option missing
         main(["--input", "x.jsonl"])
@@ -302,7 +355,9 @@ def test_cli_errors(tmp_path, capsys):
 
 
 # ---- demo corpus --------------------------------------------------------------------------------
-_STMT = re.compile(r"^(?:let (?P<dk>[a-z]{3})=(?P<dv>\d{4});|(?P<qk>[a-z]{3})\?(?P<qv>\d{4});|[A-Z][a-z ]*\.)$")
+_STMT = re.compile(
+    r"^(?:let (?P<dk>[a-z]{3})=(?P<dv>\d{4});|(?P<qk>[a-z]{3})\?(?P<qv>\d{4});|[A-Z][a-z ]*\.)$"
+)
 
 
 def test_demo_corpus_is_deterministic_and_answerable():

@@ -16,7 +16,6 @@ import sys
 import textwrap
 
 import pytest
-
 from megatron_helpers import REPO
 
 pytest.importorskip("megatron.core")
@@ -28,7 +27,7 @@ DOC = os.path.join(REPO, "docs", "megatron.md")
 MEGATRON_LM_DEFAULTS = {
     "transformer_impl": "transformer_engine",
     "attention_dropout": 0.1,
-    "persist_layer_norm": True,          # = not --no-persist-layer-norm
+    "persist_layer_norm": True,  # = not --no-persist-layer-norm
     "apply_rope_fusion": True,
     "gradient_accumulation_fusion": True,
 }
@@ -80,7 +79,7 @@ def config_kwargs(flags: dict) -> dict:
     return kw
 
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
     from megatron_s2.training.cpu_mode import enable_cpu_mode
@@ -111,19 +110,27 @@ SCRIPT = textwrap.dedent('''
     loss.backward()
     assert torch.isfinite(loss)
     print("KINDS", json.dumps(kinds))
-''')
+""")
 
 
 def run_builder(spec, kw, tmp_path):
     import json
 
     sched = tmp_path / "schedule.yaml"
-    sched.write_text("s2: {block_size: 16, local_blocks: 2, vert_stride: 8, head_offset: 1}\n"
-                     "dense_layers: {pattern: SD}\n")
+    sched.write_text(
+        "s2: {block_size: 16, local_blocks: 2, vert_stride: 8, head_offset: 1}\n"
+        "dense_layers: {pattern: SD}\n"
+    )
     env = dict(os.environ, MEGATRON_S2_SCHEDULE=str(sched))
     env.pop("TRITON_INTERPRET", None)  # the S2 layers run the reference on CPU: fast
-    return subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([spec, kw])], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps([spec, kw])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
 
 
 def test_documented_local_spec_command_builds_and_trains(tmp_path):
@@ -131,17 +138,25 @@ def test_documented_local_spec_command_builds_and_trains(tmp_path):
     assert spec == ["megatron_s2.specs", "s2_layer_spec"]
     proc = run_builder(spec, config_kwargs(flags), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert 'KINDS ["S2CoreAttention", "FusedDenseAttention", "S2CoreAttention", ' \
-           '"FusedDenseAttention"]' in proc.stdout
+    assert (
+        'KINDS ["S2CoreAttention", "FusedDenseAttention", "S2CoreAttention", '
+        '"FusedDenseAttention"]' in proc.stdout
+    )
 
 
-@pytest.mark.parametrize("flag, error", [
-    ("--attention-dropout", r"attention dropout \(0\.1\) is not implemented for S2 layers.*"
-                            r"--attention-dropout 0\.0"),
-    ("--no-persist-layer-norm", r"persist_layer_norm"),
-    ("--no-rope-fusion", r"apply_rope_fusion|rope"),
-    ("--no-gradient-accumulation-fusion", r"gradient_accumulation_fusion"),
-])
+@pytest.mark.parametrize(
+    "flag, error",
+    [
+        (
+            "--attention-dropout",
+            r"attention dropout \(0\.1\) is not implemented for S2 layers.*"
+            r"--attention-dropout 0\.0",
+        ),
+        ("--no-persist-layer-norm", r"persist_layer_norm"),
+        ("--no-rope-fusion", r"apply_rope_fusion|rope"),
+        ("--no-gradient-accumulation-fusion", r"gradient_accumulation_fusion"),
+    ],
+)
 def test_each_documented_flag_is_needed(flag, error, tmp_path):
     """Without the flag Megatron-LM's default applies and the build or first step fails."""
     spec, flags = split_flags(documented_flags())

@@ -8,7 +8,6 @@ The S2 layers use the PyTorch reference backend here; the kernels have their own
 """
 
 import pytest
-
 from megatron_helpers import import_tool
 
 pytest.importorskip("megatron.core")

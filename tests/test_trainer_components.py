@@ -18,8 +18,9 @@ def _when(decide, last=30):
 
 
 def test_logger_logs_every_interval_and_after_the_last_iteration(tmp_path):
-    log = MetricsLogger.from_config(LoggingConfig(log_interval=10), str(tmp_path / "x"), 25, 0,
-                                    enabled=False)
+    log = MetricsLogger.from_config(
+        LoggingConfig(log_interval=10), str(tmp_path / "x"), 25, 0, enabled=False
+    )
     assert _when(log.should_log, 25) == [10, 20, 25]
     assert _when(MetricsLogger(str(tmp_path), 3, 0, enabled=False).should_log, 3) == [1, 2, 3]
 
@@ -54,8 +55,14 @@ def fake_checkpoint_io(monkeypatch):
 
 
 def _checkpointer(directory, **kw):
-    return Checkpointer(CheckpointConfig(**kw), str(directory), model=[], optimizer=None,
-                        scheduler=None, run_config={})
+    return Checkpointer(
+        CheckpointConfig(**kw),
+        str(directory),
+        model=[],
+        optimizer=None,
+        scheduler=None,
+        run_config={},
+    )
 
 
 def _write_tracker(directory, iteration):
@@ -110,8 +117,9 @@ def test_preemption_simulated_and_real_sigterm():
 
 def test_throughput_leaves_out_pauses_and_the_warm_up_window():
     now = [0.0]
-    meter = ThroughputMeter(tokens_per_iteration=100, flops_per_iteration=4e12, world_size=2,
-                            clock=lambda: now[0])
+    meter = ThroughputMeter(
+        tokens_per_iteration=100, flops_per_iteration=4e12, world_size=2, clock=lambda: now[0]
+    )
     meter.start()
     # Window 1 (warm-up): 2 iterations in 10 s.
     for _ in range(2):

@@ -30,15 +30,19 @@ def test_flops_dense_matches_the_textbook_formula():
 def test_flops_count_s2_layers_at_their_density():
     dense = load_config(os.path.join(CONFIGS, "gpt-125m-dense.yaml"))
     s2 = load_config(os.path.join(CONFIGS, "gpt-125m-s2.yaml"))
+
     def flops(cfg):
-        return model_flops_per_iteration(cfg.model, cfg.train.global_batch_size, 384,
-                                         cfg.schedule())
+        return model_flops_per_iteration(
+            cfg.model, cfg.train.global_batch_size, 384, cfg.schedule()
+        )
 
     fd, fs = flops(dense), flops(s2)
     m = s2.model
+
     def pairs(cfg):
-        return sum(cfg.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None,
-                                                  m.seq_length))
+        return sum(
+            cfg.schedule().attention_pairs(m.num_layers, m.num_attention_heads, None, m.seq_length)
+        )
 
     pairs_dense, pairs_s2 = pairs(dense), pairs(s2)
     assert pairs_s2 < pairs_dense

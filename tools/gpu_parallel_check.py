@@ -46,7 +46,8 @@ def _ensure_importable() -> None:
 
         init = os.path.join(REPO, "kernels", "__init__.py")
         spec = importlib.util.spec_from_file_location(
-            "s2attn", init, submodule_search_locations=[os.path.dirname(init)])
+            "s2attn", init, submodule_search_locations=[os.path.dirname(init)]
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules["s2attn"] = mod
         spec.loader.exec_module(mod)
@@ -96,30 +97,55 @@ class CheckConfig:
         """The model as the trainer's ``model`` section: RMSNorm, SwiGLU, RoPE, untied output."""
         from megatron_s2.training.run_config import ModelConfig
 
-        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                           num_attention_heads=self.num_attention_heads,
-                           num_query_groups=self.num_query_groups,
-                           ffn_hidden_size=self.ffn_hidden_size, seq_length=self.seq_length,
-                           vocab_size=self.vocab_size)
+        return ModelConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            seq_length=self.seq_length,
+            vocab_size=self.vocab_size,
+        )
 
     def optimizer_config(self):
         """Adam at a constant ``lr`` (no warm-up, no weight decay, Megatron's default betas):
         the layouts are compared step by step, not trained."""
         from megatron_s2.training.run_config import OptimizerConfig
 
-        return OptimizerConfig(lr=self.lr, min_lr=self.lr, weight_decay=0.0, adam_beta2=0.999,
-                               clip_grad=1.0, lr_warmup_iters=0, lr_decay_style="constant")
+        return OptimizerConfig(
+            lr=self.lr,
+            min_lr=self.lr,
+            weight_decay=0.0,
+            adam_beta2=0.999,
+            clip_grad=1.0,
+            lr_warmup_iters=0,
+            lr_decay_style="constant",
+        )
 
     @classmethod
     def tiny_cpu(cls, **kw) -> CheckConfig:
-        base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                    ffn_hidden_size=128, vocab_size=128, seq_length=128, num_microbatches=4,
-                    steps=2, dtype="fp32", cpu=True, backend="reference", loss_rtol=1e-4,
-                    gnorm_rtol=1e-3, grad_rtol=1e-3,
-                    schedule={"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8,
-                                     "head_offset": 1},
-                              "dense_layers": {"pattern": "SD"},
-                              "overrides": {2: {"vert_stride": 2, "num_dense_heads": 2}}})
+        base = dict(
+            num_layers=4,
+            hidden_size=64,
+            num_attention_heads=8,
+            num_query_groups=4,
+            ffn_hidden_size=128,
+            vocab_size=128,
+            seq_length=128,
+            num_microbatches=4,
+            steps=2,
+            dtype="fp32",
+            cpu=True,
+            backend="reference",
+            loss_rtol=1e-4,
+            gnorm_rtol=1e-3,
+            grad_rtol=1e-3,
+            schedule={
+                "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8, "head_offset": 1},
+                "dense_layers": {"pattern": "SD"},
+                "overrides": {2: {"vert_stride": 2, "num_dense_heads": 2}},
+            },
+        )
         base.update(kw)
         return cls(**base)
 
@@ -140,15 +166,22 @@ class Layout:
         """The layout as the trainer's ``parallel`` section (plain DDP: DP is 1 here)."""
         from megatron_s2.training.run_config import ParallelConfig
 
-        return ParallelConfig(tensor_model_parallel_size=self.tp,
-                              pipeline_model_parallel_size=self.pp,
-                              virtual_pipeline_model_parallel_size=self.vpp,
-                              sequence_parallel=self.sp, use_distributed_optimizer=False)
+        return ParallelConfig(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            sequence_parallel=self.sp,
+            use_distributed_optimizer=False,
+        )
 
 
 REFERENCE = Layout("tp1_pp1")
-GPU_LAYOUTS = [Layout("tp2_sp", tp=2, sp=True), Layout("pp2", pp=2), Layout("tp2", tp=2),
-               Layout("pp2_vpp2", pp=2, vpp=2)]
+GPU_LAYOUTS = [
+    Layout("tp2_sp", tp=2, sp=True),
+    Layout("pp2", pp=2),
+    Layout("tp2", tp=2),
+    Layout("pp2_vpp2", pp=2, vpp=2),
+]
 
 
 # ---------------------------------------------------------------------------- one rank's run
@@ -181,17 +214,23 @@ def _batches(cc: CheckConfig, step: int) -> list[dict[str, torch.Tensor]]:
     for _ in range(cc.num_microbatches):
         motif = torch.randint(0, cc.vocab_size, (cc.micro_batch_size, 97), generator=g)
         reps = (cc.seq_length + 1 + 96) // 97
-        seq = motif.repeat(1, reps)[:, :cc.seq_length + 1]
+        seq = motif.repeat(1, reps)[:, : cc.seq_length + 1]
         noise = torch.rand(seq.shape, generator=g) < 0.1
         seq = torch.where(noise, torch.randint(0, cc.vocab_size, seq.shape, generator=g), seq)
-        out.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
-                    "loss_mask": torch.ones(cc.micro_batch_size, cc.seq_length),
-                    "position_ids": positions})
+        out.append(
+            {
+                "tokens": seq[:, :-1].contiguous(),
+                "labels": seq[:, 1:].contiguous(),
+                "loss_mask": torch.ones(cc.micro_batch_size, cc.seq_length),
+                "position_ids": positions,
+            }
+        )
     return out
 
 
-def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: list[Layout],
-              workdir: str):
+def _run_rank(
+    rank: int, world: int, port: int, cc: CheckConfig, layouts: list[Layout], workdir: str
+):
     """Run ``layouts`` (all of ``world`` ranks) one after the other in this process."""
     layout = None
     try:
@@ -217,18 +256,17 @@ def _run_rank(rank: int, world: int, port: int, cc: CheckConfig, layouts: list[L
 def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
     """Train ``cc.steps`` steps of ``layout`` with the trainer's building blocks; save this rank's
     losses, grad norms and first-step gradients."""
-    from megatron_s2.model import (
+    from megatron_s2.training import parallel
+    from megatron_s2.training.step import ForwardBackward, zero_grad
+    from megatron_s2.unsharded import (
         load_unsharded_parameters,
         named_parameters_unsharded,
         unsharded_parameters,
     )
-    from megatron_s2.training import parallel
-    from megatron_s2.training.step import ForwardBackward, zero_grad
 
     model_cfg, par = cc.model_config(), layout.parallel_config()
     bf16 = cc.dtype == "bf16"
-    config = parallel.transformer_config(model_cfg, par, cc.schedule, bf16=bf16,
-                                         backend=cc.backend)
+    config = parallel.transformer_config(model_cfg, par, cc.schedule, bf16=bf16, backend=cc.backend)
     chunks = parallel.build_model_chunks(model_cfg, config, cc.vocab_size, gpu=not cc.cpu)
     init_path = os.path.join(workdir, "init.pt")
     if layout.world == 1:  # the reference: its initial weights are every layout's
@@ -236,14 +274,19 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
     else:
         load_unsharded_parameters(chunks, torch.load(init_path))
     model = parallel.wrap_model_chunks(chunks, config, par, bf16=bf16)
-    optimizer, scheduler = parallel.build_optimizer(cc.optimizer_config(), par, model, bf16=bf16,
-                                                    train_iters=cc.steps)
+    optimizer, scheduler = parallel.build_optimizer(
+        cc.optimizer_config(), par, model, bf16=bf16, train_iters=cc.steps
+    )
     parallel.connect_schedule_hooks(config, model, optimizer, par)
 
     device = torch.device("cpu") if cc.cpu else torch.device("cuda", torch.cuda.current_device())
-    forward_backward = ForwardBackward(model, num_microbatches=cc.num_microbatches,
-                                       seq_length=cc.seq_length,
-                                       micro_batch_size=cc.micro_batch_size, device=device)
+    forward_backward = ForwardBackward(
+        model,
+        num_microbatches=cc.num_microbatches,
+        seq_length=cc.seq_length,
+        micro_batch_size=cc.micro_batch_size,
+        device=device,
+    )
     losses, gnorms = [], []
     grad_report = None
     for chunk in model:
@@ -263,8 +306,10 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
         scheduler.step(increment=1)
         losses.append(loss)
         gnorms.append(float(gnorm))
-    torch.save({"rank": rank, "losses": losses, "grad_norms": gnorms, "grads": grad_report},
-               os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
+    torch.save(
+        {"rank": rank, "losses": losses, "grad_norms": gnorms, "grads": grad_report},
+        os.path.join(workdir, f"{layout.name}.rank{rank}.pt"),
+    )
 
 
 # ---------------------------------------------------------------------------- orchestration
@@ -283,13 +328,18 @@ def run_layouts(cc: CheckConfig, layouts: list[Layout], workdir: str) -> None:
     if any(layout.world != world for layout in layouts):
         raise ValueError("run_layouts: all layouts must use the same number of processes")
     try:
-        mp.spawn(_run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world,
-                 join=True)
+        mp.spawn(
+            _run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world, join=True
+        )
     except Exception as e:
-        errs = [open(os.path.join(workdir, f)).read() for f in sorted(os.listdir(workdir))
-                if ".error." in f]
-        raise RuntimeError(f"layouts {[layout.name for layout in layouts]} failed:\n"
-                           + "\n".join(errs or [str(e)])) from e
+        errs = [
+            open(os.path.join(workdir, f)).read()
+            for f in sorted(os.listdir(workdir))
+            if ".error." in f
+        ]
+        raise RuntimeError(
+            f"layouts {[layout.name for layout in layouts]} failed:\n" + "\n".join(errs or [str(e)])
+        ) from e
 
 
 def run_layout(cc: CheckConfig, layout: Layout, workdir: str) -> None:
@@ -310,22 +360,34 @@ def compare(cc: CheckConfig, layout: Layout, workdir: str) -> dict:
         r = torch.load(os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
         losses, gnorms = r["losses"], r["grad_norms"]
         loss_err = max([loss_err] + [_rel(a, b) for a, b in zip(r["losses"], ref["losses"])])
-        gnorm_err = max([gnorm_err] + [_rel(a, b)
-                                       for a, b in zip(r["grad_norms"], ref["grad_norms"])])
+        gnorm_err = max(
+            [gnorm_err] + [_rel(a, b) for a, b in zip(r["grad_norms"], ref["grad_norms"])]
+        )
         for name, g in r["grads"].items():
             expect = _slice_like(full_ref_grads[name], g, name, layout, rank, cc)
             denom = expect.abs().max().clamp_min(1e-8)
             grad_err = max(grad_err, float((g - expect).abs().max() / denom))
     passed = loss_err <= cc.loss_rtol and gnorm_err <= cc.gnorm_rtol and grad_err <= cc.grad_rtol
-    return {"layout": layout.name, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
-            "sp": layout.sp, "losses": losses, "ref_losses": ref["losses"], "grad_norms": gnorms,
-            "ref_grad_norms": ref["grad_norms"], "max_rel_loss_diff": loss_err,
-            "max_rel_gnorm_diff": gnorm_err, "max_rel_grad_diff_step0": grad_err,
-            "passed": passed}
+    return {
+        "layout": layout.name,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "vpp": layout.vpp,
+        "sp": layout.sp,
+        "losses": losses,
+        "ref_losses": ref["losses"],
+        "grad_norms": gnorms,
+        "ref_grad_norms": ref["grad_norms"],
+        "max_rel_loss_diff": loss_err,
+        "max_rel_gnorm_diff": gnorm_err,
+        "max_rel_grad_diff_step0": grad_err,
+        "passed": passed,
+    }
 
 
-def _slice_like(full: torch.Tensor, local: torch.Tensor, name: str, layout: Layout, rank: int,
-                cc: CheckConfig) -> torch.Tensor:
+def _slice_like(
+    full: torch.Tensor, local: torch.Tensor, name: str, layout: Layout, rank: int, cc: CheckConfig
+) -> torch.Tensor:
     """The part of a reference (unsharded) tensor that ``rank`` holds, found by shape: TP-split
     tensors are split along the one dimension whose size differs (gated fc1: per half)."""
     if full.shape == local.shape:
@@ -333,8 +395,9 @@ def _slice_like(full: torch.Tensor, local: torch.Tensor, name: str, layout: Layo
     tp_rank = rank % layout.tp  # Megatron's default order puts TP innermost
     dims = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
     if len(dims) != 1:
-        raise ValueError(f"{name}: cannot match reference {tuple(full.shape)} to "
-                         f"{tuple(local.shape)}")
+        raise ValueError(
+            f"{name}: cannot match reference {tuple(full.shape)} to {tuple(local.shape)}"
+        )
     d = dims[0]
     if "linear_fc1." in name and d == 0:
         return torch.cat([h.chunk(layout.tp, 0)[tp_rank] for h in full.chunk(2, 0)], 0)
@@ -367,19 +430,25 @@ def run_check(cc: CheckConfig, layouts: list[Layout], workdir: Optional[str] = N
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'layout':<10} {'result':<6} {'max rel loss':>12} {'max rel gnorm':>13} "
-             f"{'max rel grad@0':>14} {'seconds':>8}"]
+    lines = [
+        f"{'layout':<10} {'result':<6} {'max rel loss':>12} {'max rel gnorm':>13} "
+        f"{'max rel grad@0':>14} {'seconds':>8}"
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['layout']:<10} {'FAIL':<6} error: {r['error'].splitlines()[-1][:80]}")
             continue
-        lines.append(f"{r['layout']:<10} {'PASS' if r['passed'] else 'FAIL':<6} "
-                     f"{r['max_rel_loss_diff']:>12.2e} {r['max_rel_gnorm_diff']:>13.2e} "
-                     f"{r['max_rel_grad_diff_step0']:>14.2e} {r['seconds']:>8}")
+        lines.append(
+            f"{r['layout']:<10} {'PASS' if r['passed'] else 'FAIL':<6} "
+            f"{r['max_rel_loss_diff']:>12.2e} {r['max_rel_gnorm_diff']:>13.2e} "
+            f"{r['max_rel_grad_diff_step0']:>14.2e} {r['seconds']:>8}"
+        )
     for r in rows:
         if "losses" in r:
-            lines.append(f"  {r['layout']}: losses {[f'{x:.5f}' for x in r['losses']]} "
-                         f"(ref {[f'{x:.5f}' for x in r['ref_losses']]})")
+            lines.append(
+                f"  {r['layout']}: losses {[f'{x:.5f}' for x in r['losses']]} "
+                f"(ref {[f'{x:.5f}' for x in r['ref_losses']]})"
+            )
     return "\n".join(lines)
 
 
@@ -397,16 +466,23 @@ def tolerances(dtype: str, cpu: bool):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", action="store_true",
-                    help="tiny model on CPU/gloo (megatron_s2 CPU mode)")
-    ap.add_argument("--layouts", default=None,
-                    help="comma-separated subset of: "
-                         + ",".join(layout.name for layout in GPU_LAYOUTS))
+    ap.add_argument(
+        "--cpu", action="store_true", help="tiny model on CPU/gloo (megatron_s2 CPU mode)"
+    )
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated subset of: " + ",".join(layout.name for layout in GPU_LAYOUTS),
+    )
     ap.add_argument("--seq-length", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
-    ap.add_argument("--backend", choices=("auto", "triton", "reference"), default=None,
-                    help="s2_attention backend of the S2 layers")
+    ap.add_argument(
+        "--backend",
+        choices=("auto", "triton", "reference"),
+        default=None,
+        help="s2_attention backend of the S2 layers",
+    )
     ap.add_argument("--out", default="parallel_check.json", help="JSON report path")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
@@ -438,9 +514,17 @@ def main(argv=None) -> int:
     print(f"schedule: {json.dumps(cc.schedule)}")
     print(format_table(rows))
     with open(args.out, "w") as f:
-        json.dump({"config": asdict(cc), "rows": rows,
-                   "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-                   "torch": torch.__version__}, f, indent=1, default=str)
+        json.dump(
+            {
+                "config": asdict(cc),
+                "rows": rows,
+                "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                "torch": torch.__version__,
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     ok = all(r["passed"] for r in rows)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1

@@ -32,8 +32,15 @@ import torch
 
 from .run_config import CheckpointConfig
 
-__all__ = ["latest_iteration", "save_checkpoint", "load_checkpoint", "checkpoint_path", "TRACKER",
-           "Checkpointer", "ResumePoint"]
+__all__ = [
+    "latest_iteration",
+    "save_checkpoint",
+    "load_checkpoint",
+    "checkpoint_path",
+    "TRACKER",
+    "Checkpointer",
+    "ResumePoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +137,12 @@ def _rng_sharded_object(state: Optional[dict]):
 
     # One RNG state per (PP, TP) rank; data-parallel replicas hold copies (DP rank 0's is saved).
     return ShardedObject(
-        "rng_state", state,
+        "rng_state",
+        state,
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+    )
 
 
 def _init_empty_optimizer_state(optimizer) -> None:
@@ -150,8 +159,11 @@ def _init_empty_optimizer_state(optimizer) -> None:
             continue
         for group in inner.param_groups:
             for p in group["params"]:
-                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+                inner.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
 
 
 def _restore_adam_steps(optimizer) -> None:
@@ -175,8 +187,9 @@ def _restore_adam_steps(optimizer) -> None:
                     st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
-def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool,
-                        with_rng: bool) -> dict:
+def _sharded_state_dict(
+    model, optimizer, is_loading: bool, with_optimizer: bool, with_rng: bool
+) -> dict:
     md = _metadata()
     sd = {}
     for key, chunk in zip(_model_keys(len(model)), model):
@@ -199,8 +212,17 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def save_checkpoint(root: str, iteration: int, model: list, optimizer, scheduler, *,
-                    consumed_samples: int, config: dict, keep_last: Optional[int] = None) -> str:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model: list,
+    optimizer,
+    scheduler,
+    *,
+    consumed_samples: int,
+    config: dict,
+    keep_last: Optional[int] = None,
+) -> str:
     """Save a checkpoint of ``iteration`` (collective: call on every rank); return its path."""
     from megatron.core import dist_checkpointing
 
@@ -232,15 +254,24 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, scheduler
 
 
 def _prune(root: str, keep_last: int, keep: int) -> None:
-    iters = sorted(int(d[5:]) for d in os.listdir(root)
-                   if d.startswith("iter_") and d[5:].isdigit() and int(d[5:]) <= keep)
+    iters = sorted(
+        int(d[5:])
+        for d in os.listdir(root)
+        if d.startswith("iter_") and d[5:].isdigit() and int(d[5:]) <= keep
+    )
     for it in iters[:-keep_last]:
         shutil.rmtree(checkpoint_path(root, it), ignore_errors=True)
 
 
-def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
-                    iteration: Optional[int] = None,
-                    load_optimizer: bool = True) -> tuple[int, int]:
+def load_checkpoint(
+    root: str,
+    model: list,
+    optimizer,
+    scheduler,
+    *,
+    iteration: Optional[int] = None,
+    load_optimizer: bool = True,
+) -> tuple[int, int]:
     """Load the newest (or the given) checkpoint under ``root`` into model/optimizer/scheduler.
 
     Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is no checkpoint.
@@ -259,19 +290,25 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, *,
     saved, now = common["parallel"], _parallel_layout()
     same_model_layout = all(saved[k] == now[k] for k in MODEL_LAYOUT_KEYS)
     if load_optimizer and common.get("optimizer_format", OPTIMIZER_FORMAT) != OPTIMIZER_FORMAT:
-        raise ValueError(f"checkpoint {path}: optimizer format {common['optimizer_format']!r} "
-                         f"is not {OPTIMIZER_FORMAT!r}; load it with "
-                         f"checkpoint.load_optimizer=false")
+        raise ValueError(
+            f"checkpoint {path}: optimizer format {common['optimizer_format']!r} "
+            f"is not {OPTIMIZER_FORMAT!r}; load it with "
+            f"checkpoint.load_optimizer=false"
+        )
     load_scheduler = load_optimizer
     if load_optimizer and not same_model_layout:
         logger.warning(
             "checkpoint %s was saved at TP/PP/VPP/CP %s and is loaded at %s: the dp_reshardable "
             "optimizer state cannot follow, so the model and the LR schedule are loaded and the "
             "optimizer state restarts",
-            path, [saved[k] for k in MODEL_LAYOUT_KEYS], [now[k] for k in MODEL_LAYOUT_KEYS])
+            path,
+            [saved[k] for k in MODEL_LAYOUT_KEYS],
+            [now[k] for k in MODEL_LAYOUT_KEYS],
+        )
         load_optimizer = False
-    sd = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optimizer,
-                             with_rng=same_model_layout)
+    sd = _sharded_state_dict(
+        model, optimizer, is_loading=True, with_optimizer=load_optimizer, with_rng=same_model_layout
+    )
     # With fp32 parameters the optimizer's main params are views of leaf tensors that require
     # grad: every in-place copy of the load must run without autograd.
     with torch.no_grad():
@@ -308,8 +345,16 @@ class Checkpointer:
         run_config: the run config as a mapping, stored in every checkpoint.
     """
 
-    def __init__(self, config: CheckpointConfig, directory: str, *, model: list, optimizer,
-                 scheduler, run_config: dict):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        directory: str,
+        *,
+        model: list,
+        optimizer,
+        scheduler,
+        run_config: dict,
+    ):
         self.config = config
         self.directory = directory
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -331,8 +376,13 @@ class Checkpointer:
             root = self.config.load_dir
         if latest_iteration(root) is None:
             return None
-        iteration, consumed = load_checkpoint(root, self.model, self.optimizer, self.scheduler,
-                                              load_optimizer=self.config.load_optimizer)
+        iteration, consumed = load_checkpoint(
+            root,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            load_optimizer=self.config.load_optimizer,
+        )
         self.last_checkpoint = checkpoint_path(root, iteration)
         self._start_iteration = iteration
         return ResumePoint(self.last_checkpoint, iteration, consumed)
@@ -344,13 +394,22 @@ class Checkpointer:
     def should_save_at_end(self, iteration: int) -> bool:
         """Save when the run finishes at ``iteration``? With ``checkpoint.save_at_end``, unless
         this process trained nothing or ``iteration`` is already saved here."""
-        return (self.config.save_at_end and iteration != self._start_iteration
-                and self.last_checkpoint != checkpoint_path(self.directory, iteration))
+        return (
+            self.config.save_at_end
+            and iteration != self._start_iteration
+            and self.last_checkpoint != checkpoint_path(self.directory, iteration)
+        )
 
     def save(self, iteration: int, consumed_samples: int) -> str:
         """Save the state after ``iteration`` (collective); returns the checkpoint's path."""
         self.last_checkpoint = save_checkpoint(
-            self.directory, iteration, self.model, self.optimizer, self.scheduler,
-            consumed_samples=consumed_samples, config=self.run_config,
-            keep_last=self.config.keep_last)
+            self.directory,
+            iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            consumed_samples=consumed_samples,
+            config=self.run_config,
+            keep_last=self.config.keep_last,
+        )
         return self.last_checkpoint

@@ -45,13 +45,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Pretrain an S2 hybrid GPT with Megatron-core. Without --config: the built-in "
-                    "demo.",
+        "demo.",
         epilog="Overrides: any config key as key.sub=value, e.g. train.train_iters=50 "
-               "parallel.tensor_model_parallel_size=2 attention.s2.vert_stride=16")
-    p.add_argument("--config", "-c", default=None,
-                   help="run config YAML (default: configs/demo.yaml)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config and exit")
+        "parallel.tensor_model_parallel_size=2 attention.s2.vert_stride=16",
+    )
+    p.add_argument(
+        "--config", "-c", default=None, help="run config YAML (default: configs/demo.yaml)"
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     return p
 

@@ -56,10 +56,20 @@ class Datasets:
     valid: Optional[object]
 
 
-def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, tokenizer,
-                   seq_length: int, seed: int, split: str, train_samples: int, valid_samples: int,
-                   cache_dir: Optional[str] = None, reset_position_ids: bool = False,
-                   eod_mask_loss: bool = False) -> Datasets:
+def build_datasets(
+    prefixes: list[str],
+    weights: Optional[list[float]],
+    *,
+    tokenizer,
+    seq_length: int,
+    seed: int,
+    split: str,
+    train_samples: int,
+    valid_samples: int,
+    cache_dir: Optional[str] = None,
+    reset_position_ids: bool = False,
+    eod_mask_loss: bool = False,
+) -> Datasets:
     """Build the blended train/valid GPT datasets (call on every rank, after torch.distributed).
 
     ``weights`` None weighs corpora by their size. Raises :class:`ConfigError` naming a prefix
@@ -75,7 +85,8 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
             if not os.path.isfile(prefix + ext):
                 raise ConfigError(
                     f"data.blend: {prefix + ext} does not exist (prefixes name .bin/.idx pairs "
-                    f"written by tools/prepare_data.py, without the extension)")
+                    f"written by tools/prepare_data.py, without the extension)"
+                )
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
     config = GPTDatasetConfig(
@@ -95,21 +106,25 @@ def build_datasets(prefixes: list[str], weights: Optional[list[float]], *, token
     # Every rank builds (rank 0 first writes the index cache, the builder synchronises the rest):
     # our batches are small and reading them on every rank avoids a broadcast per micro-batch.
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config
+    ).build()
     if train is None:
         raise ConfigError(f"data.split {split!r} leaves no training data")
     if valid_samples > 0 and valid is None:
-        raise ConfigError(f"data.split {split!r} leaves no validation data but "
-                          f"train.eval_iters > 0; give the valid split a weight or set "
-                          f"train.eval_iters=0")
+        raise ConfigError(
+            f"data.split {split!r} leaves no validation data but "
+            f"train.eval_iters > 0; give the valid split a weight or set "
+            f"train.eval_iters=0"
+        )
     return Datasets(train=train, valid=valid)
 
 
 class _MicroBatchSampler(torch.utils.data.Sampler):
     """Index lists of this rank's micro-batches, starting after ``consumed`` global samples."""
 
-    def __init__(self, total: int, consumed: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int):
+    def __init__(
+        self, total: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ):
         self.total, self.consumed = total, consumed
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
 
@@ -132,32 +147,63 @@ def _ignore_sigterm(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  num_workers: int = 0, cycle: bool = False) -> Iterator[dict]:
+def micro_batches(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    cycle: bool = False,
+) -> Iterator[dict]:
     """Iterate this data-parallel rank's micro-batches (dicts of CPU tensors).
 
     ``cycle`` restarts from sample 0 when the dataset is exhausted (used for validation, which
     reads the same held-out samples at every evaluation).
     """
     while True:
-        sampler = _MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
-                                     dp_size)
+        sampler = _MicroBatchSampler(
+            len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size
+        )
         if len(sampler) == 0:
-            raise ValueError(f"dataset of {len(dataset)} samples has no micro-batch left after "
-                             f"{consumed_samples} consumed samples")
+            raise ValueError(
+                f"dataset of {len(dataset)} samples has no micro-batch left after "
+                f"{consumed_samples} consumed samples"
+            )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=False,
-            worker_init_fn=_ignore_sigterm if num_workers else None)
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            persistent_workers=False,
+            worker_init_fn=_ignore_sigterm if num_workers else None,
+        )
         yield from loader
         if not cycle:
             return
         consumed_samples = 0
 
 
-def chunk_micro_batches(num_chunks: int, dataset, consumed_samples: int, micro_batch_size: int,
-                        dp_rank: int, dp_size: int, num_workers: int = 0,
-                        cycle: bool = False) -> list[Iterator[dict]]:
+def chunk_micro_batches(
+    num_chunks: int,
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    cycle: bool = False,
+) -> list[Iterator[dict]]:
     """One :func:`micro_batches` iterator per model chunk, all over the same samples: an
     interleaved pipeline schedule calls ``next()`` once per chunk for every micro-batch."""
-    return [micro_batches(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size,
-                          num_workers=num_workers, cycle=cycle) for _ in range(num_chunks)]
+    return [
+        micro_batches(
+            dataset,
+            consumed_samples,
+            micro_batch_size,
+            dp_rank,
+            dp_size,
+            num_workers=num_workers,
+            cycle=cycle,
+        )
+        for _ in range(num_chunks)
+    ]

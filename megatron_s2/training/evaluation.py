@@ -26,8 +26,15 @@ class Evaluator:
         dp_rank, dp_size: this rank's data-parallel position.
     """
 
-    def __init__(self, train: TrainConfig, dataset, forward_backward: ForwardBackward, *,
-                 dp_rank: int, dp_size: int):
+    def __init__(
+        self,
+        train: TrainConfig,
+        dataset,
+        forward_backward: ForwardBackward,
+        *,
+        dp_rank: int,
+        dp_size: int,
+    ):
         self.interval = train.eval_interval
         self.iters = train.eval_iters
         self.train_iters = train.train_iters
@@ -50,8 +57,15 @@ class Evaluator:
         model = self.forward_backward.model
         for chunk in model:
             chunk.eval()
-        iterators = chunk_micro_batches(len(model), self.dataset, 0, self.micro_batch_size,
-                                        self.dp_rank, self.dp_size, cycle=True)
+        iterators = chunk_micro_batches(
+            len(model),
+            self.dataset,
+            0,
+            self.micro_batch_size,
+            self.dp_rank,
+            self.dp_size,
+            cycle=True,
+        )
         loss_sum = tokens = 0.0
         try:
             with torch.no_grad():

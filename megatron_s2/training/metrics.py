@@ -31,12 +31,20 @@ from typing import Optional
 
 from .run_config import LoggingConfig, ModelConfig
 
-__all__ = ["model_flops_per_iteration", "MetricsLogger", "plot_loss_curve", "memory_gib",
-           "Throughput", "ThroughputMeter", "read_jsonl"]
+__all__ = [
+    "model_flops_per_iteration",
+    "MetricsLogger",
+    "plot_loss_curve",
+    "memory_gib",
+    "Throughput",
+    "ThroughputMeter",
+    "read_jsonl",
+]
 
 
-def model_flops_per_iteration(model: ModelConfig, global_batch_size: int, vocab_size: int,
-                              schedule) -> float:
+def model_flops_per_iteration(
+    model: ModelConfig, global_batch_size: int, vocab_size: int, schedule
+) -> float:
     """Model FLOPs (forward + backward) of one optimizer step; see the module docstring.
 
     ``model`` is the run config's model section, ``schedule`` its attention schedule."""
@@ -48,8 +56,9 @@ def model_flops_per_iteration(model: ModelConfig, global_batch_size: int, vocab_
     f = m.ffn_size
     tokens = global_batch_size * m.seq_length
     mlp_mats = 3 if m.swiglu else 2
-    per_token = (L * (h * (heads * d + 2 * groups * d) + heads * d * h + mlp_mats * h * f)
-                 + h * vocab_size)
+    per_token = (
+        L * (h * (heads * d + 2 * groups * d) + heads * d * h + mlp_mats * h * f) + h * vocab_size
+    )
     matmul = 2.0 * tokens * per_token
     pairs = sum(schedule.attention_pairs(L, heads, groups, m.seq_length))
     attn = global_batch_size * 4.0 * d * pairs
@@ -60,8 +69,11 @@ def memory_gib() -> tuple[str, float]:
     """(label, GiB): peak CUDA memory allocated on this GPU, else this process's resident set."""
     import torch
 
-    if (torch.cuda.is_available() and torch.cuda.device_count() > 0
-            and torch.version.cuda is not None):
+    if (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() > 0
+        and torch.version.cuda is not None
+    ):
         try:
             return "gpu_mem_gib", torch.cuda.max_memory_allocated() / 2**30
         except Exception:  # CPU mode: torch.cuda is stubbed
@@ -80,8 +92,17 @@ class MetricsLogger:
     (:meth:`should_log`).
     """
 
-    def __init__(self, run_dir: str, total_iters: int, start_iter: int, *, enabled: bool,
-                 progress_bar: bool = True, tensorboard: bool = True, log_interval: int = 1):
+    def __init__(
+        self,
+        run_dir: str,
+        total_iters: int,
+        start_iter: int,
+        *,
+        enabled: bool,
+        progress_bar: bool = True,
+        tensorboard: bool = True,
+        log_interval: int = 1,
+    ):
         self.enabled = enabled
         self.total_iters = total_iters
         self.log_interval = log_interval
@@ -101,25 +122,47 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
-                                         purge_step=start_iter + 1)
+                self._tb = SummaryWriter(
+                    os.path.join(run_dir, "tensorboard"), purge_step=start_iter + 1
+                )
             except ImportError:
-                print("[megatron-s2] tensorboard is not installed; TensorBoard logging is off",
-                      flush=True)
+                print(
+                    "[megatron-s2] tensorboard is not installed; TensorBoard logging is off",
+                    flush=True,
+                )
         # A bar redrawn with carriage returns is noise in a log file (slurm, CI): only on a TTY.
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="it",
-                             dynamic_ncols=True, leave=True)
+            self._bar = tqdm(
+                total=total_iters,
+                initial=start_iter,
+                desc="train",
+                unit="it",
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     @classmethod
-    def from_config(cls, config: LoggingConfig, run_dir: str, total_iters: int, start_iter: int, *,
-                    enabled: bool) -> MetricsLogger:
+    def from_config(
+        cls,
+        config: LoggingConfig,
+        run_dir: str,
+        total_iters: int,
+        start_iter: int,
+        *,
+        enabled: bool,
+    ) -> MetricsLogger:
         """The logger of a run's ``logging`` section (``run_dir``: the resolved run directory)."""
-        return cls(run_dir, total_iters, start_iter, enabled=enabled,
-                   progress_bar=config.progress_bar, tensorboard=config.tensorboard,
-                   log_interval=config.log_interval)
+        return cls(
+            run_dir,
+            total_iters,
+            start_iter,
+            enabled=enabled,
+            progress_bar=config.progress_bar,
+            tensorboard=config.tensorboard,
+            log_interval=config.log_interval,
+        )
 
     def should_log(self, iteration: int) -> bool:
         """Write a training record after ``iteration``? (Every rank gets the same answer.)"""
@@ -130,8 +173,9 @@ class MetricsLogger:
             return
         with open(self.jsonl_path) as f:
             lines = f.readlines()
-        kept = [ln for ln in lines
-                if ln.strip() and json.loads(ln).get("iteration", 0) <= start_iter]
+        kept = [
+            ln for ln in lines if ln.strip() and json.loads(ln).get("iteration", 0) <= start_iter
+        ]
         if len(kept) != len(lines):
             with open(self.jsonl_path, "w") as f:
                 f.writelines(kept)
@@ -162,8 +206,11 @@ class MetricsLogger:
         if self._tb is not None:
             step = record["iteration"]
             for k, v in record.items():
-                if (k not in ("iteration", "kind") and isinstance(v, (int, float))
-                        and math.isfinite(v)):
+                if (
+                    k not in ("iteration", "kind")
+                    and isinstance(v, (int, float))
+                    and math.isfinite(v)
+                ):
                     self._tb.add_scalar(f"{prefix}/{k}", v, step)
             self._tb.flush()
 
@@ -189,9 +236,11 @@ def read_jsonl(path: str) -> list[dict]:
 def plot_loss_curve(jsonl_path: str, out_path: str, title: Optional[str] = None) -> Optional[str]:
     """Plot train (and validation) loss from ``metrics.jsonl`` to a PNG; None if nothing to plot."""
     records = read_jsonl(jsonl_path)
+
     def curve(kind: str) -> list:
-        return [(r["iteration"], r["loss"]) for r in records
-                if r.get("kind") == kind and "loss" in r]
+        return [
+            (r["iteration"], r["loss"]) for r in records if r.get("kind") == kind and "loss" in r
+        ]
 
     train, valid = curve("train"), curve("valid")
     if not train:
@@ -252,8 +301,13 @@ class ThroughputMeter:
         clock: seconds; default synchronises CUDA first.
     """
 
-    def __init__(self, tokens_per_iteration: int, flops_per_iteration: float, world_size: int,
-                 clock: Callable[[], float] = _synchronized_clock):
+    def __init__(
+        self,
+        tokens_per_iteration: int,
+        flops_per_iteration: float,
+        world_size: int,
+        clock: Callable[[], float] = _synchronized_clock,
+    ):
         self.tokens_per_iteration = tokens_per_iteration
         self.flops_per_iteration = flops_per_iteration
         self.world_size = world_size
@@ -287,8 +341,11 @@ class ThroughputMeter:
 
     def _throughput(self, iters: int, seconds: float) -> Throughput:
         per_iter = seconds / iters
-        return Throughput(per_iter, self.tokens_per_iteration / per_iter,
-                          self.flops_per_iteration / per_iter / self.world_size / 1e12)
+        return Throughput(
+            per_iter,
+            self.tokens_per_iteration / per_iter,
+            self.flops_per_iteration / per_iter / self.world_size / 1e12,
+        )
 
     def close_window(self) -> Throughput:
         """End the current window (at least one iteration) and return its throughput."""

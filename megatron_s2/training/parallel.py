@@ -30,9 +30,16 @@ import torch
 from .run_config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 
 __all__ = [
-    "DistributedEnv", "init_process_group", "init_model_parallel", "use_bf16",
-    "transformer_config", "build_model_chunks", "wrap_model_chunks", "build_model",
-    "build_optimizer", "connect_schedule_hooks",
+    "DistributedEnv",
+    "init_process_group",
+    "init_model_parallel",
+    "use_bf16",
+    "transformer_config",
+    "build_model_chunks",
+    "wrap_model_chunks",
+    "build_model",
+    "build_optimizer",
+    "connect_schedule_hooks",
 ]
 
 # NCCL/gloo collectives wait this long before failing: long enough for a large checkpoint save
@@ -56,8 +63,12 @@ class DistributedEnv:
         """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; a plain ``python -m`` is a world of one."""
         if "RANK" not in os.environ:
             return cls()
-        return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), launched=True)
+        return cls(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            launched=True,
+        )
 
 
 def init_process_group(env: DistributedEnv, *, gpu: bool) -> None:
@@ -70,8 +81,12 @@ def init_process_group(env: DistributedEnv, *, gpu: bool) -> None:
     # when several runs start at once).
     store = None if env.launched else torch.distributed.HashStore()
     torch.distributed.init_process_group(
-        backend="nccl" if gpu else "gloo", rank=env.rank, world_size=env.world_size, store=store,
-        timeout=PROCESS_GROUP_TIMEOUT)
+        backend="nccl" if gpu else "gloo",
+        rank=env.rank,
+        world_size=env.world_size,
+        store=store,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
 
 
 def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
@@ -83,7 +98,8 @@ def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size)
+        context_parallel_size=parallel.context_parallel_size,
+    )
     seed = seed + PIPELINE_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
@@ -98,8 +114,9 @@ def use_bf16(precision: str, *, gpu: bool) -> bool:
     return gpu and precision in ("auto", "bf16")
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, schedule, *, bf16: bool,
-                       backend: str = "auto"):
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, schedule, *, bf16: bool, backend: str = "auto"
+):
     """The run's :class:`megatron_s2.config.S2TransformerConfig`.
 
     Args:
@@ -117,8 +134,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, schedule, *
     if model.recompute == "selective":
         recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif model.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=model.recompute_num_layers)
+        recompute = dict(
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=model.recompute_num_layers,
+        )
     vpp = parallel.virtual_pipeline_model_parallel_size
     return S2TransformerConfig(
         num_layers=model.num_layers,
@@ -177,14 +197,21 @@ def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = build_gpt_model(
-            config, vocab_size, model.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                               vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                               vp_stage=stage),
-            use_te=False, vp_stage=stage,
-            position_embedding_type="rope", rotary_base=model.rotary_base,
-            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights)
+            config,
+            vocab_size,
+            model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            use_te=False,
+            vp_stage=stage,
+            position_embedding_type="rope",
+            rotary_base=model.rotary_base,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        )
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if gpu:
@@ -208,19 +235,29 @@ def wrap_model_chunks(chunks: list, config, parallel: ParallelConfig, *, bf16: b
         average_in_collective=False,
     )
     # Only the first chunk's buckets overlap with the backward (Megatron-LM does the same).
-    return [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)]
+    return [
+        DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
 
 
-def build_model(model: ModelConfig, config, parallel: ParallelConfig, vocab_size: int, *,
-                gpu: bool, bf16: bool) -> list:
+def build_model(
+    model: ModelConfig, config, parallel: ParallelConfig, vocab_size: int, *, gpu: bool, bf16: bool
+) -> list:
     """:func:`build_model_chunks` wrapped by :func:`wrap_model_chunks`: the chunks to train."""
-    return wrap_model_chunks(build_model_chunks(model, config, vocab_size, gpu=gpu), config,
-                             parallel, bf16=bf16)
+    return wrap_model_chunks(
+        build_model_chunks(model, config, vocab_size, gpu=gpu), config, parallel, bf16=bf16
+    )
 
 
-def build_optimizer(optimizer: OptimizerConfig, parallel: ParallelConfig, model: list, *,
-                    bf16: bool, train_iters: int):
+def build_optimizer(
+    optimizer: OptimizerConfig,
+    parallel: ParallelConfig,
+    model: list,
+    *,
+    bf16: bool,
+    train_iters: int,
+):
     """Megatron's Adam(W) (distributed when ``parallel`` says so, gradient clipping inside) and
     its ``OptimizerParamScheduler``; the LR decays over ``optimizer.lr_decay_iters``, else over
     ``train_iters``. Returns ``(optimizer, scheduler)``."""
@@ -229,18 +266,37 @@ def build_optimizer(optimizer: OptimizerConfig, parallel: ParallelConfig, model:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = optimizer
-    opt = get_megatron_optimizer(MegatronOptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
-        overlap_param_gather=parallel.overlap_param_gather), model)
+    opt = get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=parallel.use_distributed_optimizer,
+            overlap_param_gather=parallel.overlap_param_gather,
+        ),
+        model,
+    )
     decay = o.lr_decay_iters or train_iters
     scheduler = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_iters,
-        lr_decay_steps=decay, lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
-        end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+        opt,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=decay,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )
     return opt, scheduler
 
 

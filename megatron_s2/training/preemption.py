@@ -31,8 +31,10 @@ class Preemption:
 
     def install(self) -> None:
         """Catch SIGTERM from now on (a no-op outside the main thread, e.g. when embedded)."""
+
         def handler(signum, frame):
             self.signalled = True
+
         try:
             self._previous = signal.signal(signal.SIGTERM, handler)
             self._installed = True

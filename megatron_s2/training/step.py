@@ -14,8 +14,16 @@ from functools import partial
 
 import torch
 
-__all__ = ["LOSS_KEY", "BATCH_KEYS", "loss_func", "forward_step", "reduce_loss", "StepLoss",
-           "ForwardBackward", "zero_grad"]
+__all__ = [
+    "LOSS_KEY",
+    "BATCH_KEYS",
+    "loss_func",
+    "forward_step",
+    "reduce_loss",
+    "StepLoss",
+    "ForwardBackward",
+    "zero_grad",
+]
 
 # Name of the loss report each micro-batch returns to the schedule.
 LOSS_KEY = "lm loss"
@@ -37,8 +45,9 @@ def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor
     return loss, num_tokens, {LOSS_KEY: report}
 
 
-def forward_step(device: torch.device, context_parallel_size: int, poison: bool, data_iterator,
-                 model):
+def forward_step(
+    device: torch.device, context_parallel_size: int, poison: bool, data_iterator, model
+):
     """Megatron ``forward_step_func``: the next micro-batch through ``model``.
 
     Bind the first three arguments with ``functools.partial``; under context parallelism each
@@ -70,11 +79,15 @@ def reduce_loss(reports: list, device: torch.device) -> StepLoss:
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for item in reports:
             total += item[LOSS_KEY].to(device=device, dtype=torch.float64)
-        torch.distributed.all_reduce(total,
-                                     group=ps.get_data_parallel_group(with_context_parallel=True))
+        torch.distributed.all_reduce(
+            total, group=ps.get_data_parallel_group(with_context_parallel=True)
+        )
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
-                                    group=ps.get_pipeline_model_parallel_group())
+        torch.distributed.broadcast(
+            total,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
     loss_sum, tokens = total.tolist()
     return StepLoss(loss_sum / tokens if tokens > 0 else float("nan"), tokens)
 
@@ -83,8 +96,16 @@ class ForwardBackward:
     """Runs one global batch of ``model`` (its chunks, one per virtual pipeline stage) through
     Megatron's schedule for the current parallel layout (none, 1F1B or interleaved)."""
 
-    def __init__(self, model: list, *, num_microbatches: int, seq_length: int,
-                 micro_batch_size: int, device: torch.device, context_parallel_size: int = 1):
+    def __init__(
+        self,
+        model: list,
+        *,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        device: torch.device,
+        context_parallel_size: int = 1,
+    ):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model = model
@@ -95,8 +116,9 @@ class ForwardBackward:
         self.context_parallel_size = context_parallel_size
         self._schedule = get_forward_backward_func()
 
-    def __call__(self, data_iterators: list, *, forward_only: bool = False,
-                 poison_loss: bool = False) -> StepLoss:
+    def __call__(
+        self, data_iterators: list, *, forward_only: bool = False, poison_loss: bool = False
+    ) -> StepLoss:
         """Forward (and, unless ``forward_only``, backward into the gradient buffers) over
         ``num_microbatches`` micro-batches; ``data_iterators`` holds one iterator per chunk.
         Returns the batch's loss on every rank."""
@@ -104,9 +126,12 @@ class ForwardBackward:
         reports = self._schedule(
             forward_step_func=step,
             data_iterator=data_iterators[0] if len(data_iterators) == 1 else data_iterators,
-            model=self.model, num_microbatches=self.num_microbatches,
-            seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
-            forward_only=forward_only)
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
         return reduce_loss(reports, self.device)
 
 

@@ -107,8 +107,9 @@ class Trainer:
         parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
         self.rank0 = _rank0()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.gpu
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
+        )
         self._announce_mode()
         self._write_run_config()
 
@@ -116,45 +117,68 @@ class Trainer:
 
         model, p = cfg.model, cfg.parallel
         self.model_config = parallel.transformer_config(model, p, self.schedule, bf16=self.bf16)
-        self.model = parallel.build_model(model, self.model_config, p, self.vocab_size,
-                                          gpu=self.gpu, bf16=self.bf16)
+        self.model = parallel.build_model(
+            model, self.model_config, p, self.vocab_size, gpu=self.gpu, bf16=self.bf16
+        )
         self.optimizer, self.scheduler = parallel.build_optimizer(
-            cfg.optimizer, p, self.model, bf16=self.bf16, train_iters=cfg.train.train_iters)
+            cfg.optimizer, p, self.model, bf16=self.bf16, train_iters=cfg.train.train_iters
+        )
         parallel.connect_schedule_hooks(self.model_config, self.model, self.optimizer, p)
 
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, model=self.model,
-                                         optimizer=self.optimizer, scheduler=self.scheduler,
-                                         run_config=cfg.to_dict())
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint,
+            cfg.checkpoint_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            run_config=cfg.to_dict(),
+        )
         self.iteration, self.consumed_samples = 0, 0
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
-            self._print(f"{PREFIX} resumed from {resumed.path} (iteration {resumed.iteration}, "
-                        f"{resumed.consumed_samples} samples consumed)")
+            self._print(
+                f"{PREFIX} resumed from {resumed.path} (iteration {resumed.iteration}, "
+                f"{resumed.consumed_samples} samples consumed)"
+            )
         if self.iteration >= cfg.train.train_iters:
-            self._print(f"{PREFIX} nothing to do: iteration {self.iteration} >= "
-                        f"train.train_iters ({cfg.train.train_iters})")
+            self._print(
+                f"{PREFIX} nothing to do: iteration {self.iteration} >= "
+                f"train.train_iters ({cfg.train.train_iters})"
+            )
 
         from megatron.core import parallel_state as ps
 
         t = cfg.train
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.train_data = chunk_micro_batches(len(self.model), self.datasets.train,
-                                              self.consumed_samples, t.micro_batch_size, dp_rank,
-                                              dp_size, num_workers=t.num_workers)
+        self.train_data = chunk_micro_batches(
+            len(self.model),
+            self.datasets.train,
+            self.consumed_samples,
+            t.micro_batch_size,
+            dp_rank,
+            dp_size,
+            num_workers=t.num_workers,
+        )
         self.forward_backward = ForwardBackward(
-            self.model, num_microbatches=cfg.num_microbatches(self.world_size),
-            seq_length=model.seq_length, micro_batch_size=t.micro_batch_size,
-            device=self.device, context_parallel_size=p.context_parallel_size)
-        self.evaluator = Evaluator(t, self.datasets.valid, self.forward_backward,
-                                   dp_rank=dp_rank, dp_size=dp_size)
-        self.metrics = MetricsLogger.from_config(cfg.logging, cfg.run_dir, t.train_iters,
-                                                 self.iteration, enabled=self.rank0)
+            self.model,
+            num_microbatches=cfg.num_microbatches(self.world_size),
+            seq_length=model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            device=self.device,
+            context_parallel_size=p.context_parallel_size,
+        )
+        self.evaluator = Evaluator(
+            t, self.datasets.valid, self.forward_backward, dp_rank=dp_rank, dp_size=dp_size
+        )
+        self.metrics = MetricsLogger.from_config(
+            cfg.logging, cfg.run_dir, t.train_iters, self.iteration, enabled=self.rank0
+        )
         self.throughput = ThroughputMeter(
             t.global_batch_size * model.seq_length,
-            model_flops_per_iteration(model, t.global_batch_size, self.vocab_size,
-                                      self.schedule),
-            self.world_size)
+            model_flops_per_iteration(model, t.global_batch_size, self.vocab_size, self.schedule),
+            self.world_size,
+        )
         self.preemption = Preemption(simulate_at=cfg.debug.sigterm_at_iter)
         self.losses: dict[int, float] = {}
         self.valid_losses: dict[int, float] = {}
@@ -167,12 +191,16 @@ class Trainer:
 
     def _announce_mode(self) -> None:
         if self.gpu:
-            mode = (f"GPU mode: {torch.cuda.get_device_name()} x {self.world_size}, NCCL, "
-                    f"{'bf16' if self.bf16 else 'fp32'}, Triton S2 kernels")
+            mode = (
+                f"GPU mode: {torch.cuda.get_device_name()} x {self.world_size}, NCCL, "
+                f"{'bf16' if self.bf16 else 'fp32'}, Triton S2 kernels"
+            )
         else:
-            attention = ("Triton interpreter attention (TRITON_INTERPRET=1: slow)"
-                         if os.environ.get("TRITON_INTERPRET") == "1"
-                         else "PyTorch reference attention")
+            attention = (
+                "Triton interpreter attention (TRITON_INTERPRET=1: slow)"
+                if os.environ.get("TRITON_INTERPRET") == "1"
+                else "PyTorch reference attention"
+            )
             mode = f"CPU mode: {self.world_size} process(es), gloo, fp32, {attention}"
         self._print(f"{PREFIX} {mode}")
 
@@ -201,18 +229,29 @@ class Trainer:
         else:
             prefixes, weights = cfg.blend()
         vocab_size = cfg.model.vocab_size or padded_vocab_size(
-            tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size)
+            tokenizer.vocab_size,
+            cfg.model.make_vocab_size_divisible_by,
+            cfg.parallel.tensor_model_parallel_size,
+        )
         if vocab_size < tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
-                              f"vocabulary ({tokenizer.vocab_size})")
+            raise ConfigError(
+                f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer.vocab_size})"
+            )
         evaluates = bool(t.eval_interval and t.eval_iters)
         datasets = build_datasets(
-            prefixes, weights, tokenizer=tokenizer, seq_length=cfg.model.seq_length, seed=t.seed,
-            split=d.split, train_samples=t.train_iters * t.global_batch_size,
+            prefixes,
+            weights,
+            tokenizer=tokenizer,
+            seq_length=cfg.model.seq_length,
+            seed=t.seed,
+            split=d.split,
+            train_samples=t.train_iters * t.global_batch_size,
             valid_samples=t.eval_iters * t.global_batch_size if evaluates else 0,
-            cache_dir=d.cache_dir, reset_position_ids=t.reset_position_ids,
-            eod_mask_loss=t.eod_mask_loss)
+            cache_dir=d.cache_dir,
+            reset_position_ids=t.reset_position_ids,
+            eod_mask_loss=t.eod_mask_loss,
+        )
         return datasets, vocab_size
 
     def _describe_run(self, dp_size: int) -> None:
@@ -224,8 +263,10 @@ class Trainer:
             f"{p.pipeline_model_parallel_size}, CP {p.context_parallel_size}, DP {dp_size}), "
             f"{self.forward_backward.num_microbatches} micro-batches of {t.micro_batch_size} x "
             f"{m.seq_length} tokens per step\n"
-            + self.schedule.summary(m.num_layers, m.num_attention_heads, m.query_groups,
-                                    m.seq_length))
+            + self.schedule.summary(
+                m.num_layers, m.num_attention_heads, m.query_groups, m.seq_length
+            )
+        )
 
     # ------------------------------------------------------------------------ one step
     def train_step(self) -> StepResult:
@@ -233,55 +274,78 @@ class Trainer:
         before the optimizer step on a NaN/inf loss, after it on a NaN/inf gradient norm."""
         done = self.iteration + 1
         zero_grad(self.model, self.optimizer)
-        loss = self.forward_backward(self.train_data,
-                                     poison_loss=self.cfg.debug.nan_at_iter == done).loss
+        loss = self.forward_backward(
+            self.train_data, poison_loss=self.cfg.debug.nan_at_iter == done
+        ).loss
         last_good = self.checkpointer.last_checkpoint or "none (no checkpoint was saved yet)"
         if not math.isfinite(loss):
             raise NonFiniteLossError(
                 f"loss is {loss} at iteration {done}: stopping before the optimizer step "
                 f"(weights untouched). Last good checkpoint: {last_good}. Try a lower "
                 f"optimizer.lr, a longer optimizer.lr_warmup_iters or a smaller "
-                f"optimizer.clip_grad.")
+                f"optimizer.clip_grad."
+            )
         _, grad_norm, _ = self.optimizer.step()
         if grad_norm is not None and not math.isfinite(grad_norm):
             # The step already used it: stop before a checkpoint can store the damage.
             raise NonFiniteLossError(
                 f"gradient norm is {grad_norm} at iteration {done} (loss {loss:.4f}): "
-                f"stopping without saving. Last good checkpoint: {last_good}.")
+                f"stopping without saving. Last good checkpoint: {last_good}."
+            )
         self.scheduler.step(increment=1)
         self.iteration = done
         self.consumed_samples += self.cfg.train.global_batch_size
         self.losses[done] = loss
         self.throughput.step()
         self.metrics.advance(1, loss=f"{loss:.4f}")
-        return StepResult(done, loss, float(grad_norm) if grad_norm is not None else math.nan,
-                          self.optimizer.param_groups[0]["lr"])
+        return StepResult(
+            done,
+            loss,
+            float(grad_norm) if grad_norm is not None else math.nan,
+            self.optimizer.param_groups[0]["lr"],
+        )
 
     # ---------------------------------------------------------------- the other concerns
     def log_step(self, step: StepResult) -> None:
         """Close the throughput window and write the training record of ``step``."""
         speed = self.throughput.close_window()
         mem_key, mem = memory_gib()
-        self.metrics.log({"iteration": step.iteration, "loss": step.loss, "lr": step.lr,
-                          "grad_norm": step.grad_norm, "tokens_per_s": speed.tokens_per_s,
-                          "tflops_per_gpu": speed.tflops_per_gpu, mem_key: mem,
-                          "consumed_samples": self.consumed_samples,
-                          "step_time_s": speed.seconds_per_iteration})
+        self.metrics.log(
+            {
+                "iteration": step.iteration,
+                "loss": step.loss,
+                "lr": step.lr,
+                "grad_norm": step.grad_norm,
+                "tokens_per_s": speed.tokens_per_s,
+                "tflops_per_gpu": speed.tflops_per_gpu,
+                mem_key: mem,
+                "consumed_samples": self.consumed_samples,
+                "step_time_s": speed.seconds_per_iteration,
+            }
+        )
         self.metrics.print(
             f"iter {step.iteration:6d}/{self.cfg.train.train_iters} | loss {step.loss:.4f} | "
             f"lr {step.lr:.3e} | grad norm {step.grad_norm:.3f} | "
             f"{speed.tokens_per_s:,.0f} tok/s | {speed.tflops_per_gpu:.2f} TFLOP/s/GPU | "
-            f"{mem_key.split('_')[0]} mem {mem:.2f} GiB")
+            f"{mem_key.split('_')[0]} mem {mem:.2f} GiB"
+        )
 
     def evaluate(self) -> float:
         """Validation loss at the current iteration, logged (its time is not training time)."""
         with self.throughput.paused():
             loss = self.evaluator.run()
             self.valid_losses[self.iteration] = loss
-            self.metrics.log({"iteration": self.iteration, "loss": loss,
-                              "ppl": math.exp(min(loss, MAX_LOSS_FOR_PPL))}, prefix="valid")
-            self.metrics.print(f"{PREFIX} validation at iteration {self.iteration}: "
-                               f"loss {loss:.4f}")
+            self.metrics.log(
+                {
+                    "iteration": self.iteration,
+                    "loss": loss,
+                    "ppl": math.exp(min(loss, MAX_LOSS_FOR_PPL)),
+                },
+                prefix="valid",
+            )
+            self.metrics.print(
+                f"{PREFIX} validation at iteration {self.iteration}: loss {loss:.4f}"
+            )
         return loss
 
     def save(self) -> str:
@@ -308,8 +372,10 @@ class Trainer:
                     self.evaluate()
                 if self.preemption.should_stop(self.iteration, self.device):
                     stopped_by = "sigterm"
-                    self.metrics.print(f"{PREFIX} SIGTERM: saving a checkpoint at iteration "
-                                       f"{self.iteration} and stopping")
+                    self.metrics.print(
+                        f"{PREFIX} SIGTERM: saving a checkpoint at iteration "
+                        f"{self.iteration} and stopping"
+                    )
                     self.save()
                     break
                 if self.checkpointer.should_save(self.iteration):
@@ -321,11 +387,16 @@ class Trainer:
             self.close()
         self.throughput.finish()
         speed = self.throughput.mean()
-        result = RunResult(iteration=self.iteration, losses=self.losses,
-                           valid_losses=self.valid_losses, stopped_by=stopped_by,
-                           tokens_per_s=speed.tokens_per_s, tflops_per_gpu=speed.tflops_per_gpu,
-                           run_dir=self.cfg.run_dir,
-                           last_checkpoint=self.checkpointer.last_checkpoint)
+        result = RunResult(
+            iteration=self.iteration,
+            losses=self.losses,
+            valid_losses=self.valid_losses,
+            stopped_by=stopped_by,
+            tokens_per_s=speed.tokens_per_s,
+            tflops_per_gpu=speed.tflops_per_gpu,
+            run_dir=self.cfg.run_dir,
+            last_checkpoint=self.checkpointer.last_checkpoint,
+        )
         if self.rank0:
             write_summary(result, self.cfg.name, plot=self.cfg.logging.plot)
         return result
@@ -353,25 +424,35 @@ def write_summary(r: RunResult, name: str, *, plot: bool) -> None:
         png = plot_loss_curve(jsonl, os.path.join(r.run_dir, "loss.png"), title=name)
     losses = sorted(r.losses.items())
     summary = {
-        "name": name, "iteration": r.iteration, "stopped_by": r.stopped_by,
+        "name": name,
+        "iteration": r.iteration,
+        "stopped_by": r.stopped_by,
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
         "final_valid_loss": r.valid_losses[max(r.valid_losses)] if r.valid_losses else None,
-        "tokens_per_s": r.tokens_per_s, "tflops_per_gpu": r.tflops_per_gpu,
-        "metrics": jsonl, "loss_curve": png, "last_checkpoint": r.last_checkpoint,
+        "tokens_per_s": r.tokens_per_s,
+        "tflops_per_gpu": r.tflops_per_gpu,
+        "metrics": jsonl,
+        "loss_curve": png,
+        "last_checkpoint": r.last_checkpoint,
     }
     with open(os.path.join(r.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     lines = [f"{PREFIX} {name}: {r.stopped_by} at iteration {r.iteration}"]
     if losses:
-        lines.append(f"  train loss      {losses[0][1]:.4f} (iter {losses[0][0]}) -> "
-                     f"{losses[-1][1]:.4f} (iter {losses[-1][0]})")
+        lines.append(
+            f"  train loss      {losses[0][1]:.4f} (iter {losses[0][0]}) -> "
+            f"{losses[-1][1]:.4f} (iter {losses[-1][0]})"
+        )
     if r.valid_losses:
         lines.append(f"  valid loss      {summary['final_valid_loss']:.4f}")
-    lines.append(f"  throughput      {r.tokens_per_s:,.0f} tokens/s, "
-                 f"{r.tflops_per_gpu:.3f} model TFLOP/s per GPU")
-    lines.append(f"  metrics         {jsonl} "
-                 f"(TensorBoard: {os.path.join(r.run_dir, 'tensorboard')})")
+    lines.append(
+        f"  throughput      {r.tokens_per_s:,.0f} tokens/s, "
+        f"{r.tflops_per_gpu:.3f} model TFLOP/s per GPU"
+    )
+    lines.append(
+        f"  metrics         {jsonl} (TensorBoard: {os.path.join(r.run_dir, 'tensorboard')})"
+    )
     if png:
         lines.append(f"  loss curve      {png}")
     if r.last_checkpoint:

@@ -33,17 +33,25 @@ class ClusterError(RuntimeError):
 
 
 def missing_binaries() -> list[str]:
-    return [b for b in REQUIRED_BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+    return [
+        b
+        for b in REQUIRED_BINARIES
+        if shutil.which(b) is None and not Path("/usr/sbin", b).exists()
+    ]
 
 
 def install_packages(timeout: float = 600) -> None:
     """apt-get install the Slurm and munge packages (needs root and apt)."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"],
-                ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
+    for cmd in (
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+    ):
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:
-            raise ClusterError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+            raise ClusterError(
+                f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+            )
 
 
 def _which(name: str) -> str:
@@ -126,31 +134,42 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 """
         self.conf.write_text(conf)
 
-    def start(self, timeout: float = 60) -> "MiniSlurm":
+    def start(self, timeout: float = 60) -> MiniSlurm:
         self.root.mkdir(parents=True, exist_ok=True)
         key = self._write_munge_key()
         self.munge_socket.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(self.munge_socket.parent, 0o755)
         self._write_conf()
         log = self.root / "log"
-        self._spawn("munged", [
-            _which("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-            f"--pid-file={self.root}/run/munged.pid", f"--log-file={log}/munged.log",
-            f"--seed-file={self.root}/munge/munged.seed",
-        ])
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={self.root}/run/munged.pid",
+                f"--log-file={log}/munged.log",
+                f"--seed-file={self.root}/munge/munged.seed",
+            ],
+        )
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged socket")
         env = self.env()
         # -i: ignore stale state from a previous cluster in this directory.
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], env)
-        self._wait(lambda: self._run(["scontrol", "ping"]).stdout.count("UP") > 0, timeout, "slurmctld")
+        self._wait(
+            lambda: self._run(["scontrol", "ping"]).stdout.count("UP") > 0, timeout, "slurmctld"
+        )
         self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf)], env)
         self._wait(self._node_idle, timeout, f"node {self.host} to become idle")
         return self
 
     def _spawn(self, name: str, cmd: list[str], env: Optional[dict] = None) -> None:
         out = open(self.root / "log" / f"{name}.stdout", "ab")
-        self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or os.environ,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env or os.environ, start_new_session=True
+        )
         out.close()
 
     def _run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -165,7 +184,9 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         while time.time() < deadline:
             for name, p in self.procs.items():
                 if p.poll() is not None:
-                    raise ClusterError(f"{name} exited with {p.returncode} while waiting for {what}\n{self.logs()}")
+                    raise ClusterError(
+                        f"{name} exited with {p.returncode} while waiting for {what}\n{self.logs()}"
+                    )
             try:
                 if cond():
                     return
