@@ -1,7 +1,8 @@
 """megatron_s2: S2 sparse attention for Megatron-core GPT models (the plugin).
 
     from megatron_s2 import S2TransformerConfig, build_gpt_model
-    config = S2TransformerConfig(num_layers=32, ..., s2_schedule="configs/attention/phi3_small.yaml",
+    config = S2TransformerConfig(num_layers=32, ...,
+                                 s2_schedule="configs/attention/phi3_small.yaml",
                                  s2_seq_length=8192)
     model = build_gpt_model(config, vocab_size=..., max_sequence_length=8192)
 
@@ -19,7 +20,7 @@ from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 _LAZY = {
     "S2TransformerConfig": "config",
     "build_gpt_model": "model",
-    "load_unsharded_parameters": "model",
+    "load_unsharded_parameters": "unsharded",
     "S2CoreAttention": "attention",
     "ScheduledCoreAttention": "attention",
     "FusedDenseAttention": "attention",

@@ -1,4 +1,5 @@
-"""``S2TransformerConfig``: Megatron's ``TransformerConfig`` with the S2 settings as declared fields.
+"""``S2TransformerConfig``: Megatron's ``TransformerConfig`` with the S2 settings as declared
+fields.
 
 This follows Megatron's own pattern for attention variants (``MLATransformerConfig``): the
 variant's settings are dataclass fields, validated once in ``__post_init__``, and survive the
@@ -57,20 +58,27 @@ class S2TransformerConfig(TransformerConfig):
         if self.s2_schedule is None:
             raise ScheduleError(
                 "S2TransformerConfig.s2_schedule is required: an AttentionSchedule, its mapping or "
-                "a YAML path (AttentionSchedule.all_dense() for a dense baseline)")
+                "a YAML path (AttentionSchedule.all_dense() for a dense baseline)"
+            )
         self.s2_schedule = AttentionSchedule.coerce(self.s2_schedule)
         if self.s2_num_query_groups is None:
             self.s2_num_query_groups = self.num_query_groups
         if self.s2_backend not in BACKENDS:
-            raise ValueError(f"S2TransformerConfig.s2_backend must be one of {BACKENDS}, "
-                             f"got {self.s2_backend!r}")
+            raise ValueError(
+                f"S2TransformerConfig.s2_backend must be one of {BACKENDS}, got {self.s2_backend!r}"
+            )
         if self.s2_seq_length is not None and self.s2_seq_length < 1:
-            raise ValueError(f"S2TransformerConfig.s2_seq_length must be >= 1, "
-                             f"got {self.s2_seq_length}")
+            raise ValueError(
+                f"S2TransformerConfig.s2_seq_length must be >= 1, got {self.s2_seq_length}"
+            )
         settings = s2_settings_of(self)
-        settings.schedule.validate(self.num_layers, self.num_attention_heads,
-                                   settings.num_query_groups, self.tensor_model_parallel_size,
-                                   settings.seq_length)
+        settings.schedule.validate(
+            self.num_layers,
+            self.num_attention_heads,
+            settings.num_query_groups,
+            self.tensor_model_parallel_size,
+            settings.seq_length,
+        )
         settings.log_summary(self)
 
 
@@ -84,8 +92,9 @@ class S2Settings:
     backend: str
 
     def log_summary(self, config) -> None:
-        self.schedule.log_summary(config.num_layers, config.num_attention_heads,
-                                  self.num_query_groups, self.seq_length)
+        self.schedule.log_summary(
+            config.num_layers, config.num_attention_heads, self.num_query_groups, self.seq_length
+        )
 
 
 def s2_settings_of(config) -> S2Settings:
@@ -93,19 +102,24 @@ def s2_settings_of(config) -> S2Settings:
     plain ``TransformerConfig`` (Megatron-LM's ``--spec`` path) the schedule in
     ``$MEGATRON_S2_SCHEDULE``, validated against the config and logged once."""
     if isinstance(config, S2TransformerConfig):
-        return S2Settings(config.s2_schedule, config.s2_num_query_groups, config.s2_seq_length,
-                          config.s2_backend)
+        return S2Settings(
+            config.s2_schedule, config.s2_num_query_groups, config.s2_seq_length, config.s2_backend
+        )
     schedule = AttentionSchedule.from_env()
     if schedule is None:
         raise ScheduleError(
             f"megatron_s2: this model's config is a plain TransformerConfig with no attention "
             f"schedule. Build it as megatron_s2.S2TransformerConfig(..., s2_schedule=...) or, "
             f"under Megatron-LM's pretrain_gpt.py --spec, point ${SCHEDULE_ENV_VAR} at a "
-            f"schedule YAML")
-    settings = S2Settings(schedule, config.num_query_groups, None,
-                          "auto")
-    schedule.validate(config.num_layers, config.num_attention_heads, settings.num_query_groups,
-                      config.tensor_model_parallel_size)
+            f"schedule YAML"
+        )
+    settings = S2Settings(schedule, config.num_query_groups, None, "auto")
+    schedule.validate(
+        config.num_layers,
+        config.num_attention_heads,
+        settings.num_query_groups,
+        config.tensor_model_parallel_size,
+    )
     settings.log_summary(config)
     return settings
 

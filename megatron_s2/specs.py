@@ -6,8 +6,8 @@ Two ways to describe a hybrid model:
   and the ready objects :data:`s2_layer_spec` / :data:`s2_layer_spec_te`). Its core attention is
   :class:`~megatron_s2.attention.ScheduledCoreAttention`, which picks S2 or dense attention
   by the layer's global number from the model's schedule (``S2TransformerConfig.s2_schedule``,
-  or ``$MEGATRON_S2_SCHEDULE`` for a plain ``TransformerConfig``). This is what Megatron-LM's ``pretrain_gpt.py --spec MODULE NAME``
-  needs: ``--spec megatron_s2.specs s2_layer_spec``.
+  or ``$MEGATRON_S2_SCHEDULE`` for a plain ``TransformerConfig``). This is what Megatron-LM's
+  ``pretrain_gpt.py --spec MODULE NAME`` needs: ``--spec megatron_s2.specs s2_layer_spec``.
 * **A block spec with one explicit spec per layer** (:func:`get_s2_decoder_block_spec`), sliced
   to a pipeline stage like Megatron's ``get_gpt_decoder_block_spec``; the module of every layer
   is visible in the spec. :func:`megatron_s2.model.build_gpt_model` uses it.
@@ -59,8 +59,15 @@ try:
 except Exception:  # ImportError, or TE present but broken for this torch
     HAVE_TE = False
 
-__all__ = ["get_s2_layer_local_spec", "get_s2_layer_te_spec", "get_s2_decoder_block_spec",
-           "s2_layer_spec", "s2_layer_spec_te", "HAVE_TE", "TransformerEngineMissing"]
+__all__ = [
+    "get_s2_layer_local_spec",
+    "get_s2_layer_te_spec",
+    "get_s2_decoder_block_spec",
+    "s2_layer_spec",
+    "s2_layer_spec_te",
+    "HAVE_TE",
+    "TransformerEngineMissing",
+]
 
 
 class TransformerEngineMissing(RuntimeError):
@@ -77,7 +84,8 @@ def _require_te(what: str) -> None:
             f"import with this torch). Install it (pip install --no-build-isolation "
             f"'transformer_engine[pytorch]', matching your CUDA and torch), or use the local "
             f"spec: --spec megatron_s2.specs s2_layer_spec --transformer-impl local under "
-            f"Megatron-LM, use_te=False in megatron_s2.build_gpt_model")
+            f"Megatron-LM, use_te=False in megatron_s2.build_gpt_model"
+        )
 
 
 def _mlp_spec(fc1, fc2):
@@ -92,20 +100,30 @@ def _mlp_spec(fc1, fc2):
 def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
     if use_te:
         _require_te("S2 TE layer spec")
-        qkv, proj, fc1, fc2 = (TELayerNormColumnParallelLinear, TERowParallelLinear,
-                               TELayerNormColumnParallelLinear, TERowParallelLinear)
+        qkv, proj, fc1, fc2 = (
+            TELayerNormColumnParallelLinear,
+            TERowParallelLinear,
+            TELayerNormColumnParallelLinear,
+            TERowParallelLinear,
+        )
         # TE fuses the pre-attention and pre-MLP norms into the following linear layer.
         in_norm = pre_mlp_norm = IdentityOp
         qk_norm = TENorm if qk_layernorm else IdentityOp
         keys_map = {}
     else:
-        qkv, proj, fc1, fc2 = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear,
-                               RowParallelLinear)
+        qkv, proj, fc1, fc2 = (
+            ColumnParallelLinear,
+            RowParallelLinear,
+            ColumnParallelLinear,
+            RowParallelLinear,
+        )
         in_norm = pre_mlp_norm = SPNorm
         qk_norm = SPNorm if qk_layernorm else IdentityOp
         # Checkpoints stay interchangeable with the TE flavour (Megatron's local spec does this).
-        keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+        keys_map = {
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+        }
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -114,8 +132,12 @@ def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=qkv, core_attention=core_attention, linear_proj=proj,
-                    q_layernorm=qk_norm, k_layernorm=qk_norm),
+                    linear_qkv=qkv,
+                    core_attention=core_attention,
+                    linear_proj=proj,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_mlp_norm,
@@ -147,9 +169,13 @@ def get_s2_layer_te_spec(qk_layernorm: bool = False) -> ModuleSpec:
     return _layer_spec(_scheduled_core_attention(True), True, qk_layernorm)
 
 
-def get_s2_decoder_block_spec(config, use_te: bool = False, vp_stage: Optional[int] = None,
-                              pp_rank: Optional[int] = None,
-                              qk_layernorm: bool = False) -> TransformerBlockSubmodules:
+def get_s2_decoder_block_spec(
+    config,
+    use_te: bool = False,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    qk_layernorm: bool = False,
+) -> TransformerBlockSubmodules:
     """``TransformerBlockSubmodules`` for this pipeline (and virtual pipeline) stage.
 
     Every layer gets an explicit core attention: :class:`S2CoreAttention` for S2 layers, the
@@ -161,20 +187,23 @@ def get_s2_decoder_block_spec(config, use_te: bool = False, vp_stage: Optional[i
         _require_te("get_s2_decoder_block_spec(use_te=True)")
     dense = TEDotProductAttention if use_te else FusedDenseAttention
     schedule = s2_settings_of(config).schedule
-    specs = [_layer_spec(dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm)
-             for kind in schedule.layer_kinds(config.num_layers)]
+    specs = [
+        _layer_spec(dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm)
+        for kind in schedule.layer_kinds(config.num_layers)
+    ]
 
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:
         from megatron.core.transformer.enums import LayerType
 
-        ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage,
-                                       pp_rank=pp_rank)
+        ids = layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+        )
         local = [specs[i] for i in ids]
     else:
         n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        local = specs[offset:offset + n]
+        local = specs[offset : offset + n]
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=TENorm if use_te else SPNorm)
 
 
@@ -189,5 +218,6 @@ class _TransformerEngineMissingLayer(TransformerLayer):
 # Ready-made objects for `pretrain_gpt.py --spec megatron_s2.specs s2_layer_spec` (Megatron-LM
 # imports a spec object, not a factory). The schedule is resolved when each layer is built.
 s2_layer_spec: ModuleSpec = get_s2_layer_local_spec()
-s2_layer_spec_te: ModuleSpec = (get_s2_layer_te_spec() if HAVE_TE
-                                else ModuleSpec(module=_TransformerEngineMissingLayer))
+s2_layer_spec_te: ModuleSpec = (
+    get_s2_layer_te_spec() if HAVE_TE else ModuleSpec(module=_TransformerEngineMissingLayer)
+)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from megatron_helpers import import_tool
 
 pytest.importorskip("megatron.core")
@@ -34,8 +33,13 @@ def test_core_attention_modules_on_cuda_8k(dtype):
     from s2attn import S2Pattern, s2_attention_reference
 
     s, b, h, g, d = 8192, 1, 8, 2, 64
-    cfg = TransformerConfig(num_layers=2, hidden_size=h * d, num_attention_heads=h,
-                            num_query_groups=g, attention_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=h * d,
+        num_attention_heads=h,
+        num_query_groups=g,
+        attention_dropout=0.0,
+    )
     pattern = S2Pattern(h, g, block_size=64, local_blocks=16, vert_stride=8, head_offset=1)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(s, b, h, d, device="cuda", dtype=dtype, generator=gen)
@@ -44,14 +48,16 @@ def test_core_attention_modules_on_cuda_8k(dtype):
     s2 = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG())
     out = s2(q, k, v, None)
     ref = s2_attention_reference(*(x.float().transpose(0, 1) for x in (q, k, v)), pattern)
-    torch.testing.assert_close(out.float(), ref.transpose(0, 1).reshape(s, b, h * d),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        out.float(), ref.transpose(0, 1).reshape(s, b, h * d), atol=2e-2, rtol=2e-2
+    )
     dense = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG())
     dense_out = dense(q, k, v, None)
     full = S2Pattern(h, g, block_size=64, local_blocks=s // 64, vert_stride=8)
     ref_dense = s2_attention_reference(*(x.float().transpose(0, 1) for x in (q, k, v)), full)
-    torch.testing.assert_close(dense_out.float(), ref_dense.transpose(0, 1).reshape(s, b, h * d),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        dense_out.float(), ref_dense.transpose(0, 1).reshape(s, b, h * d), atol=2e-2, rtol=2e-2
+    )
 
 
 @pytest.mark.slow
@@ -80,14 +86,24 @@ def test_build_gpt_model_bf16_trains_on_cuda():
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
     seq, vocab = 2048, 512
-    cfg = S2TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8,
-                              num_query_groups=2, ffn_hidden_size=512, normalization="RMSNorm",
-                              add_bias_linear=False, hidden_dropout=0.0, bf16=True,
-                              params_dtype=torch.bfloat16, s2_schedule=TINY_SCHEDULE,
-                              s2_seq_length=seq)
-    model = build_gpt_model(cfg, vocab_size=vocab, max_sequence_length=seq,
-                            position_embedding_type="rope").cuda()
-    kinds = [type(l.self_attention.core_attention).__name__ for l in model.decoder.layers]
+    cfg = S2TransformerConfig(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        s2_schedule=TINY_SCHEDULE,
+        s2_seq_length=seq,
+    )
+    model = build_gpt_model(
+        cfg, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope"
+    ).cuda()
+    kinds = [type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers]
     assert kinds == ["S2CoreAttention", "FusedDenseAttention"] * 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     tok = torch.randint(0, vocab, (2, seq), device="cuda", generator=gen)

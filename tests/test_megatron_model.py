@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-
 from megatron_helpers import REPO, TINY_SCHEDULE, init_single_process, tiny_config, tiny_s2_config
 
 pytest.importorskip("megatron.core")
@@ -85,16 +84,24 @@ def _fwd_bwd(model):
 
 
 def _core_kinds(model):
-    return [(type(l.self_attention.core_attention).__name__, l.layer_number)
-            for l in model.decoder.layers]
+    return [
+        (type(layer.self_attention.core_attention).__name__, layer.layer_number)
+        for layer in model.decoder.layers
+    ]
 
 
 # ---------------------------------------------------------------------- core attention contract
 def test_s2_core_attention_matches_reference_and_shapes():
     cfg = tiny_config()
     pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4, head_offset=1)
-    mod = S2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                          attention_type="self", pattern=pattern, pg_collection=_PG(0, 1))
+    mod = S2CoreAttention(
+        cfg,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pattern=pattern,
+        pg_collection=_PG(0, 1),
+    )
     q, k, v = _qkv()
     out = mod(q, k, v, None, attn_mask_type=AttnMaskType.causal)
     assert out.shape == (SEQ, 2, 128)
@@ -108,23 +115,38 @@ def test_s2_core_attention_tp_ranks_compute_their_rows_of_the_full_pattern():
     """Each TP rank's output equals its heads' slice of the full model's output; phases use
     global head indices (vert_stride 8 = heads, so every head has its own phase)."""
     cfg = tiny_config()
-    pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=8, head_offset=1,
-                        num_dense_heads=2)
+    pattern = S2Pattern(
+        8, 4, block_size=16, local_blocks=2, vert_stride=8, head_offset=1, num_dense_heads=2
+    )
     q, k, v = _qkv()
-    full = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern,
-                           pg_collection=_PG(0, 1))(q, k, v, None)
+    full = S2CoreAttention(
+        cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1)
+    )(q, k, v, None)
     parts = []
     for r in range(2):
-        mod = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern,
-                              pg_collection=_PG(r, 2))
+        mod = S2CoreAttention(
+            cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(r, 2)
+        )
         assert (mod.pattern.head_start, mod.pattern.head_end) == (4 * r, 4 * r + 4)
-        parts.append(mod(q[:, :, 4 * r:4 * r + 4], k[:, :, 2 * r:2 * r + 2], v[:, :, 2 * r:2 * r + 2], None))
+        parts.append(
+            mod(
+                q[:, :, 4 * r : 4 * r + 4],
+                k[:, :, 2 * r : 2 * r + 2],
+                v[:, :, 2 * r : 2 * r + 2],
+                None,
+            )
+        )
     torch.testing.assert_close(torch.cat(parts, dim=-1), full)
     # Local head indices would give a different answer for rank 1.
-    local_pattern = S2Pattern(4, 2, block_size=16, local_blocks=2, vert_stride=8, head_offset=1,
-                              num_dense_heads=1)
-    wrong = s2_attention_reference(q[:, :, 4:].transpose(0, 1), k[:, :, 2:].transpose(0, 1),
-                                   v[:, :, 2:].transpose(0, 1), local_pattern)
+    local_pattern = S2Pattern(
+        4, 2, block_size=16, local_blocks=2, vert_stride=8, head_offset=1, num_dense_heads=1
+    )
+    wrong = s2_attention_reference(
+        q[:, :, 4:].transpose(0, 1),
+        k[:, :, 2:].transpose(0, 1),
+        v[:, :, 2:].transpose(0, 1),
+        local_pattern,
+    )
     wrong = wrong.transpose(0, 1).reshape(parts[1].shape)
     assert not torch.allclose(wrong, parts[1])
 
@@ -142,9 +164,15 @@ def test_s2_with_full_window_is_dense_causal():
     fused dense module."""
     cfg = tiny_config()
     q, k, v = (x.float().detach() for x in _qkv())
-    expect = _naive_causal(q, k, v, 16 ** -0.5)
-    s2 = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1),
-                         pattern=S2Pattern(8, 4, block_size=16, local_blocks=SEQ // 16, vert_stride=4))
+    expect = _naive_causal(q, k, v, 16**-0.5)
+    s2 = S2CoreAttention(
+        cfg,
+        1,
+        AttnMaskType.causal,
+        "self",
+        pg_collection=_PG(0, 1),
+        pattern=S2Pattern(8, 4, block_size=16, local_blocks=SEQ // 16, vert_stride=4),
+    )
     dense = FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
     torch.testing.assert_close(s2(q, k, v, None), expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dense(q, k, v, None), expect, atol=1e-5, rtol=1e-5)
@@ -153,25 +181,38 @@ def test_s2_with_full_window_is_dense_causal():
 def test_fused_dense_attention_gqa_and_scale():
     cfg = tiny_config()
     q, k, v = _qkv()
-    mod = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", softmax_scale=0.2,
-                              pg_collection=_PG(0, 1))
+    mod = FusedDenseAttention(
+        cfg, 2, AttnMaskType.causal, "self", softmax_scale=0.2, pg_collection=_PG(0, 1)
+    )
     torch.testing.assert_close(mod(q, k, v, None), _naive_causal(q, k, v, 0.2))
 
 
 @pytest.mark.parametrize("cls", [S2CoreAttention, FusedDenseAttention])
-@pytest.mark.parametrize("cfg_kw, ctor_kw, match", [
-    ({}, {"attn_mask_type": AttnMaskType.padding}, "attn_mask_type must be AttnMaskType.causal"),
-    ({}, {"attention_type": "cross"}, "attention_type must be 'self'"),
-    ({"context_parallel_size": 2}, {}, "context_parallel_size=2 is not supported"),
-    ({"window_size": (32, 0)}, {}, "window_size"),
-    ({}, {"k_channels": 32, "v_channels": 16}, "multi-latent"),
-])
+@pytest.mark.parametrize(
+    "cfg_kw, ctor_kw, match",
+    [
+        (
+            {},
+            {"attn_mask_type": AttnMaskType.padding},
+            "attn_mask_type must be AttnMaskType.causal",
+        ),
+        ({}, {"attention_type": "cross"}, "attention_type must be 'self'"),
+        ({"context_parallel_size": 2}, {}, "context_parallel_size=2 is not supported"),
+        ({"window_size": (32, 0)}, {}, "window_size"),
+        ({}, {"k_channels": 32, "v_channels": 16}, "multi-latent"),
+    ],
+)
 def test_unsupported_configurations_fail_at_construction(cls, cfg_kw, ctor_kw, match):
     cfg = tiny_config()
     for key, val in cfg_kw.items():  # set after __post_init__: some need other parallel settings
         setattr(cfg, key, val)
-    kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
-              attention_type="self", pg_collection=_PG(0, 1))
+    kw = dict(
+        config=cfg,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pg_collection=_PG(0, 1),
+    )
     if cls is S2CoreAttention:
         kw["pattern"] = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
     kw.update(ctor_kw)
@@ -182,8 +223,12 @@ def test_unsupported_configurations_fail_at_construction(cls, cfg_kw, ctor_kw, m
 def test_s2_rejects_dropout_dense_accepts_it():
     cfg = tiny_config(attention_dropout=0.1)
     pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
-    with pytest.raises(ValueError, match=r"attention_dropout=0.0 \(Megatron-LM: --attention-dropout 0.0\)"):
-        S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1))
+    with pytest.raises(
+        ValueError, match=r"attention_dropout=0.0 \(Megatron-LM: --attention-dropout 0.0\)"
+    ):
+        S2CoreAttention(
+            cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1)
+        )
     FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
 
 
@@ -191,8 +236,14 @@ def test_forward_rejects_packed_sequences_and_bias():
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cfg = tiny_config()
-    mod = S2CoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1),
-                          pattern=S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4))
+    mod = S2CoreAttention(
+        cfg,
+        1,
+        AttnMaskType.causal,
+        "self",
+        pg_collection=_PG(0, 1),
+        pattern=S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4),
+    )
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="packed sequences"):
         mod(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
@@ -203,12 +254,18 @@ def test_forward_rejects_packed_sequences_and_bias():
 
 
 # ---------------------------------------------------------------------- models
-@pytest.mark.parametrize("schedule, kinds, backend", [
-    (TINY_SCHEDULE, ["S2CoreAttention", "FusedDenseAttention"] * 2, "auto"),
-    ({"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4}}, ["S2CoreAttention"] * 4,
-     "reference"),
-    ({"dense_layers": {"pattern": "D"}}, ["FusedDenseAttention"] * 4, "reference"),
-])
+@pytest.mark.parametrize(
+    "schedule, kinds, backend",
+    [
+        (TINY_SCHEDULE, ["S2CoreAttention", "FusedDenseAttention"] * 2, "auto"),
+        (
+            {"s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4}},
+            ["S2CoreAttention"] * 4,
+            "reference",
+        ),
+        ({"dense_layers": {"pattern": "D"}}, ["FusedDenseAttention"] * 4, "reference"),
+    ],
+)
 def test_build_gpt_model_per_layer_modules_and_train_step(schedule, kinds, backend):
     model = _build(schedule, backend=backend)
     assert [k for k, _ in _core_kinds(model)] == kinds
@@ -219,13 +276,17 @@ def test_build_gpt_model_per_layer_modules_and_train_step(schedule, kinds, backe
 
 def test_build_from_shipped_ablation_yaml():
     """The shipped ablation schedule (block 64) on an 8-layer model at 128 tokens."""
-    model = _build(os.path.join(REPO, "configs", "attention", "ablation_overrides.yaml"),
-                   num_layers=8)
+    model = _build(
+        os.path.join(REPO, "configs", "attention", "ablation_overrides.yaml"), num_layers=8
+    )
     kinds = [k for k, _ in _core_kinds(model)]
     assert kinds == ["FusedDenseAttention"] + ["S2CoreAttention"] * 6 + ["FusedDenseAttention"]
-    cores = [l.self_attention.core_attention for l in model.decoder.layers]
-    assert (cores[2].pattern.vert_stride, cores[3].pattern.local_blocks,
-            cores[4].pattern.num_dense_heads) == (16, 8, 4)
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert (
+        cores[2].pattern.vert_stride,
+        cores[3].pattern.local_blocks,
+        cores[4].pattern.num_dense_heads,
+    ) == (16, 8, 4)
 
 
 def test_build_gpt_model_validates_schedule():
@@ -266,15 +327,18 @@ def test_spec_import_module_path(tmp_path, monkeypatch):
     from megatron.core.transformer.spec_utils import import_module
 
     f = tmp_path / "sched.yaml"
-    f.write_text("s2: {block_size: 16, local_blocks: 2, vert_stride: 8, head_offset: 1}\n"
-                 "dense_layers: {pattern: DS}\n")
+    f.write_text(
+        "s2: {block_size: 16, local_blocks: 2, vert_stride: 8, head_offset: 1}\n"
+        "dense_layers: {pattern: DS}\n"
+    )
     monkeypatch.setenv(SCHEDULE_ENV_VAR, str(f))
     spec = import_module(("megatron_s2.specs", "s2_layer_spec"))
     assert spec is not None
     assert spec.submodules.self_attention.submodules.core_attention.module is ScheduledCoreAttention
     cfg = tiny_config()
-    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
-                     max_sequence_length=SEQ)
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ
+    )
     assert [k for k, _ in _core_kinds(model)] == ["FusedDenseAttention", "S2CoreAttention"] * 2
     _fwd_bwd(model)
 
@@ -283,8 +347,13 @@ def test_scheduled_core_attention_without_schedule_explains():
     cfg = tiny_config()
     os.environ.pop(SCHEDULE_ENV_VAR, None)
     with pytest.raises(ValueError, match=SCHEDULE_ENV_VAR):
-        ScheduledCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                               attention_type="self", pg_collection=_PG(0, 1))
+        ScheduledCoreAttention(
+            config=cfg,
+            layer_number=1,
+            attn_mask_type=AttnMaskType.causal,
+            attention_type="self",
+            pg_collection=_PG(0, 1),
+        )
 
 
 def test_sp_norm_marks_parameters():
@@ -309,16 +378,26 @@ def test_te_spec_absent_or_buildable():
 
         # As Megatron-LM's --spec imports it: an object, which fails at build with the reason.
         spec = import_module(("megatron_s2.specs", "s2_layer_spec_te"))
-        with pytest.raises(specs.TransformerEngineMissing,
-                           match=r"Transformer Engine.*pip install.*s2_layer_spec "
-                                 r"--transformer-impl local"):
-            GPTModel(config=tiny_config(), transformer_layer_spec=spec, vocab_size=VOCAB,
-                     max_sequence_length=SEQ)
+        with pytest.raises(
+            specs.TransformerEngineMissing,
+            match=r"Transformer Engine.*pip install.*s2_layer_spec "
+            r"--transformer-impl local",
+        ):
+            GPTModel(
+                config=tiny_config(),
+                transformer_layer_spec=spec,
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+            )
         with pytest.raises(specs.TransformerEngineMissing, match="Transformer Engine"):
             specs.get_s2_layer_te_spec()
     else:
-        assert specs.s2_layer_spec_te.submodules.self_attention.submodules.core_attention.params[
-            "dense_attention"].__name__ == "TEDotProductAttention"
+        assert (
+            specs.s2_layer_spec_te.submodules.self_attention.submodules.core_attention.params[
+                "dense_attention"
+            ].__name__
+            == "TEDotProductAttention"
+        )
 
 
 # ---------------------------------------------------------------------- typed config
@@ -336,13 +415,21 @@ def test_s2_transformer_config_declares_validates_and_survives_copies():
     assert "s2_schedule" in {f.name for f in __import__("dataclasses").fields(S2TransformerConfig)}
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"s2_schedule": None}, "s2_schedule is required"),
-    ({"s2_schedule": {}, "s2_backend": "cuda"}, r"s2_backend must be one of"),
-    ({"s2_schedule": {"s2": {"vert_stride": 0}}}, r"attention\.s2\.vert_stride"),
-    ({"s2_schedule": {"s2": {"block_size": 16, "local_blocks": 1, "vert_stride": 16}},
-      "s2_seq_length": 512}, r"unseen at 512 tokens"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"s2_schedule": None}, "s2_schedule is required"),
+        ({"s2_schedule": {}, "s2_backend": "cuda"}, r"s2_backend must be one of"),
+        ({"s2_schedule": {"s2": {"vert_stride": 0}}}, r"attention\.s2\.vert_stride"),
+        (
+            {
+                "s2_schedule": {"s2": {"block_size": 16, "local_blocks": 1, "vert_stride": 16}},
+                "s2_seq_length": 512,
+            },
+            r"unseen at 512 tokens",
+        ),
+    ],
+)
 def test_s2_transformer_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(config_class=S2TransformerConfig, **kw)

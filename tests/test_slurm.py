@@ -42,16 +42,24 @@ def clean_env(base=None):
 def demo_overrides(data_dir, iters=ITERS):
     """Small, fast settings that hold whatever the demo config's defaults become."""
     return [
-        f"train.train_iters={iters}", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "train.eval_interval=0", "optimizer.lr_warmup_iters=1", "logging.log_interval=1",
-        "logging.plot=false", "logging.progress_bar=false", "checkpoint.save_interval=0",
+        f"train.train_iters={iters}",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.eval_interval=0",
+        "optimizer.lr_warmup_iters=1",
+        "logging.log_interval=1",
+        "logging.plot=false",
+        "logging.progress_bar=false",
+        "checkpoint.save_interval=0",
         f"data.demo_dir={data_dir}",
     ]
 
 
 def rank_logs(run_dir, restart, rank, stream="stdout"):
     """torchrun's per-rank log of ``restart`` (see launch/slurm.sbatch), or None."""
-    hits = sorted(Path(run_dir).glob(f"logs/restart{restart}/node0/*/attempt_0/{rank}/{stream}.log"))
+    hits = sorted(
+        Path(run_dir).glob(f"logs/restart{restart}/node0/*/attempt_0/{rank}/{stream}.log")
+    )
     return hits[-1].read_text(errors="replace") if hits else None
 
 
@@ -60,15 +68,28 @@ def test_launchers_reject_bad_usage(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     r = subprocess.run(["bash", str(SBATCH), str(CONFIG)], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "submit this script with sbatch" in r.stderr
-    r = subprocess.run(["bash", str(SBATCH), str(tmp_path / "none.yaml")], capture_output=True, text=True,
-                       env=dict(env, SLURM_JOB_ID="1"))
+    r = subprocess.run(
+        ["bash", str(SBATCH), str(tmp_path / "none.yaml")],
+        capture_output=True,
+        text=True,
+        env=dict(env, SLURM_JOB_ID="1"),
+    )
     assert r.returncode == 2 and "config file" in r.stderr and "not found" in r.stderr
     r = subprocess.run(["bash", str(TORCHRUN)], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "usage" in r.stderr
-    r = subprocess.run(["bash", str(TORCHRUN), str(tmp_path / "none.yaml")], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        ["bash", str(TORCHRUN), str(tmp_path / "none.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 2 and "not found" in r.stderr
-    r = subprocess.run(["bash", str(TORCHRUN), str(CONFIG)], capture_output=True, text=True,
-                       env=dict(env, NPROC_PER_NODE="two"))
+    r = subprocess.run(
+        ["bash", str(TORCHRUN), str(CONFIG)],
+        capture_output=True,
+        text=True,
+        env=dict(env, NPROC_PER_NODE="two"),
+    )
     assert r.returncode == 2 and "NPROC_PER_NODE" in r.stderr
 
 
@@ -76,11 +97,19 @@ def test_launchers_reject_bad_usage(tmp_path):
 def test_torchrun_launcher_cpu_demo(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(clean_env(), NPROC_PER_NODE="2", RUN_DIR=str(run_dir))
-    r = subprocess.run(["bash", str(TORCHRUN), str(CONFIG), *demo_overrides(tmp_path / "data", iters=3)],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    r = subprocess.run(
+        ["bash", str(TORCHRUN), str(CONFIG), *demo_overrides(tmp_path / "data", iters=3)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert re.search(r"iter\s+3/3", r.stdout + r.stderr)
-    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (
+        run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    ).read_text().strip() == "3"
 
 
 # ---- the real Slurm path ------------------------------------------------------------------------
@@ -89,7 +118,10 @@ def slurm(tmp_path_factory):
     if not sys.platform.startswith("linux"):
         pytest.skip("single-machine Slurm test needs Linux")
     if os.geteuid() != 0:
-        pytest.skip("single-machine Slurm test needs root (it starts munged/slurmctld/slurmd and may apt-get install)")
+        pytest.skip(
+            "single-machine Slurm test needs root "
+            "(it starts munged/slurmctld/slurmd and may apt-get install)"
+        )
     if missing_binaries():
         if shutil.which("apt-get") is None:
             pytest.skip(f"Slurm binaries {missing_binaries()} missing and apt-get is not available")
@@ -115,7 +147,9 @@ def _wait_for(cond, timeout, what, cluster, job):
             return value
         time.sleep(1)
     info = cluster.job_info(job)
-    raise AssertionError(f"timed out waiting for {what}; job state {info.get('JobState')}\n{cluster.logs()}")
+    raise AssertionError(
+        f"timed out waiting for {what}; job state {info.get('JobState')}\n{cluster.logs()}"
+    )
 
 
 @pytest.mark.slow
@@ -131,9 +165,21 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
         # not resolve, use the documented override.
         env["MASTER_ADDR"] = "127.0.0.1"
     r = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", f"--cpus-per-task={slurm.cpus}", "--job-name=s2ci",
-         str(SBATCH), str(CONFIG), *demo_overrides(tmp_path / "data")],
-        capture_output=True, text=True, env=env, cwd=submit_dir, timeout=60,
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            f"--cpus-per-task={slurm.cpus}",
+            "--job-name=s2ci",
+            str(SBATCH),
+            str(CONFIG),
+            *demo_overrides(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=submit_dir,
+        timeout=60,
     )
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip().split(";")[0]
@@ -141,12 +187,28 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
     out_file = submit_dir / f"slurm-s2ci-{job}.out"
 
     # Once the trainer is stepping, send what Slurm sends 120 s before the time limit.
-    _wait_for(lambda: re.search(r"iter\s+2/", rank_logs(run_dir, 0, 0) or ""), 180,
-              "the first run to reach iteration 2", slurm, job)
-    sig = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True)
+    _wait_for(
+        lambda: re.search(r"iter\s+2/", rank_logs(run_dir, 0, 0) or ""),
+        180,
+        "the first run to reach iteration 2",
+        slurm,
+        job,
+    )
+    sig = subprocess.run(
+        ["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True
+    )
     assert sig.returncode == 0, sig.stderr
 
-    final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+    final = {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+    }
 
     def finished():
         info = slurm.job_info(job)
@@ -154,7 +216,9 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
 
     info = _wait_for(finished, 240, "the requeued job to finish", slurm, job)
     output = out_file.read_text(errors="replace")
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{output[-4000:]}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (
+        f"{info}\n{output[-4000:]}"
+    )
 
     # First run: the trainer caught SIGTERM, checkpointed and stopped; the script requeued.
     first = rank_logs(run_dir, 0, 0)
@@ -165,7 +229,9 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
     # Second run (same job id, same run dir): resumed from that checkpoint and finished.
     second = rank_logs(run_dir, 1, 0)
     assert second is not None, output[-4000:]
-    assert f"resumed from" in second and re.search(rf"iter\s+{ITERS}/{ITERS}", second), second[-3000:]
+    assert "resumed from" in second and re.search(rf"iter\s+{ITERS}/{ITERS}", second), second[
+        -3000:
+    ]
     assert not re.search(rf"iter\s+{stopped_at}/", second)  # no iteration was repeated
     # Both ranks ran in both attempts and wrote their shards of the final checkpoint.
     for restart in (0, 1):
@@ -174,4 +240,6 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     shards = [p.name for p in (ckpt / f"iter_{ITERS:07d}").glob("*.distcp")]
-    assert any(s.startswith("__0_") for s in shards) and any(s.startswith("__1_") for s in shards), shards
+    assert any(s.startswith("__0_") for s in shards) and any(
+        s.startswith("__1_") for s in shards
+    ), shards

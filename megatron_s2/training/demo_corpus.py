@@ -27,9 +27,17 @@ import random
 import shutil
 import string
 import sys
-from typing import Iterator, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Optional
 
-__all__ = ["generate_document", "generate_corpus", "write_corpus_jsonl", "ensure_demo_data", "demo_prefix", "main"]
+__all__ = [
+    "generate_document",
+    "generate_corpus",
+    "write_corpus_jsonl",
+    "ensure_demo_data",
+    "demo_prefix",
+    "main",
+]
 
 # Bump when the generated text changes, so that stale cached datasets are not reused.
 GENERATOR_VERSION = 1
@@ -44,7 +52,7 @@ _WORDS = (
 
 def generate_document(rng: random.Random, target_chars: int) -> str:
     """One document of roughly ``target_chars`` characters (see the module docstring)."""
-    defined: list[Tuple[str, str]] = []
+    defined: list[tuple[str, str]] = []
     used = set()
     parts = []
     size = 0
@@ -79,7 +87,9 @@ def generate_corpus(
     if num_docs < 1:
         raise ValueError(f"num_docs must be >= 1, got {num_docs}")
     if not 1 <= min_chars <= max_chars:
-        raise ValueError(f"need 1 <= min_chars <= max_chars, got min_chars={min_chars}, max_chars={max_chars}")
+        raise ValueError(
+            f"need 1 <= min_chars <= max_chars, got min_chars={min_chars}, max_chars={max_chars}"
+        )
     rng = random.Random(f"kv-recall-v{GENERATOR_VERSION}-{seed}")
     for _ in range(num_docs):
         yield generate_document(rng, rng.randint(min_chars, max_chars))
@@ -97,7 +107,9 @@ def write_corpus_jsonl(path: str, seed: int = 0, **kwargs) -> int:
 
 def demo_prefix(data_dir: str | os.PathLike, seed: int = 0) -> str:
     """The indexed-dataset prefix that ``ensure_demo_data`` writes for ``seed``."""
-    return os.path.join(os.fspath(data_dir), f"kv_recall_v{GENERATOR_VERSION}_seed{seed}_text_document")
+    return os.path.join(
+        os.fspath(data_dir), f"kv_recall_v{GENERATOR_VERSION}_seed{seed}_text_document"
+    )
 
 
 @contextlib.contextmanager
@@ -115,7 +127,12 @@ def _locked(path: str):
 
 
 def ensure_demo_data(
-    data_dir: str | os.PathLike, seed: int = 0, *, force: bool = False, progress: bool = False, **corpus_kwargs
+    data_dir: str | os.PathLike,
+    seed: int = 0,
+    *,
+    force: bool = False,
+    progress: bool = False,
+    **corpus_kwargs,
 ) -> str:
     """Generate and preprocess the demo corpus under ``data_dir`` unless present; return the prefix.
 
@@ -141,7 +158,15 @@ def ensure_demo_data(
         write_corpus_jsonl(jsonl, seed=seed, **corpus_kwargs)
         cache = os.path.join(data_dir, f".hf_cache_{os.getpid()}")
         try:
-            preprocess(jsonl, prefix, tokenizer="byte", text_key="text", workers=1, cache_dir=cache, progress=progress)
+            preprocess(
+                jsonl,
+                prefix,
+                tokenizer="byte",
+                text_key="text",
+                workers=1,
+                cache_dir=cache,
+                progress=progress,
+            )
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     return prefix
@@ -150,16 +175,21 @@ def ensure_demo_data(
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="make_demo_corpus",
-        description="Generate the synthetic key-value recall corpus and its byte-level Megatron indexed dataset.",
+        description="Generate the synthetic key-value recall corpus and its byte-level Megatron "
+        "indexed dataset.",
     )
     p.add_argument("--data-dir", default="data/demo", help="output directory (default: data/demo)")
     p.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
-    p.add_argument("--num-docs", type=int, default=None, help="documents to generate (default: 1200, ~2 MB)")
+    p.add_argument(
+        "--num-docs", type=int, default=None, help="documents to generate (default: 1200, ~2 MB)"
+    )
     p.add_argument("--force", action="store_true", help="regenerate even if the dataset exists")
     args = p.parse_args(argv)
     kwargs = {} if args.num_docs is None else {"num_docs": args.num_docs}
     try:
-        prefix = ensure_demo_data(args.data_dir, seed=args.seed, force=args.force, progress=True, **kwargs)
+        prefix = ensure_demo_data(
+            args.data_dir, seed=args.seed, force=args.force, progress=True, **kwargs
+        )
     except ValueError as exc:
         print(f"make_demo_corpus: error: {exc}", file=sys.stderr)
         return 2

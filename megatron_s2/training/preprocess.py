@@ -24,9 +24,10 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class _Source:
     """A group of consecutive local files of one format, or a Hub dataset, or a Dataset object."""
 
     kind: str  # a datasets builder name, "hub" or "dataset"
-    files: List[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
     name: Optional[str] = None
     obj: object = None
 
@@ -91,8 +92,9 @@ def _file_format(path: str, input_format: Optional[str]) -> str:
     suffix = os.path.splitext(lower)[1]
     if suffix not in SUPPORTED_SUFFIXES:
         raise ValueError(
-            f"input {path!r}: cannot infer the format from suffix {suffix or '(none)'!r}; supported "
-            f"suffixes are {sorted(SUPPORTED_SUFFIXES)} (optionally + {list(_COMPRESSION_SUFFIXES)}), "
+            f"input {path!r}: cannot infer the format from suffix {suffix or '(none)'!r}; "
+            f"supported suffixes are {sorted(SUPPORTED_SUFFIXES)} "
+            f"(optionally + {list(_COMPRESSION_SUFFIXES)}), "
             f"or pass input_format= one of {_FORMATS} (CLI: --input-format)"
         )
     return SUPPORTED_SUFFIXES[suffix]
@@ -106,10 +108,13 @@ def _looks_like_path(s: str) -> bool:
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
 
 
-def resolve_inputs(inputs, input_format: Optional[str] = None) -> List[_Source]:
+def resolve_inputs(inputs, input_format: Optional[str] = None) -> list[_Source]:
     """Expand ``inputs`` into ordered sources; raise with a clear message for anything unreadable.
 
     Directories contribute their supported files (sorted, recursively); glob patterns are expanded
@@ -119,14 +124,16 @@ def resolve_inputs(inputs, input_format: Optional[str] = None) -> List[_Source]:
     if input_format is not None and input_format not in _FORMATS:
         raise ValueError(f"input_format must be one of {_FORMATS}, got {input_format!r}")
     if inputs is None:
-        raise ValueError("inputs: nothing to preprocess (pass files, directories, globs or a dataset name)")
+        raise ValueError(
+            "inputs: nothing to preprocess (pass files, directories, globs or a dataset name)"
+        )
     if isinstance(inputs, (str, os.PathLike)) or _is_dataset(inputs):
         inputs = [inputs]
     inputs = list(inputs)
     if not inputs:
         raise ValueError("inputs: empty list; pass files, directories, globs or a dataset name")
 
-    sources: List[_Source] = []
+    sources: list[_Source] = []
 
     def add_file(path: str) -> None:
         fmt = _file_format(path, input_format)
@@ -140,19 +147,25 @@ def resolve_inputs(inputs, input_format: Optional[str] = None) -> List[_Source]:
             sources.append(_Source(kind="dataset", obj=item))
             continue
         if not isinstance(item, (str, os.PathLike)):
-            raise TypeError(f"inputs: expected paths, dataset names or datasets.Dataset, got {type(item).__name__}")
+            raise TypeError(
+                "inputs: expected paths, dataset names or datasets.Dataset, "
+                f"got {type(item).__name__}"
+            )
         s = os.path.expanduser(os.fspath(item))
         if os.path.isfile(s):
             add_file(s)
         elif os.path.isdir(s):
             found = sorted(
-                str(p) for p in Path(s).rglob("*")
-                if p.is_file() and not p.name.startswith(".")
+                str(p)
+                for p in Path(s).rglob("*")
+                if p.is_file()
+                and not p.name.startswith(".")
                 and (input_format is not None or _has_supported_suffix(p.name))
             )
             if not found:
                 raise FileNotFoundError(
-                    f"input directory {s!r} contains no files with a supported suffix {sorted(SUPPORTED_SUFFIXES)}"
+                    f"input directory {s!r} contains no files with a supported suffix "
+                    f"{sorted(SUPPORTED_SUFFIXES)}"
                 )
             for f in found:
                 add_file(f)
@@ -166,7 +179,8 @@ def resolve_inputs(inputs, input_format: Optional[str] = None) -> List[_Source]:
             raise FileNotFoundError(f"input file {s!r} does not exist")
         elif _offline():
             raise FileNotFoundError(
-                f"input {s!r} is not a local file, and the Hub is off (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE set); "
+                f"input {s!r} is not a local file, and the Hub is off "
+                "(HF_DATASETS_OFFLINE/HF_HUB_OFFLINE set); "
                 "download the dataset or point --input at local files"
             )
         else:
@@ -190,7 +204,13 @@ def _is_dataset(obj) -> bool:
     return isinstance(obj, (datasets.Dataset, datasets.IterableDataset))
 
 
-def _load_source(src: _Source, split: str, hub_config: Optional[str], text_sample_by: str, cache_dir: Optional[str]):
+def _load_source(
+    src: _Source,
+    split: str,
+    hub_config: Optional[str],
+    text_sample_by: str,
+    cache_dir: Optional[str],
+):
     import datasets
 
     if src.kind == "dataset":
@@ -202,18 +222,22 @@ def _load_source(src: _Source, split: str, hub_config: Optional[str], text_sampl
         if src.kind == "text":
             kwargs["sample_by"] = text_sample_by
         # Local files always form a single "train" split; `split` only selects Hub splits.
-        return datasets.load_dataset(src.kind, data_files=src.files, split="train", cache_dir=cache_dir, **kwargs)
+        return datasets.load_dataset(
+            src.kind, data_files=src.files, split="train", cache_dir=cache_dir, **kwargs
+        )
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ValueError(f"cannot read {src.describe()}: {exc}") from exc
     except Exception as exc:
         # pyarrow / json decoding errors carry no file name; add it.
         # datasets wraps the parser's error (which names the problem) in a generic one.
         cause = exc.__cause__ or exc.__context__
-        detail = f"{type(exc).__name__}: {exc}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+        detail = f"{type(exc).__name__}: {exc}" + (
+            f" ({type(cause).__name__}: {cause})" if cause else ""
+        )
         raise ValueError(f"cannot read {src.describe()} as {src.kind}: {detail}") from exc
 
 
-def _iter_batches(ds, src: _Source, text_key: str) -> Iterator[List[str]]:
+def _iter_batches(ds, src: _Source, text_key: str) -> Iterator[list[str]]:
     """Yield lists of document texts, validating the column and value types on the way."""
     key = "text" if src.kind == "text" else text_key
     columns = ds.column_names
@@ -222,19 +246,21 @@ def _iter_batches(ds, src: _Source, text_key: str) -> Iterator[List[str]]:
             f"{src.describe()}: no column {key!r} (columns: {list(columns)}); pass text_key= "
             "(CLI: --text-key) naming the column that holds the text"
         )
-    batch: List[str] = []
+    batch: list[str] = []
     chars = 0
     row = 0
     for record in ds.iter(batch_size=_BATCH_DOCS) if hasattr(ds, "iter") else _chunks(ds):
         if key not in record:
-            raise ValueError(f"{src.describe()}: no column {key!r} (columns: {list(record)}); pass text_key=")
+            raise ValueError(
+                f"{src.describe()}: no column {key!r} (columns: {list(record)}); pass text_key="
+            )
         for value in record[key]:
             if value is None:
                 value = ""
             elif not isinstance(value, str):
                 raise ValueError(
-                    f"{src.describe()}: row {row}: column {key!r} holds {type(value).__name__}, expected a "
-                    "string; pick a text column with text_key= (CLI: --text-key)"
+                    f"{src.describe()}: row {row}: column {key!r} holds {type(value).__name__}, "
+                    "expected a string; pick a text column with text_key= (CLI: --text-key)"
                 )
             row += 1
             batch.append(value)
@@ -289,7 +315,7 @@ def _init_worker(spec, eod_token, dtype) -> None:
     _WORKER_DTYPE = dtype
 
 
-def _encode_batch(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+def _encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Encode a batch; return the concatenated ids and per-document lengths (no EOD yet).
 
     Flat numpy arrays pickle far faster than lists of Python ints on the way back to the parent.
@@ -300,7 +326,9 @@ def _encode_batch(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
     else:
         encoded = [tok.encode(t) for t in texts]
     lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.fromiter((i for e in encoded for i in e), dtype=_WORKER_DTYPE, count=int(lengths.sum()))
+    flat = np.fromiter(
+        (i for e in encoded for i in e), dtype=_WORKER_DTYPE, count=int(lengths.sum())
+    )
     return flat, lengths
 
 
@@ -338,8 +366,8 @@ def preprocess(
         input_format: force the datasets builder (json, parquet, csv, text) for all local files.
         split: Hub split to read (local files are one split).
         hub_config: Hub dataset configuration name.
-        text_sample_by: for text files, one document per ``"line"``, ``"paragraph"`` or ``"document"``
-            (whole file).
+        text_sample_by: for text files, one document per ``"line"``, ``"paragraph"`` or
+            ``"document"`` (whole file).
         cache_dir: datasets cache directory (default: the HF cache).
         progress: show a tqdm progress bar on stderr.
         stats: optional ``PreprocessStats`` filled in with counts.
@@ -353,16 +381,23 @@ def preprocess(
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if text_sample_by not in ("line", "paragraph", "document"):
-        raise ValueError(f"text_sample_by must be 'line', 'paragraph' or 'document', got {text_sample_by!r}")
+        raise ValueError(
+            f"text_sample_by must be 'line', 'paragraph' or 'document', got {text_sample_by!r}"
+        )
     if not isinstance(text_key, str) or not text_key:
         raise ValueError(f"text_key must be a non-empty column name, got {text_key!r}")
     if output_prefix is None or str(output_prefix) == "":
         raise ValueError("output_prefix is required")
     output_prefix = os.path.expanduser(os.fspath(output_prefix))
     if output_prefix.endswith((".bin", ".idx")):
-        raise ValueError(f"output_prefix {output_prefix!r} should not include .bin/.idx; give the common prefix")
+        raise ValueError(
+            f"output_prefix {output_prefix!r} should not include .bin/.idx; give the common prefix"
+        )
     if os.path.isdir(output_prefix):
-        raise ValueError(f"output_prefix {output_prefix!r} is a directory; give a file prefix inside it, e.g. {output_prefix}/corpus")
+        raise ValueError(
+            f"output_prefix {output_prefix!r} is a directory; give a file prefix inside it, "
+            f"e.g. {output_prefix}/corpus"
+        )
 
     tok = load_tokenizer(tokenizer, eod_token=eod_token)
     spec = getattr(tok, "spec", tokenizer)
@@ -384,7 +419,9 @@ def preprocess(
     pool = None
     if workers > 1:
         if not isinstance(spec, (str, os.PathLike)):
-            raise ValueError("workers > 1 needs a tokenizer given by spec ('byte' or a path), not an object")
+            raise ValueError(
+                "workers > 1 needs a tokenizer given by spec ('byte' or a path), not an object"
+            )
         methods = multiprocessing.get_all_start_methods()
         # fork avoids re-importing torch/datasets per worker and needs no __main__ guard.
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
@@ -404,11 +441,19 @@ def preprocess(
             except TypeError:
                 total = None
             bar = tqdm(
-                total=total, desc=f"tokenizing {src.describe()}", unit="doc", disable=not progress,
-                dynamic_ncols=True, mininterval=0.5,
+                total=total,
+                desc=f"tokenizing {src.describe()}",
+                unit="doc",
+                disable=not progress,
+                dynamic_ncols=True,
+                mininterval=0.5,
             )
             batches = _iter_batches(ds, src, text_key)
-            results = pool.imap(_encode_batch, batches) if pool is not None else map(_encode_batch, batches)
+            results = (
+                pool.imap(_encode_batch, batches)
+                if pool is not None
+                else map(_encode_batch, batches)
+            )
             for flat, lengths in results:
                 offset = 0
                 for n in lengths.tolist():
@@ -465,7 +510,11 @@ def preprocess(
         json.dump(meta, f, indent=1)
     log.info(
         "wrote %s.{bin,idx}: %d documents, %d tokens (%d empty skipped) in %.1fs",
-        output_prefix, stats.documents, stats.tokens, stats.empty_documents, stats.seconds,
+        output_prefix,
+        stats.documents,
+        stats.tokens,
+        stats.empty_documents,
+        stats.seconds,
     )
     return output_prefix
 
@@ -473,28 +522,65 @@ def preprocess(
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prepare_data",
-        description="Tokenize text (json/jsonl/parquet/csv/text files, or a HF Hub dataset when online) "
-        "into a Megatron indexed dataset PREFIX.bin/PREFIX.idx.",
+        description="Tokenize text (json/jsonl/parquet/csv/text files, or a HF Hub dataset "
+        "when online) into a Megatron indexed dataset PREFIX.bin/PREFIX.idx.",
     )
-    p.add_argument("--input", "-i", nargs="+", required=True,
-                   help="files, directories, glob patterns, or a Hub dataset name (processed in order)")
-    p.add_argument("--output-prefix", "-o", required=True, help="output path prefix (writes PREFIX.bin/.idx/.meta.json)")
-    p.add_argument("--tokenizer", default="byte",
-                   help="'byte' (built-in, no download) or a local HF tokenizer.json / directory (default: byte)")
-    p.add_argument("--eod-token", default=None, help="end-of-document token of an HF tokenizer when not inferable")
+    p.add_argument(
+        "--input",
+        "-i",
+        nargs="+",
+        required=True,
+        help="files, directories, glob patterns, or a Hub dataset name (processed in order)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        "-o",
+        required=True,
+        help="output path prefix (writes PREFIX.bin/.idx/.meta.json)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte' (built-in, no download) or a local HF tokenizer.json / directory "
+        "(default: byte)",
+    )
+    p.add_argument(
+        "--eod-token",
+        default=None,
+        help="end-of-document token of an HF tokenizer when not inferable",
+    )
     p.add_argument("--text-key", default="text", help="column holding the text (default: text)")
-    p.add_argument("--workers", "-j", type=int, default=max(1, min(8, os.cpu_count() or 1)),
-                   help="tokenizer processes (default: min(8, CPUs))")
-    p.add_argument("--no-append-eod", dest="append_eod", action="store_false",
-                   help="do not end documents with the EOD token")
-    p.add_argument("--input-format", choices=_FORMATS, default=None,
-                   help="force the reader for all local files instead of inferring it from the suffix")
+    p.add_argument(
+        "--workers",
+        "-j",
+        type=int,
+        default=max(1, min(8, os.cpu_count() or 1)),
+        help="tokenizer processes (default: min(8, CPUs))",
+    )
+    p.add_argument(
+        "--no-append-eod",
+        dest="append_eod",
+        action="store_false",
+        help="do not end documents with the EOD token",
+    )
+    p.add_argument(
+        "--input-format",
+        choices=_FORMATS,
+        default=None,
+        help="force the reader for all local files instead of inferring it from the suffix",
+    )
     p.add_argument("--split", default="train", help="Hub dataset split (default: train)")
     p.add_argument("--hub-config", default=None, help="Hub dataset configuration name")
-    p.add_argument("--text-sample-by", choices=["line", "paragraph", "document"], default="line",
-                   help="documents in text files: one per line (default), paragraph or whole file")
+    p.add_argument(
+        "--text-sample-by",
+        choices=["line", "paragraph", "document"],
+        default="line",
+        help="documents in text files: one per line (default), paragraph or whole file",
+    )
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="hide the progress bar"
+    )
     return p
 
 
@@ -503,10 +589,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stats = PreprocessStats()
     try:
         prefix = preprocess(
-            args.input, args.output_prefix, tokenizer=args.tokenizer, text_key=args.text_key,
-            workers=args.workers, append_eod=args.append_eod, eod_token=args.eod_token,
-            input_format=args.input_format, split=args.split, hub_config=args.hub_config,
-            text_sample_by=args.text_sample_by, cache_dir=args.cache_dir, progress=args.progress,
+            args.input,
+            args.output_prefix,
+            tokenizer=args.tokenizer,
+            text_key=args.text_key,
+            workers=args.workers,
+            append_eod=args.append_eod,
+            eod_token=args.eod_token,
+            input_format=args.input_format,
+            split=args.split,
+            hub_config=args.hub_config,
+            text_sample_by=args.text_sample_by,
+            cache_dir=args.cache_dir,
+            progress=args.progress,
             stats=stats,
         )
     except (ValueError, FileNotFoundError, TypeError) as exc:

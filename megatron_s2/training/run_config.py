@@ -1,8 +1,9 @@
 """Run configuration: one YAML file, ``key.sub=value`` overrides, validation.
 
 A run config has one section per concern (``model``, ``parallel``, ``train``, ``optimizer``,
-``data``, ``checkpoint``, ``logging``, ``debug``, ``attention``). Every section is a dataclass; unknown keys,
-wrong types and inconsistent values raise :class:`ConfigError` (a ``ValueError``) naming the key.
+``data``, ``checkpoint``, ``logging``, ``debug``, ``attention``). Every section is a dataclass;
+unknown keys, wrong types and inconsistent values raise :class:`ConfigError` (a ``ValueError``)
+naming the key.
 
 ``attention`` is the S2 attention schedule of :mod:`megatron_s2.schedule` and is kept as a plain
 mapping here: its schema belongs to :class:`~megatron_s2.schedule.AttentionSchedule`, which
@@ -25,9 +26,19 @@ from typing import Any, Optional
 import yaml
 
 __all__ = [
-    "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "OptimizerConfig",
-    "DataConfig", "CheckpointConfig", "LoggingConfig", "DebugConfig", "RunConfig",
-    "load_config", "apply_overrides", "DEMO_CONFIG",
+    "ConfigError",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "OptimizerConfig",
+    "DataConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "DebugConfig",
+    "RunConfig",
+    "load_config",
+    "apply_overrides",
+    "DEMO_CONFIG",
 ]
 
 # The built-in default run (``megatron-s2-train`` without --config).
@@ -208,7 +219,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
+    def from_dict(cls, d: dict) -> RunConfig:
         """Build and validate a config from a nested mapping (unknown keys rejected)."""
         cfg = _build(cls, d, "")
         cfg.validate()
@@ -230,11 +241,15 @@ class RunConfig:
         if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size ({m.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({m.num_attention_heads}) unless model.kv_channels is set")
+                f"model.num_attention_heads ({m.num_attention_heads}) unless "
+                "model.kv_channels is set"
+            )
         groups = m.query_groups
         if m.num_attention_heads % groups:
-            raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
-                              f"by model.num_query_groups ({groups})")
+            raise ConfigError(
+                f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
+                f"by model.num_query_groups ({groups})"
+            )
         _one_of("model.normalization", m.normalization, ("RMSNorm", "LayerNorm"))
         _one_of("model.recompute", m.recompute, ("none", "selective", "full"))
         if m.rotary_base <= 0:
@@ -245,30 +260,51 @@ class RunConfig:
         _at_least("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size, 1)
         _at_least("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1)
         _at_least("parallel.context_parallel_size", p.context_parallel_size, 1)
-        tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+        tp, pp, cp = (
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.context_parallel_size,
+        )
         if m.num_attention_heads % tp:
-            raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
-                              f"by parallel.tensor_model_parallel_size ({tp})")
+            raise ConfigError(
+                f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
+                f"by parallel.tensor_model_parallel_size ({tp})"
+            )
         chunks = pp * (p.virtual_pipeline_model_parallel_size or 1)
         if p.virtual_pipeline_model_parallel_size is not None:
-            _at_least("parallel.virtual_pipeline_model_parallel_size",
-                      p.virtual_pipeline_model_parallel_size, 2)
+            _at_least(
+                "parallel.virtual_pipeline_model_parallel_size",
+                p.virtual_pipeline_model_parallel_size,
+                2,
+            )
             if pp < 2:
-                raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs "
-                                  "parallel.pipeline_model_parallel_size >= 2")
+                raise ConfigError(
+                    "parallel.virtual_pipeline_model_parallel_size needs "
+                    "parallel.pipeline_model_parallel_size >= 2"
+                )
         if m.num_layers % chunks:
-            raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by the number of "
-                              f"pipeline chunks (pipeline x virtual = {chunks})")
+            raise ConfigError(
+                f"model.num_layers ({m.num_layers}) must be divisible by the number of "
+                f"pipeline chunks (pipeline x virtual = {chunks})"
+            )
         if p.sequence_parallel and tp == 1:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
+            raise ConfigError(
+                "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1"
+            )
         if p.sequence_parallel and m.seq_length % (tp * cp):
-            raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by tensor x context "
-                              f"parallel size ({tp * cp}) with parallel.sequence_parallel")
+            raise ConfigError(
+                f"model.seq_length ({m.seq_length}) must be divisible by tensor x context "
+                f"parallel size ({tp * cp}) with parallel.sequence_parallel"
+            )
         if cp > 1 and m.seq_length % (2 * cp):
-            raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by 2 x "
-                              f"parallel.context_parallel_size ({2 * cp})")
+            raise ConfigError(
+                f"model.seq_length ({m.seq_length}) must be divisible by 2 x "
+                f"parallel.context_parallel_size ({2 * cp})"
+            )
         if p.overlap_param_gather and not p.use_distributed_optimizer:
-            raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
+            raise ConfigError(
+                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer"
+            )
 
         _at_least("train.micro_batch_size", t.micro_batch_size, 1)
         _at_least("train.global_batch_size", t.global_batch_size, 1)
@@ -278,13 +314,17 @@ class RunConfig:
         _at_least("train.num_workers", t.num_workers, 0)
         _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
         if t.global_batch_size % t.micro_batch_size:
-            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                              f"train.micro_batch_size ({t.micro_batch_size})")
+            raise ConfigError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({t.micro_batch_size})"
+            )
 
         if o.lr <= 0:
             raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
         if not 0 <= o.min_lr <= o.lr:
-            raise ConfigError(f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
+            raise ConfigError(
+                f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}"
+            )
         if o.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
         if o.clip_grad < 0:
@@ -294,17 +334,24 @@ class RunConfig:
         if o.lr_decay_iters is not None:
             _at_least("optimizer.lr_decay_iters", o.lr_decay_iters, 1)
         if o.lr_warmup_iters >= decay:
-            raise ConfigError(f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be smaller than the "
-                              f"decay length ({decay}, optimizer.lr_decay_iters or train.train_iters)")
-        _one_of("optimizer.lr_decay_style", o.lr_decay_style,
-                ("constant", "linear", "cosine", "inverse-square-root"))
+            raise ConfigError(
+                f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be smaller than the "
+                f"decay length ({decay}, optimizer.lr_decay_iters or train.train_iters)"
+            )
+        _one_of(
+            "optimizer.lr_decay_style",
+            o.lr_decay_style,
+            ("constant", "linear", "cosine", "inverse-square-root"),
+        )
 
         d = self.data
         if d.demo_num_docs is not None:
             _at_least("data.demo_num_docs", d.demo_num_docs, 1)
         if not d.demo and not d.blend:
-            raise ConfigError("data.blend is empty: give indexed-dataset prefixes (data.blend=[path/prefix]) "
-                              "or set data.demo=true for the built-in synthetic corpus")
+            raise ConfigError(
+                "data.blend is empty: give indexed-dataset prefixes (data.blend=[path/prefix]) "
+                "or set data.demo=true for the built-in synthetic corpus"
+            )
         if d.blend:
             _blend_pairs(d.blend)  # raises on a malformed blend
         parts = d.split.split(",")
@@ -313,8 +360,9 @@ class RunConfig:
         except ValueError:
             weights = []
         if len(parts) != 3 or any(w < 0 for w in weights) or len(weights) != 3 or sum(weights) <= 0:
-            raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', "
-                              f"got {d.split!r}")
+            raise ConfigError(
+                f"data.split must be three non-negative weights 'train,valid,test', got {d.split!r}"
+            )
 
         _at_least("checkpoint.save_interval", self.checkpoint.save_interval, 0)
         if self.checkpoint.keep_last is not None:
@@ -329,18 +377,23 @@ class RunConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` processes (raises if it does not divide)."""
         p = self.parallel
-        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        model_parallel = (
+            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        )
         if world_size % model_parallel:
             raise ConfigError(
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
                 f"size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
-                f"{p.context_parallel_size} = {model_parallel})")
+                f"{p.context_parallel_size} = {model_parallel})"
+            )
         dp = world_size // model_parallel
         per_step = self.train.micro_batch_size * dp
         if self.train.global_batch_size % per_step:
             raise ConfigError(
                 f"train.global_batch_size ({self.train.global_batch_size}) must be divisible by "
-                f"train.micro_batch_size x data-parallel size ({self.train.micro_batch_size} x {dp})")
+                "train.micro_batch_size x data-parallel size "
+                f"({self.train.micro_batch_size} x {dp})"
+            )
         return dp
 
     def num_microbatches(self, world_size: int) -> int:
@@ -358,8 +411,13 @@ class RunConfig:
                 sched = AttentionSchedule.all_dense()
             else:
                 sched = AttentionSchedule.from_dict(self.attention, prefix="attention")
-            sched.validate(m.num_layers, m.num_attention_heads, m.num_query_groups,
-                           self.parallel.tensor_model_parallel_size, m.seq_length)
+            sched.validate(
+                m.num_layers,
+                m.num_attention_heads,
+                m.num_query_groups,
+                self.parallel.tensor_model_parallel_size,
+                m.seq_length,
+            )
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
         return sched
@@ -386,18 +444,26 @@ def _blend_pairs(blend: list) -> tuple[list[str], Optional[list[float]]]:
         return list(blend), None
     prefixes, weights = [], []
     for item in blend:
-        ok = (isinstance(item, (list, tuple)) and len(item) == 2
-              and isinstance(item[0], (int, float)) and not isinstance(item[0], bool)
-              and isinstance(item[1], str) and item[0] > 0)
+        ok = (
+            isinstance(item, (list, tuple))
+            and len(item) == 2
+            and isinstance(item[0], (int, float))
+            and not isinstance(item[0], bool)
+            and isinstance(item[1], str)
+            and item[0] > 0
+        )
         if not ok:
-            raise ConfigError("data.blend must be a list of prefixes or of [weight, prefix] pairs "
-                              f"with weight > 0, got entry {item!r}")
+            raise ConfigError(
+                "data.blend must be a list of prefixes or of [weight, prefix] pairs "
+                f"with weight > 0, got entry {item!r}"
+            )
         weights.append(float(item[0]))
         prefixes.append(item[1])
     return prefixes, weights
 
 
 # ---- construction from mappings, with type checks ---------------------------------------------
+
 
 def _check_type(key: str, value: Any, tp: Any) -> Any:
     """Return ``value`` converted to annotation ``tp``; raise ConfigError if it cannot be."""
@@ -453,8 +519,10 @@ def _build(cls, d: Any, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {where}; "
-                          f"allowed keys: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {where}; "
+            f"allowed keys: {', '.join(sorted(fields))}"
+        )
     kwargs = {}
     for name, value in d.items():
         tp = hints[name]
@@ -487,13 +555,15 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
         node[parts[-1]] = value
     return d
 
 
-def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> RunConfig:
+def load_config(
+    path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None
+) -> RunConfig:
     """Load ``path`` (None = the built-in demo config), apply overrides, validate."""
     path = Path(path) if path is not None else DEMO_CONFIG
     if not path.is_file():

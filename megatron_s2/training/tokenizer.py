@@ -5,9 +5,9 @@
 * ``"byte"``: a built-in byte-level tokenizer (UTF-8 bytes 0..255 plus ``<eod>`` and ``<pad>``).
   It needs no files and no network, which is what the built-in demo relies on.
 * a local path to a Hugging Face tokenizer: either a ``tokenizer.json`` file or a directory that
-  contains one (as written by ``tokenizers.Tokenizer.save`` or ``save_pretrained``). The end-of-document
-  token is taken from ``tokenizer_config.json`` (``eos_token``) when present, else from a short list
-  of conventional names; pass ``eod_token=`` to choose it explicitly.
+  contains one (as written by ``tokenizers.Tokenizer.save`` or ``save_pretrained``). The
+  end-of-document token is taken from ``tokenizer_config.json`` (``eos_token``) when present, else
+  from a short list of conventional names; pass ``eod_token=`` to choose it explicitly.
 
 Every tokenizer exposes ``.vocab_size``, ``.eod``, ``.pad``, ``.encode(text) -> list[int]``,
 ``.decode(ids) -> str`` and ``.spec`` (the string that reloads it). The module imports no torch so
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Optional
 
 __all__ = [
     "ByteTokenizer",
@@ -70,10 +71,10 @@ class ByteTokenizer:
     pad = 257
     vocab_size = 258
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -103,15 +104,15 @@ class HFTokenizer:
             if not file.is_file():
                 raise FileNotFoundError(
                     f"tokenizer: directory {path} has no tokenizer.json; save the tokenizer with "
-                    "`tokenizers.Tokenizer.save(...)` or `save_pretrained(...)` of a fast tokenizer, "
-                    "or use tokenizer='byte'"
+                    "`tokenizers.Tokenizer.save(...)` or `save_pretrained(...)` of a fast "
+                    "tokenizer, or use tokenizer='byte'"
                 )
         elif path.is_file():
             file = path
         else:
             raise FileNotFoundError(
-                f"tokenizer: {str(path)!r} is neither 'byte' nor an existing tokenizer.json file or "
-                "directory (only local tokenizers are supported; download one first)"
+                f"tokenizer: {str(path)!r} is neither 'byte' nor an existing tokenizer.json "
+                "file or directory (only local tokenizers are supported; download one first)"
             )
         self.spec = str(path)
         try:
@@ -129,12 +130,15 @@ class HFTokenizer:
                 eod_token = next((t for t in _EOD_CANDIDATES if t in vocab), None)
             if eod_token is None:
                 raise ValueError(
-                    f"tokenizer: cannot tell which token of {file} ends a document (no eos_token in "
-                    f"tokenizer_config.json and none of {list(_EOD_CANDIDATES)} in the vocabulary); "
+                    f"tokenizer: cannot tell which token of {file} ends a document "
+                    "(no eos_token in tokenizer_config.json and none of "
+                    f"{list(_EOD_CANDIDATES)} in the vocabulary); "
                     "pass eod_token= (CLI: --eod-token)"
                 )
         elif eod_token not in vocab:
-            raise ValueError(f"tokenizer: eod_token {eod_token!r} is not in the vocabulary of {file}")
+            raise ValueError(
+                f"tokenizer: eod_token {eod_token!r} is not in the vocabulary of {file}"
+            )
         self.eod_token = eod_token
         self.eod = vocab[eod_token]
         pad_token = _token_content(config.get("pad_token"))
@@ -144,14 +148,16 @@ class HFTokenizer:
         self.pad = vocab[pad_token] if pad_token is not None else self.eod
         # get_vocab_size counts added tokens; some saved tokenizers have ids beyond it, so take
         # the larger value to be safe for the embedding size.
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+        self.vocab_size = max(
+            self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1
+        )
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         # Special tokens such as BOS would otherwise be inserted per document; the document
         # boundary is marked with EOD alone.
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -179,7 +185,8 @@ def _token_content(value) -> Optional[str]:
 
 
 def load_tokenizer(spec="byte", eod_token: Optional[str] = None):
-    """Return a tokenizer for ``spec``: ``"byte"``, a local HF tokenizer path, or a tokenizer object.
+    """Return a tokenizer for ``spec``: ``"byte"``, a local HF tokenizer path, or a tokenizer
+    object.
 
     Objects that already have ``encode``/``decode``/``eod``/``vocab_size`` are returned unchanged.
     """
@@ -192,6 +199,8 @@ def load_tokenizer(spec="byte", eod_token: Optional[str] = None):
         return spec
     if str(spec) == "byte":
         if eod_token is not None:
-            raise ValueError("tokenizer: eod_token cannot be chosen for the byte tokenizer (it is <eod>=256)")
+            raise ValueError(
+                "tokenizer: eod_token cannot be chosen for the byte tokenizer (it is <eod>=256)"
+            )
         return ByteTokenizer()
     return HFTokenizer(spec, eod_token=eod_token)
