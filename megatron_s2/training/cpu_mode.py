@@ -16,9 +16,12 @@ synchronisation (0.19). :func:`enable_cpu_mode` patches exactly those seams, pro
   there is nothing to order. megatron-core 0.19's DDP needs this: ``start_grad_sync`` asks for
   the current stream on every step (to wait on CUDA-graph events), also without CUDA graphs;
 * ``Tensor.type()`` reports CPU tensors with CUDA type names (``torch.cuda.FloatTensor``) so the
-  optimizers' checks pass;
-* gloo lacks ``reduce_scatter_tensor`` (sequence parallelism), so it is emulated with an
-  all-reduce and a slice.
+  optimizers' checks pass.
+
+Collectives are left alone: gloo has ``reduce_scatter_tensor`` (also coalesced) in every torch
+we support. An all-reduce-and-slice emulation used to stand in for it and broke the distributed
+optimizer: inside Megatron's coalescing manager the all-reduce is deferred, so the slice copied
+unreduced gradients.
 
 It is never enabled implicitly: call it first thing in a CPU run (after that, Megatron code
 behaves as on one GPU per process). It is idempotent. Do not use it in a GPU run.
@@ -36,9 +39,29 @@ logger = logging.getLogger(__name__)
 
 _ENABLED = False
 
-_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "rand", "randn",
-              "randint", "randperm", "empty_strided", "zeros_like", "ones_like", "empty_like",
-              "full_like", "rand_like", "randn_like", "linspace", "eye", "frombuffer")
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "tensor",
+    "as_tensor",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "linspace",
+    "eye",
+    "frombuffer",
+)
 
 
 def cpu_mode_enabled() -> bool:
@@ -66,24 +89,6 @@ def _wrap_factory(fn):
 
     wrapper._s2_cpu_mode = True
     return wrapper
-
-
-def _reduce_scatter_tensor_gloo(orig):
-    import torch.distributed as dist
-
-    @functools.wraps(orig)
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if dist.get_backend(group) != "gloo":
-            return orig(output, input, op=op, group=group, async_op=async_op)
-        buf = input.clone()
-        dist.all_reduce(buf, op=op, group=group)
-        rank = dist.get_rank(group)
-        output.copy_(buf.chunk(dist.get_world_size(group), dim=0)[rank])
-        if async_op:
-            return _DoneWork()
-        return None
-
-    return reduce_scatter_tensor
 
 
 class _CpuEvent:
@@ -140,14 +145,6 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
-class _DoneWork:
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-
 def enable_cpu_mode() -> None:
     """Patch torch and Megatron-core so that their CUDA-only paths run on the CPU (see module
     docstring). Call before building models; idempotent."""
@@ -155,8 +152,10 @@ def enable_cpu_mode() -> None:
     if _ENABLED:
         return
     if torch.cuda.is_available():
-        logger.warning("enable_cpu_mode(): CUDA is available but CPU mode maps every 'cuda' "
-                       "tensor to the CPU for this process")
+        logger.warning(
+            "enable_cpu_mode(): CUDA is available but CPU mode maps every 'cuda' "
+            "tensor to the CPU for this process"
+        )
 
     for name in _FACTORIES:
         fn = getattr(torch, name, None)
@@ -218,12 +217,6 @@ def enable_cpu_mode() -> None:
         cuda.random.manual_seed = cuda.manual_seed
     except AttributeError:
         pass
-
-    import torch.distributed as dist
-
-    if not getattr(dist.reduce_scatter_tensor, "_s2_cpu_mode", False):
-        dist.reduce_scatter_tensor = _reduce_scatter_tensor_gloo(dist.reduce_scatter_tensor)
-        dist.reduce_scatter_tensor._s2_cpu_mode = True
 
     try:
         from megatron.core.tensor_parallel import random as mrandom
