@@ -15,6 +15,12 @@ sequence do not form a tail while concurrent programs share one head's K/V in L2
 
 S2 layouts are generated arithmetically in O(heads * tiles * nnz) without any block mask; user
 masks go through their (small) block mask.
+
+Packed documents (varlen) reuse these layouts: the pattern restarts at each document start, so
+a document of ``L`` tokens uses exactly the first ``ceil(L / tile)`` query and key tiles of a
+layout for any length whose tiles are all complete. :func:`varlen_layout_len` picks that length
+(few distinct values, so the cache stays small) and :func:`varlen_programs` builds the launch's
+program map (document, layout item) on the device from ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class TileLayout:
         ``rows`` (query tile), ``lo_c``, ``hi_c``.
     ``q_order``: query items, head by head, heaviest first within a head; ``kv_order``: (kv head,
     key tile) items likewise, each item's work summed over the query heads of its group.
+    ``q_work``, ``kv_work``: those works (entries per item), which order varlen launches.
     """
 
     block_m: int
@@ -58,12 +65,14 @@ class TileLayout:
     lo: torch.Tensor
     hi: torch.Tensor
     q_order: torch.Tensor
+    q_work: torch.Tensor = None
     col_ptr: torch.Tensor = None
     col_split: torch.Tensor = None
     rows: torch.Tensor = None
     lo_c: torch.Tensor = None
     hi_c: torch.Tensor = None
     kv_order: torch.Tensor = None
+    kv_work: torch.Tensor = None
 
     @property
     def nnz(self) -> int:
@@ -251,6 +260,7 @@ def build_layout(
         lo=i32(lo[order]),
         hi=i32(hi[order]),
         q_order=i32(_head_major_heavy_first(counts, H)),
+        q_work=i32(counts),
     )
     if with_csc:
         h = torch.div(item, nqt, rounding_mode="floor")
@@ -268,6 +278,7 @@ def build_layout(
         lay.col_ptr, lay.col_split = i32(col_ptr), i32(col_ptr[:-1] + nc_full)
         lay.rows, lay.lo_c, lay.hi_c = i32(t[corder]), i32(lo[corder]), i32(hi[corder])
         lay.kv_order = i32(_head_major_heavy_first(kv_work, H // pattern.group_size))
+        lay.kv_work = i32(kv_work)
     cache[key] = lay
     return lay
 
@@ -284,3 +295,67 @@ def layout_for(
     except MergeNotExact:
         bm = max(MIN_TILE, min(block_m, pattern.block_size))
         return build_layout(pattern, seq_q, seq_k, q_start, k_start, bm, block_n, device, with_csc)
+
+
+# ------------------------------------------------------------------------------ packed documents
+# Sort keys of varlen programs: (document, head) above, inverted work below these many bits
+# (a layout item's entry count fits in an int32).
+_WORK_BITS = 31
+_WORK_MAX = (1 << _WORK_BITS) - 1
+
+
+def varlen_layout_len(pattern: S2Pattern, max_seqlen: int, largest_tile: int) -> int:
+    """Length of the layout that serves documents of up to ``max_seqlen`` tokens.
+
+    The next power of two (at least ``largest_tile``, so every tile of the layout is complete):
+    a document's tiles then have the same entries whatever ``max_seqlen`` is, so its results do
+    not depend on the other documents of the pack, and the varying maximum of packed batches
+    maps to few layouts (each cached by the pattern; together at most 4/3 the memory of the
+    largest). A user mask caps it at the mask's length.
+    """
+    n = 1 << (max(max_seqlen, largest_tile, 1) - 1).bit_length()
+    return n if pattern.max_seq_len is None else min(n, pattern.max_seq_len)
+
+
+def varlen_programs(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    total_tokens: int,
+    tile: int,
+    num_heads: int,
+    num_tiles: int,
+    work: torch.Tensor,
+):
+    """Program map of a launch over packed documents: ``(grid, prog_doc, prog_item)``.
+
+    Program ``p`` does layout item ``prog_item[p]`` (``head * num_tiles + tile``, ``tile`` tokens
+    each) of document ``prog_doc[p]``. Programs go document by document, head by head and, within
+    a head, heaviest first by ``work`` (entries per layout item, ties by tile): the order of a
+    fixed-length launch over a batch, so equal documents run exactly like a batch.
+
+    Built with torch ops on ``cu_seqlens``' device without reading it back: the host bounds the
+    program count by ``min(ceil(total / tile) + num_docs, num_docs * ceil(max_seqlen / tile))``
+    per head; the slots past the real count (at most ``num_docs`` per head) get document
+    ``num_docs``, which the kernels read as empty and leave at once. Tiles are clamped to the
+    layout's ``num_tiles`` so that even invalid lengths read nothing outside the layout.
+    """
+    device = cu_seqlens.device
+    num_docs = cu_seqlens.numel() - 1
+    per_doc = min(-(-max_seqlen // tile), num_tiles)
+    grid = num_heads * min(-(-total_tokens // tile) + num_docs, num_docs * per_doc)
+    cu = cu_seqlens.to(torch.int64)
+    tiles = torch.clamp(torch.div(cu[1:] - cu[:-1] + tile - 1, tile, rounding_mode="floor"), 0)
+    tiles = torch.clamp(tiles, max=num_tiles)
+    progs = tiles * num_heads
+    ends = torch.cumsum(progs, 0)
+    pid = torch.arange(grid, device=device)
+    doc = torch.searchsorted(ends, pid, right=True)
+    real = doc < num_docs
+    d = torch.clamp(doc, max=max(num_docs - 1, 0))
+    local = pid - (ends[d] - progs[d])
+    per_head = torch.clamp(tiles[d], min=1)
+    head = torch.where(real, torch.div(local, per_head, rounding_mode="floor"), 0)
+    item = torch.where(real, head * num_tiles + local % per_head, 0)
+    key = ((doc * num_heads + head) << _WORK_BITS) + (_WORK_MAX - work.to(torch.int64)[item])
+    order = torch.sort(key, stable=True).indices
+    return grid, doc[order].to(torch.int32), item[order].to(torch.int32)

@@ -85,3 +85,42 @@ def s2_attention_reference(
     if return_lse:
         return out, torch.cat(lses, dim=-1).float()
     return out
+
+
+def s2_attention_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pattern: S2Pattern,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+):
+    """Reference of :func:`s2attn.s2_attention_varlen`: :func:`s2_attention_reference` on each
+    document of the packed ``q [total, heads, dim]``, ``k, v [total, kv_heads, dim]`` in turn
+    (positions restart at each document). Reads ``cu_seqlens`` on the host.
+
+    Returns out ``[total, heads, dim]`` in q's dtype (and lse ``[heads, total]`` fp32).
+    """
+    bounds = cu_seqlens.tolist()
+    outs, lses = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if a == b:
+            continue
+        o, lse = s2_attention_reference(
+            q[None, a:b],
+            k[None, a:b],
+            v[None, a:b],
+            pattern,
+            softmax_scale=softmax_scale,
+            return_lse=True,
+            chunk_tokens=chunk_tokens,
+        )
+        outs.append(o[0])
+        lses.append(lse[0])
+    if not outs:  # no tokens at all: empty results, still connected to q for autograd
+        out, lse = q.clone(), q.sum(-1).t().float()
+    else:
+        out, lse = torch.cat(outs, 0), torch.cat(lses, -1)
+    return (out, lse) if return_lse else out

@@ -9,6 +9,14 @@ end) with masking applied to the logits *before* the exponential.
 
 Logits are kept in base 2 (``qk_scale = softmax_scale * log2(e)``); the returned LSE is the
 natural-log log-sum-exp of the scaled logits, fp32, shape ``[batch, heads, seq_q]``.
+
+Varlen (packed documents, ``VARLEN`` constexpr): the S2 pattern restarts at every document start,
+so a document of length ``L`` uses exactly the first ``ceil(L / tile)`` query and key tiles of
+the layout of any longer sequence. One layout (for a length ``>= max_seqlen``) serves every
+document; a program gets its document from a program map built on the device
+(:func:`s2attn.layout.varlen_programs`), offsets its pointers by the document's first token and
+bounds rows and keys by the document's length. Inputs are the packed ``[1, total, heads, dim]``
+tensors themselves, never a padded copy.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import MIN_TILE, layout_for
+from .layout import MIN_TILE, layout_for, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
 # Logits are kept in base 2 (exp2 is the fast path); the LSE is returned in natural log.
@@ -32,6 +40,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 _BF16_DROPPED_BITS = tl.constexpr(16)
 _BF16_HALF_ULP = tl.constexpr(1 << 15)
 _BF16_KEPT_MASK = tl.constexpr(0xFFFF0000)
+# Varlen dK/dV: entries of a key tile's query-tile list read per vector load when counting those
+# that lie inside the program's document (one load covers a light column's whole list).
+ENTRY_SCAN = tl.constexpr(128)
 
 
 # --------------------------------------------------------------------- interpreter-safe helpers
@@ -62,6 +73,58 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
             rounded = (bits & _BF16_KEPT_MASK).to(tl.float32, bitcast=True)
             x = tl.where(x != x, x, rounded)
     return x.to(dtype)
+
+
+# ------------------------------------------------------------------------- what a program does
+@triton.jit
+def _program(pid, order, prog_doc, cu_seqlens, n_items, seq_q, seq_k, VARLEN: tl.constexpr):
+    """``(item, b, tok0, seq_q, seq_k)`` of program ``pid``: its layout item, the batch row and
+    first token of its sequence, and the query and key lengths that bound it.
+
+    Fixed length: every batch row runs through ``order``; tokens start at 0 and the lengths are
+    the call's. Varlen (one packed row): the program map names the item and the document; the
+    document's first token offsets every pointer and its length bounds queries and keys (both
+    restart at the document start). ``cu_seqlens`` carries one extra copy of its last entry, so
+    the map's padding slots (document ``num_docs``) see an empty document.
+    """
+    if VARLEN:
+        item = tl.load(order + pid)
+        doc = tl.load(prog_doc + pid)
+        tok0 = tl.load(cu_seqlens + doc)
+        seq_q = tl.load(cu_seqlens + doc + 1) - tok0
+        seq_k = seq_q
+        b = 0
+    else:
+        item = tl.load(order + pid % n_items)
+        b = (pid // n_items).to(tl.int64)
+        tok0 = 0
+    return item, b, tok0, seq_q, seq_k
+
+
+@triton.jit
+def _seq_offset(b, tok0, stride_b, stride_s, VARLEN: tl.constexpr):
+    """Element offset of a sequence's first token: batch row ``b`` (fixed length) or token
+    ``tok0`` of the packed row (varlen), in 64 bits."""
+    if VARLEN:
+        off = tok0.to(tl.int64) * stride_s
+    else:
+        off = b * stride_b
+    return off
+
+
+@triton.jit
+def _entries_below(rows, begin, end, tile_a, tile_b, SCAN: tl.constexpr):
+    """How many of ``rows[begin:end]`` (ascending query tiles) are ``< tile_a`` and
+    ``< tile_b``: the lengths of the list's prefixes inside those bounds. Vector loads of
+    ``SCAN`` entries, independent of each other, instead of a chain of dependent ones."""
+    n_a = begin * 0
+    n_b = begin * 0
+    for c in range(begin, end, SCAN):
+        idx = c + tl.arange(0, SCAN)
+        qt = tl.load(rows + idx, mask=idx < end, other=tile_b)
+        n_a += tl.sum((qt < tile_a).to(tl.int32))
+        n_b += tl.sum((qt < tile_b).to(tl.int32))
+    return n_a, n_b
 
 
 # --------------------------------------------------------------------------------------- forward
@@ -151,12 +214,16 @@ def _s2_fwd_kernel(
     stride_os,
     stride_oh,
     stride_od,
+    stride_lse_b,
+    stride_lse_h,
     row_ptr,
     row_split,
     cols,
     los,
     his,
     order,
+    prog_doc,
+    cu_seqlens,
     num_heads,
     seq_q,
     seq_k,
@@ -169,14 +236,19 @@ def _s2_fwd_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_items = num_heads * num_q_tiles
-    item = tl.load(order + pid % n_items)
-    b = (pid // n_items).to(tl.int64)
+    item, b, tok0, seq_q, seq_k = _program(
+        pid, order, prog_doc, cu_seqlens, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
+    )
     h = item // num_q_tiles
     qt = item % num_q_tiles
+    if VARLEN:
+        # The map puts every tile inside its document; only padding slots (length 0) stop here.
+        if qt * BLOCK_M >= seq_q:
+            return
     kvh = (h // group).to(tl.int64)
     h64 = h.to(tl.int64)
     offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -186,15 +258,17 @@ def _s2_fwd_kernel(
     row_ok = offs_m < seq_q
     q = tl.load(
         Q
-        + b * stride_qb
+        + _seq_offset(b, tok0, stride_qb, stride_qs, VARLEN)
         + h64 * stride_qh
         + offs_m[:, None].to(tl.int64) * stride_qs
         + offs_d[None, :] * stride_qd,
         mask=row_ok[:, None],
         other=0.0,
     )
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    # Full entries need no key bound: their keys precede the tile's first row, which lies inside
+    # the sequence (a varlen document); partial ones mask keys at seq_k.
+    k_base = K + _seq_offset(b, tok0, stride_kb, stride_ks, VARLEN) + kvh * stride_kh
+    v_base = V + _seq_offset(b, tok0, stride_vb, stride_vs, VARLEN) + kvh * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -261,14 +335,15 @@ def _s2_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     tl.store(
         Out
-        + b * stride_ob
+        + _seq_offset(b, tok0, stride_ob, stride_os, VARLEN)
         + h64 * stride_oh
         + offs_m[:, None].to(tl.int64) * stride_os
         + offs_d[None, :] * stride_od,
         _cast(out, Out.dtype.element_ty, INTERPRET),
         mask=row_ok[:, None],
     )
-    tl.store(LSE + (b * num_heads + h64) * seq_q + offs_m, lse, mask=row_ok)
+    lse_row = LSE + _seq_offset(b, tok0, stride_lse_b, 1, VARLEN) + h64 * stride_lse_h
+    tl.store(lse_row + offs_m, lse, mask=row_ok)
 
 
 # -------------------------------------------------------------------------------------- backward
@@ -382,12 +457,16 @@ def _s2_dkdv_kernel(
     stride_dvs,
     stride_dvh,
     stride_dvd,
+    stride_lse_b,
+    stride_lse_h,
     col_ptr,
     col_split,
     rows,
     los,
     his,
     order,
+    prog_doc,
+    cu_seqlens,
     num_heads,
     seq_q,
     seq_k,
@@ -401,14 +480,23 @@ def _s2_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_items = (num_heads // group) * num_k_tiles
-    item = tl.load(order + pid % n_items)
-    b = (pid // n_items).to(tl.int64)
+    item, b, tok0, seq_q, seq_k = _program(
+        pid, order, prog_doc, cu_seqlens, (num_heads // group) * num_k_tiles, seq_q, seq_k, VARLEN
+    )
     kvh = item // num_k_tiles
     kt = item % num_k_tiles
+    if VARLEN:
+        # The map puts every tile inside its document; only padding slots (length 0) stop here.
+        if kt * BLOCK_N >= seq_k:
+            return
+        # The layout is for a longer sequence: its query-tile lists run past the document. Tiles
+        # wholly inside it may go unmasked; the one across its end needs the row bound.
+        q_tiles_inside = seq_q // BLOCK_M
+        q_tiles_touched = tl.cdiv(seq_q, BLOCK_M)
     kvh64 = kvh.to(tl.int64)
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -416,12 +504,20 @@ def _s2_dkdv_kernel(
     n64 = offs_n[:, None].to(tl.int64)
     key_ok = offs_n < seq_k
     k = tl.load(
-        K + b * stride_kb + kvh64 * stride_kh + n64 * stride_ks + offs_d[None, :] * stride_kd,
+        K
+        + _seq_offset(b, tok0, stride_kb, stride_ks, VARLEN)
+        + kvh64 * stride_kh
+        + n64 * stride_ks
+        + offs_d[None, :] * stride_kd,
         mask=key_ok[:, None],
         other=0.0,
     )
     v = tl.load(
-        V + b * stride_vb + kvh64 * stride_vh + n64 * stride_vs + offs_d[None, :] * stride_vd,
+        V
+        + _seq_offset(b, tok0, stride_vb, stride_vs, VARLEN)
+        + kvh64 * stride_vh
+        + n64 * stride_vs
+        + offs_d[None, :] * stride_vd,
         mask=key_ok[:, None],
         other=0.0,
     )
@@ -431,14 +527,28 @@ def _s2_dkdv_kernel(
     for g in range(0, group):
         h = kvh * group + g
         h64 = h.to(tl.int64)
-        q_base = Q + b * stride_qb + h64 * stride_qh
-        do_base = DO + b * stride_dob + h64 * stride_doh
-        lse_base = LSE + (b * num_heads + h64) * seq_q
-        delta_base = DELTA + (b * num_heads + h64) * seq_q
+        q_base = Q + _seq_offset(b, tok0, stride_qb, stride_qs, VARLEN) + h64 * stride_qh
+        do_base = DO + _seq_offset(b, tok0, stride_dob, stride_dos, VARLEN) + h64 * stride_doh
+        row_off = _seq_offset(b, tok0, stride_lse_b, 1, VARLEN) + h64 * stride_lse_h
+        lse_base = LSE + row_off
+        delta_base = DELTA + row_off
         c = h * num_k_tiles + kt
         e0 = tl.load(col_ptr + c)
         e1 = tl.load(col_split + c)
         e2 = tl.load(col_ptr + c + 1)
+        if VARLEN:
+            # Both lists ascend in query tile, so the entries inside the document are prefixes.
+            n_inside, n_touched = _entries_below(
+                rows, e0, e1, q_tiles_inside, q_tiles_touched, ENTRY_SCAN
+            )
+            n_partial, _ = _entries_below(
+                rows, e1, e2, q_tiles_touched, q_tiles_touched, ENTRY_SCAN
+            )
+            full_end = e0 + n_inside
+            partial_end = e1 + n_partial
+        else:
+            full_end = e1
+            partial_end = e2
         dk, dv = _dkdv_tiles(
             dk,
             dv,
@@ -452,7 +562,7 @@ def _s2_dkdv_kernel(
             los,
             his,
             e0,
-            e1,
+            full_end,
             k_abs,
             offs_m,
             offs_d,
@@ -468,6 +578,37 @@ def _s2_dkdv_kernel(
             PRECISION,
             INTERPRET,
         )
+        if VARLEN:
+            # Full entries of the query tile across the document's end, masked at seq_q.
+            dk, dv = _dkdv_tiles(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                lse_base,
+                delta_base,
+                rows,
+                los,
+                his,
+                full_end,
+                e0 + n_touched,
+                k_abs,
+                offs_m,
+                offs_d,
+                stride_qs,
+                stride_qd,
+                stride_dos,
+                stride_dod,
+                seq_q,
+                q_start,
+                qk_scale,
+                BLOCK_M,
+                True,
+                PRECISION,
+                INTERPRET,
+            )
         dk, dv = _dkdv_tiles(
             dk,
             dv,
@@ -481,7 +622,7 @@ def _s2_dkdv_kernel(
             los,
             his,
             e1,
-            e2,
+            partial_end,
             k_abs,
             offs_m,
             offs_d,
@@ -499,12 +640,20 @@ def _s2_dkdv_kernel(
         )
     dk *= sm_scale
     tl.store(
-        DK + b * stride_dkb + kvh64 * stride_dkh + n64 * stride_dks + offs_d[None, :] * stride_dkd,
+        DK
+        + _seq_offset(b, tok0, stride_dkb, stride_dks, VARLEN)
+        + kvh64 * stride_dkh
+        + n64 * stride_dks
+        + offs_d[None, :] * stride_dkd,
         _cast(dk, DK.dtype.element_ty, INTERPRET),
         mask=key_ok[:, None],
     )
     tl.store(
-        DV + b * stride_dvb + kvh64 * stride_dvh + n64 * stride_dvs + offs_d[None, :] * stride_dvd,
+        DV
+        + _seq_offset(b, tok0, stride_dvb, stride_dvs, VARLEN)
+        + kvh64 * stride_dvh
+        + n64 * stride_dvs
+        + offs_d[None, :] * stride_dvd,
         _cast(dv, DV.dtype.element_ty, INTERPRET),
         mask=key_ok[:, None],
     )
@@ -610,12 +759,16 @@ def _s2_dq_kernel(
     stride_dqs,
     stride_dqh,
     stride_dqd,
+    stride_lse_b,
+    stride_lse_h,
     row_ptr,
     row_split,
     cols,
     los,
     his,
     order,
+    prog_doc,
+    cu_seqlens,
     num_heads,
     seq_q,
     seq_k,
@@ -630,17 +783,22 @@ def _s2_dq_kernel(
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     # dQ programs own query rows, so they also produce each row's
     # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE) and store it
     # for the dK/dV pass, which runs afterwards.
     pid = tl.program_id(0)
-    n_items = num_heads * num_q_tiles
-    item = tl.load(order + pid % n_items)
-    b = (pid // n_items).to(tl.int64)
+    item, b, tok0, seq_q, seq_k = _program(
+        pid, order, prog_doc, cu_seqlens, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
+    )
     h = item // num_q_tiles
     qt = item % num_q_tiles
+    if VARLEN:
+        # The map puts every tile inside its document; only padding slots (length 0) stop here.
+        if qt * BLOCK_M >= seq_q:
+            return
     h64 = h.to(tl.int64)
     kvh = (h // group).to(tl.int64)
     offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -649,20 +807,32 @@ def _s2_dq_kernel(
     row_ok = offs_m < seq_q
     m64 = offs_m[:, None].to(tl.int64)
     q = tl.load(
-        Q + b * stride_qb + h64 * stride_qh + m64 * stride_qs + offs_d[None, :] * stride_qd,
+        Q
+        + _seq_offset(b, tok0, stride_qb, stride_qs, VARLEN)
+        + h64 * stride_qh
+        + m64 * stride_qs
+        + offs_d[None, :] * stride_qd,
         mask=row_ok[:, None],
         other=0.0,
     )
     do = tl.load(
-        DO + b * stride_dob + h64 * stride_doh + m64 * stride_dos + offs_d[None, :] * stride_dod,
+        DO
+        + _seq_offset(b, tok0, stride_dob, stride_dos, VARLEN)
+        + h64 * stride_doh
+        + m64 * stride_dos
+        + offs_d[None, :] * stride_dod,
         mask=row_ok[:, None],
         other=0.0,
     )
-    row_base = (b * num_heads + h64) * seq_q
+    row_base = _seq_offset(b, tok0, stride_lse_b, 1, VARLEN) + h64 * stride_lse_h
     lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     o = tl.load(
-        Out + b * stride_ob + h64 * stride_oh + m64 * stride_os + offs_d[None, :] * stride_od,
+        Out
+        + _seq_offset(b, tok0, stride_ob, stride_os, VARLEN)
+        + h64 * stride_oh
+        + m64 * stride_os
+        + offs_d[None, :] * stride_od,
         mask=row_ok[:, None],
         other=0.0,
     )
@@ -670,8 +840,8 @@ def _s2_dq_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + row_base + offs_m, mask=row_ok, other=0.0)
     tl.store(DELTA + row_base + offs_m, delta, mask=row_ok)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    k_base = K + _seq_offset(b, tok0, stride_kb, stride_ks, VARLEN) + kvh * stride_kh
+    v_base = V + _seq_offset(b, tok0, stride_vb, stride_vs, VARLEN) + kvh * stride_vh
     q_abs = q_start + offs_m
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     e0 = tl.load(row_ptr + item)
@@ -735,7 +905,11 @@ def _s2_dq_kernel(
     )
     dq *= sm_scale
     tl.store(
-        DQ + b * stride_dqb + h64 * stride_dqh + m64 * stride_dqs + offs_d[None, :] * stride_dqd,
+        DQ
+        + _seq_offset(b, tok0, stride_dqb, stride_dqs, VARLEN)
+        + h64 * stride_dqh
+        + m64 * stride_dqs
+        + offs_d[None, :] * stride_dqd,
         _cast(dq, DQ.dtype.element_ty, INTERPRET),
         mask=row_ok[:, None],
     )
@@ -862,6 +1036,67 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@dataclass(eq=False)
+class Varlen:
+    """Packed documents of a varlen call (FlashAttention's varlen convention).
+
+    ``cu_seqlens``: int32 ``[num_docs + 1]`` on the kernels' device, document ``i`` holding tokens
+    ``cu_seqlens[i] .. cu_seqlens[i + 1]`` of the packed ``[1, total_tokens, heads, dim]``
+    tensors; ``max_seqlen``: a host int ``>=`` every document's length (no device read needed).
+    Caches the program maps of its launches, so a forward and backward with equal tiles share
+    them.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    total_tokens: int
+
+    def __post_init__(self):
+        # One extra copy of the last entry: the program maps' padding slots read document
+        # num_docs, which then has length 0.
+        self.cu_ext = torch.cat([self.cu_seqlens, self.cu_seqlens[-1:]])
+        self._maps = {}
+
+    def layout(self, pattern: S2Pattern, block_m: int, block_n: int, device, with_csc=False):
+        n = varlen_layout_len(pattern, self.max_seqlen, max(block_m, block_n))
+        return layout_for(pattern, n, n, 0, 0, block_m, block_n, device, with_csc)
+
+    def programs(self, lay, kv: bool):
+        """``(grid, prog_doc, prog_item)`` of a pass over query tiles or (``kv``) key tiles."""
+        key = (id(lay), kv)
+        if key not in self._maps:
+            if kv:
+                heads, tile, tiles, work = (
+                    lay.num_heads // lay.group,
+                    lay.block_n,
+                    lay.num_k_tiles,
+                    lay.kv_work,
+                )
+            else:
+                heads, tile, tiles, work = lay.num_heads, lay.block_m, lay.num_q_tiles, lay.q_work
+            self._maps[key] = varlen_programs(
+                self.cu_seqlens, self.max_seqlen, self.total_tokens, tile, heads, tiles, work
+            )
+        return self._maps[key]
+
+
+def _pass_layout(pattern, sq, sk, q_start, k_start, block_m, block_n, device, varlen, csc=False):
+    """The tile layout of one pass: for the call's lengths, or one that serves every document."""
+    if varlen is None:
+        return layout_for(pattern, sq, sk, q_start, k_start, block_m, block_n, device, csc)
+    return varlen.layout(pattern, block_m, block_n, device, csc)
+
+
+def _programs(lay, batch: int, varlen: Optional[Varlen], kv: bool):
+    """``(grid, order, prog_doc, cu_seqlens)`` kernel arguments of one pass (the last two are
+    unused placeholders for fixed-length calls)."""
+    order = lay.kv_order if kv else lay.q_order
+    if varlen is None:
+        return order.numel() * batch, order, order, order
+    grid, prog_doc, prog_item = varlen.programs(lay, kv)
+    return grid, prog_item, prog_doc, varlen.cu_ext
+
+
 def s2_forward(
     q,
     k,
@@ -871,18 +1106,24 @@ def s2_forward(
     q_start: int,
     k_start: int,
     config: Optional[KernelConfig] = None,
+    varlen: Optional[Varlen] = None,
 ):
     """Forward pass. q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` (any strides); ``config``
     defaults to :func:`kernel_config`. Returns ``out`` (q's shape and layout) and ``lse
-    [b, h, sq]`` fp32."""
+    [b, h, sq]`` fp32. With ``varlen`` the tensors are one packed row (``b = 1``) of documents
+    and ``q_start = k_start = 0``."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, cfg.fwd.block_m, cfg.block_n, q.device)
+    lay = _pass_layout(
+        pattern, sq, sk, q_start, k_start, cfg.fwd.block_m, cfg.block_n, q.device, varlen
+    )
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    grid = (lay.num_heads * lay.num_q_tiles * b,)
-    _s2_fwd_kernel[grid](
+    grid, order, prog_doc, cu = _programs(lay, b, varlen, kv=False)
+    if grid == 0:
+        return out, lse
+    _s2_fwd_kernel[(grid,)](
         q,
         k,
         v,
@@ -892,12 +1133,16 @@ def s2_forward(
         *_strides(k),
         *_strides(v),
         *_strides(out),
+        lse.stride(0),
+        lse.stride(1),
         lay.row_ptr,
         lay.row_split,
         lay.cols,
         lay.lo,
         lay.hi,
-        lay.q_order,
+        order,
+        prog_doc,
+        cu,
         hq,
         sq,
         sk,
@@ -910,6 +1155,7 @@ def s2_forward(
         BLOCK_N=lay.block_n,
         HEAD_DIM=d,
         PRECISION=_precision(q.dtype),
+        VARLEN=varlen is not None,
         INTERPRET=_INTERPRETED,
         num_warps=cfg.fwd.num_warps,
         num_stages=cfg.fwd.num_stages,
@@ -929,12 +1175,13 @@ def bwd_dkdv(
     q_start: int,
     k_start: int,
     config: KernelConfig,
+    varlen: Optional[Varlen] = None,
 ):
     """dK/dV pass: do like q, lse and delta ``[b, h, sq]`` fp32 (``delta`` from
     :func:`bwd_dq`). Returns ``dk, dv`` in the layouts of k, v."""
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    lay = layout_for(
+    sk = k.shape[1]
+    lay = _pass_layout(
         pattern,
         sq,
         sk,
@@ -943,10 +1190,14 @@ def bwd_dkdv(
         config.dkdv.block_m,
         config.block_n,
         q.device,
-        with_csc=True,
+        varlen,
+        csc=True,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _s2_dkdv_kernel[(hkv * lay.num_k_tiles * b,)](
+    grid, order, prog_doc, cu = _programs(lay, b, varlen, kv=True)
+    if grid == 0:
+        return dk, dv
+    _s2_dkdv_kernel[(grid,)](
         q,
         k,
         v,
@@ -961,12 +1212,16 @@ def bwd_dkdv(
         *_strides(do),
         *_strides(dk),
         *_strides(dv),
+        lse.stride(0),
+        lse.stride(1),
         lay.col_ptr,
         lay.col_split,
         lay.rows,
         lay.lo_c,
         lay.hi_c,
-        lay.kv_order,
+        order,
+        prog_doc,
+        cu,
         hq,
         sq,
         sk,
@@ -980,6 +1235,7 @@ def bwd_dkdv(
         BLOCK_N=lay.block_n,
         HEAD_DIM=d,
         PRECISION=_precision(q.dtype),
+        VARLEN=varlen is not None,
         INTERPRET=_INTERPRETED,
         num_warps=config.dkdv.num_warps,
         num_stages=config.dkdv.num_stages,
@@ -1000,15 +1256,21 @@ def bwd_dq(
     q_start: int,
     k_start: int,
     config: KernelConfig,
+    varlen: Optional[Varlen] = None,
 ):
     """dQ pass: do like q, dlse ``[b, h, sq]`` fp32 contiguous or None. Returns ``dq`` (q's
     layout) and ``delta [b, h, sq]`` fp32 for :func:`bwd_dkdv`."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    lay = layout_for(pattern, sq, sk, q_start, k_start, config.dq.block_m, config.block_n, q.device)
+    lay = _pass_layout(
+        pattern, sq, sk, q_start, k_start, config.dq.block_m, config.block_n, q.device, varlen
+    )
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
-    _s2_dq_kernel[(hq * lay.num_q_tiles * b,)](
+    grid, order, prog_doc, cu = _programs(lay, b, varlen, kv=False)
+    if grid == 0:
+        return dq, delta
+    _s2_dq_kernel[(grid,)](
         q,
         k,
         v,
@@ -1024,12 +1286,16 @@ def bwd_dq(
         *_strides(out),
         *_strides(do),
         *_strides(dq),
+        lse.stride(0),
+        lse.stride(1),
         lay.row_ptr,
         lay.row_split,
         lay.cols,
         lay.lo,
         lay.hi,
-        lay.q_order,
+        order,
+        prog_doc,
+        cu,
         hq,
         sq,
         sk,
@@ -1044,6 +1310,7 @@ def bwd_dq(
         HEAD_DIM=d,
         PRECISION=_precision(q.dtype),
         HAS_DLSE=dlse is not None,
+        VARLEN=varlen is not None,
         INTERPRET=_INTERPRETED,
         num_warps=config.dq.num_warps,
         num_stages=config.dq.num_stages,
@@ -1064,27 +1331,30 @@ def s2_backward(
     q_start: int,
     k_start: int,
     config: Optional[KernelConfig] = None,
+    varlen: Optional[Varlen] = None,
 ):
     """Backward of :func:`s2_forward` for upstream ``do`` (like q) and ``dlse`` (``[b, h, sq]``
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
-    dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, q_start, k_start, cfg)
-    dk, dv = bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start, k_start, cfg)
+    args = (pattern, scale, q_start, k_start, cfg, varlen)
+    dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
+    dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
     return dq, dk, dv
 
 
 class S2AttentionFunction(torch.autograd.Function):
-    """autograd wrapper: ``(q, k, v, pattern, scale, q_start, k_start, config=None) -> (out,
-    lse)``; ``config`` (a :class:`KernelConfig`, default :func:`kernel_config`) serves both the
-    forward and the backward."""
+    """autograd wrapper: ``(q, k, v, pattern, scale, q_start, k_start, config=None, varlen=None)
+    -> (out, lse)``; ``config`` (a :class:`KernelConfig`, default :func:`kernel_config`) serves
+    both the forward and the backward; ``varlen`` (a :class:`Varlen`) makes q, k, v one packed
+    row of documents."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern, scale, q_start, k_start, config=None):
+    def forward(ctx, q, k, v, pattern, scale, q_start, k_start, config=None, varlen=None):
         if config is None:
             config = kernel_config(pattern, q.shape[-1], q.device)
-        out, lse = s2_forward(q, k, v, pattern, scale, q_start, k_start, config)
+        out, lse = s2_forward(q, k, v, pattern, scale, q_start, k_start, config, varlen)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (pattern, scale, q_start, k_start, config)
+        ctx.args = (pattern, scale, q_start, k_start, config, varlen)
         # Unused outputs (lse when the caller did not ask for it) arrive as None, not zeros.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -1097,4 +1367,4 @@ class S2AttentionFunction(torch.autograd.Function):
         dq, dk, dv = s2_backward(
             dout, dlse.contiguous() if dlse is not None else None, q, k, v, out, lse, *ctx.args
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
