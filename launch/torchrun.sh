@@ -38,6 +38,34 @@ if ! [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
 fi
 
 PYTHON=${PYTHON:-python3}
+
+# check_config NAME WORLD_SIZE CONFIG [override ...]: load the run config and check it for this
+# world size before any process starts. A config that cannot run here (e.g. a global batch not
+# divisible by micro batch x data-parallel size) is then one config error and exit code 2, instead
+# of the same error from every rank followed by torchrun's ChildFailedError traceback.
+check_config() {
+    "$PYTHON" - "$@" <<'PY'
+import sys
+
+name, world, config, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+try:
+    from megatron_s2.training.run_config import ConfigError, load_config
+except ImportError as e:
+    print(f"{name}: {sys.executable} cannot import megatron_s2 ({e}): install it "
+          "(pip install -e .) or set PYTHON to an interpreter that has it", file=sys.stderr)
+    sys.exit(2)
+try:
+    cfg = load_config(config, [a for a in args if not a.startswith("-")])
+    cfg.schedule()
+    cfg.validate(world_size=world)
+except ConfigError as e:
+    print(f"megatron-s2-train: config error: {e}", file=sys.stderr)
+    print(f"{name}: config check for {world} process(es) failed; no trainer started",
+          file=sys.stderr)
+    sys.exit(2)
+PY
+}
+
 # NVLink SHARP (NVLS) multicast buffers have hung and failed allocation on shared/virtualized
 # nodes; plain ring/tree collectives are the safe default. Set NCCL_NVLS_ENABLE=1 to opt in.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
@@ -49,6 +77,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 
 overrides=()
 [[ -n "${RUN_DIR:-}" ]] && overrides+=("logging.run_dir=$RUN_DIR")
+check_config "$0" "$NPROC_PER_NODE" "$CONFIG" "${overrides[@]}" "$@" || exit $?
 
 # A free port chosen by --standalone lets several single-node jobs share a machine.
 exec "$PYTHON" -m torch.distributed.run \
