@@ -472,6 +472,7 @@ def _s2_dkdv_kernel(
     seq_k,
     q_start,
     k_start,
+    num_q_tiles,
     num_k_tiles,
     group,
     qk_scale,
@@ -493,10 +494,12 @@ def _s2_dkdv_kernel(
         # The map puts every tile inside its document; only padding slots (length 0) stop here.
         if kt * BLOCK_N >= seq_k:
             return
-        # The layout is for a longer sequence: its query-tile lists run past the document. Tiles
-        # wholly inside it may go unmasked; the one across its end needs the row bound.
+        # The layout may be for a longer sequence: its query-tile lists then run past the
+        # document. Tiles wholly inside it may go unmasked; the one across its end needs the row
+        # bound. A document that fills the layout needs neither (no lookups, as fixed length).
         q_tiles_inside = seq_q // BLOCK_M
         q_tiles_touched = tl.cdiv(seq_q, BLOCK_M)
+        fills_layout = q_tiles_inside >= num_q_tiles
     kvh64 = kvh.to(tl.int64)
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -536,19 +539,21 @@ def _s2_dkdv_kernel(
         e0 = tl.load(col_ptr + c)
         e1 = tl.load(col_split + c)
         e2 = tl.load(col_ptr + c + 1)
+        full_end = e1
+        straddle_end = e1
+        partial_end = e2
         if VARLEN:
-            # Both lists ascend in query tile, so the entries inside the document are prefixes.
-            n_inside, n_touched = _entries_below(
-                rows, e0, e1, q_tiles_inside, q_tiles_touched, ENTRY_SCAN
-            )
-            n_partial, _ = _entries_below(
-                rows, e1, e2, q_tiles_touched, q_tiles_touched, ENTRY_SCAN
-            )
-            full_end = e0 + n_inside
-            partial_end = e1 + n_partial
-        else:
-            full_end = e1
-            partial_end = e2
+            if not fills_layout:
+                # Both lists ascend in query tile: the entries inside the document are prefixes.
+                n_inside, n_touched = _entries_below(
+                    rows, e0, e1, q_tiles_inside, q_tiles_touched, ENTRY_SCAN
+                )
+                n_partial, _ = _entries_below(
+                    rows, e1, e2, q_tiles_touched, q_tiles_touched, ENTRY_SCAN
+                )
+                full_end = e0 + n_inside
+                straddle_end = e0 + n_touched
+                partial_end = e1 + n_partial
         dk, dv = _dkdv_tiles(
             dk,
             dv,
@@ -593,7 +598,7 @@ def _s2_dkdv_kernel(
                 los,
                 his,
                 full_end,
-                e0 + n_touched,
+                straddle_end,
                 k_abs,
                 offs_m,
                 offs_d,
@@ -1227,6 +1232,7 @@ def bwd_dkdv(
         sk,
         q_start,
         k_start,
+        lay.num_q_tiles,
         lay.num_k_tiles,
         lay.group,
         scale * LOG2E.value,

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from conftest import CUDA, assert_matches, attention_with_grads, token_mask
 
-from s2attn import S2Pattern, s2_attention, s2_attention_reference
+from s2attn import (
+    S2Pattern,
+    s2_attention,
+    s2_attention_reference,
+    s2_attention_varlen,
+    s2_attention_varlen_reference,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
@@ -205,3 +211,187 @@ def test_layout_128k_builds_well_under_a_second_on_gpu():
     dt = time.perf_counter() - t0
     print(f"\n128k layouts (fwd, dQ, dK/dV) on GPU: {dt * 1e3:.1f} ms")
     assert dt < 1.0
+
+
+# ------------------------------------------------------------------------------ varlen
+# Phi-3-small's S2 settings.
+PHI3 = dict(block_size=64, local_blocks=16, vert_stride=8, head_offset=1)
+# Varlen may be at most this much slower than the fixed-length kernel at equal tokens.
+VARLEN_SLOWDOWN = 1.10
+# Sizes (module constants so the tests' code can be dry-run small on a CPU).
+VARLEN_ACCURACY_LENS = [3001, 1, 0, 6000, 517, 64, 4133, 2331]
+VARLEN_ACCURACY_HEADS = (16, 4, 128)  # heads, kv heads, head dim
+VARLEN_BENCH_HEADS = (32, 8, 128)
+VARLEN_EQUAL_DOCS = (4, 8192)  # documents x tokens
+VARLEN_MIXED_DOCS = {8000: 2, 4001: 4, 1999: 4, 37: 10}  # length: documents
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(DEV)
+
+
+def _packed(lens, h, hkv, d, seed):
+    """bf16 leaves q ``[total, h, d]``, k/v ``[total, hkv, d]`` and an fp64 dOut."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    total = sum(lens)
+    mk = lambda hh: (
+        torch.randn(total, hh, d, device=DEV, generator=g).to(torch.bfloat16).requires_grad_(True)
+    )
+    q, k, v = mk(h), mk(hkv), mk(hkv)
+    return (q, k, v), torch.randn(total, h, d, device=DEV, generator=g, dtype=torch.float64)
+
+
+def _bench_ms(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def _forward(run):
+    def step():
+        with torch.no_grad():
+            run()
+
+    return step
+
+
+def _fwd_bwd(run, inputs, grad):
+    def step():
+        for t in inputs:
+            t.grad = None
+        run().backward(grad)
+
+    return step
+
+
+def _timings(name, runs):
+    """Median ms of each ``(label, fn)``, printed."""
+    ms = {label: _bench_ms(fn) for label, fn in runs}
+    print(f"\n{name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
+    return ms
+
+
+@pytest.mark.timeout(300)
+def test_varlen_bf16_no_worse_than_dense_bf16_per_document():
+    """Packed documents (odd lengths, empty and one-token ones, up to 6000 tokens) at Phi-3-small
+    shapes: bf16 error vs an fp32 reference no worse than SDPA in bf16 with each document's S2
+    mask on the same inputs."""
+    lens = VARLEN_ACCURACY_LENS
+    H, HKV, D = VARLEN_ACCURACY_HEADS
+    p = S2Pattern(num_heads=H, num_kv_heads=HKV, **PHI3)
+    cu = _cu(lens)
+    leaves, do = _packed(lens, H, HKV, D, seed=7)
+    ours = attention_with_grads(
+        lambda q, k, v: s2_attention_varlen(q, k, v, cu, max(lens), p, backend="triton"),
+        leaves,
+        leaves,
+        do,
+        return_lse=False,
+    )
+    f32 = _fp32(leaves)
+    ref = attention_with_grads(
+        lambda q, k, v: s2_attention_varlen_reference(q, k, v, cu, p),
+        f32,
+        f32,
+        do,
+        return_lse=False,
+    )
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+
+    def dense_per_document(q, k, v):
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if a == b:
+                continue
+            mask = token_mask(p, b - a, b - a).to(DEV)[None]
+            sdpa = _sdpa(mask=mask, group=H // HKV)
+            outs.append(sdpa(q[None, a:b], k[None, a:b], v[None, a:b])[0])
+        return torch.cat(outs)
+
+    dense = attention_with_grads(dense_per_document, leaves, leaves, do, return_lse=False)
+    _assert_not_worse(ours, ref, dense, ref)
+    assert_matches(ours, ref, 3e-2, names=("out", "dq", "dk", "dv"))
+
+
+@pytest.mark.timeout(600)
+def test_varlen_throughput_equal_documents_as_batch():
+    """4 documents of 8k packed run as fast as the fixed-length kernel on a batch of 4 x 8k (the
+    same tokens and attended pairs), forward and forward+backward; results bitwise equal."""
+    N, S = VARLEN_EQUAL_DOCS
+    H, HKV, D = VARLEN_BENCH_HEADS
+    p = S2Pattern(num_heads=H, num_kv_heads=HKV, **PHI3)
+    lens = [S] * N
+    cu = _cu(lens)
+    (q, k, v), _ = _packed(lens, H, HKV, D, seed=1)
+    grad = torch.randn_like(q)
+    var = lambda: s2_attention_varlen(q, k, v, cu, S, p)
+    var_unchecked = lambda: s2_attention_varlen(q, k, v, cu, S, p, check_cu_seqlens=False)
+    fixed = lambda: s2_attention(
+        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p
+    ).view(N * S, H, D)
+    with torch.no_grad():
+        assert torch.equal(var(), fixed())
+    ms = _timings(
+        f"equal documents {N} x {S}",
+        [
+            ("fixed fwd", _forward(fixed)),
+            ("varlen fwd", _forward(var)),
+            ("fixed fwd+bwd", _fwd_bwd(fixed, (q, k, v), grad)),
+            ("varlen fwd+bwd", _fwd_bwd(var, (q, k, v), grad)),
+            ("varlen fwd+bwd unchecked", _fwd_bwd(var_unchecked, (q, k, v), grad)),
+        ],
+    )
+    assert ms["varlen fwd"] <= VARLEN_SLOWDOWN * ms["fixed fwd"], ms
+    assert ms["varlen fwd+bwd"] <= VARLEN_SLOWDOWN * ms["fixed fwd+bwd"], ms
+
+
+@pytest.mark.timeout(600)
+def test_varlen_throughput_mixed_documents_vs_fixed_per_length():
+    """A realistic pack of mixed, odd document lengths (40k tokens) in one varlen call is no
+    slower than the fixed-length kernel run once per distinct length on a batch of the
+    documents of that length (the best a fixed-length kernel does without padding)."""
+    H, HKV, D = VARLEN_BENCH_HEADS
+    p = S2Pattern(num_heads=H, num_kv_heads=HKV, **PHI3)
+    lens = [n for n, c in VARLEN_MIXED_DOCS.items() for _ in range(c)]
+    lens = [lens[i] for i in torch.randperm(len(lens), generator=torch.Generator().manual_seed(0))]
+    cu = _cu(lens)
+    (q, k, v), _ = _packed(lens, H, HKV, D, seed=2)
+    grad = torch.randn_like(q)
+    var = lambda: s2_attention_varlen(q, k, v, cu, max(lens), p)
+    batches = [
+        [
+            torch.randn(c, n, h, D, device=DEV, dtype=torch.bfloat16).requires_grad_(True)
+            for h in (H, HKV, HKV, H)
+        ]
+        for n, c in VARLEN_MIXED_DOCS.items()
+    ]
+    fixed_runs = [lambda b=b: s2_attention(b[0], b[1], b[2], p) for b in batches]
+    fixed_steps = [_fwd_bwd(run, b[:3], b[3].detach()) for run, b in zip(fixed_runs, batches)]
+
+    def fixed_fwd():
+        for run in fixed_runs:
+            run()
+
+    def fixed_fwd_bwd():
+        for step in fixed_steps:
+            step()
+
+    ms = _timings(
+        f"mixed documents {VARLEN_MIXED_DOCS}",
+        [
+            ("fixed fwd", _forward(fixed_fwd)),
+            ("varlen fwd", _forward(var)),
+            ("fixed fwd+bwd", fixed_fwd_bwd),
+            ("varlen fwd+bwd", _fwd_bwd(var, (q, k, v), grad)),
+        ],
+    )
+    assert ms["varlen fwd"] <= VARLEN_SLOWDOWN * ms["fixed fwd"], ms
+    assert ms["varlen fwd+bwd"] <= VARLEN_SLOWDOWN * ms["fixed fwd+bwd"], ms
+
+
+def test_varlen_cu_seqlens_on_another_device_rejected():
+    p = S2Pattern(num_heads=2, block_size=16, local_blocks=2, vert_stride=2)
+    q = torch.randn(40, 2, 16, device=DEV)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens must be on q's device"):
+        s2_attention_varlen(q, q, q, cu, 23, p)

@@ -4,7 +4,8 @@ float64 reference run document by document.
 Documents mix lengths that are not multiples of the block size, empty and one-token documents,
 and long ones several times ``local_blocks * block_size`` and ``vert_stride * block_size``, so
 local band, stripes, Merge-Q tiles and ragged document ends are all exercised. Every case checks
-out, LSE and dq/dk/dv with gradient flowing through both outputs.
+out, LSE and dq/dk/dv with gradient flowing through both outputs. On a CUDA machine the same
+tests run the compiled kernels.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import assert_matches, attention_with_grads, rel_err, token_mask
+from conftest import DEVICE, assert_matches, attention_with_grads, rel_err, token_mask
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen, s2_attention_varlen_reference
 from s2attn.layout import varlen_layout_len, varlen_programs
@@ -23,8 +24,8 @@ FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-def _cu(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+def _cu(lens, device=DEVICE):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
 
 
 @dataclasses.dataclass
@@ -96,17 +97,18 @@ def _inputs(c: Case, seed=None):
     g = torch.Generator().manual_seed(zlib.crc32(c.id.encode()) % 1000 if seed is None else seed)
     total, h, hkv, d = sum(c.lens), c.heads, c.kv_heads, c.head_dim
     if c.fused:
-        qkv = torch.randn(total, h + 2 * hkv, d, generator=g).to(c.dtype).requires_grad_(True)
+        qkv = torch.randn(total, h + 2 * hkv, d, generator=g).to(DEVICE, c.dtype)
+        qkv.requires_grad_(True)
         views = (qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :])
         leaves = None
     else:
         views = tuple(
-            torch.randn(total, n, d, generator=g).to(c.dtype).requires_grad_(True)
+            torch.randn(total, n, d, generator=g).to(DEVICE, c.dtype).requires_grad_(True)
             for n in (h, hkv, hkv)
         )
         leaves = views
-    do = torch.randn(total, h, d, generator=g, dtype=torch.float64)
-    dl = torch.randn(h, total, generator=g, dtype=torch.float64)
+    do = torch.randn(total, h, d, generator=g, dtype=torch.float64).to(DEVICE)
+    dl = torch.randn(h, total, generator=g, dtype=torch.float64).to(DEVICE)
     return views, leaves, do, dl
 
 
@@ -164,7 +166,7 @@ def _packed_token_mask(pattern, lens):
         if n:
             m[:, a : a + n, a : a + n] = token_mask(pattern, n, n)
         a += n
-    return m
+    return m.to(DEVICE)
 
 
 def _masked_attention(q, k, v, mask, scale):
@@ -215,7 +217,7 @@ def test_reference_is_the_packed_block_diagonal_mask():
     q, k, v = (x.detach().double() for x in views)
     out, lse = s2_attention_varlen_reference(q, k, v, _cu(c.lens), pattern, return_lse=True)
     # A mask from absolute packed positions would differ: the check can tell them apart.
-    absolute = token_mask(pattern, sum(c.lens), sum(c.lens))
+    absolute = token_mask(pattern, sum(c.lens), sum(c.lens)).to(DEVICE)
     packed = _packed_token_mask(pattern, c.lens)
     assert not torch.equal(absolute & packed, packed)
     r_out, r_lse = _masked_attention(q, k, v, packed, c.head_dim**-0.5)
@@ -263,8 +265,9 @@ def test_no_attention_across_documents():
     base = _triton(c, views, do, dl)
     a, b = 29, 93  # document 1
     changed = [x.detach().clone() for x in views]
+    g = torch.Generator().manual_seed(3)
     for x in changed:
-        x[a:b] = torch.randn_like(x[a:b]) * 3
+        x[a:b] = torch.randn(x[a:b].shape, generator=g).to(x) * 3
     changed = [x.requires_grad_(True) for x in changed]
     got = _triton(c, changed, do, dl)
     keep = torch.ones(sum(c.lens), dtype=torch.bool)
@@ -287,11 +290,11 @@ def test_document_results_do_not_depend_on_the_pack():
     a = 303
     packed_views = []
     for x in views:
-        y = torch.randn(sum(lens), *x.shape[1:], generator=g)
+        y = torch.randn(sum(lens), *x.shape[1:], generator=g).to(DEVICE)
         y[a : a + 45] = x.detach()
         packed_views.append(y.requires_grad_(True))
-    p_do = torch.randn(sum(lens), *do.shape[1:], generator=g, dtype=torch.float64)
-    p_dl = torch.randn(dl.shape[0], sum(lens), generator=g, dtype=torch.float64)
+    p_do = torch.randn(sum(lens), *do.shape[1:], generator=g, dtype=torch.float64).to(DEVICE)
+    p_dl = torch.randn(dl.shape[0], sum(lens), generator=g, dtype=torch.float64).to(DEVICE)
     p_do[a : a + 45], p_dl[:, a : a + 45] = do, dl
     assert varlen_layout_len(c.pattern(), 45, 32) != varlen_layout_len(c.pattern(), 300, 32)
     packed = _triton(c, packed_views, p_do, p_dl, lens=lens)
@@ -311,9 +314,9 @@ def test_backward_is_deterministic():
 
 def test_no_tokens_at_all():
     p = Case("empty", [0, 0]).pattern()
-    q = torch.randn(0, 2, 16, requires_grad=True)
-    k = torch.randn(0, 1, 16, requires_grad=True)
-    cu = torch.zeros(3, dtype=torch.int32)
+    q = torch.randn(0, 2, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(0, 1, 16, device=DEVICE, requires_grad=True)
+    cu = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     for backend in ("triton", "reference"):
         out, lse = s2_attention_varlen(q, k, k, cu, 0, p, return_lse=True, backend=backend)
         assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
@@ -326,7 +329,7 @@ def test_program_map_covers_every_tile_once_in_order():
     lens = [0, 5, 64, 1, 0, 130, 33]
     tile, heads, num_tiles = 32, 3, 8
     work = torch.randint(0, 50, (heads * num_tiles,), generator=torch.Generator().manual_seed(0))
-    cu = _cu(lens)
+    cu = _cu(lens, "cpu")
     grid, doc, item = varlen_programs(cu, max(lens), sum(lens), tile, heads, num_tiles, work)
     need = [-(-n // tile) for n in lens]
     assert grid >= heads * sum(need)
@@ -356,9 +359,10 @@ def test_layout_length_is_a_power_of_two_capped_by_a_user_mask():
 
 # ------------------------------------------------------------------------- bad arguments
 def _api(total=40, h=4, hkv=2, d=16, lens=(17, 23)):
+    """Valid CPU arguments (the checks run before anything else, on any device)."""
     q = torch.randn(total, h, d)
     k = torch.randn(total, hkv, d)
-    return q, k, k.clone(), _cu(list(lens)), max(lens)
+    return q, k, k.clone(), _cu(list(lens), "cpu"), max(lens)
 
 
 def _with(**kw):
