@@ -6,6 +6,11 @@
 For each sequence length (batch x seq = --tokens), times forward and forward+backward with CUDA
 events (``triton.testing.do_bench``, median, after warm-up) for:
   * s2attn (this package's Triton kernels),
+  * s2attn varlen (row "varlen"): the same tokens as packed documents of ``seq`` tokens through
+    ``s2_attention_varlen`` (equal work: compare with the s2attn row); row "varlen-mixed" (not in
+    the default rows): documents of seeded log-uniform lengths in [block, seq], odd ones included,
+    at the same total tokens; both time the call a training loop makes
+    (``check_cu_seqlens=False``),
   * FlexAttention with the identical S2 pattern: its BlockMask is built from our tile layout
     (partial/full 128-blocks), never from a dense S x S mask,
   * dense causal SDPA with the flash and cuDNN backends.
@@ -23,7 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from s2attn import S2Pattern, s2_attention
+from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 from s2attn.layout import layout_for
 from s2attn.triton_attention import KernelConfig, PassConfig, kernel_config
 
@@ -102,6 +107,19 @@ def flex_block_mask(pattern: S2Pattern, seq: int, device):
         mask_mod=mask_mod,
         seq_lengths=(seq, seq),
     )
+
+
+def mixed_lengths(tokens: int, longest: int, shortest: int, seed: int = 0) -> list:
+    """Document lengths for a realistic pack: log-uniform in ``[shortest, longest]`` (any
+    integer, so most are no multiple of the block size), the last one filling ``tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens, left = [], tokens
+    lo, hi = torch.log(torch.tensor(float(shortest))), torch.log(torch.tensor(float(longest)))
+    while left > 0:
+        n = int(torch.exp(lo + (hi - lo) * torch.rand((), generator=gen)))
+        lens.append(min(max(n, 1), left))
+        left -= lens[-1]
+    return lens
 
 
 def sweep_configs(base: KernelConfig) -> list:
@@ -195,6 +213,19 @@ def run_case(seq, args, d, block, rows, sweep):
     for cfg in [base] + (sweep_configs(base) if sweep else []):
         run = lambda cfg=cfg: s2_attention(q, k, v, pat, kernel_config=cfg)
         record(config_label(cfg, base), s2_pairs, run, fwd_bwd(run, (q, k, v), grad))
+    # The batch's tokens packed (views, no copy) for the varlen rows.
+    qv, kv, vv = (x.view(batch * seq, *x.shape[2:]) for x in (q, k, v))
+    for row in ("varlen", "varlen-mixed"):
+        if row not in rows:
+            continue
+        lens = [seq] * batch if row == "varlen" else mixed_lengths(batch * seq, seq, block)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(dev)
+        run = lambda cu=cu, lens=lens: s2_attention_varlen(
+            qv, kv, vv, cu, max(lens), pat, check_cu_seqlens=False
+        )
+        pairs = s2_pairs if row == "varlen" else sum(pat.attended_pairs(n) for n in lens)
+        name = "s2attn varlen" + ("" if row == "varlen" else f" mixed ({len(lens)} docs)")
+        record(name, pairs, run, fwd_bwd(run, (q, k, v), grad.view(batch * seq, H, d)))
     if "flex" in rows:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -261,7 +292,11 @@ def main(argv=None):
     ap.add_argument("--local-blocks", type=int, default=16)
     ap.add_argument("--vert-stride", type=int, default=8)
     ap.add_argument("--head-offset", type=int, default=0)
-    ap.add_argument("--rows", default="flex,flash,cudnn", help="baselines to run (comma list)")
+    ap.add_argument(
+        "--rows",
+        default="varlen,flex,flash,cudnn",
+        help="rows besides s2attn (comma list of varlen, varlen-mixed, flex, flash, cudnn)",
+    )
     ap.add_argument(
         "--extra",
         action="store_true",
