@@ -27,11 +27,15 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from s2attn import S2Pattern, s2_attention
+from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 
 from .config import s2_backend_of, s2_settings_of
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
+
+# Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
+# widest tile, so each document's causal triangle is covered by the fewest tiles.
+DENSE_BLOCK_SIZE = 128
 
 
 def _tp_group(pg_collection):
@@ -76,19 +80,45 @@ def _check_layer_support(
         )
 
 
-def _check_forward_support(module: str, attn_mask_type, attention_bias, packed_seq_params):
+def _check_forward_support(module: str, attn_mask_type, attention_bias):
     """Forward-time checks: things only the forward call reveals."""
-    if packed_seq_params is not None:
-        raise ValueError(
-            f"{module}: packed sequences (packed_seq_params, THD format) are not "
-            f"supported; train on fixed-length [s, b] batches"
-        )
     if attention_bias is not None:
         raise ValueError(f"{module}: attention_bias is not supported")
     if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
         raise ValueError(
             f"{module}: attn_mask_type must be AttnMaskType.causal, got {attn_mask_type}"
         )
+
+
+def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of Megatron's THD ``PackedSeqParams`` for self-attention.
+
+    Megatron hands core attention THD tensors ``[t, heads, hn]`` (the batch dimension of one is
+    squeezed) and has already applied RoPE with positions restarting at every document."""
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(
+            f"{module}: packed_seq_params.qkv_format must be 'thd', "
+            f"got {packed_seq_params.qkv_format!r}"
+        )
+    cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+    if cu_q is None:
+        raise ValueError(f"{module}: packed_seq_params.cu_seqlens_q is required for THD")
+    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv, cu_q):
+        raise ValueError(
+            f"{module}: cu_seqlens_q and cu_seqlens_kv differ; causal self-attention packs the "
+            f"same documents for queries and keys"
+        )
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        padded = getattr(packed_seq_params, name, None)
+        if padded is not None and padded is not cu_q and not torch.equal(padded, cu_q):
+            raise ValueError(
+                f"{module}: padded THD documents (packed_seq_params.{name}, used with context "
+                f"parallelism) are not supported yet; pack without padding"
+            )
+    max_seqlen = packed_seq_params.max_seqlen_q
+    if max_seqlen is None:
+        max_seqlen = (cu_q[1:] - cu_q[:-1]).max() if cu_q.numel() > 1 else 0
+    return cu_q.to(torch.int32), int(max_seqlen)
 
 
 class S2CoreAttention(MegatronModule):
@@ -99,11 +129,12 @@ class S2CoreAttention(MegatronModule):
             the schedule's pattern for ``layer_number``.
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (this rank's heads, GQA
-    groups not repeated) -> ``[sq, b, np * hn]``.
+    groups not repeated) -> ``[sq, b, np * hn]``; packed documents (THD ``packed_seq_params``):
+    ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``.
 
     Unsupported (ValueError at construction): non-causal masks, attention dropout > 0, context
     parallelism, non-vanilla softmax, sliding windows, MLA head sizes, FP8 attention; at forward:
-    packed/THD sequences, attention bias. ``apply_query_key_layer_scaling`` needs nothing: it
+    attention bias, padded THD documents. ``apply_query_key_layer_scaling`` needs nothing: it
     rescales by the layer number before the softmax and back inside it, a numerical no-op for
     the fp32-accumulating kernel.
     """
@@ -186,12 +217,26 @@ class S2CoreAttention(MegatronModule):
         packed_seq_params=None,
         **kwargs,
     ) -> torch.Tensor:
-        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
+        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``; with
+        THD ``packed_seq_params``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np *
+        hn]``, each document attended on its own with the pattern restarting at its first token.
 
         ``attention_mask`` is ignored: causality comes from the mask type (checked)."""
-        _check_forward_support(
-            type(self).__name__, attn_mask_type, attention_bias, packed_seq_params
-        )
+        name = type(self).__name__
+        _check_forward_support(name, attn_mask_type, attention_bias)
+        if packed_seq_params is not None:
+            cu_seqlens, max_seqlen = _packed_documents(name, packed_seq_params)
+            out = s2_attention_varlen(
+                query,
+                key,
+                value,
+                cu_seqlens,
+                max_seqlen,
+                self.pattern,
+                softmax_scale=self.softmax_scale,
+                backend=self.backend,
+            )
+            return out.reshape(out.shape[0], -1)
         sq, b, nq, hn = query.shape
         out = s2_attention(
             query.transpose(0, 1),
@@ -244,6 +289,8 @@ class FusedDenseAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.softmax_scale = _softmax_scale(config, softmax_scale)
+        self.backend = s2_backend_of(config)
+        self._dense_patterns = {}
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_number}, dense causal (SDPA), dropout={self.dropout_p}"
@@ -259,12 +306,15 @@ class FusedDenseAttention(MegatronModule):
         packed_seq_params=None,
         **kwargs,
     ) -> torch.Tensor:
-        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
+        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``; with
+        THD ``packed_seq_params``: ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``, causal
+        within each document.
 
         ``attention_mask`` is ignored: the mask type is causal (checked at construction)."""
-        _check_forward_support(
-            type(self).__name__, attn_mask_type, attention_bias, packed_seq_params
-        )
+        name = type(self).__name__
+        _check_forward_support(name, attn_mask_type, attention_bias)
+        if packed_seq_params is not None:
+            return self._forward_packed(name, query, key, value, packed_seq_params)
         sq, b, nq, hn = query.shape
         # SDPA wants [b, h, s, d]; the permutes are views.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -291,6 +341,32 @@ class FusedDenseAttention(MegatronModule):
             out = attend()
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)
+
+    def _forward_packed(self, name, query, key, value, packed_seq_params) -> torch.Tensor:
+        # SDPA has no variable-length causal form; s2attn's varlen kernel with a dense pattern
+        # (vert_stride 1: every head dense) attends each document causally in one launch.
+        if self.training and self.dropout_p > 0:
+            raise ValueError(
+                f"{name} (layer {self.layer_number}): attention dropout with packed sequences "
+                f"is not supported; set attention_dropout=0.0"
+            )
+        cu_seqlens, max_seqlen = _packed_documents(name, packed_seq_params)
+        heads, groups = query.shape[1], key.shape[1]
+        pattern = self._dense_patterns.get((heads, groups))
+        if pattern is None:
+            pattern = S2Pattern(heads, groups, block_size=DENSE_BLOCK_SIZE, vert_stride=1)
+            self._dense_patterns[(heads, groups)] = pattern
+        out = s2_attention_varlen(
+            query,
+            key,
+            value,
+            cu_seqlens,
+            max_seqlen,
+            pattern,
+            softmax_scale=self.softmax_scale,
+            backend=self.backend,
+        )
+        return out.reshape(out.shape[0], -1)
 
 
 class ScheduledCoreAttention:

@@ -232,7 +232,7 @@ def test_s2_rejects_dropout_dense_accepts_it():
     FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
 
 
-def test_forward_rejects_packed_sequences_and_bias():
+def test_forward_rejects_bias_masks_and_bad_packing():
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cfg = tiny_config()
@@ -245,12 +245,79 @@ def test_forward_rejects_packed_sequences_and_bias():
         pattern=S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4),
     )
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="packed sequences"):
-        mod(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
     with pytest.raises(ValueError, match="attention_bias"):
         mod(q, k, v, None, attention_bias=torch.zeros(1))
     with pytest.raises(ValueError, match="AttnMaskType.causal"):
         mod(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    t = q[:, 0]
+    cu = torch.tensor([0, 50, SEQ], dtype=torch.int32)
+    with pytest.raises(ValueError, match="qkv_format must be 'thd'"):
+        mod(t, k[:, 0], v[:, 0], None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_kv differ"):
+        bad = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=torch.tensor([0, 60, SEQ])
+        )
+        mod(t, k[:, 0], v[:, 0], None, packed_seq_params=bad)
+    with pytest.raises(ValueError, match="padded THD documents"):
+        padded = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=torch.tensor([0, 64, SEQ], dtype=torch.int32),
+        )
+        mod(t, k[:, 0], v[:, 0], None, packed_seq_params=padded)
+
+
+@pytest.mark.parametrize("cls", [S2CoreAttention, FusedDenseAttention])
+def test_packed_documents_equal_each_document_alone(cls):
+    """THD core attention (Megatron's [t, heads, hn] with cu_seqlens) equals running every
+    document on its own, outputs and gradients: nothing crosses documents and the pattern
+    restarts at each document's first token."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cfg = tiny_config()
+    kw = dict(pg_collection=_PG(0, 1))
+    if cls is S2CoreAttention:
+        kw["pattern"] = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
+    mod = cls(cfg, 1, AttnMaskType.causal, "self", **kw)
+    lengths = [37, 1, 0, 70, 20]
+    q, k, v = (x[: sum(lengths), 0].detach().requires_grad_() for x in _qkv())
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=70)
+    out = mod(q, k, v, None, packed_seq_params=psp)
+    assert out.shape == (sum(lengths), 8 * 16)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        qd, kd, vd = (x.detach()[a:b, None].requires_grad_() for x in (q, k, v))
+        alone = mod(qd, kd, vd, None)[:, 0]
+        torch.testing.assert_close(out[a:b], alone)
+        alone.backward(grad[a:b])
+        for packed, single in ((q, qd), (k, kd), (v, vd)):
+            torch.testing.assert_close(packed.grad[a:b], single.grad[:, 0])
+
+
+def test_gpt_model_with_packed_documents_equals_separate_documents():
+    """Megatron's THD path end to end: a hybrid GPTModel fed documents packed into one row with
+    positions restarting per document gives each document's logits of running it alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = _build(TINY_SCHEDULE, backend="reference")
+    model.eval()
+    lengths = [45, 3, 80]
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, VOCAB, (1, n), generator=gen) for n in lengths]
+    tokens = torch.cat(docs, dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 45, 48, 128], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=80)
+    with torch.no_grad():
+        packed = model(tokens, positions, None, packed_seq_params=psp)
+        for doc, a, b in zip(docs, cu[:-1].tolist(), cu[1:].tolist()):
+            alone = model(doc, torch.arange(b - a)[None], None)
+            torch.testing.assert_close(packed[:, a:b], alone, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------- models
