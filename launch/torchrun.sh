@@ -2,7 +2,7 @@
 # Single-node launcher: one torchrun, NPROC_PER_NODE trainer processes.
 #
 #   launch/torchrun.sh CONFIG.yaml [key.sub=value ...]
-#   NPROC_PER_NODE=4 launch/torchrun.sh configs/demo.yaml train.train_iters=50
+#   NPROC_PER_NODE=2 launch/torchrun.sh configs/demo.yaml train.train_iters=50
 #
 # Knobs (environment variables) are documented in launch/README.md. Everything after the config
 # is passed to the trainer as config overrides.
