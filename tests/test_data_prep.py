@@ -295,7 +295,7 @@ def test_errors_name_the_problem(tmp_path, cache, monkeypatch):
         ValueError, match=r"no column 'body' \(columns: \['id', 'text'\]\).*text_key"
     ):
         run(good, text_key="body")
-    with pytest.raises(ValueError, match=r"row 0: column 'id' holds int"):
+    with pytest.raises(ValueError, match=r"good.jsonl:1: column 'id' holds int"):
         run(good, text_key="id")
     with pytest.raises(ValueError, match="workers must be a positive integer"):
         run(good, workers=0)

@@ -6,6 +6,10 @@ Examples:
     python tools/prepare_data.py --input books.parquet --text-key content \
         --tokenizer /models/llama3/ --workers 16 --output-prefix data/books
     python tools/prepare_data.py --input notes.txt --text-sample-by paragraph -o data/notes
+    python tools/prepare_data.py --input scraped.jsonl --skip-missing-text -o data/scraped
+
+Records without the text field are an error naming the file and line unless --skip-missing-text
+(then they are skipped and counted); input that is not UTF-8 is named the same way.
 
 See ``megatron_s2.training.preprocess`` for the Python API and ``--help`` for every option.
 """

@@ -13,8 +13,9 @@ in the loss. Documents are generated from ``random.Random(seed)`` and are identi
 platforms and Python versions for a given seed and generator version.
 
 ``ensure_demo_data(data_dir, seed=0)`` writes ``kv_recall_v1_seed{seed}.jsonl`` and the byte-level
-Megatron indexed dataset next to it, and returns the dataset prefix; it does nothing when the
-dataset already exists, and is safe to call from several processes at once.
+Megatron indexed dataset next to it, and returns the dataset prefix; it does nothing when an
+intact dataset already exists (a damaged one, e.g. truncated by a full disk or an interrupted copy,
+is regenerated), and is safe to call from several processes at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -39,8 +41,12 @@ __all__ = [
     "main",
 ]
 
+log = logging.getLogger(__name__)
+
 # Bump when the generated text changes, so that stale cached datasets are not reused.
 GENERATOR_VERSION = 1
+# Documents of the default corpus (~2 MB of text).
+DEFAULT_NUM_DOCS = 1200
 
 _WORDS = (
     "the a river stone light slowly under over across quiet green old small bright cold wind "
@@ -81,7 +87,7 @@ def generate_document(rng: random.Random, target_chars: int) -> str:
 
 
 def generate_corpus(
-    seed: int = 0, num_docs: int = 1200, min_chars: int = 768, max_chars: int = 2560
+    seed: int = 0, num_docs: int = DEFAULT_NUM_DOCS, min_chars: int = 768, max_chars: int = 2560
 ) -> Iterator[str]:
     """Yield ``num_docs`` documents with lengths drawn uniformly from ``[min_chars, max_chars]``."""
     if num_docs < 1:
@@ -148,12 +154,16 @@ def ensure_demo_data(
     if corpus_kwargs:
         tag = "_".join(f"{k}{v}" for k, v in sorted(corpus_kwargs.items()))
         prefix = prefix.replace("_text_document", f"_{tag}_text_document")
-    if not force and os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin"):
+    num_docs = corpus_kwargs.get("num_docs", DEFAULT_NUM_DOCS)
+    if not force and _damage(prefix, num_docs) is None:
         return prefix
     with _locked(prefix + ".lock"):
         # Re-check: another process may have finished while we waited for the lock.
-        if not force and os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin"):
+        problem = None if force else _damage(prefix, num_docs)
+        if not force and problem is None:
             return prefix
+        if problem is not None and any(os.path.exists(prefix + e) for e in (".bin", ".idx")):
+            log.warning("demo corpus %s is damaged (%s); regenerating it", prefix, problem)
         jsonl = prefix[: -len("_text_document")] + ".jsonl"
         write_corpus_jsonl(jsonl, seed=seed, **corpus_kwargs)
         cache = os.path.join(data_dir, f".hf_cache_{os.getpid()}")
@@ -170,6 +180,25 @@ def ensure_demo_data(
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     return prefix
+
+
+def _damage(prefix: str, num_docs: int) -> Optional[str]:
+    """None if ``prefix`` is an intact demo dataset of ``num_docs`` documents, else what is
+    wrong (missing files, a truncated or corrupt ``.bin``/``.idx``, another document count)."""
+    from megatron_s2.training.data import CorpusError, check_indexed_dataset
+    from megatron_s2.training.tokenizer import ByteTokenizer
+
+    for ext in (".bin", ".idx"):
+        if not os.path.exists(prefix + ext):
+            return f"{prefix}{ext} is missing"
+    tok = ByteTokenizer()
+    try:
+        index = check_indexed_dataset(prefix, vocab_size=tok.vocab_size, eod=tok.eod)
+    except CorpusError as exc:
+        return exc.problem
+    if index.num_documents != num_docs:
+        return f"{prefix}.idx holds {index.num_documents} documents, expected {num_docs}"
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -9,6 +9,12 @@ tokens followed by the tokenizer's EOD token. Documents are written with Megatro
 Tokenization runs in ``workers`` processes; batches come back in input order, so the output is
 byte-identical for any worker count.
 
+Input problems are errors naming the file (and line, where the format has lines) before anything
+is written: no input records at all, a record without the text field or with null there
+(``skip_missing_text=True`` / ``--skip-missing-text`` skips and counts such records instead,
+separately from empty ones), text that is not UTF-8, JSON that does not parse. An empty input
+file next to others is skipped with a warning.
+
 CLI: ``python tools/prepare_data.py --input data/*.jsonl --output-prefix data/corpus`` (same as
 ``python -m megatron_s2.training.preprocess``).
 """
@@ -16,14 +22,19 @@ CLI: ``python tools/prepare_data.py --input data/*.jsonl --output-prefix data/co
 from __future__ import annotations
 
 import argparse
+import bz2
 import contextlib
+import csv
 import glob
+import gzip
+import io
 import json
 import logging
 import multiprocessing
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +87,10 @@ class _Source:
 @dataclass
 class PreprocessStats:
     documents: int = 0
+    # Records whose text tokenizes to nothing (skipped, as Megatron's own preprocessing does).
     empty_documents: int = 0
+    # Records without the text field (or with null there), skipped with skip_missing_text=True.
+    missing_text: int = 0
     tokens: int = 0
     seconds: float = 0.0
 
@@ -211,6 +225,7 @@ def _load_source(
     text_sample_by: str,
     cache_dir: Optional[str],
 ):
+    """The source as a ``datasets`` dataset; None when it holds no records."""
     import datasets
 
     if src.kind == "dataset":
@@ -225,9 +240,16 @@ def _load_source(
         return datasets.load_dataset(
             src.kind, data_files=src.files, split="train", cache_dir=cache_dir, **kwargs
         )
-    except (FileNotFoundError, ValueError, TypeError) as exc:
-        raise ValueError(f"cannot read {src.describe()}: {exc}") from exc
     except Exception as exc:
+        if "corresponds to no data" in str(exc):  # datasets' words for a file without records
+            return None
+        if _caused_by(exc, UnicodeDecodeError):
+            raise ValueError(_utf8_error(src, _caused_by(exc, UnicodeDecodeError))) from exc
+        located = _locate_bad_json(src) if src.kind == "json" else None
+        if located:
+            raise ValueError(f"cannot read {located}") from exc
+        if isinstance(exc, (FileNotFoundError, ValueError, TypeError)):
+            raise ValueError(f"cannot read {src.describe()}: {exc}") from exc
         # pyarrow / json decoding errors carry no file name; add it.
         # datasets wraps the parser's error (which names the problem) in a generic one.
         cause = exc.__cause__ or exc.__context__
@@ -237,8 +259,187 @@ def _load_source(
         raise ValueError(f"cannot read {src.describe()} as {src.kind}: {detail}") from exc
 
 
-def _iter_batches(ds, src: _Source, text_key: str) -> Iterator[list[str]]:
-    """Yield lists of document texts, validating the column and value types on the way."""
+def _caused_by(exc: BaseException, kind: type) -> Optional[BaseException]:
+    """``exc`` or the first exception of its cause/context chain that is a ``kind``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+# ---- locating a problem in the input files (error paths only) ----------------------------------
+def _open_binary(path: str):
+    """``path`` opened for reading bytes, decompressed like datasets does; None when the
+    compression needs a module that is not installed."""
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if lower.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    if lower.endswith(".xz"):
+        import lzma
+
+        return lzma.open(path, "rb")
+    if lower.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            return None
+        return zstandard.open(path, "rb")
+    if lower.endswith(".lz4"):
+        try:
+            import lz4.frame
+        except ImportError:
+            return None
+        return lz4.frame.open(path, "rb")
+    return open(path, "rb")
+
+
+def _utf8_error(src: _Source, exc: BaseException) -> str:
+    """The message for input that is not UTF-8: the first bad file and line, when found."""
+    for path in src.files:
+        try:
+            f = _open_binary(path)
+            if f is None:
+                continue
+            with f:
+                for lineno, line in enumerate(f, 1):
+                    try:
+                        line.decode("utf-8")
+                    except UnicodeDecodeError as bad:
+                        hint = (
+                            ""
+                            if path.lower().endswith(_COMPRESSION_SUFFIXES)
+                            else f", e.g. `iconv -f latin1 -t utf-8 {path}` for Latin-1 text"
+                        )
+                        return (
+                            f"{path}:{lineno}: not valid UTF-8 (byte 0x{line[bad.start]:02x} at "
+                            f"column {bad.start + 1}); convert the file to UTF-8{hint}"
+                        )
+        except OSError:
+            continue
+    return f"{src.describe()}: not valid UTF-8 ({exc}); convert the input to UTF-8"
+
+
+def _skip_space(text) -> tuple[str, int]:
+    """Read past leading whitespace: the first other character and the lines skipped."""
+    skipped = 0
+    first = text.read(1)
+    while first.isspace():
+        skipped += first == "\n"
+        first = text.read(1)
+    return first, skipped
+
+
+def _locate_bad_json(src: _Source) -> Optional[str]:
+    """'FILE:LINE: invalid JSON (...)' for the first JSON-lines record that does not parse."""
+    for path in src.files:
+        try:
+            f = _open_binary(path)
+            if f is None:
+                continue
+            with f:
+                text = io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline="")
+                first, skipped = _skip_space(text)
+                if first == "[":  # one JSON array: json reports the line itself
+                    try:
+                        json.loads(first + text.read())
+                    except json.JSONDecodeError as exc:
+                        return (
+                            f"{path}:{exc.lineno + skipped}: invalid JSON ({exc.msg} at column "
+                            f"{exc.colno})"
+                        )
+                    continue
+                lineno = 1 + skipped
+                line = first + text.readline()
+                while line:
+                    if line.strip():
+                        try:
+                            json.loads(line)
+                        except json.JSONDecodeError as exc:
+                            return (
+                                f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
+                            )
+                    lineno += 1
+                    line = text.readline()
+        except OSError:
+            continue
+    return None
+
+
+def _locate_row(src: _Source, row: int) -> str:
+    """Where record ``row`` (0-based, counted over the whole source) comes from: 'FILE:LINE'
+    for JSON lines and CSV, 'FILE: record N' for JSON arrays and parquet."""
+    try:
+        offset = 0
+        for path in src.files:
+            if src.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                count = pq.ParquetFile(path).metadata.num_rows
+                if row < offset + count:
+                    return f"{path}: record {row - offset + 1}"
+                offset += count
+                continue
+            f = _open_binary(path)
+            if f is None:
+                break
+            with f:
+                text = io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline="")
+                if src.kind == "csv":
+                    reader = csv.reader(text)
+                    next(reader, None)  # the header
+                    for _ in reader:
+                        if offset == row:
+                            return f"{path}:{reader.line_num}"
+                        offset += 1
+                    continue
+                first, skipped = _skip_space(text)
+                if first == "[":
+                    count = len(json.loads(first + text.read()))
+                    if row < offset + count:
+                        return f"{path}: record {row - offset + 1} of its JSON array"
+                    offset += count
+                    continue
+                lineno, line = 1 + skipped, first + text.readline()
+                while line:
+                    if line.strip():  # datasets skips blank lines
+                        if offset == row:
+                            return f"{path}:{lineno}"
+                        offset += 1
+                    lineno += 1
+                    line = text.readline()
+    except Exception:  # locating is best effort; the row number below is still right
+        pass
+    return f"{src.describe()}: row {row + 1}"
+
+
+def _is_empty_file(path: str, kind: str) -> bool:
+    """True for an input file without records: no bytes, or only whitespace (text formats)."""
+    if os.path.getsize(path) == 0:
+        return True
+    if kind == "parquet":
+        return False
+    f = _open_binary(path)
+    if f is None:
+        return False
+    with f:
+        head = f.read(1 << 16)
+        return len(head) < (1 << 16) and not head.strip()
+
+
+def _iter_batches(
+    ds, src: _Source, text_key: str, stats: PreprocessStats, skip_missing_text: bool
+) -> Iterator[list[str]]:
+    """Yield lists of document texts, validating the column and value types on the way.
+
+    A record without the text field (or with null there) is an error naming its file and line,
+    unless ``skip_missing_text``: then it is counted in ``stats.missing_text``. In CSV an empty
+    cell reads as null and counts as an empty document.
+    """
     key = "text" if src.kind == "text" else text_key
     columns = ds.column_names
     if columns is not None and key not in columns:
@@ -249,17 +450,35 @@ def _iter_batches(ds, src: _Source, text_key: str) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
     row = 0
-    for record in ds.iter(batch_size=_BATCH_DOCS) if hasattr(ds, "iter") else _chunks(ds):
+    records = iter(ds.iter(batch_size=_BATCH_DOCS) if hasattr(ds, "iter") else _chunks(ds))
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            break
+        except UnicodeDecodeError as exc:  # pyarrow decodes the JSON strings only now
+            raise ValueError(_utf8_error(src, exc)) from exc
         if key not in record:
             raise ValueError(
                 f"{src.describe()}: no column {key!r} (columns: {list(record)}); pass text_key="
             )
         for value in record[key]:
-            if value is None:
+            if value is None and src.kind == "csv":
                 value = ""
+            elif value is None:
+                if not skip_missing_text:
+                    raise ValueError(
+                        f"{_locate_row(src, row)}: record has no {key!r} field (or it is null); "
+                        f"fix the record, pick the text column with text_key= (CLI: --text-key), "
+                        f"or pass skip_missing_text=True (CLI: --skip-missing-text) to skip and "
+                        f"count such records"
+                    )
+                stats.missing_text += 1
+                row += 1
+                continue
             elif not isinstance(value, str):
                 raise ValueError(
-                    f"{src.describe()}: row {row}: column {key!r} holds {type(value).__name__}, "
+                    f"{_locate_row(src, row)}: column {key!r} holds {type(value).__name__}, "
                     "expected a string; pick a text column with text_key= (CLI: --text-key)"
                 )
             row += 1
@@ -300,6 +519,42 @@ def _datasets_progress(enabled: bool):
     finally:
         if not enabled and not was_disabled:
             ds_logging.enable_progress_bars()
+
+
+def _drop_empty_files(sources: list[_Source]) -> list[_Source]:
+    """Leave out input files without records (datasets fails on them with StopIteration or
+    'corresponds to no data'); an error naming them when no file is left."""
+    kept, empty = [], []
+    for src in sources:
+        if src.files:
+            files = [f for f in src.files if not _is_empty_file(f, src.kind)]
+            empty += [f for f in src.files if f not in files]
+            if not files:
+                continue
+            src = _Source(kind=src.kind, files=files)
+        kept.append(src)
+    if not kept:
+        listed = ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else "")
+        names = empty[0] if len(empty) == 1 else f"{len(empty)} files ({listed})"
+        raise ValueError(
+            f"input {names} {'is' if len(empty) == 1 else 'are'} empty (no records): nothing "
+            f"to preprocess; check the --input path"
+        )
+    for path in empty:
+        log.warning("skipping empty input file %s (no records)", path)
+    return kept
+
+
+# The pip wheel of megatron-core warns on import that Transformer Engine and Apex are missing;
+# writing an indexed dataset needs neither.
+_IMPORT_WARNINGS = r"(Transformer Engine and Apex are not installed|Apex is not installed)"
+
+
+def _import_megatron_writer():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_IMPORT_WARNINGS)
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    return DType, IndexedDatasetBuilder
 
 
 # ---- worker side -------------------------------------------------------------------------------
@@ -349,6 +604,7 @@ def preprocess(
     cache_dir: Optional[str] = None,
     progress: bool = True,
     stats: Optional[PreprocessStats] = None,
+    skip_missing_text: bool = False,
 ) -> str:
     """Tokenize ``inputs`` and write the Megatron indexed dataset ``output_prefix.{bin,idx}``.
 
@@ -371,12 +627,17 @@ def preprocess(
         cache_dir: datasets cache directory (default: the HF cache).
         progress: show a tqdm progress bar on stderr.
         stats: optional ``PreprocessStats`` filled in with counts.
+        skip_missing_text: skip records without ``text_key`` (or null there) and count them in
+            ``stats.missing_text``; by default such a record is an error naming its file and
+            line.
 
     Returns:
         ``output_prefix`` as a string. The ``.idx`` file is renamed into place last, so a present
         ``.idx`` means a complete dataset. A ``PREFIX.meta.json`` records the tokenizer and counts.
 
-    Empty documents are skipped (as Megatron's own preprocessing does).
+    Empty documents are skipped (as Megatron's own preprocessing does). Input files without
+    any record (empty or blank) are skipped with a warning; when no input has a record, that is
+    an error naming the files. Input that is not UTF-8 is an error naming the file and line.
     """
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
@@ -401,9 +662,9 @@ def preprocess(
 
     tok = load_tokenizer(tokenizer, eod_token=eod_token)
     spec = getattr(tok, "spec", tokenizer)
-    sources = resolve_inputs(inputs, input_format=input_format)
+    sources = _drop_empty_files(resolve_inputs(inputs, input_format=input_format))
     # Imported only now: megatron.core takes seconds to import, input errors should not wait for it.
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    DType, IndexedDatasetBuilder = _import_megatron_writer()
 
     dtype = DType.optimal_dtype(tok.vocab_size)
     stats = stats if stats is not None else PreprocessStats()
@@ -436,6 +697,9 @@ def preprocess(
         for src in sources:
             with _datasets_progress(progress):
                 ds = _load_source(src, split, hub_config, text_sample_by, cache_dir)
+            if ds is None:
+                log.warning("skipping %s: no records", src.describe())
+                continue
             try:
                 total = len(ds)
             except TypeError:
@@ -448,7 +712,7 @@ def preprocess(
                 dynamic_ncols=True,
                 mininterval=0.5,
             )
-            batches = _iter_batches(ds, src, text_key)
+            batches = _iter_batches(ds, src, text_key, stats, skip_missing_text)
             results = (
                 pool.imap(_encode_batch, batches)
                 if pool is not None
@@ -471,9 +735,13 @@ def preprocess(
                 bar.set_postfix(tokens=stats.tokens, refresh=False)
             bar.close()
         if stats.documents == 0:
+            where = ", ".join(s.describe() for s in sources)
+            if stats.empty_documents == 0 and stats.missing_text == 0:
+                raise ValueError(f"{where}: no records, nothing to preprocess")
             raise ValueError(
-                f"inputs contained no non-empty documents ({stats.empty_documents} empty); "
-                f"check text_key={text_key!r} and the input files"
+                f"{where}: no non-empty documents ({stats.empty_documents} empty"
+                + (f", {stats.missing_text} without {text_key!r}" if stats.missing_text else "")
+                + f"); check text_key={text_key!r} and the input files"
             )
         builder.finalize(tmp + ".idx")
         os.replace(tmp + ".bin", output_prefix + ".bin")
@@ -503,6 +771,7 @@ def preprocess(
         "dtype": np.dtype(dtype).name,
         "documents": stats.documents,
         "empty_documents_skipped": stats.empty_documents,
+        "missing_text_skipped": stats.missing_text,
         "tokens": stats.tokens,
         "inputs": [s.describe() if s.kind in ("hub", "dataset") else s.files for s in sources],
     }
@@ -550,6 +819,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="end-of-document token of an HF tokenizer when not inferable",
     )
     p.add_argument("--text-key", default="text", help="column holding the text (default: text)")
+    p.add_argument(
+        "--skip-missing-text",
+        action="store_true",
+        help="skip records without the text field (or null there) and report their count; by "
+        "default such a record is an error naming its file and line",
+    )
     p.add_argument(
         "--workers",
         "-j",
@@ -603,13 +878,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cache_dir=args.cache_dir,
             progress=args.progress,
             stats=stats,
+            skip_missing_text=args.skip_missing_text,
         )
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 2
+    missing = f", {stats.missing_text} without {args.text_key!r}" if stats.missing_text else ""
     print(
         f"wrote {prefix}.bin / {prefix}.idx: {stats.documents} documents, {stats.tokens} tokens "
-        f"({stats.empty_documents} empty skipped) in {stats.seconds:.1f}s"
+        f"({stats.empty_documents} empty{missing} skipped) in {stats.seconds:.1f}s"
     )
     return 0
 
