@@ -86,7 +86,7 @@ def test_override_null_and_int_to_float():
         ),
         ("model.recompute=some", "model.recompute must be one of ['none', 'selective', 'full']"),
         (
-            "train.global_batch_size=6",
+            ("train.micro_batch_size=4", "train.global_batch_size=6"),
             "train.global_batch_size (6) must be divisible by train.micro_batch_size (4)",
         ),
         (
@@ -120,11 +120,16 @@ def test_override_null_and_int_to_float():
         ("train..x=1", "must look like key.sub=value"),
         ("train.seed.x=1", "override 'train.seed.x=1': train.seed is not a section"),
         ("name=a/b", "name must be a non-empty string without '/'"),
+        (
+            "checkpoint.on_resume=merge",
+            "checkpoint.on_resume must be one of ['apply', 'keep'], got 'merge'",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(override, message):
+    overrides = [override] if isinstance(override, str) else list(override)
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, overrides)
     assert message in str(e.value)
 
 
@@ -164,3 +169,32 @@ def test_missing_file_and_round_trip(tmp_path):
     cfg = load_config()
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     assert apply_overrides({}, ["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["attention.s2.head_offset=9"],
+            "attention.s2.head_offset must be a stripe phase 0..3 (0 = the authors' library, "
+            "1 = Phi-3-small/vLLM; phases repeat every vert_stride=4), got 9, which would act "
+            "as 1",
+        ),
+        (
+            ["attention.overrides={1: {vert_stride: 2, head_offset: 2}}"],
+            "attention.overrides.1.head_offset must be a stripe phase 0..1",
+        ),
+    ],
+)
+def test_head_offset_is_a_stripe_phase(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides).schedule()
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("offset, stride", [(0, 4), (1, 4), (3, 4), (1, 1), (1, 2)])
+def test_head_offset_phases_accepted(offset, stride):
+    # 0 and 1 (the published conventions) always; any phase below vert_stride.
+    load_config(
+        None, [f"attention.s2.head_offset={offset}", f"attention.s2.vert_stride={stride}"]
+    ).schedule()

@@ -39,6 +39,11 @@ __all__ = [
     "load_config",
     "apply_overrides",
     "DEMO_CONFIG",
+    "ON_RESUME",
+    "SettingChange",
+    "ResumeChanges",
+    "resume_changes",
+    "format_changes",
 ]
 
 # The built-in default run (``megatron-s2-train`` without --config).
@@ -152,6 +157,10 @@ class DataConfig:
     cache_dir: Optional[str] = None
 
 
+# checkpoint.on_resume: what a resumed run does with changed plan settings (PLAN_KEYS).
+ON_RESUME = ("apply", "keep")
+
+
 @dataclass
 class CheckpointConfig:
     """``dir`` None = ``<logging.run_dir>/checkpoints``; ``save_interval`` 0 = only at the end."""
@@ -159,8 +168,13 @@ class CheckpointConfig:
     dir: Optional[str] = None
     save_interval: int = 0
     save_at_end: bool = True
-    # Resume from the latest checkpoint in ``dir`` when there is one.
+    # Resume from the newest intact checkpoint in ``dir`` when there is one. false: never resume
+    # (a run directory that already holds a run is then refused; start over with --restart).
     resume: bool = True
+    # A resumed run whose plan settings (LR schedule, iterations, intervals, data) differ from
+    # its checkpoint's: "apply" uses the values given now, "keep" the checkpoint's; either way
+    # the differences are printed. Model shape, attention, tokenizer and seq length never change.
+    on_resume: str = "apply"
     # Start from the newest checkpoint here while ``dir`` has none yet (e.g. another run's).
     load_dir: Optional[str] = None
     # Keep only the newest N checkpoints; None keeps all.
@@ -365,6 +379,7 @@ class RunConfig:
             )
 
         _at_least("checkpoint.save_interval", self.checkpoint.save_interval, 0)
+        _one_of("checkpoint.on_resume", self.checkpoint.on_resume, ON_RESUME)
         if self.checkpoint.keep_last is not None:
             _at_least("checkpoint.keep_last", self.checkpoint.keep_last, 1)
         _at_least("logging.log_interval", self.logging.log_interval, 1)
@@ -420,11 +435,43 @@ class RunConfig:
             )
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
+        _check_head_offsets(sched)
         return sched
+
+    def keeping(self, saved: dict, keys: list[str]) -> RunConfig:
+        """This config with the dotted ``keys`` set to their values in ``saved`` (a checkpoint's
+        config mapping): what ``checkpoint.on_resume=keep`` runs."""
+        d = self.to_dict()
+        for key in keys:
+            _set_dotted(d, key, _get_dotted(saved, key))
+        try:
+            return RunConfig.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(
+                f"checkpoint.on_resume=keep: the checkpoint's values of {', '.join(keys)} do not "
+                f"fit the settings given now: {e}"
+            ) from None
 
     def blend(self) -> tuple[list[str], Optional[list[float]]]:
         """``data.blend`` as (prefixes, weights or None)."""
         return _blend_pairs(self.data.blend or [])
+
+
+def _check_head_offsets(sched) -> None:
+    """``head_offset`` is a stripe phase: ``0..vert_stride-1`` (0 and 1, the two published
+    conventions, always). The kernels take it modulo ``vert_stride``, so a larger value would
+    silently act as another phase."""
+    blocks = [("attention.s2", sched.s2)] + [
+        (f"attention.overrides.{k}", sched.s2 | v) for k, v in sched.overrides.items()
+    ]
+    for where, settings in blocks:
+        offset, stride = settings["head_offset"], settings["vert_stride"]
+        if offset >= max(2, stride):
+            raise ConfigError(
+                f"{where}.head_offset must be a stripe phase 0..{max(2, stride) - 1} (0 = the "
+                f"authors' library, 1 = Phi-3-small/vLLM; phases repeat every "
+                f"vert_stride={stride}), got {offset}, which would act as {offset % stride}"
+            )
 
 
 def _at_least(key: str, value, minimum: int) -> None:
@@ -577,3 +624,195 @@ def load_config(
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     apply_overrides(d, overrides or [])
     return RunConfig.from_dict(d)
+
+
+# ---- resuming: which settings may differ from the checkpoint's ---------------------------------
+
+# The shape of the weights: a checkpoint loads only into the same shapes. Compared as resolved
+# values (num_query_groups None and 4 with 4 heads are the same model). The padded vocabulary is
+# compared by the trainer, which knows the tokenizer.
+SHAPE_KEYS = (
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.kv_channels",
+    "model.ffn_hidden_size",
+    "model.normalization",
+    "model.swiglu",
+    "model.untie_embeddings_and_output_weights",
+)
+# Not shapes, but what the weights were trained to mean. Refused when a run resumes its own
+# checkpoint; printed (and applied) when a new run starts from another run's weights
+# (checkpoint.load_dir), e.g. to turn a dense model into an S2 hybrid.
+MEANING_KEYS = ("model.seq_length", "model.rotary_base", "data.tokenizer", "attention")
+# The run's plan: checkpoint.on_resume decides whether a resumed run uses the values given now
+# ("apply") or its checkpoint's ("keep"); both print the differences. A section covers its keys.
+PLAN_KEYS = (
+    "optimizer",
+    "train.train_iters",
+    "train.global_batch_size",
+    "train.seed",
+    "train.eval_interval",
+    "train.eval_iters",
+    "train.reset_position_ids",
+    "train.eod_mask_loss",
+    "model.hidden_dropout",
+    "data.blend",
+    "data.split",
+    "data.demo",
+    "data.demo_dir",
+    "data.demo_num_docs",
+    "checkpoint.save_interval",
+    "checkpoint.save_at_end",
+    "checkpoint.keep_last",
+    "logging.log_interval",
+)
+# Where the run lives and how it resumes: not compared.
+UNCOMPARED_KEYS = (
+    "name",
+    "logging.run_dir",
+    "checkpoint.dir",
+    "checkpoint.load_dir",
+    "checkpoint.resume",
+    "checkpoint.on_resume",
+    "data.cache_dir",
+)
+# Every other key (parallel layout, micro-batch size, precision, recomputation, data workers,
+# logging outputs, debug hooks) is how the run executes: the value given now is used, and
+# differences are printed.
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    """One setting that differs between a checkpoint's run config and the run's."""
+
+    key: str
+    checkpoint: Any
+    now: Any
+
+
+@dataclass
+class ResumeChanges:
+    """How the run config differs from the config stored in the checkpoint it resumes from.
+
+    ``refused``: settings that cannot change (shape; attention, tokenizer, seq length when
+    resuming the run's own checkpoint). ``noted``: those of them a new run started from another
+    run's weights may change. ``plan``: what ``checkpoint.on_resume`` decides. ``other``: how the
+    run executes (always the values given now).
+    """
+
+    refused: list = field(default_factory=list)
+    noted: list = field(default_factory=list)
+    plan: list = field(default_factory=list)
+    other: list = field(default_factory=list)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _get_dotted(d: dict, key: str):
+    for part in key.split("."):
+        d = d[part]
+    return d
+
+
+def _set_dotted(d: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        d = d.setdefault(part, {})
+    d[last] = value
+
+
+def _in(key: str, keys: tuple) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def _resolved_shape(d: dict) -> dict:
+    """The SHAPE_KEYS of config mapping ``d`` with the defaults resolved."""
+    m = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | (d.get("model") or {})
+    heads, hidden = m["num_attention_heads"], m["hidden_size"]
+    resolved = {
+        "num_query_groups": m["num_query_groups"] or heads,
+        "kv_channels": m["kv_channels"] or (hidden // heads if heads else None),
+        "ffn_hidden_size": m["ffn_hidden_size"] or 4 * hidden,
+    }
+    return {key: resolved.get(key[6:], m.get(key[6:])) for key in SHAPE_KEYS}
+
+
+def _attention_changes(saved: dict, cfg: RunConfig) -> list:
+    """Differences of the attention pattern, layer by layer: a schedule written differently
+    (a pattern string instead of indices, defaults spelled out) is the same pattern."""
+    from ..schedule import AttentionSchedule
+
+    def schedule(d):  # None: every layer dense, as RunConfig.schedule() reads it
+        if d is None:
+            return AttentionSchedule.all_dense()
+        return AttentionSchedule.from_dict(d, prefix="attention")
+
+    n = cfg.model.num_layers
+    try:
+        old, new = schedule(saved.get("attention")), schedule(cfg.attention)
+        if [old.layer_settings(i, n) for i in range(n)] == [
+            new.layer_settings(i, n) for i in range(n)
+        ]:
+            return []
+        a, b = old.to_dict(), new.to_dict()
+    except Exception:  # a schedule an older version wrote: compare what is written
+        a, b = saved.get("attention") or {}, cfg.attention or {}
+    fa, fb = _flatten(a, "attention."), _flatten(b, "attention.")
+    changes = [
+        SettingChange(k, fa.get(k), fb.get(k))
+        for k in sorted(set(fa) | set(fb), key=str)
+        if fa.get(k) != fb.get(k)
+    ]
+    return changes or [SettingChange("attention", a, b)]
+
+
+def resume_changes(saved: dict, cfg: RunConfig, *, own: bool) -> ResumeChanges:
+    """Compare ``cfg`` with ``saved``, the run config stored in the checkpoint to resume from.
+
+    ``own``: the checkpoint is the run's own (a resume), not another run's (``load_dir``).
+    Keys missing on one side (a config written by another version) are not compared.
+    """
+    out = ResumeChanges()
+    old_shape, new_shape = _resolved_shape(saved), _resolved_shape(cfg.to_dict())
+    for key in SHAPE_KEYS:
+        if old_shape[key] != new_shape[key]:
+            out.refused.append(SettingChange(key, old_shape[key], new_shape[key]))
+    meaning = _attention_changes(saved, cfg)
+    fa, fb = (
+        _flatten({k: v for k, v in saved.items() if k != "attention"}),
+        _flatten({k: v for k, v in cfg.to_dict().items() if k != "attention"}),
+    )
+    for key in sorted(set(fa) & set(fb)):
+        if fa[key] == fb[key] or _in(key, UNCOMPARED_KEYS) or key in SHAPE_KEYS:
+            continue
+        change = SettingChange(key, fa[key], fb[key])
+        if _in(key, MEANING_KEYS):
+            meaning.append(change)
+        elif _in(key, PLAN_KEYS):
+            out.plan.append(change)
+        elif key != "model.init_method_std":  # used only to initialise: no effect on a resume
+            out.other.append(change)
+    (out.refused if own else out.noted).extend(meaning)
+    return out
+
+
+def format_changes(changes: list, old: str = "checkpoint", new: str = "now") -> str:
+    """A table of ``changes``: one line per key with the checkpoint's and the new value."""
+
+    def show(v) -> str:
+        text = yaml.safe_dump(v, default_flow_style=True, width=1000).strip()
+        return text.removesuffix("...").strip()
+
+    rows = [("", old, new)] + [(c.key, show(c.checkpoint), show(c.now)) for c in changes]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"  {k:<{widths[0]}}  {a:<{widths[1]}}  {b}".rstrip() for k, a, b in rows)
