@@ -17,11 +17,12 @@ def _when(decide, last=30):
     return [i for i in range(1, last + 1) if decide(i)]
 
 
-def test_logger_logs_every_interval_and_after_the_last_iteration(tmp_path):
+def test_logger_logs_first_every_interval_and_last_iteration(tmp_path):
     log = MetricsLogger.from_config(
         LoggingConfig(log_interval=10), str(tmp_path / "x"), 25, 0, enabled=False
     )
-    assert _when(log.should_log, 25) == [10, 20, 25]
+    # Iteration 1 too: the summary quotes the first loss, which metrics.jsonl must hold.
+    assert _when(log.should_log, 25) == [1, 10, 20, 25]
     assert _when(MetricsLogger(str(tmp_path), 3, 0, enabled=False).should_log, 3) == [1, 2, 3]
 
 
@@ -51,6 +52,7 @@ def fake_checkpoint_io(monkeypatch):
 
     monkeypatch.setattr(checkpointing, "save_checkpoint", save)
     monkeypatch.setattr(checkpointing, "load_checkpoint", load)
+    monkeypatch.setattr(checkpointing, "verify_checkpoint", lambda path: None)
     return saved
 
 
@@ -103,16 +105,45 @@ def test_checkpointer_resumes_own_checkpoints_before_load_dir(tmp_path, fake_che
 def test_preemption_simulated_and_real_sigterm():
     hook = Preemption(simulate_at=3)
     assert [hook.requested(i) for i in (1, 2, 3, 4)] == [False, False, True, True]
-    before = signal.getsignal(signal.SIGTERM)
+    assert hook.signal == "sigterm"
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     real = Preemption()
     real.install()
     try:
         assert not real.requested(1)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert real.requested(2)
+        assert real.requested(2) and real.signal == "sigterm"
     finally:
         real.uninstall()
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_preemption_ctrl_c_stops_gracefully_then_aborts(capsys):
+    """The first SIGINT only sets the flag (like SIGTERM); the second raises KeyboardInterrupt."""
+    before = signal.getsignal(signal.SIGINT)
+    p = Preemption()
+    p.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert p.requested(5) and p.signal == "sigint"
+        assert "Ctrl-C again to abort" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        p.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_preemption_leaves_an_ignored_sigint_ignored():
+    """A shell's background job ignores SIGINT: Ctrl-C in the terminal is not meant for it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        p = Preemption()
+        p.install()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        p.uninstall()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_throughput_leaves_out_pauses_and_the_warm_up_window():

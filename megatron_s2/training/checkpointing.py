@@ -7,7 +7,13 @@ Layout under the checkpoint directory::
 
 The tracker file is written (atomically, by rank 0) only after every rank finished saving, so a
 crash or a NaN stop during a save never points a resume at a half-written checkpoint: the last
-good checkpoint stays the one that is loaded.
+good checkpoint stays the one that is loaded. Before a resume, :func:`find_checkpoint` checks the
+checkpoint the tracker names (``metadata.json``, ``common.pt`` and ``.metadata`` readable, every
+shard file as long as ``.metadata`` says) and falls back to the newest intact older one, saying
+what was wrong; with a garbled or missing tracker it takes the newest intact ``iter_*``.
+
+A failed save (full disk, read-only folder) raises :class:`CheckpointError` naming the
+checkpoint, the free space and the last complete checkpoint, and removes the partial folder.
 
 A checkpoint holds the model (sharded, so it loads at another TP/PP size), the optimizer (the
 distributed optimizer in ``dp_reshardable`` format: it loads at another DP size but the same
@@ -20,6 +26,7 @@ format would carry it across, but in megatron-core 0.16.1 it cannot be loaded in
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -31,14 +38,22 @@ import numpy as np
 import torch
 
 from .run_config import CheckpointConfig
+from .run_dir import human_bytes
 
 __all__ = [
     "latest_iteration",
     "save_checkpoint",
     "load_checkpoint",
     "checkpoint_path",
+    "verify_checkpoint",
+    "find_checkpoint",
+    "estimate_checkpoint_bytes",
+    "read_checkpoint_config",
+    "CheckpointError",
     "TRACKER",
     "Checkpointer",
+    "ResumeCandidate",
+    "find_resume",
     "ResumePoint",
 ]
 
@@ -51,22 +66,127 @@ OPTIMIZER_FORMAT = "dp_reshardable"
 MODEL_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp")
 
 
+# Bytes per parameter of the optimizer state in a checkpoint: Adam's two fp32 moments and the
+# fp32 main copy of the weights (saved also when the model itself is fp32).
+OPTIMIZER_BYTES_PER_PARAM = 12
+# A checkpoint's size beyond its tensors (metadata, RNG states, alignment): a safety margin.
+CHECKPOINT_OVERHEAD = 1.1
+CHECKPOINT_OVERHEAD_BYTES = 4 * 2**20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names it and what to do."""
+
+
 def checkpoint_path(root: str, iteration: int) -> str:
     """Directory of the checkpoint of ``iteration`` under ``root``."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def latest_iteration(root: str) -> Optional[int]:
-    """Iteration of the newest complete checkpoint under ``root``, or None."""
+    """Iteration the tracker file under ``root`` names (the newest complete save), or None."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         text = f.read().strip()
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}") from None
+        raise ValueError(f"{path}: expected an iteration number, found {text[:40]!r}") from None
+
+
+def _iteration_dirs(root: str) -> list[int]:
+    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(
+        (int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()),
+        reverse=True,
+    )
+
+
+def verify_checkpoint(path: str) -> Optional[str]:
+    """What is wrong with the checkpoint folder ``path``, or None when it looks intact.
+
+    Checks that the files a complete ``torch_dist`` save writes are there and readable
+    (``metadata.json`` is written last), that ``common.pt`` loads, and that every shard file
+    ``.metadata`` lists exists and is as long as its entries need (a truncated shard, e.g. from
+    a full disk, is found here instead of failing inside the load). Reads no tensor data.
+    """
+    if not os.path.isdir(path):
+        return "the folder does not exist"
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing (an incomplete save?)"
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return f"metadata.json is unreadable ({type(e).__name__}: {e})"
+    try:
+        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:  # EOFError, UnpicklingError, RuntimeError (zip), OSError
+        return f"common.pt is unreadable ({type(e).__name__}: {e})"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:
+        return f".metadata is unreadable ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"shard {name} is missing"
+        have = os.path.getsize(file)
+        if have < size:
+            return f"shard {name} is truncated ({have} of {size} bytes)"
+        try:
+            with open(file, "rb") as f:
+                f.seek(size - 1)
+                f.read(1)
+        except OSError as e:
+            return f"shard {name} is unreadable ({e})"
+    return None
+
+
+def find_checkpoint(root: str) -> tuple[Optional[int], list[str]]:
+    """The newest intact checkpoint under ``root``: ``(iteration or None, problems)``.
+
+    Starts at the iteration the tracker names and falls back to older ``iter_*`` folders; newer
+    folders than the tracker's are unfinished saves and are skipped. Without a readable tracker
+    every ``iter_*`` folder is a candidate, newest first. ``problems`` says, one entry per
+    skipped checkpoint (or garbled tracker), what was wrong; it is empty when the tracker's
+    checkpoint is intact.
+    """
+    problems = []
+    try:
+        tracked = latest_iteration(root)
+    except ValueError as e:
+        tracked = None
+        problems.append(str(e))
+    on_disk = _iteration_dirs(root)
+    if tracked is not None:
+        candidates = [tracked] + [it for it in on_disk if it < tracked]
+    else:
+        candidates = on_disk
+    for it in candidates:
+        path = checkpoint_path(root, it)
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return it, problems
+        problems.append(f"{path}: {problem}")
+    return None, problems
+
+
+def estimate_checkpoint_bytes(num_params: int, param_bytes: int, with_optimizer: bool) -> int:
+    """Disk space one checkpoint of ``num_params`` parameters (all ranks) takes, with margin."""
+    per_param = param_bytes + (OPTIMIZER_BYTES_PER_PARAM if with_optimizer else 0)
+    return int(num_params * per_param * CHECKPOINT_OVERHEAD) + CHECKPOINT_OVERHEAD_BYTES
 
 
 def _parallel_layout() -> dict:
@@ -212,6 +332,41 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _free_space(path: str) -> str:
+    try:
+        return human_bytes(shutil.disk_usage(path).free)
+    except OSError:
+        return "unknown"
+
+
+def _error_text(error: BaseException) -> str:
+    """``Type: message`` of the error that really happened: torch's CheckpointException wraps
+    each rank's failure with its traceback; the last line of the first one says it."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))
+        if isinstance(error, tuple):  # (exception, traceback summary)
+            error = error[0]
+    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+
+
+def _save_failed(root: str, path: str, error: BaseException) -> str:
+    try:
+        last = latest_iteration(root)
+    except ValueError:
+        last = None
+    last_text = (
+        f"the last complete checkpoint is {checkpoint_path(root, last)} ({TRACKER} still names it)"
+        if last is not None
+        else "no checkpoint of this run was completed"
+    )
+    return (
+        f"saving checkpoint {path} failed ({_error_text(error)}). Free space there: "
+        f"{_free_space(root)}; {last_text}. The partial folder was removed."
+    )
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -222,33 +377,50 @@ def save_checkpoint(
     consumed_samples: int,
     config: dict,
     keep_last: Optional[int] = None,
+    extra: Optional[dict] = None,
 ) -> str:
-    """Save a checkpoint of ``iteration`` (collective: call on every rank); return its path."""
+    """Save a checkpoint of ``iteration`` (collective: call on every rank); return its path.
+
+    ``extra``: more common (unsharded) entries, e.g. the padded vocabulary size. Raises
+    :class:`CheckpointError` (message: where, free space, last complete checkpoint) when the
+    save fails; the tracker then still names the last complete checkpoint.
+    """
     from megatron.core import dist_checkpointing
 
     path = checkpoint_path(root, iteration)
-    if _is_rank0():
-        # A directory left by a save that crashed midway is not a checkpoint: start it afresh.
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path)
-    _barrier()
-    sd = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=True, with_rng=True)
-    sd["opt_param_scheduler"] = scheduler.state_dict()
-    sd["iteration"] = iteration
-    sd["consumed_samples"] = consumed_samples
-    sd["parallel"] = _parallel_layout()
-    sd["optimizer_format"] = OPTIMIZER_FORMAT
-    sd["config"] = config
-    dist_checkpointing.save(sd, path)
-    _barrier()
-    if _is_rank0():
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER))
-        if keep_last:
-            _prune(root, keep_last, keep=iteration)
+    try:
+        if _is_rank0():
+            # A directory left by a save that crashed midway is not a checkpoint: start afresh.
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            os.makedirs(path)
+        _barrier()
+        sd = _sharded_state_dict(
+            model, optimizer, is_loading=False, with_optimizer=True, with_rng=True
+        )
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+        sd["iteration"] = iteration
+        sd["consumed_samples"] = consumed_samples
+        sd["parallel"] = _parallel_layout()
+        sd["optimizer_format"] = OPTIMIZER_FORMAT
+        sd["config"] = config
+        sd.update(extra or {})
+        dist_checkpointing.save(sd, path)
+        _barrier()
+        if _is_rank0():
+            tmp = os.path.join(root, TRACKER + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(str(iteration))
+            os.replace(tmp, os.path.join(root, TRACKER))
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        message = _save_failed(root, path, e)
+        if _is_rank0():
+            shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointError(message) from e
+    if _is_rank0() and keep_last:
+        _prune(root, keep_last, keep=iteration)
     _barrier()
     return path
 
@@ -263,6 +435,29 @@ def _prune(root: str, keep_last: int, keep: int) -> None:
         shutil.rmtree(checkpoint_path(root, it), ignore_errors=True)
 
 
+def _set_optimizer_hyperparameters(optimizer, config) -> None:
+    """Put the values of ``config`` (the run's ``optimizer`` section) into every param group:
+    loading the optimizer state restores the checkpoint's param groups, whose ``max_lr`` and
+    ``min_lr`` the scheduler reads (over its own) and whose betas and epsilon Adam uses. The
+    learning rate and weight decay themselves are set by the scheduler."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in getattr(opt, "optimizer", opt).param_groups:
+            group["max_lr"], group["min_lr"] = config.lr, config.min_lr
+            if "betas" in group:
+                group["betas"] = (config.adam_beta1, config.adam_beta2)
+            if "eps" in group:
+                group["eps"] = config.adam_eps
+
+
+def read_checkpoint_config(path: str) -> tuple[Optional[dict], Optional[int]]:
+    """The run config stored in the checkpoint ``path`` and its padded vocabulary size (None
+    for checkpoints written before it was stored)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(path)
+    return common.get("config"), common.get("padded_vocab_size")
+
+
 def load_checkpoint(
     root: str,
     model: list,
@@ -271,11 +466,19 @@ def load_checkpoint(
     *,
     iteration: Optional[int] = None,
     load_optimizer: bool = True,
+    schedule_from_config: bool = False,
+    optimizer_config=None,
 ) -> tuple[int, int]:
     """Load the newest (or the given) checkpoint under ``root`` into model/optimizer/scheduler.
 
     Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is no checkpoint.
     ``load_optimizer=False`` loads the model only and restarts optimizer and LR schedule.
+
+    ``schedule_from_config``: the scheduler keeps the LR/WD schedule it was built with (the
+    run config's) and takes only its step count from the checkpoint; otherwise Megatron's
+    default restores the checkpoint's schedule (``use_checkpoint_opt_param_scheduler``).
+    ``optimizer_config`` (the run's ``optimizer`` section): its peak/minimum LR, Adam betas and
+    epsilon replace the checkpoint's in the loaded param groups.
     """
     from megatron.core import dist_checkpointing
 
@@ -311,18 +514,50 @@ def load_checkpoint(
     )
     # With fp32 parameters the optimizer's main params are views of leaf tensors that require
     # grad: every in-place copy of the load must run without autograd.
-    with torch.no_grad():
-        state = dist_checkpointing.load(sd, path)
-        for key, chunk in zip(_model_keys(len(model)), model):
-            _unwrap(chunk).load_state_dict(state[key], strict=True)
-        if load_optimizer:
-            optimizer.load_state_dict(state["optimizer"])
-            _restore_adam_steps(optimizer)
+    try:
+        with torch.no_grad():
+            state = dist_checkpointing.load(sd, path)
+            for key, chunk in zip(_model_keys(len(model)), model):
+                _unwrap(chunk).load_state_dict(state[key], strict=True)
+            if load_optimizer:
+                optimizer.load_state_dict(state["optimizer"])
+                _restore_adam_steps(optimizer)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(
+            f"loading checkpoint {path} failed ({_error_text(e)}). Its files passed the "
+            f"start-up checks, so their contents are damaged: move the folder aside and the "
+            f"newest intact older checkpoint is used"
+        ) from e
+    if load_optimizer and optimizer_config is not None:
+        _set_optimizer_hyperparameters(optimizer, optimizer_config)
     if load_scheduler:
+        if schedule_from_config:
+            scheduler.override_opt_param_scheduler = True
+            scheduler.use_checkpoint_opt_param_scheduler = False
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_model_layout and state.get("rng_state") is not None:
         _set_rng_state(state["rng_state"])
     return int(state["iteration"]), int(state["consumed_samples"])
+
+
+@dataclass(frozen=True)
+class ResumeCandidate:
+    """The checkpoint a run will resume from, found (and checked) before anything is built.
+
+    ``own``: it is the run's own checkpoint, not another run's (``checkpoint.load_dir``).
+    ``problems``: newer checkpoints (or the tracker) that were skipped and why.
+    """
+
+    root: str
+    iteration: int
+    own: bool
+    problems: tuple = ()
+
+    @property
+    def path(self) -> str:
+        return checkpoint_path(self.root, self.iteration)
 
 
 @dataclass(frozen=True)
@@ -334,6 +569,26 @@ class ResumePoint:
     consumed_samples: int
 
 
+def find_resume(config: CheckpointConfig, directory: str) -> Optional[ResumeCandidate]:
+    """The checkpoint a run with checkpoint section ``config`` and own checkpoint directory
+    ``directory`` resumes from (see :meth:`Checkpointer.find`); no collectives."""
+    if not config.resume:
+        return None
+    for root, own in ((directory, True), (config.load_dir, False)):
+        if not root:
+            continue
+        iteration, problems = find_checkpoint(root)
+        if iteration is not None:
+            return ResumeCandidate(root, iteration, own, tuple(problems))
+        if problems:
+            raise CheckpointError(
+                f"no intact checkpoint in {root}:\n  "
+                + "\n  ".join(problems)
+                + "\nMove the damaged folders aside, or start over with --restart."
+            )
+    return None
+
+
 class Checkpointer:
     """The run's checkpoints: what to resume from, when to save, where saves go.
 
@@ -343,6 +598,9 @@ class Checkpointer:
         model, optimizer, scheduler: what a checkpoint holds (model chunks, Megatron optimizer,
             ``OptimizerParamScheduler``).
         run_config: the run config as a mapping, stored in every checkpoint.
+        optimizer_config: the run's ``optimizer`` section: on a resume its values (the
+            scheduler's LR/WD schedule, Adam's betas and epsilon) replace the checkpoint's.
+        padded_vocab_size: stored in every checkpoint (a resume compares it).
     """
 
     def __init__(
@@ -354,36 +612,47 @@ class Checkpointer:
         optimizer,
         scheduler,
         run_config: dict,
+        optimizer_config=None,
+        padded_vocab_size: Optional[int] = None,
     ):
         self.config = config
         self.directory = directory
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.run_config = run_config
+        self.optimizer_config = optimizer_config
+        self.padded_vocab_size = padded_vocab_size
         self.last_checkpoint: Optional[str] = None
         self._start_iteration = 0
 
-    def load(self) -> Optional[ResumePoint]:
-        """Load the checkpoint to resume from (collective); None when there is none or
-        ``checkpoint.resume`` is off.
+    def find(self) -> Optional[ResumeCandidate]:
+        """The checkpoint to resume from (no collectives, nothing loaded); None when there is
+        none or ``checkpoint.resume`` is off.
 
         The run's own checkpoints win over ``checkpoint.load_dir``: a preempted run that started
-        from another run's checkpoint must resume from where it got to.
+        from another run's checkpoint must resume from where it got to. A damaged newest
+        checkpoint is skipped for the newest intact one (``problems`` says why); a directory
+        with checkpoints but none intact raises :class:`CheckpointError`.
         """
-        if not self.config.resume:
-            return None
-        root = self.directory
-        if latest_iteration(root) is None and self.config.load_dir:
-            root = self.config.load_dir
-        if latest_iteration(root) is None:
-            return None
+        return find_resume(self.config, self.directory)
+
+    def load(self, candidate: Optional[ResumeCandidate] = None) -> Optional[ResumePoint]:
+        """Load ``candidate`` (default: :meth:`find`'s) into model, optimizer and scheduler
+        (collective); None when there is nothing to resume from."""
+        if candidate is None:
+            candidate = self.find()
+            if candidate is None:
+                return None
         iteration, consumed = load_checkpoint(
-            root,
+            candidate.root,
             self.model,
             self.optimizer,
             self.scheduler,
+            iteration=candidate.iteration,
             load_optimizer=self.config.load_optimizer,
+            schedule_from_config=True,
+            optimizer_config=self.optimizer_config,
         )
-        self.last_checkpoint = checkpoint_path(root, iteration)
+        self.last_checkpoint = checkpoint_path(candidate.root, iteration)
         self._start_iteration = iteration
         return ResumePoint(self.last_checkpoint, iteration, consumed)
 
@@ -402,6 +671,9 @@ class Checkpointer:
 
     def save(self, iteration: int, consumed_samples: int) -> str:
         """Save the state after ``iteration`` (collective); returns the checkpoint's path."""
+        extra = {}
+        if self.padded_vocab_size is not None:
+            extra["padded_vocab_size"] = self.padded_vocab_size
         self.last_checkpoint = save_checkpoint(
             self.directory,
             iteration,
@@ -411,5 +683,6 @@ class Checkpointer:
             consumed_samples=consumed_samples,
             config=self.run_config,
             keep_last=self.config.keep_last,
+            extra=extra,
         )
         return self.last_checkpoint

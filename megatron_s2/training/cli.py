@@ -7,7 +7,10 @@
 Without ``--config`` it runs the built-in demo (``configs/demo.yaml``): it generates a synthetic
 corpus, trains a tiny S2 hybrid and prints a summary. See ``docs/training.md``.
 
-Exit codes: 0 done (or stopped by SIGTERM after saving), 2 config error, 3 NaN/inf stop.
+Exit codes: 0 done, nothing to do, or stopped by SIGTERM / Ctrl-C after saving; 2 config error
+(including settings a resume cannot change); 3 NaN/inf stop; 4 run directory or checkpoint
+problem (in use by a live run, holds a previous run, not writable, too little space, no intact
+checkpoint, a save that failed); 130 aborted by a second Ctrl-C (or Ctrl-C during setup).
 """
 
 from __future__ import annotations
@@ -19,15 +22,27 @@ from typing import Optional
 
 import torch
 
+from .checkpointing import CheckpointError
 from .run_config import ConfigError, load_config
+from .run_dir import RunDirError
 from .trainer import NonFiniteLossError, train
 
-__all__ = ["main", "build_arg_parser", "EXIT_OK", "EXIT_CONFIG_ERROR", "EXIT_NAN"]
+__all__ = [
+    "main",
+    "build_arg_parser",
+    "EXIT_OK",
+    "EXIT_CONFIG_ERROR",
+    "EXIT_NAN",
+    "EXIT_RUN_DIR",
+    "EXIT_INTERRUPTED",
+]
 
 # A NaN stop differs from a crash (1) so that launchers can tell them apart.
 EXIT_OK = 0
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
+EXIT_RUN_DIR = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 PROG = "megatron-s2-train"
 
@@ -37,6 +52,7 @@ KNOWN_WARNINGS = (
     r"Apex is not installed",
     r"full scope is deprecated",
     r"The \.grad attribute of a Tensor that is not a leaf",
+    r"`load_state_dict` is deprecated and will be removed",  # Megatron's own call, on resume
 )
 
 
@@ -53,6 +69,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--config", "-c", default=None, help="run config YAML (default: configs/demo.yaml)"
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over: move a previous run in the run directory aside to "
+        "<run_dir>.old-<time> (an external checkpoint.dir likewise) and train from scratch",
+    )
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     return p
 
@@ -67,7 +89,8 @@ def _quiet_known_warnings() -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the process exit code."""
-    args = build_arg_parser().parse_args(argv)
+    # Options may come after the overrides (`megatron-s2-train train.train_iters=9 --restart`).
+    args = build_arg_parser().parse_intermixed_args(argv)
     _quiet_known_warnings()
     # Megatron logs every parameter and its whole config at INFO; the trainer prints its own
     # summary.
@@ -79,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             return EXIT_OK
-        train(cfg)
+        train(cfg, restart=args.restart)
         return EXIT_OK
     except ConfigError as e:
         print(f"{PROG}: config error: {e}", file=sys.stderr, flush=True)
@@ -87,6 +110,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     except NonFiniteLossError as e:
         print(f"{PROG}: {e}", file=sys.stderr, flush=True)
         return EXIT_NAN
+    except (RunDirError, CheckpointError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr, flush=True)
+        return EXIT_RUN_DIR
+    except KeyboardInterrupt:
+        # Ctrl-C during setup, or a second Ctrl-C: no traceback; the tracker still names the
+        # last complete checkpoint.
+        print(
+            f"\n{PROG}: interrupted; no checkpoint was saved now (a resume starts from the last "
+            f"complete one)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -88,8 +88,8 @@ class MetricsLogger:
     and JSONL.
 
     Only the global rank 0 writes; every other rank gets a logger whose methods do nothing.
-    ``log_interval``: training records every that many iterations and after the last one
-    (:meth:`should_log`).
+    ``log_interval``: training records after the first iteration, every that many iterations
+    and after the last one (:meth:`should_log`).
     """
 
     def __init__(
@@ -165,8 +165,10 @@ class MetricsLogger:
         )
 
     def should_log(self, iteration: int) -> bool:
-        """Write a training record after ``iteration``? (Every rank gets the same answer.)"""
-        return iteration % self.log_interval == 0 or iteration == self.total_iters
+        """Write a training record after ``iteration``? After the run's first iteration (the
+        loss curve starts at its start), every ``log_interval`` and after the last one. (Every
+        rank gets the same answer.)"""
+        return iteration == 1 or iteration % self.log_interval == 0 or iteration == self.total_iters
 
     def _truncate_after(self, start_iter: int) -> None:
         if not os.path.exists(self.jsonl_path):

@@ -8,7 +8,13 @@ The trainer wires components together, each of which decides for itself when it 
   times the training between records;
 * :class:`~.evaluation.Evaluator` computes the validation loss (``should_run``);
 * :class:`~.checkpointing.Checkpointer` resumes and saves (``should_save``);
-* :class:`~.preemption.Preemption` stops on SIGTERM (``should_stop``).
+* :class:`~.preemption.Preemption` stops on SIGTERM or Ctrl-C (``should_stop``).
+
+Before anything is built, the run claims its directory (:mod:`.run_dir`: lock, ``--restart``,
+writable directories), finds the checkpoint to resume from (the newest intact one) and compares
+its stored run config with this one (:func:`~.run_config.resume_changes`): settings that cannot
+change are refused, plan settings are applied or kept (``checkpoint.on_resume``) with a note. A
+finished run has nothing to do and leaves its directory untouched.
 
 Without CUDA the trainer runs in the explicit CPU mode (:mod:`megatron_s2.training.cpu_mode`):
 gloo, fp32, PyTorch reference attention. A GPU run uses NCCL, bf16 and the Triton kernels.
@@ -20,13 +26,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import parallel
-from .checkpointing import Checkpointer
+from .checkpointing import (
+    Checkpointer,
+    ResumeCandidate,
+    estimate_checkpoint_bytes,
+    find_resume,
+    read_checkpoint_config,
+)
 from .data import Datasets, build_datasets, chunk_micro_batches
 from .evaluation import Evaluator
 from .metrics import (
@@ -35,9 +48,11 @@ from .metrics import (
     memory_gib,
     model_flops_per_iteration,
     plot_loss_curve,
+    read_jsonl,
 )
 from .preemption import Preemption
-from .run_config import ConfigError, RunConfig
+from .run_config import ConfigError, RunConfig, format_changes, resume_changes
+from .run_dir import RunDirError, check_free_space, on_rank0, open_run_directory, previous_run
 from .step import ForwardBackward, zero_grad
 
 __all__ = ["Trainer", "train", "RunResult", "StepResult", "NonFiniteLossError"]
@@ -58,11 +73,12 @@ class RunResult:
     iteration: int
     losses: dict  # iteration -> train loss (every iteration of this process)
     valid_losses: dict
-    stopped_by: str  # "done", "sigterm"
-    tokens_per_s: float
+    stopped_by: str  # "done", "sigterm", "sigint", "nothing to do"
+    tokens_per_s: float  # over the iterations of this process
     tflops_per_gpu: float
     run_dir: str
     last_checkpoint: Optional[str]
+    resumed_from: Optional[str] = None  # the checkpoint this process started from
 
 
 @dataclass(frozen=True)
@@ -82,12 +98,17 @@ def _rank0() -> bool:
 class Trainer:
     """A training run of ``cfg``, set up on construction (collective over all ranks).
 
-    Construction starts torch.distributed and Megatron's parallel groups, builds the data, the
-    model, optimizer and LR schedule, and loads the checkpoint to resume from. :meth:`train`
-    runs the loop; :meth:`train_step` is one iteration.
+    Construction starts torch.distributed and Megatron's parallel groups, claims the run
+    directory, resolves the checkpoint to resume from and the settings to use, then builds the
+    data, the model, optimizer and LR schedule and loads the checkpoint. :meth:`train` runs the
+    loop; :meth:`train_step` is one iteration. ``restart``: move a previous run in the run
+    directory aside and start afresh (the CLI's ``--restart``).
+
+    When the checkpoint is already at ``train.train_iters`` there is nothing to do
+    (:attr:`nothing_to_do`): nothing is built or written and :meth:`train` returns at once.
     """
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, *, restart: bool = False):
         self.cfg = cfg
         self.gpu = torch.cuda.is_available()
         if not self.gpu:
@@ -110,10 +131,62 @@ class Trainer:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
         )
+        self._locks: list = []
+        self.train_data: list = []
+        self.metrics: Optional[MetricsLogger] = None
+        self.preemption = Preemption(simulate_at=cfg.debug.sigterm_at_iter)
+        self.nothing_to_do = False
         self._announce_mode()
+        try:
+            self._setup(restart)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, restart: bool) -> None:
+        # The run directory: lock, --restart, writable (rank 0 acts, every rank learns).
+        def claim():
+            info, self._locks = open_run_directory(
+                self.cfg.run_dir, self.cfg.checkpoint_dir, restart=restart
+            )
+            return info
+
+        for old, new in on_rank0(claim).moved_aside:
+            self._print(f"{PREFIX} --restart: moved the previous run {old} to {new}")
+
+        # The checkpoint to resume from and the settings to run with, before anything is built.
+        candidate, saved, saved_vocab = on_rank0(self._locate_checkpoint)
+        self.resume_candidate: Optional[ResumeCandidate] = candidate
+        if candidate is not None:
+            if candidate.problems:
+                self._warn(
+                    "skipped damaged checkpoint(s):\n  "
+                    + "\n  ".join(candidate.problems)
+                    + f"\n  resuming from the newest intact checkpoint {candidate.path}"
+                )
+            self.cfg = self._reconcile(candidate, saved)
+            self.schedule = self.cfg.schedule()
+            if candidate.iteration >= self.cfg.train.train_iters:
+                self.nothing_to_do = True
+                self._print(
+                    f"{PREFIX} nothing to do: {candidate.path} is at iteration "
+                    f"{candidate.iteration} and train.train_iters is "
+                    f"{self.cfg.train.train_iters}. The run's files in {self.cfg.run_dir} are "
+                    f"left as they are. Raise train.train_iters to train further, or start over "
+                    f"with --restart."
+                )
+                return
+        cfg = self.cfg
         self._write_run_config()
 
         self.datasets, self.vocab_size = self._build_data()
+        if saved_vocab is not None and saved_vocab != self.vocab_size:
+            raise ConfigError(
+                f"cannot resume from {candidate.path}: its padded vocabulary has {saved_vocab} "
+                f"entries, this run's {self.vocab_size} (data.tokenizer, model.vocab_size, "
+                f"model.make_vocab_size_divisible_by x tensor parallel size): the embedding "
+                f"shapes differ"
+            )
 
         model, p = cfg.model, cfg.parallel
         self.model_config = parallel.transformer_config(model, p, self.schedule, bf16=self.bf16)
@@ -124,6 +197,7 @@ class Trainer:
             cfg.optimizer, p, self.model, bf16=self.bf16, train_iters=cfg.train.train_iters
         )
         parallel.connect_schedule_hooks(self.model_config, self.model, self.optimizer, p)
+        self._check_checkpoint_space()
 
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
@@ -132,19 +206,19 @@ class Trainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             run_config=cfg.to_dict(),
+            optimizer_config=cfg.optimizer,
+            padded_vocab_size=self.vocab_size,
         )
         self.iteration, self.consumed_samples = 0, 0
-        resumed = self.checkpointer.load()
-        if resumed is not None:
+        self.resumed_from: Optional[str] = None
+        if candidate is not None:
+            resumed = self.checkpointer.load(candidate)
             self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
+            self.resumed_from = resumed.path
             self._print(
                 f"{PREFIX} resumed from {resumed.path} (iteration {resumed.iteration}, "
-                f"{resumed.consumed_samples} samples consumed)"
-            )
-        if self.iteration >= cfg.train.train_iters:
-            self._print(
-                f"{PREFIX} nothing to do: iteration {self.iteration} >= "
-                f"train.train_iters ({cfg.train.train_iters})"
+                f"{resumed.consumed_samples} samples consumed; next learning rate "
+                f"{self.optimizer.param_groups[0]['lr']:.3e})"
             )
 
         from megatron.core import parallel_state as ps
@@ -179,15 +253,115 @@ class Trainer:
             model_flops_per_iteration(model, t.global_batch_size, self.vocab_size, self.schedule),
             self.world_size,
         )
-        self.preemption = Preemption(simulate_at=cfg.debug.sigterm_at_iter)
         self.losses: dict[int, float] = {}
         self.valid_losses: dict[int, float] = {}
         self._describe_run(dp_size)
+
+    # ---------------------------------------------------------------- resume resolution
+    def _locate_checkpoint(self):
+        """Rank 0: the checkpoint to resume from, its stored run config and padded vocabulary;
+        refuses to start a new run over a previous one."""
+        cfg = self.cfg
+        candidate = find_resume(cfg.checkpoint, cfg.checkpoint_dir)
+        if candidate is None:
+            found = previous_run(cfg.run_dir, cfg.checkpoint_dir)
+            if found:
+                why = (
+                    "and checkpoint.resume=false"
+                    if not cfg.checkpoint.resume
+                    else "but no checkpoint to resume from"
+                )
+                raise RunDirError(
+                    f"{cfg.run_dir} holds a previous run ({', '.join(found)}) {why}: a new run "
+                    f"there would mix the two runs' metrics and checkpoints. Start over with "
+                    f"--restart (moves it to {cfg.run_dir}.old-<time>), or use another "
+                    f"name=/logging.run_dir="
+                )
+            return None, None, None
+        saved, vocab = read_checkpoint_config(candidate.path)
+        return candidate, saved, vocab
+
+    def _reconcile(self, candidate: ResumeCandidate, saved: Optional[dict]) -> RunConfig:
+        """The config to run with: refuse settings a resume cannot change, apply or keep the
+        plan (``checkpoint.on_resume``), print every difference."""
+        cfg = self.cfg
+        if saved is None:
+            self._warn(
+                f"{candidate.path} stores no run config: its settings cannot be compared; the "
+                f"values given now are used"
+            )
+            return cfg
+        changes = resume_changes(saved, cfg, own=candidate.own)
+        if changes.refused:
+            if candidate.own:
+                raise ConfigError(
+                    f"cannot resume run '{saved.get('name', '?')}' from {candidate.path}: these "
+                    f"settings differ from its checkpoint's, and a resumed run cannot change "
+                    f"them (its weights were trained with them):\n"
+                    f"{format_changes(changes.refused)}\n"
+                    f"Resume with the checkpoint's values (drop these overrides), or start a new "
+                    f"run: another name=/logging.run_dir=, or --restart (moves {cfg.run_dir} "
+                    f"aside)."
+                )
+            raise ConfigError(
+                f"cannot start from {candidate.path} (run '{saved.get('name', '?')}', "
+                f"checkpoint.load_dir): its weights have another shape:\n"
+                f"{format_changes(changes.refused)}"
+            )
+        if changes.noted:
+            self._print(
+                f"{PREFIX} starting from another run's weights ({candidate.path}); these "
+                f"settings differ from that run's and are used as given now:\n"
+                + format_changes(changes.noted, "that run", "now")
+            )
+        if changes.plan:
+            if cfg.checkpoint.on_resume == "keep":
+                self._print(
+                    f"{PREFIX} checkpoint.on_resume=keep: resuming with the checkpoint's "
+                    f"settings; these values given now are ignored "
+                    f"(checkpoint.on_resume=apply uses them):\n"
+                    + format_changes(changes.plan, "kept", "ignored")
+                )
+                cfg = cfg.keeping(saved, [c.key for c in changes.plan])
+            else:
+                self._print(
+                    f"{PREFIX} checkpoint.on_resume=apply: resuming with changed settings (the "
+                    f"LR schedule follows the new optimizer and train settings; "
+                    f"checkpoint.on_resume=keep keeps the checkpoint's):\n"
+                    + format_changes(changes.plan)
+                )
+        if changes.other:
+            self._print(
+                f"{PREFIX} run settings changed since the checkpoint (used as given now):\n"
+                + format_changes(changes.other)
+            )
+        return cfg
+
+    def _check_checkpoint_space(self) -> None:
+        """Room for one checkpoint (weights + Adam state of all ranks) in the checkpoint
+        directory, checked before training (collective)."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for chunk in self.model for p in chunk.parameters()]
+        local = torch.tensor([float(sum(p.numel() for p in params))], device=self.device)
+        torch.distributed.all_reduce(local)
+        # Every model-parallel shard is replicated over the data- and context-parallel ranks.
+        replicas = ps.get_data_parallel_world_size(with_context_parallel=True)
+        needed = estimate_checkpoint_bytes(
+            int(local.item()) // replicas,
+            params[0].element_size() if params else 4,
+            with_optimizer=True,
+        )
+        on_rank0(lambda: check_free_space(self.cfg.checkpoint_dir, needed))
 
     # ------------------------------------------------------------------------------ setup
     def _print(self, msg: str) -> None:
         if self.rank0:
             print(msg, flush=True)
+
+    def _warn(self, msg: str) -> None:
+        if self.rank0:
+            print(f"{PREFIX} warning: {msg}", file=sys.stderr, flush=True)
 
     def _announce_mode(self) -> None:
         if self.gpu:
@@ -357,7 +531,21 @@ class Trainer:
 
     # -------------------------------------------------------------------------- the loop
     def train(self) -> RunResult:
-        """Train up to ``train.train_iters`` or until SIGTERM; write the summary (rank 0)."""
+        """Train up to ``train.train_iters`` or until SIGTERM/Ctrl-C; write the summary
+        (rank 0). With nothing to do, return at once and leave the run directory untouched."""
+        if self.nothing_to_do:
+            self.close()
+            return RunResult(
+                iteration=self.resume_candidate.iteration,
+                losses={},
+                valid_losses={},
+                stopped_by="nothing to do",
+                tokens_per_s=0.0,
+                tflops_per_gpu=0.0,
+                run_dir=self.cfg.run_dir,
+                last_checkpoint=self.resume_candidate.path,
+                resumed_from=self.resume_candidate.path,
+            )
         stopped_by = "done"
         self.preemption.install()
         self.throughput.start()
@@ -366,14 +554,18 @@ class Trainer:
                 chunk.train()
             while self.iteration < self.cfg.train.train_iters:
                 step = self.train_step()
-                if self.metrics.should_log(self.iteration):
+                logged = self.metrics.should_log(self.iteration)
+                if logged:
                     self.log_step(step)
                 if self.evaluator.should_run(self.iteration):
                     self.evaluate()
                 if self.preemption.should_stop(self.iteration, self.device):
-                    stopped_by = "sigterm"
+                    stopped_by = self.preemption.reason
+                    if not logged:  # metrics.jsonl ends where the run stopped
+                        self.log_step(step)
+                    what = "Ctrl-C" if stopped_by == "sigint" else "SIGTERM"
                     self.metrics.print(
-                        f"{PREFIX} SIGTERM: saving a checkpoint at iteration "
+                        f"{PREFIX} {what}: saving a checkpoint at iteration "
                         f"{self.iteration} and stopping"
                     )
                     self.save()
@@ -396,42 +588,68 @@ class Trainer:
             tflops_per_gpu=speed.tflops_per_gpu,
             run_dir=self.cfg.run_dir,
             last_checkpoint=self.checkpointer.last_checkpoint,
+            resumed_from=self.resumed_from,
         )
         if self.rank0:
             write_summary(result, self.cfg.name, plot=self.cfg.logging.plot)
         return result
 
     def close(self) -> None:
-        """Restore the SIGTERM handler, close the logs and shut data-loader workers down (they
-        ignore SIGTERM, see :mod:`megatron_s2.training.data`)."""
+        """Restore the signal handlers, close the logs, shut data-loader workers down (they
+        ignore SIGTERM, see :mod:`megatron_s2.training.data`) and release the run directory.
+        Safe to call more than once and on a partly set-up trainer."""
         self.preemption.uninstall()
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         for it in self.train_data:
             it.close()
+        self.train_data = []
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
 
 
-def train(cfg: RunConfig) -> RunResult:
-    """Run (or resume) the training described by ``cfg``; collective over all ranks."""
-    return Trainer(cfg).train()
+def train(cfg: RunConfig, *, restart: bool = False) -> RunResult:
+    """Run (or resume) the training described by ``cfg``; collective over all ranks.
+    ``restart``: move a previous run in the run directory aside and start afresh."""
+    return Trainer(cfg, restart=restart).train()
+
+
+def _summary_losses(jsonl: str) -> tuple[list, list]:
+    """(iteration, loss) of the train and of the validation records of ``metrics.jsonl``: the
+    whole run's, across resumes."""
+    records = read_jsonl(jsonl) if os.path.exists(jsonl) else []
+
+    def curve(kind: str) -> list:
+        return sorted(
+            (r["iteration"], r["loss"]) for r in records if r.get("kind") == kind and "loss" in r
+        )
+
+    return curve("train"), curve("valid")
 
 
 def write_summary(r: RunResult, name: str, *, plot: bool) -> None:
     """Write ``summary.json`` (and ``loss.png`` when ``plot``) into the run directory and print
-    the run's summary."""
+    the run's summary. Losses are quoted from ``metrics.jsonl`` (the whole run, what the plot
+    shows); throughput is this process's."""
     jsonl = os.path.join(r.run_dir, "metrics.jsonl")
     png = None
     if plot and os.path.exists(jsonl):
         png = plot_loss_curve(jsonl, os.path.join(r.run_dir, "loss.png"), title=name)
-    losses = sorted(r.losses.items())
+    train_losses, valid_losses = _summary_losses(jsonl)
     summary = {
         "name": name,
         "iteration": r.iteration,
         "stopped_by": r.stopped_by,
-        "first_loss": losses[0][1] if losses else None,
-        "final_loss": losses[-1][1] if losses else None,
-        "final_valid_loss": r.valid_losses[max(r.valid_losses)] if r.valid_losses else None,
+        "first_loss": train_losses[0][1] if train_losses else None,
+        "first_loss_iteration": train_losses[0][0] if train_losses else None,
+        "final_loss": train_losses[-1][1] if train_losses else None,
+        "final_loss_iteration": train_losses[-1][0] if train_losses else None,
+        "final_valid_loss": valid_losses[-1][1] if valid_losses else None,
+        "final_valid_iteration": valid_losses[-1][0] if valid_losses else None,
         "tokens_per_s": r.tokens_per_s,
         "tflops_per_gpu": r.tflops_per_gpu,
+        "resumed_from": r.resumed_from,
         "metrics": jsonl,
         "loss_curve": png,
         "last_checkpoint": r.last_checkpoint,
@@ -439,16 +657,16 @@ def write_summary(r: RunResult, name: str, *, plot: bool) -> None:
     with open(os.path.join(r.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     lines = [f"{PREFIX} {name}: {r.stopped_by} at iteration {r.iteration}"]
-    if losses:
-        lines.append(
-            f"  train loss      {losses[0][1]:.4f} (iter {losses[0][0]}) -> "
-            f"{losses[-1][1]:.4f} (iter {losses[-1][0]})"
-        )
-    if r.valid_losses:
-        lines.append(f"  valid loss      {summary['final_valid_loss']:.4f}")
+    if train_losses:
+        (i0, l0), (i1, l1) = train_losses[0], train_losses[-1]
+        lines.append(f"  train loss      {l0:.4f} (iter {i0}) -> {l1:.4f} (iter {i1})")
+    if valid_losses:
+        i1, l1 = valid_losses[-1]
+        lines.append(f"  valid loss      {l1:.4f} (iter {i1})")
+    session = f" (this session, from {r.resumed_from})" if r.resumed_from else ""
     lines.append(
         f"  throughput      {r.tokens_per_s:,.0f} tokens/s, "
-        f"{r.tflops_per_gpu:.3f} model TFLOP/s per GPU"
+        f"{r.tflops_per_gpu:.3f} model TFLOP/s per GPU{session}"
     )
     lines.append(
         f"  metrics         {jsonl} (TensorBoard: {os.path.join(r.run_dir, 'tensorboard')})"
