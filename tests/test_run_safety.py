@@ -276,6 +276,14 @@ def test_free_space_for_one_checkpoint(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------- checkpoint verification and fallback
+METADATA_JSON = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
 def _fake_checkpoint(root, iteration):
     """A torch_dist-style checkpoint: DCP shards + .metadata, common.pt, metadata.json."""
     import torch.distributed.checkpoint as dcp
@@ -287,7 +295,7 @@ def _fake_checkpoint(root, iteration):
         dcp.save({"w": torch.arange(2000.0), "b": torch.ones(10)}, checkpoint_id=path)
     torch.save({"iteration": iteration, "config": {"name": "x"}}, os.path.join(path, "common.pt"))
     with open(os.path.join(path, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist"}, f)
+        json.dump(METADATA_JSON, f)
     (root / TRACKER).write_text(str(iteration))
     return path
 
@@ -377,6 +385,39 @@ def test_save_failure_names_the_last_good_checkpoint(tmp_path, monkeypatch):
     assert "Free space there:" in msg and "iter_0000002" in msg
     assert not os.path.exists(checkpointing.checkpoint_path(str(tmp_path), 4))
     assert (tmp_path / TRACKER).read_text() == "2"
+
+
+def _locate(cfg):
+    """What the trainer decides on rank 0 before building anything (no Megatron needed)."""
+    from types import SimpleNamespace
+
+    from megatron_s2.training.trainer import Trainer
+
+    return Trainer._locate_checkpoint(SimpleNamespace(cfg=cfg))
+
+
+def test_a_new_run_is_refused_over_a_previous_one(tmp_path):
+    run = tmp_path / "r"
+    os.makedirs(run / "checkpoints")
+    args = [f"logging.run_dir={run}"]
+    assert _locate(load_config(None, args)) == (None, None, None)  # fresh: a new run
+
+    _fake_checkpoint(run / "checkpoints", 4)
+    candidate, saved, vocab = _locate(load_config(None, args))
+    assert candidate.own and candidate.iteration == 4 and saved == {"name": "x"}
+    with pytest.raises(RunDirError, match=r"holds a previous run \(checkpoints in .*\) and "):
+        _locate(load_config(None, [*args, "checkpoint.resume=false"]))
+
+    # Another run's weights (load_dir) start a new run only in a directory without a run.
+    other = tmp_path / "other"
+    os.makedirs(other)
+    _fake_checkpoint(other, 6)
+    fresh = [f"logging.run_dir={tmp_path / 'fresh'}", f"checkpoint.load_dir={other}"]
+    assert not _locate(load_config(None, fresh))[0].own
+    shutil.rmtree(run / "checkpoints")
+    (run / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1, "loss": 5.0}\n')
+    with pytest.raises(RunDirError, match="but no checkpoint of its own to resume from"):
+        _locate(load_config(None, [*args, f"checkpoint.load_dir={other}"]))
 
 
 # ---------------------------------------------------------------------------- the summary

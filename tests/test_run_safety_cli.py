@@ -302,8 +302,8 @@ def test_cli_restart_may_follow_the_overrides(monkeypatch):
 @pytest.mark.slow
 def test_lock_refuses_a_second_run_and_ctrl_c_saves_and_stops(tmp_path, demo_dir):
     """Two runs in one directory at once: the second stops at start-up naming the first. Ctrl-C
-    (SIGINT to the process group, as a terminal sends it) then checkpoints and stops the first
-    like SIGTERM."""
+    (SIGINT to the process group, as a terminal sends it: data-loader workers included) then
+    checkpoints and stops the first like SIGTERM."""
     args = [
         "name=t",
         f"logging.run_dir={tmp_path / 't'}",
@@ -311,6 +311,7 @@ def test_lock_refuses_a_second_run_and_ctrl_c_saves_and_stops(tmp_path, demo_dir
         f"data.cache_dir={tmp_path / 'cache'}",
         *TINY,
         "train.train_iters=100000",
+        "train.num_workers=2",  # the loader workers get the Ctrl-C too
     ]
     first = subprocess.Popen(
         [sys.executable, "-m", "megatron_s2.training", "--config", DEMO, *args],
@@ -338,7 +339,7 @@ def test_lock_refuses_a_second_run_and_ctrl_c_saves_and_stops(tmp_path, demo_dir
         if first.poll() is None:
             first.kill()
     assert first.returncode == cli.EXIT_OK, err[-3000:]
-    assert "Ctrl-C: finishing this iteration" in err and "Traceback" not in err
+    assert err.count("Ctrl-C: finishing this iteration") == 1 and "Traceback" not in err
     it = int((tmp_path / "t" / "checkpoints" / TRACKER).read_text())
     recs = read_metrics(tmp_path / "t")
     assert it >= 2 and max(recs) == it  # metrics.jsonl ends where the run stopped

@@ -9,6 +9,7 @@ for the iteration or the save; the tracker then still names the last complete ch
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Optional
@@ -35,6 +36,7 @@ class Preemption:
         self.signal: Optional[str] = None  # "sigterm" or "sigint" once one arrived
         self.reason: Optional[str] = None  # what all ranks agreed stopped the run
         self._previous: dict = {}
+        self._pid = os.getpid()
 
     @property
     def signalled(self) -> bool:
@@ -44,6 +46,11 @@ class Preemption:
         self.signal = self.signal or "sigterm"
 
     def _on_sigint(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # A data-loader worker forked after install() inherits this handler; Ctrl-C in a
+            # terminal reaches it too. It must neither die (the trainer still needs batches to
+            # finish the iteration) nor announce the stop again.
+            return
         if self.signal == "sigint":
             # The second Ctrl-C: give up on the graceful stop.
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -60,6 +67,7 @@ class Preemption:
         """Catch SIGTERM and SIGINT from now on (a no-op outside the main thread, e.g. when
         embedded). An ignored SIGINT stays ignored (a shell's background job: Ctrl-C in the
         terminal is not meant for it)."""
+        self._pid = os.getpid()
         for signum, handler in (
             (signal.SIGTERM, self._on_sigterm),
             (signal.SIGINT, self._on_sigint),

@@ -263,13 +263,14 @@ class Trainer:
         refuses to start a new run over a previous one."""
         cfg = self.cfg
         candidate = find_resume(cfg.checkpoint, cfg.checkpoint_dir)
-        if candidate is None:
+        if candidate is None or not candidate.own:
+            # A new run (possibly from another run's weights) needs a directory without a run.
             found = previous_run(cfg.run_dir, cfg.checkpoint_dir)
             if found:
                 why = (
                     "and checkpoint.resume=false"
                     if not cfg.checkpoint.resume
-                    else "but no checkpoint to resume from"
+                    else "but no checkpoint of its own to resume from"
                 )
                 raise RunDirError(
                     f"{cfg.run_dir} holds a previous run ({', '.join(found)}) {why}: a new run "
@@ -277,6 +278,7 @@ class Trainer:
                     f"--restart (moves it to {cfg.run_dir}.old-<time>), or use another "
                     f"name=/logging.run_dir="
                 )
+        if candidate is None:
             return None, None, None
         saved, vocab = read_checkpoint_config(candidate.path)
         return candidate, saved, vocab
