@@ -62,6 +62,22 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_settings(settings: dict) -> None:
+    """Cross-setting checks of one layer's complete S2 settings (each value already passed
+    :func:`check_setting`); ``ValueError("<name> must be ...")`` naming the setting.
+
+    ``head_offset`` is a stripe phase, ``0..vert_stride-1`` (0 and 1, the two published
+    conventions, always): phases are taken modulo ``vert_stride``, so a larger value would
+    silently act as another phase."""
+    offset, stride = settings["head_offset"], settings["vert_stride"]
+    if offset >= max(2, stride):
+        raise ValueError(
+            f"head_offset must be a stripe phase 0..{max(2, stride) - 1} (0 = the authors' "
+            f"library, 1 = Phi-3-small/vLLM; phases repeat every vert_stride={stride}), got "
+            f"{offset}, which would act as {offset % stride}"
+        )
+
+
 def check_setting(name: str, value) -> None:
     """Check one S2 setting's type and range; ``ValueError("<name> must be ...")`` otherwise.
 
@@ -129,7 +145,8 @@ class S2Pattern:
         block_size: tokens per block, one of 16, 32, 64, 128.
         local_blocks: blocks of the local window, diagonal block included (>= 1).
         vert_stride: stride of the vertical stripes in blocks (>= 1; 1 means dense).
-        head_offset: phase of the stripes; 0 (authors' library) or 1 (Phi-3-small / vLLM).
+        head_offset: phase of the stripes, ``0..vert_stride-1``; 0 (authors' library) or 1
+            (Phi-3-small / vLLM).
         num_dense_heads: heads that attend densely (causal); must divide ``num_heads``.
         homo_head: all heads share head 0's stripes.
         head_step: per-head phase step; default ``max(1, vert_stride // num_heads)``.
@@ -162,6 +179,7 @@ class S2Pattern:
             _check_int("num_kv_heads", self.num_kv_heads, 1)
             for name, value in self.settings().items():
                 check_setting(name, value)
+            check_settings(self.settings())
         except ValueError as e:
             raise ValueError(f"S2Pattern: {e}") from None
         if self.num_heads % self.num_kv_heads:

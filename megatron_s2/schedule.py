@@ -7,7 +7,7 @@ under its ``attention:`` key)::
       block_size: 64         # tokens per block: 16, 32, 64 or 128
       local_blocks: 16       # local window in blocks, diagonal block included
       vert_stride: 8         # vertical stripe stride in blocks (1 = dense)
-      head_offset: 1         # stripe phase: 0 (authors' library) or 1 (Phi-3-small / vLLM)
+      head_offset: 1         # stripe phase 0..vert_stride-1: 0 (authors' library), 1 (Phi-3-small)
       head_step: null        # per-head phase step; null = max(1, vert_stride // num_heads)
       num_dense_heads: 0     # heads of an S2 layer that attend densely; must divide the heads
       homo_head: false       # all heads share head 0's stripes
@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from s2attn import S2Pattern
-from s2attn.pattern import check_setting
+from s2attn.pattern import check_setting, check_settings
 
 __all__ = ["AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR", "DEFAULT_S2_SETTINGS"]
 
@@ -167,6 +167,14 @@ class AttentionSchedule:
                     f"{prefix}.overrides key {k!r} must be an integer layer index (0-based)"
                 ) from None
             overrides[idx] = _checked_settings(v, f"{prefix}.overrides.{k}")
+        # Cross-setting rules on each layer's complete settings, named where they were set.
+        for where, values in [(f"{prefix}.s2", s2)] + [
+            (f"{prefix}.overrides.{k}", s2 | v) for k, v in overrides.items()
+        ]:
+            try:
+                check_settings(values)
+            except ValueError as e:
+                raise ScheduleError(f"{where}.{e}") from None
         holes = d.get("allow_coverage_holes", False)
         if not isinstance(holes, bool):
             raise ScheduleError(

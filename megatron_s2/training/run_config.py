@@ -435,7 +435,6 @@ class RunConfig:
             )
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
-        _check_head_offsets(sched)
         return sched
 
     def keeping(self, saved: dict, keys: list[str]) -> RunConfig:
@@ -455,23 +454,6 @@ class RunConfig:
     def blend(self) -> tuple[list[str], Optional[list[float]]]:
         """``data.blend`` as (prefixes, weights or None)."""
         return _blend_pairs(self.data.blend or [])
-
-
-def _check_head_offsets(sched) -> None:
-    """``head_offset`` is a stripe phase: ``0..vert_stride-1`` (0 and 1, the two published
-    conventions, always). The kernels take it modulo ``vert_stride``, so a larger value would
-    silently act as another phase."""
-    blocks = [("attention.s2", sched.s2)] + [
-        (f"attention.overrides.{k}", sched.s2 | v) for k, v in sched.overrides.items()
-    ]
-    for where, settings in blocks:
-        offset, stride = settings["head_offset"], settings["vert_stride"]
-        if offset >= max(2, stride):
-            raise ConfigError(
-                f"{where}.head_offset must be a stripe phase 0..{max(2, stride) - 1} (0 = the "
-                f"authors' library, 1 = Phi-3-small/vLLM; phases repeat every "
-                f"vert_stride={stride}), got {offset}, which would act as {offset % stride}"
-            )
 
 
 def _at_least(key: str, value, minimum: int) -> None:
