@@ -4,7 +4,7 @@ parallel layout, and compare parameters or gradients across layouts (the paralle
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterator, Mapping, Tuple
+from collections.abc import Iterator, Mapping
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -33,7 +33,7 @@ def _tp_slice(full: torch.Tensor, param: torch.nn.Parameter, name: str, config) 
     return full.chunk(tp, dim=dim)[rank]
 
 
-def named_parameters_unsharded(model_chunks) -> Iterator[Tuple[str, torch.nn.Parameter, object]]:
+def named_parameters_unsharded(model_chunks) -> Iterator[tuple[str, torch.nn.Parameter, object]]:
     """``(name, param, config)`` for this rank's parameters, with ``decoder.layers.<i>`` renamed
     to the layer's global 0-based index (the name the parameter has in a TP=1/PP=1 model)."""
     if isinstance(model_chunks, torch.nn.Module):
@@ -44,12 +44,13 @@ def named_parameters_unsharded(model_chunks) -> Iterator[Tuple[str, torch.nn.Par
             m = _LAYER_RE.match(name)
             if m:
                 layer = model.decoder.layers[int(m.group(1))]
-                name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+                name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end() :]
             yield name, param, model.config
 
 
-def iter_unsharded_pairs(model_chunks, full: Mapping[str, torch.Tensor]
-                         ) -> Iterator[Tuple[str, torch.nn.Parameter, torch.Tensor]]:
+def iter_unsharded_pairs(
+    model_chunks, full: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
     """For every parameter of this rank's model chunks, yield ``(unsharded_name, param, slice)``
     where ``slice`` is the part of ``full[unsharded_name]`` (a TP=1/PP=1 tensor of the same name)
     this rank holds. Layers are matched by their global ``layer_number``; TP slices follow the
@@ -67,11 +68,13 @@ def load_unsharded_parameters(model_chunks, full: Mapping[str, torch.Tensor]) ->
     into this rank's (possibly TP/PP/VPP-sharded, DDP- or Float16-wrapped) model chunks."""
     for name, param, value in iter_unsharded_pairs(model_chunks, full):
         if value.shape != param.shape:
-            raise ValueError(f"{name}: unsharded slice {tuple(value.shape)} does not fit the "
-                             f"parameter {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: unsharded slice {tuple(value.shape)} does not fit the "
+                f"parameter {tuple(param.shape)}"
+            )
         param.copy_(value.to(param.dtype))
 
 
-def unsharded_parameters(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def unsharded_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of a single-rank (TP=1, PP=1) model, CPU fp32 copies."""
     return {n: p.detach().float().cpu().clone() for n, p in _unwrap(model).named_parameters()}
