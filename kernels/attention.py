@@ -149,8 +149,8 @@ def s2_attention(
             (PyTorch), or ``"auto"`` (Triton when usable).
         kernel_config: tile shapes and launch options of the Triton kernels
             (``s2attn.triton_attention.KernelConfig``), used for the forward and the backward;
-            default ``kernel_config(pattern, head_dim, q.device)`` from the same module. The
-            reference backend has no tiles and ignores it.
+            default ``kernel_config(pattern, head_dim, q.device, q.dtype)`` from the same
+            module. The reference backend has no tiles and ignores it.
     Returns:
         ``out`` with q's shape, dtype and memory layout (and ``lse`` if ``return_lse``). Query rows
         that attend no key (only possible with offsets) are 0 with lse ``-inf``.

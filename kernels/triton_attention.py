@@ -999,6 +999,11 @@ GPU_DKDV = PassConfig(block_m=32, num_warps=4, num_stages=3)
 WIDE_HEAD_DIM = 128
 GPU_DQ_NARROW_WARPS = 4
 GPU_BWD_WIDE_STAGES = 2
+# fp32 inputs (tests, exact checks) take twice the shared memory per tile: at d >= 128 the dQ
+# pass's 128-row tile, 3 stages deep, would need 288 KB (Hopper has 227 KB per block), so it
+# runs 64-row tiles (208 KB). bf16/fp16 are unaffected (tests/test_shared_memory.py compiles
+# every default for sm_90 and checks the budget).
+FP32_DQ_BLOCK_M = 64
 # Interpreter: query tiles of two pattern blocks still exercise Merge-Q while keeping the CPU
 # tests fast; dK/dV takes the GPU's query tile; there is no pipeline to stage.
 INTERPRETER_MERGED_BLOCKS = 2
@@ -1006,10 +1011,11 @@ INTERPRETER_WARPS = 4
 INTERPRETER_STAGES = 1
 
 
-def kernel_config(pattern: S2Pattern, head_dim: int, device) -> KernelConfig:
+def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> KernelConfig:
     """The default :class:`KernelConfig` for ``pattern`` at ``head_dim`` on ``device`` (a
     ``torch.device`` or its name): CUDA gets the tuned GPU shapes, anything else the
-    interpreter's."""
+    interpreter's. ``dtype`` (the inputs' torch dtype; None: a 16-bit one) shrinks tiles that
+    would not fit the GPU's shared memory in fp32."""
     block_n = min(pattern.block_size, MAX_BLOCK_N)
     if torch.device(device).type != "cuda":
         merged = PassConfig(
@@ -1029,6 +1035,8 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device) -> KernelConfig:
     if head_dim > WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, num_stages=GPU_BWD_WIDE_STAGES)
         dkdv = dataclasses.replace(dkdv, num_stages=GPU_BWD_WIDE_STAGES)
+    if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
+        dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     return KernelConfig(block_n, fwd=GPU_FWD, dq=dq, dkdv=dkdv)
 
 
@@ -1117,7 +1125,7 @@ def s2_forward(
     defaults to :func:`kernel_config`. Returns ``out`` (q's shape and layout) and ``lse
     [b, h, sq]`` fp32. With ``varlen`` the tensors are one packed row (``b = 1``) of documents
     and ``q_start = k_start = 0``."""
-    cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
+    cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     lay = _pass_layout(
@@ -1341,7 +1349,7 @@ def s2_backward(
 ):
     """Backward of :func:`s2_forward` for upstream ``do`` (like q) and ``dlse`` (``[b, h, sq]``
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
-    cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device)
+    cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
     dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
@@ -1357,7 +1365,7 @@ class S2AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pattern, scale, q_start, k_start, config=None, varlen=None):
         if config is None:
-            config = kernel_config(pattern, q.shape[-1], q.device)
+            config = kernel_config(pattern, q.shape[-1], q.device, q.dtype)
         out, lse = s2_forward(q, k, v, pattern, scale, q_start, k_start, config, varlen)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (pattern, scale, q_start, k_start, config, varlen)

@@ -1,0 +1,197 @@
+"""Every default kernel launch fits Hopper's shared memory (CPU; compiles for sm_90).
+
+A launch whose compiled kernel needs more shared memory than the GPU has fails only on the GPU
+(``triton.runtime.errors.OutOfResources``). Triton compiles for sm_90 without one, so here each
+launch the library makes (forward, dQ, dK/dV; fixed length and varlen; default
+:func:`s2attn.triton_attention.kernel_config` for the inputs' dtype) is captured with its real
+arguments, compiled for ``cuda:90`` with the same argument specialization as a GPU launch, and
+its ``metadata.shared`` checked against the H100's 227 KB per block. Shapes: those of the GPU
+tests (bf16 and fp32, head_dim 64/128, block 16/64, GQA, and MHA, where ``group == 1`` is
+specialized). Runs in a fresh process (conftest sets ``TRITON_INTERPRET=1``, under which the
+kernels are not compilable); skipped where this Triton cannot compile for sm_90.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# H100/H200: 227 KB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+HOPPER_SHARED_BYTES = 232448
+
+# id: (dtype, head_dim, pattern block, heads, kv heads)
+CASES = {
+    f"{dt}-d{d}-b{b}-gqa": (dt, d, b, 4, 2)
+    for dt in ("bf16", "fp32")
+    for d in (64, 128)
+    for b in (16, 64)
+}
+# The benchmark's MHA rows: group 1 is a specialized constant (other groups compile alike).
+CASES["bf16-d128-b64-mha"] = ("bf16", 128, 64, 4, 4)
+
+SCRIPT = r"""
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+assert os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def target():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    t = GPUTarget("cuda", 90, 128)
+    return t, make_backend(t)
+
+
+def compile_sm90(fn, args, kwargs):
+    # What JITFunction.run does before compiling, without a driver: the GPU launch's
+    # specialization (divisibility by 16, ints equal to 1 as constants) and options.
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    t, backend = target()
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, options = binder(*args, **kwargs)
+    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=t, options=options.__dict__)
+
+
+def probe():
+    # Can this Triton compile (to a cubin, with ptxas) for sm_90 here?
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(x, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i) + 1.0)
+
+    import torch
+
+    compile_sm90(_probe, (torch.zeros(16),), dict(BLOCK=16))
+
+
+captured = []
+
+
+# Stands in for a kernel: kernel[grid](*args, **kwargs) records the launch.
+class Capture:
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: captured.append((self.fn, a, kw))
+
+
+def run_case(case):
+    name, (dt, d, block, h, hkv) = case
+    import torch
+
+    import s2attn.triton_attention as ta
+    from s2attn import S2Pattern
+
+    assert os.path.realpath(ta.__file__) == os.environ["S2ATTN_CHECKOUT"], ta.__file__
+
+    for k in ("_s2_fwd_kernel", "_s2_dq_kernel", "_s2_dkdv_kernel"):
+        if not isinstance(getattr(ta, k), Capture):
+            setattr(ta, k, Capture(getattr(ta, k)))
+    if not hasattr(ta, "_cpu_kernel_config"):
+        # The tensors are on the CPU; the launches get the defaults a CUDA tensor would.
+        ta._cpu_kernel_config = ta.kernel_config
+        ta.kernel_config = lambda p, d, device, dtype=None: ta._cpu_kernel_config(
+            p, d, "cuda", dtype
+        )
+    dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[dt]
+    p = S2Pattern(num_heads=h, num_kv_heads=hkv, block_size=block, local_blocks=2, vert_stride=3)
+    lens = [300, 1, 64, 37]
+    total = sum(lens)
+    out = {}
+    for varlen in (False, True):
+        b = 1 if varlen else 2
+        q = torch.randn(b, total, h, d, dtype=dtype)
+        k = torch.randn(b, total, hkv, d, dtype=dtype)
+        v = torch.randn_like(k)
+        lse = torch.zeros(b, h, total)
+        vl = None
+        if varlen:
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            vl = ta.Varlen(cu, max(lens), total)
+        captured.clear()
+        # config=None: the GPU default for the dtype, as a user's call gets it. dQ with an LSE
+        # gradient (HAS_DLSE, one more row load; the same shared memory without).
+        ta.s2_forward(q, k, v, p, 0.1, 0, 0, None, vl)
+        ta.s2_backward(q, lse, q, k, v, q, lse, p, 0.1, 0, 0, None, vl)
+        for fn, a, kw in captured:
+            tag = fn.__name__.strip("_").replace("s2_", "").replace("_kernel", "")
+            c = compile_sm90(fn, a, kw)
+            cfg = f"m{kw['BLOCK_M']} n{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']}"
+            out[("varlen " if varlen else "fixed ") + tag] = dict(
+                shared=c.metadata.shared, config=cfg
+            )
+    return name, out
+
+
+if __name__ == "__main__":
+    try:
+        probe()
+    # No sm_90 compilation here: a Triton without these APIs, no CUDA backend or no ptxas.
+    except (ImportError, AttributeError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
+        print(json.dumps({"skip": f"{type(e).__name__}: {e}"}))
+        sys.exit(0)
+    cases = json.loads(sys.argv[1])
+    with ProcessPoolExecutor(max_workers=max(1, min(len(cases), os.cpu_count() or 1))) as ex:
+        results = dict(ex.map(run_case, cases.items()))
+    print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """``{case: {"fixed fwd": {"shared": bytes, "config": ...}, ...}}`` of every launch."""
+    root = Path(__file__).resolve().parents[1]
+    tmp = tmp_path_factory.mktemp("sm90")
+    # This checkout's kernels as `s2attn`, whatever an installed copy points at.
+    (tmp / "s2attn").symlink_to(root / "kernels", target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), env.get("PYTHONPATH")]))
+    env["S2ATTN_CHECKOUT"] = os.path.realpath(root / "kernels" / "triton_attention.py")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default; silences its warning
+    script = tmp / "compile_sm90.py"  # a file: @triton.jit reads its source
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps(CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in res:
+        pytest.skip(f"cannot compile for sm_90 here: {res['skip']}")
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_launches_fit_hopper_shared_memory(compiled, case):
+    launches = compiled[case]
+    # 3 kernels, fixed length and varlen.
+    assert len(launches) == 6, sorted(launches)
+    print(
+        f"\n{case}: " + ", ".join(f"{k} {v['shared']} ({v['config']})" for k, v in launches.items())
+    )
+    over = {k: v for k, v in launches.items() if v["shared"] > HOPPER_SHARED_BYTES}
+    assert not over, f"{case}: over {HOPPER_SHARED_BYTES} bytes of shared memory: {over}"
