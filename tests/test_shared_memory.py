@@ -25,12 +25,9 @@ import pytest
 HOPPER_SHARED_BYTES = 232448
 
 # id: (dtype, head_dim, pattern block, heads, kv heads)
-CASES = {
-    f"{dt}-d{d}-b{b}-gqa": (dt, d, b, 4, 2)
-    for dt in ("bf16", "fp32")
-    for d in (64, 128)
-    for b in (16, 64)
-}
+# The largest footprints only (measured 2026-11-23: head_dim 64 and block 16 need less shared
+# memory on every kernel, fixed and varlen), so the compile check stays short in CI.
+CASES = {f"{dt}-d128-b64-gqa": (dt, 128, 64, 4, 2) for dt in ("bf16", "fp32")}
 # The benchmark's MHA rows: group 1 is a specialized constant (other groups compile alike).
 CASES["bf16-d128-b64-mha"] = ("bf16", 128, 64, 4, 4)
 
