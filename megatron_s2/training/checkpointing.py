@@ -116,7 +116,7 @@ def verify_checkpoint(path: str) -> Optional[str]:
     """
     if not os.path.isdir(path):
         return "the folder does not exist"
-    for name in ("metadata.json", "common.pt", ".metadata"):
+    for name in ("metadata.json", ".metadata"):
         if not os.path.isfile(os.path.join(path, name)):
             return f"{name} is missing (an incomplete save?)"
     try:
@@ -124,16 +124,25 @@ def verify_checkpoint(path: str) -> Optional[str]:
             json.load(f)
     except (OSError, ValueError) as e:
         return f"metadata.json is unreadable ({type(e).__name__}: {e})"
-    try:
-        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
-    except Exception as e:  # EOFError, UnpicklingError, RuntimeError (zip), OSError
-        return f"common.pt is unreadable ({type(e).__name__}: {e})"
+    # megatron-core 0.16 writes the common (non-sharded) state to common.pt; 0.19 stores it in
+    # the shard files under common_state/ keys instead.
+    common = os.path.join(path, "common.pt")
+    if os.path.isfile(common):
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)
+        except Exception as e:  # EOFError, UnpicklingError, RuntimeError (zip), OSError
+            return f"common.pt is unreadable ({type(e).__name__}: {e})"
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
-        storage = FileSystemReader(path).read_metadata().storage_data
+        metadata = FileSystemReader(path).read_metadata()
+        storage = metadata.storage_data
     except Exception as e:
         return f".metadata is unreadable ({type(e).__name__}: {e})"
+    if not os.path.isfile(common) and not any(
+        str(key).startswith("common_state/") for key in metadata.state_dict_metadata
+    ):
+        return "common.pt is missing (an incomplete save?)"
     needed: dict[str, int] = {}
     for info in storage.values():
         end = info.offset + info.length
