@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -518,6 +519,11 @@ def load_checkpoint(
             [now[k] for k in MODEL_LAYOUT_KEYS],
         )
         load_optimizer = False
+    saved_optimizer = (common.get("config") or {}).get("optimizer")
+    if load_optimizer and saved_optimizer:
+        # megatron-core 0.19 matches saved param groups by their hyperparameters (max_lr and
+        # min_lr among them): load under the checkpoint's values, then put the run's back.
+        _set_optimizer_hyperparameters(optimizer, SimpleNamespace(**saved_optimizer))
     sd = _sharded_state_dict(
         model, optimizer, is_loading=True, with_optimizer=load_optimizer, with_rng=same_model_layout
     )
