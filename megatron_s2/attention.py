@@ -121,6 +121,25 @@ def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int
     return cu_q.to(torch.int32), int(max_seqlen)
 
 
+def _attend_documents(
+    module: str, query, key, value, packed_seq_params, pattern, softmax_scale, backend
+) -> torch.Tensor:
+    """THD core attention: ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``, each packed
+    document attended on its own under ``pattern`` (restarting at its first token)."""
+    cu_seqlens, max_seqlen = _packed_documents(module, packed_seq_params)
+    out = s2_attention_varlen(
+        query,
+        key,
+        value,
+        cu_seqlens,
+        max_seqlen,
+        pattern,
+        softmax_scale=softmax_scale,
+        backend=backend,
+    )
+    return out.reshape(out.shape[0], -1)
+
+
 class S2CoreAttention(MegatronModule):
     """S2 block-sparse causal core attention for one transformer layer.
 
@@ -225,18 +244,16 @@ class S2CoreAttention(MegatronModule):
         name = type(self).__name__
         _check_forward_support(name, attn_mask_type, attention_bias)
         if packed_seq_params is not None:
-            cu_seqlens, max_seqlen = _packed_documents(name, packed_seq_params)
-            out = s2_attention_varlen(
+            return _attend_documents(
+                name,
                 query,
                 key,
                 value,
-                cu_seqlens,
-                max_seqlen,
+                packed_seq_params,
                 self.pattern,
-                softmax_scale=self.softmax_scale,
-                backend=self.backend,
+                self.softmax_scale,
+                self.backend,
             )
-            return out.reshape(out.shape[0], -1)
         sq, b, nq, hn = query.shape
         out = s2_attention(
             query.transpose(0, 1),
@@ -350,23 +367,14 @@ class FusedDenseAttention(MegatronModule):
                 f"{name} (layer {self.layer_number}): attention dropout with packed sequences "
                 f"is not supported; set attention_dropout=0.0"
             )
-        cu_seqlens, max_seqlen = _packed_documents(name, packed_seq_params)
         heads, groups = query.shape[1], key.shape[1]
         pattern = self._dense_patterns.get((heads, groups))
         if pattern is None:
             pattern = S2Pattern(heads, groups, block_size=DENSE_BLOCK_SIZE, vert_stride=1)
             self._dense_patterns[(heads, groups)] = pattern
-        out = s2_attention_varlen(
-            query,
-            key,
-            value,
-            cu_seqlens,
-            max_seqlen,
-            pattern,
-            softmax_scale=self.softmax_scale,
-            backend=self.backend,
+        return _attend_documents(
+            name, query, key, value, packed_seq_params, pattern, self.softmax_scale, self.backend
         )
-        return out.reshape(out.shape[0], -1)
 
 
 class ScheduledCoreAttention:
