@@ -35,7 +35,9 @@ length (or, without one, at a length where every stripe phase shows) and refuses
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +47,10 @@ import torch
 
 from s2attn import S2Pattern
 from s2attn.pattern import check_setting, check_settings
+
+_DEFAULT_BLOCK_SIZE = next(
+    f.default for f in dataclasses.fields(S2Pattern) if f.name == "block_size"
+)
 
 __all__ = ["AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR", "DEFAULT_S2_SETTINGS"]
 
@@ -327,6 +333,24 @@ class AttentionSchedule:
         if settings is None:
             return None
         return S2Pattern(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, **settings)
+
+    def block_sizes(self, num_layers: int) -> list[int]:
+        """The distinct block sizes of the S2 layers (empty for an all-dense model), ascending."""
+        sizes = set()
+        for i in range(num_layers):
+            settings = self.layer_settings(i, num_layers)
+            if settings is not None:
+                sizes.add(settings.get("block_size", _DEFAULT_BLOCK_SIZE))
+        return sorted(sizes)
+
+    def context_parallel_unit(self, num_layers: int, context_parallel_size: int) -> int:
+        """What the sequence length must be a multiple of under ``context_parallel_size``: Megatron
+        splits it in ``2 x CP`` chunks, and an S2 layer's chunks must start on its block
+        boundaries (its pattern is laid out in absolute blocks)."""
+        unit = 2 * context_parallel_size
+        for block in self.block_sizes(num_layers):
+            unit = math.lcm(unit, 2 * context_parallel_size * block)
+        return unit
 
     def layer_kinds(self, num_layers: int) -> list[str]:
         """``'S2'`` or ``'dense'`` per 0-based layer."""

@@ -435,6 +435,15 @@ class RunConfig:
             )
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
+        cp = self.parallel.context_parallel_size
+        unit = sched.context_parallel_unit(m.num_layers, cp)
+        if cp > 1 and m.seq_length % unit:
+            raise ConfigError(
+                f"parallel.context_parallel_size ({cp}) needs model.seq_length ({m.seq_length}) "
+                f"to be a multiple of {unit}: Megatron splits the sequence in 2 x "
+                f"context_parallel_size chunks, and each must be a whole number of every S2 "
+                f"layer's blocks (block sizes {sched.block_sizes(m.num_layers)})"
+            )
         return sched
 
     def keeping(self, saved: dict, keys: list[str]) -> RunConfig:
