@@ -30,6 +30,12 @@ from megatron.core.transformer.module import MegatronModule
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 
 from .config import s2_backend_of, s2_settings_of
+from .context_parallel import (
+    attend_local_chunks,
+    check_context_parallel_length,
+    context_parallel_group,
+    dense_causal_suffix,
+)
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 
@@ -49,6 +55,27 @@ def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
 
 
+def _context_parallel(module: str, config, layer_number: int, pg_collection, dropout: float):
+    """This layer's context-parallel group, or None without context parallelism."""
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp == 1:
+        return None
+    where = f"{module} (layer {layer_number})"
+    if dropout:
+        raise ValueError(
+            f"{where}: attention dropout ({dropout}) with context_parallel_size={cp} is not "
+            f"supported; set attention_dropout=0.0"
+        )
+    group = context_parallel_group(pg_collection)
+    if group is None or group.size() != cp:
+        raise ValueError(
+            f"{where}: context_parallel_size={cp} but the context-parallel process group has "
+            f"{None if group is None else group.size()} ranks; initialize Megatron's parallel "
+            f"state (or pass pg_collection) with the same context_parallel_size"
+        )
+    return group
+
+
 def _check_layer_support(
     module: str, config, layer_number: int, attn_mask_type, attention_type, extra_kwargs: dict
 ) -> None:
@@ -60,11 +87,6 @@ def _check_layer_support(
         )
     if attention_type != "self":
         raise ValueError(f"{where}: attention_type must be 'self', got {attention_type!r}")
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    if cp > 1:
-        raise ValueError(
-            f"{where}: context_parallel_size={cp} is not supported yet; use context_parallel_size=1"
-        )
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type not in (None, "vanilla"):
         raise ValueError(f"{where}: softmax_type must be 'vanilla', got {softmax_type!r}")
@@ -90,8 +112,16 @@ def _check_forward_support(module: str, attn_mask_type, attention_bias):
         )
 
 
-def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int]:
-    """``(cu_seqlens, max_seqlen)`` of Megatron's THD ``PackedSeqParams`` for self-attention.
+# Attribute on Megatron's PackedSeqParams recording that our checks ran on it: every layer of a
+# forward gets the same object, and the checks read cu_seqlens back to the host (a device sync),
+# so they run for the first layer only.
+_CHECKED_ATTR = "_megatron_s2_checked"
+
+
+def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int, bool]:
+    """``(cu_seqlens, max_seqlen, check_values)`` of Megatron's THD ``PackedSeqParams`` for
+    self-attention; ``check_values`` is False once an earlier layer has checked the same
+    ``cu_seqlens`` tensor.
 
     Megatron hands core attention THD tensors ``[t, heads, hn]`` (the batch dimension of one is
     squeezed) and has already applied RoPE with positions restarting at every document."""
@@ -100,9 +130,13 @@ def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int
             f"{module}: packed_seq_params.qkv_format must be 'thd', "
             f"got {packed_seq_params.qkv_format!r}"
         )
-    cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+    cu_q = packed_seq_params.cu_seqlens_q
     if cu_q is None:
         raise ValueError(f"{module}: packed_seq_params.cu_seqlens_q is required for THD")
+    checked = getattr(packed_seq_params, _CHECKED_ATTR, None)
+    if checked is not None and checked[0] is cu_q:
+        return checked[1], checked[2], False
+    cu_kv = packed_seq_params.cu_seqlens_kv
     if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv, cu_q):
         raise ValueError(
             f"{module}: cu_seqlens_q and cu_seqlens_kv differ; causal self-attention packs the "
@@ -118,7 +152,7 @@ def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int
     max_seqlen = packed_seq_params.max_seqlen_q
     if max_seqlen is None:
         max_seqlen = (cu_q[1:] - cu_q[:-1]).max() if cu_q.numel() > 1 else 0
-    return cu_q.to(torch.int32), int(max_seqlen)
+    return cu_q.to(torch.int32), int(max_seqlen), True
 
 
 def _attend_documents(
@@ -126,7 +160,7 @@ def _attend_documents(
 ) -> torch.Tensor:
     """THD core attention: ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``, each packed
     document attended on its own under ``pattern`` (restarting at its first token)."""
-    cu_seqlens, max_seqlen = _packed_documents(module, packed_seq_params)
+    cu_seqlens, max_seqlen, check = _packed_documents(module, packed_seq_params)
     out = s2_attention_varlen(
         query,
         key,
@@ -136,8 +170,24 @@ def _attend_documents(
         pattern,
         softmax_scale=softmax_scale,
         backend=backend,
+        check_cu_seqlens=check,
     )
+    if check:  # only after s2_attention_varlen accepted the values
+        setattr(
+            packed_seq_params,
+            _CHECKED_ATTR,
+            (packed_seq_params.cu_seqlens_q, cu_seqlens, max_seqlen),
+        )
     return out.reshape(out.shape[0], -1)
+
+
+def _reject_packed_with_cp(module: str, cp_group) -> None:
+    if cp_group is not None:
+        raise ValueError(
+            f"{module}: packed sequences (THD packed_seq_params) with context_parallel_size="
+            f"{cp_group.size()} are not supported yet; use context_parallel_size=1 or unpacked "
+            f"sequences"
+        )
 
 
 class S2CoreAttention(MegatronModule):
@@ -149,13 +199,15 @@ class S2CoreAttention(MegatronModule):
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (this rank's heads, GQA
     groups not repeated) -> ``[sq, b, np * hn]``; packed documents (THD ``packed_seq_params``):
-    ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``.
+    ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``. Under context parallelism ``sq`` is
+    this rank's two load-balanced chunks (:mod:`megatron_s2.context_parallel`), attended at
+    their absolute positions.
 
-    Unsupported (ValueError at construction): non-causal masks, attention dropout > 0, context
-    parallelism, non-vanilla softmax, sliding windows, MLA head sizes, FP8 attention; at forward:
-    attention bias, padded THD documents. ``apply_query_key_layer_scaling`` needs nothing: it
-    rescales by the layer number before the softmax and back inside it, a numerical no-op for
-    the fp32-accumulating kernel.
+    Unsupported (ValueError at construction): non-causal masks, attention dropout > 0,
+    non-vanilla softmax, sliding windows, MLA head sizes, FP8 attention; at forward: attention
+    bias, padded THD documents, THD together with context parallelism.
+    ``apply_query_key_layer_scaling`` needs nothing: it rescales by the layer number before the
+    softmax and back inside it, a numerical no-op for the fp32-accumulating kernel.
     """
 
     def __init__(
@@ -190,6 +242,7 @@ class S2CoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
+        self.cp_group = _context_parallel(name, config, layer_number, pg_collection, 0.0)
 
         tp_group = _tp_group(pg_collection)
         heads = config.num_attention_heads
@@ -244,6 +297,7 @@ class S2CoreAttention(MegatronModule):
         name = type(self).__name__
         _check_forward_support(name, attn_mask_type, attention_bias)
         if packed_seq_params is not None:
+            _reject_packed_with_cp(name, self.cp_group)
             return _attend_documents(
                 name,
                 query,
@@ -254,6 +308,11 @@ class S2CoreAttention(MegatronModule):
                 self.softmax_scale,
                 self.backend,
             )
+        if self.cp_group is not None:
+            chunk = check_context_parallel_length(
+                name, query.shape[0], self.cp_group.size(), self.pattern.block_size
+            )
+            return attend_local_chunks(query, key, value, self.cp_group, self._attend_at, chunk)
         sq, b, nq, hn = query.shape
         out = s2_attention(
             query.transpose(0, 1),
@@ -265,6 +324,19 @@ class S2CoreAttention(MegatronModule):
         )
         # out is [b, sq, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
         return out.transpose(0, 1).reshape(sq, b, nq * hn)
+
+    def _attend_at(self, q, k, v, q_start: int) -> torch.Tensor:
+        """Queries at absolute positions ``q_start ..`` against keys ``0 ..`` (``[b, s, h, hn]``
+        views): the context-parallel chunks."""
+        return s2_attention(
+            q,
+            k,
+            v,
+            self.pattern,
+            softmax_scale=self.softmax_scale,
+            q_start=q_start,
+            backend=self.backend,
+        )
 
 
 def _sdpa_has_gqa() -> bool:
@@ -281,7 +353,9 @@ class FusedDenseAttention(MegatronModule):
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
     -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
-    tracker, as Megatron does it).
+    tracker, as Megatron does it), except with context parallelism, where each rank's two query
+    chunks attend the all-gathered keys through FlashAttention's varlen kernel (causal aligned
+    at the chunk's end; :func:`megatron_s2.context_parallel.dense_causal_suffix`).
     """
 
     def __init__(
@@ -307,6 +381,9 @@ class FusedDenseAttention(MegatronModule):
         )
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
+        self.cp_group = _context_parallel(
+            type(self).__name__, config, layer_number, pg_collection, self.dropout_p
+        )
         self._dense_patterns = {}
 
     def extra_repr(self) -> str:
@@ -331,7 +408,19 @@ class FusedDenseAttention(MegatronModule):
         name = type(self).__name__
         _check_forward_support(name, attn_mask_type, attention_bias)
         if packed_seq_params is not None:
+            _reject_packed_with_cp(name, self.cp_group)
             return self._forward_packed(name, query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            chunk = check_context_parallel_length(name, query.shape[0], self.cp_group.size())
+            scale = self.softmax_scale
+            return attend_local_chunks(
+                query,
+                key,
+                value,
+                self.cp_group,
+                lambda q, k, v, q_start: dense_causal_suffix(q, k, v, scale),
+                chunk,
+            )
         sq, b, nq, hn = query.shape
         # SDPA wants [b, h, s, d]; the permutes are views.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

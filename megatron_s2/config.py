@@ -79,6 +79,15 @@ class S2TransformerConfig(TransformerConfig):
             self.tensor_model_parallel_size,
             settings.seq_length,
         )
+        cp = self.context_parallel_size
+        if cp > 1 and settings.seq_length is not None:
+            unit = settings.schedule.context_parallel_unit(self.num_layers, cp)
+            if settings.seq_length % unit:
+                raise ValueError(
+                    f"context_parallel_size={cp}: s2_seq_length ({settings.seq_length}) must be a "
+                    f"multiple of {unit} (2 x context_parallel_size chunks, each a whole number "
+                    f"of every S2 layer's blocks {settings.schedule.block_sizes(self.num_layers)})"
+                )
         settings.log_summary(self)
 
 

@@ -197,7 +197,11 @@ def test_fused_dense_attention_gqa_and_scale():
             "attn_mask_type must be AttnMaskType.causal",
         ),
         ({}, {"attention_type": "cross"}, "attention_type must be 'self'"),
-        ({"context_parallel_size": 2}, {}, "context_parallel_size=2 is not supported"),
+        (
+            {"context_parallel_size": 2},
+            {},
+            "context_parallel_size=2 but the context-parallel process group has",
+        ),
         ({"window_size": (32, 0)}, {}, "window_size"),
         ({}, {"k_channels": 32, "v_channels": 16}, "multi-latent"),
     ],

@@ -1,8 +1,9 @@
-"""TP / PP / VPP / SP equivalence on CPU: 2 gloo processes in megatron_s2's CPU mode.
+"""TP / PP / VPP / SP / CP equivalence on CPU: 2 (CP2+TP2: 4) gloo processes in CPU mode.
 
 Runs tools/gpu_parallel_check.py's harness with a tiny fp32 model: the TP=1/PP=1 reference on one
-process, then TP=2, TP=2+SP, PP=2 and PP=2+VPP=2 on two, each from the same initial weights and
-data, through Megatron's pipeline schedules, DDP, finalize_model_grads and Adam. Losses and grad
+process, then TP=2, TP=2+SP, PP=2, PP=2+VPP=2 and CP=2 on two, CP=2 with TP=2+SP or PP=2 on
+four, each from the same initial weights and data (CP ranks: Megatron's load-balanced chunks of
+it), through Megatron's pipeline schedules, DDP, finalize_model_grads and Adam. Losses and grad
 norms of 2 steps and all first-step gradients must match (fp32: to ~1e-6).
 The S2 layers use the PyTorch reference backend here; the kernels have their own tests.
 """
@@ -24,7 +25,9 @@ def results(tmp_path_factory):
     return {r["layout"]: r for r in rows}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2", "pp2_vpp2"])
+@pytest.mark.parametrize(
+    "layout", ["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "cp2_tp2_sp", "cp2_pp2"]
+)
 def test_parallel_layout_matches_single_process(results, layout):
     row = results[layout]
     assert "error" not in row, row.get("error")

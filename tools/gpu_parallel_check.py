@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Parallel-equivalence check: a small hybrid S2 GPT trained a few steps under several
-TP/PP/SP layouts must match the single-device run (same seed, same initial weights, same data).
+TP/PP/SP/CP layouts must match the single-device run (same seed, same initial weights, same data).
 
-    # GPU host with 2 GPUs (NCCL):
+    # GPU host (NCCL): every layout its GPUs hold (CP2+TP2 needs 4)
     python tools/gpu_parallel_check.py                      # seq 8192, bf16, 4 steps
+    python tools/gpu_parallel_check.py --layouts cp2 --seq-length 32768
     # CPU (gloo, megatron_s2 CPU mode), tiny model:
     python tools/gpu_parallel_check.py --cpu
 
 The script launches each layout itself (torch.multiprocessing, one process per device):
-the TP=1/PP=1 reference on one device first, then every parallel layout on 2 devices. Each run
+the TP=1/PP=1 reference on one device first, then the parallel layouts (2 or 4 devices). Each run
 builds its model, DDP, optimizer and forward step with the trainer's building blocks
 (megatron_s2.training.parallel and .step), starts from the reference's initial weights (loaded
 through megatron_s2.model's TP/PP-agnostic loader), trains with Megatron-core's pipeline
@@ -157,10 +158,11 @@ class Layout:
     pp: int = 1
     vpp: Optional[int] = None
     sp: bool = False
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.cp
 
     def parallel_config(self):
         """The layout as the trainer's ``parallel`` section (plain DDP: DP is 1 here)."""
@@ -171,6 +173,7 @@ class Layout:
             pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp,
             sequence_parallel=self.sp,
+            context_parallel_size=self.cp,
             use_distributed_optimizer=False,
         )
 
@@ -181,6 +184,9 @@ GPU_LAYOUTS = [
     Layout("pp2", pp=2),
     Layout("tp2", tp=2),
     Layout("pp2_vpp2", pp=2, vpp=2),
+    Layout("cp2", cp=2),
+    Layout("cp2_tp2_sp", cp=2, tp=2, sp=True),
+    Layout("cp2_pp2", cp=2, pp=2),
 ]
 
 
@@ -286,6 +292,7 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
         seq_length=cc.seq_length,
         micro_batch_size=cc.micro_batch_size,
         device=device,
+        context_parallel_size=layout.cp,
     )
     losses, gnorms = [], []
     grad_report = None
@@ -374,6 +381,7 @@ def compare(cc: CheckConfig, layout: Layout, workdir: str) -> dict:
         "pp": layout.pp,
         "vpp": layout.vpp,
         "sp": layout.sp,
+        "cp": layout.cp,
         "losses": losses,
         "ref_losses": ref["losses"],
         "grad_norms": gnorms,
@@ -505,7 +513,12 @@ def main(argv=None) -> int:
             ap.error(f"--layouts: choose from {[layout.name for layout in GPU_LAYOUTS]}")
     if not args.cpu:
         n = torch.cuda.device_count()
-        needed = max(layout.world for layout in layouts)
+        if not args.layouts:  # by default, every layout this host's GPUs can hold
+            skipped = [layout.name for layout in layouts if layout.world > n]
+            layouts = [layout for layout in layouts if layout.world <= n]
+            if skipped:
+                print(f"skipped (need more than {n} GPUs): {', '.join(skipped)}")
+        needed = max([layout.world for layout in layouts], default=2)
         if n < needed:
             print(f"need {needed} GPUs, found {n}", file=sys.stderr)
             return 2

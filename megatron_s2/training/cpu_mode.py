@@ -7,7 +7,7 @@ synchronisation (0.19). :func:`enable_cpu_mode` patches exactly those seams, pro
 
 * ``cuda`` devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, a bare device index) become
   ``cpu`` in torch's tensor factories, ``Tensor.to``, ``Tensor.cuda``, ``Module.cuda``;
-  ``Tensor.pin_memory`` is a no-op;
+  ``Tensor.pin_memory`` and the factories' ``pin_memory=True`` are no-ops;
 * ``torch.cuda.current_device/synchronize/set_device/empty_cache/...`` are CPU no-ops, the CUDA
   RNG (``torch.cuda.manual_seed``, ``get/set_rng_state`` and Megatron's tracker helpers) is the CPU
   generator;
@@ -85,6 +85,8 @@ def _wrap_factory(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _map(kwargs["device"])
+        # Pinned host memory needs an accelerator (Megatron's CP slicing asks for it).
+        kwargs.pop("pin_memory", None)
         return fn(*args, **kwargs)
 
     wrapper._s2_cpu_mode = True

@@ -1,0 +1,191 @@
+"""Context parallelism for core attention: all-gather K/V, attend the local query chunks at their
+absolute positions.
+
+Megatron splits a sequence of ``S`` tokens over ``cp`` ranks in ``2 * cp`` chunks of
+``c = S / (2 * cp)`` tokens and gives rank ``r`` chunks ``r`` and ``2 * cp - 1 - r`` (a causal
+load balance: one early, one late chunk). Its local tensors are ``[2 * c, ...]``: rows
+``[0, c)`` are positions ``r * c + i``, rows ``[c, 2c)`` positions ``(2 * cp - 1 - r) * c + i``.
+
+Each rank all-gathers K/V over the CP group (one collective for both), restores absolute order,
+and attends each of its two query chunks to the key prefix that chunk can see, with the query
+chunk's absolute start so the S2 pattern (local window, stripes at absolute block positions)
+and the causal diagonal are the single-GPU ones. The gather's backward reduce-scatters dK/dV,
+so every rank ends with the gradients of its own K/V rows.
+
+Why all-gather (``docs/context_parallel.md`` has the measurements): K/V are small next to the
+queries under GQA (the 7B config gathers 8 of 32 heads), the S2 pattern reads stripes from the
+whole prefix so a ring would still visit almost every rank at every step, and one collective
+per layer keeps the kernels' single fused launch per chunk.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+
+__all__ = [
+    "context_parallel_group",
+    "check_context_parallel_length",
+    "gather_sequence",
+    "attend_local_chunks",
+    "dense_causal_suffix",
+]
+
+
+def context_parallel_group(pg_collection=None):
+    """The context-parallel group from a ``ProcessGroupCollection`` or Megatron's globals (None
+    when Megatron's parallel state is not initialized: a single-process model)."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return group
+
+
+def check_context_parallel_length(
+    module: str, local_seq: int, cp: int, block_size: Optional[int] = None
+) -> int:
+    """The chunk length ``c`` of a rank's ``local_seq = 2 * c`` rows; ``ValueError`` naming
+    ``context_parallel_size`` if the split cannot serve the layer (an odd local length, or S2
+    chunks not starting on block boundaries). Host-side, before any kernel runs."""
+    if local_seq % 2:
+        raise ValueError(
+            f"{module}: context_parallel_size={cp} needs each rank's sequence (here {local_seq} "
+            f"tokens) to be two equal chunks: the sequence length must be a multiple of "
+            f"2 x context_parallel_size = {2 * cp}"
+        )
+    chunk = local_seq // 2
+    if block_size is not None and chunk % block_size:
+        raise ValueError(
+            f"{module}: context_parallel_size={cp} splits the sequence ({local_seq * cp} tokens) "
+            f"into chunks of {chunk} tokens, not a multiple of the S2 block_size ({block_size}); "
+            f"the sequence length must be a multiple of 2 x context_parallel_size x block_size "
+            f"= {2 * cp * block_size}"
+        )
+    return chunk
+
+
+def _absolute_order(cp: int, device) -> torch.Tensor:
+    """Index of each absolute chunk ``j`` in the gathered ``[rank, slot]`` order (``2r + slot``)."""
+    order = [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
+    return torch.tensor(order, device=device)
+
+
+def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
+    """All-gather a rank's ``[2 * c, ...]`` rows over the CP ``group`` into the whole sequence
+    ``[2 * cp * c, ...]`` in absolute order. Differentiable: the backward sums the gradient over
+    the ranks and returns each rank its own rows (Megatron's reduce-scatter)."""
+    cp = group.size()
+    full = tensor_parallel.gather_from_sequence_parallel_region(
+        local, tensor_parallel_output_grad=True, group=group
+    )
+    chunks = full.view(2 * cp, local.shape[0] // 2, *local.shape[1:])
+    return chunks[_absolute_order(cp, local.device)].flatten(0, 1)
+
+
+def attend_local_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+    chunk: int,
+) -> torch.Tensor:
+    """Core attention of one CP rank in Megatron's ``[s, b, heads, hn]`` layout.
+
+    Args:
+        query: ``[2 * chunk, b, np, hn]``, this rank's two query chunks.
+        key, value: ``[2 * chunk, b, ng, hn]``, this rank's K/V rows (gathered here).
+        group: the context-parallel process group.
+        attend: ``attend(q, k, v, q_start) -> out`` on ``[b, s, heads, hn]`` views: causal
+            attention of the queries at absolute positions ``q_start ..`` to keys ``0 ..``
+            (the keys end where the queries end).
+        chunk: tokens per chunk (:func:`check_context_parallel_length`).
+    Returns:
+        ``[2 * chunk, b, np * hn]``.
+    """
+    cp, rank = group.size(), group.rank()
+    # One collective for K and V: they travel stacked.
+    kv = gather_sequence(torch.stack((key, value), dim=1), group)  # [S, 2, b, ng, hn]
+    k_abs, v_abs = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [b, S, ng, hn]
+    q = query.transpose(0, 1)
+    outs = []
+    for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (index + 1) * chunk
+        q_chunk = q[:, slot * chunk : (slot + 1) * chunk]
+        outs.append(attend(q_chunk, k_abs[:, :end], v_abs[:, :end], index * chunk))
+    sq, b, nq, hn = query.shape
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(sq, b, nq * hn)
+
+
+def _varlen_flash():
+    """PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``) and how it
+    is told "causal, bottom-right": its keyword changed across releases. None if absent."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+_VARLEN_FLASH = _varlen_flash()
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def dense_causal_suffix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Dense causal attention of the last ``sq`` positions of a ``sk``-token prefix.
+
+    ``q [b, sq, np, hn]`` are positions ``sk - sq .. sk - 1``; ``k, v [b, sk, ng, hn]`` positions
+    ``0 .. sk - 1`` (GQA groups not repeated). Query ``i`` attends keys ``<= sk - sq + i``
+    (causal aligned at the bottom right). Returns ``[b, sq, np, hn]``.
+
+    On CUDA in fp16/bf16 this is one FlashAttention varlen call per sample (no mask tensor, no
+    copy for ``b == 1``); elsewhere SDPA with PyTorch's lower-right causal bias.
+    """
+    b, sq, nq, hn = q.shape
+    sk, ng = k.shape[1], k.shape[2]
+    if _VARLEN_FLASH is not None and q.is_cuda and q.dtype in FLASH_DTYPES:
+        varlen_attn, causal, has_gqa = _VARLEN_FLASH
+        if ng != nq and not has_gqa:
+            k = k.repeat_interleave(nq // ng, dim=2)
+            v = v.repeat_interleave(nq // ng, dim=2)
+        gqa = {"enable_gqa": True} if has_gqa and ng != nq else {}
+        cu_q = torch.arange(0, (b + 1) * sq, sq, device=q.device, dtype=torch.int32)
+        cu_k = torch.arange(0, (b + 1) * sk, sk, device=q.device, dtype=torch.int32)
+        out = varlen_attn(
+            q.reshape(b * sq, nq, hn),
+            k.reshape(b * sk, k.shape[2], hn),
+            v.reshape(b * sk, v.shape[2], hn),
+            cu_q,
+            cu_k,
+            sq,
+            sk,
+            scale=scale,
+            **causal,
+            **gqa,
+        )
+        return out.view(b, sq, nq, hn)
+    from torch.nn.attention.bias import causal_lower_right
+
+    # SDPA wants [b, h, s, d].
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if ng != nq:
+        kt = kt.repeat_interleave(nq // ng, dim=1)
+        vt = vt.repeat_interleave(nq // ng, dim=1)
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=causal_lower_right(sq, sk), scale=scale
+    )
+    return out.transpose(1, 2)

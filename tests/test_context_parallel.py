@@ -1,0 +1,118 @@
+"""Context parallelism in the core-attention modules: two gloo processes (CP=2) against one process
+attending the whole sequence (CP=1), outputs and dq/dk/dv of S2 and dense layers.
+
+Each rank holds Megatron's load-balanced chunks (rank r: chunks r and 3 - r of four) of the same
+random q/k/v; every rank's rows of the CP=2 result must equal the same rows of the CP=1 result.
+The model-level equivalence (losses and gradients of a training step, also with TP=2) is in
+tests/test_megatron_parallel.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from megatron_helpers import free_port, tiny_s2_config  # noqa: E402
+
+SEQ = 128
+BATCH = 2
+SCHEDULE = {
+    "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4, "head_offset": 1},
+    "dense_layers": {"pattern": "SD"},
+}
+
+
+def _local_rows(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """Megatron's split of ``[S, ...]``: chunks ``rank`` and ``2cp - 1 - rank``."""
+    chunks = x.chunk(2 * cp, dim=0)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=0)
+
+
+def _inputs(seed: int, heads: int, groups: int, dim: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(SEQ, BATCH, heads, dim, generator=g)
+    k = torch.randn(SEQ, BATCH, groups, dim, generator=g)
+    v = torch.randn(SEQ, BATCH, groups, dim, generator=g)
+    dout = torch.randn(SEQ, BATCH, heads * dim, generator=g)
+    return q, k, v, dout
+
+
+def _run(module, q, k, v, dout):
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = module(*leaves, None)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _worker(rank: int, port: int, backend: str, result_dir: str):
+    from megatron_s2.training.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_s2.attention import FusedDenseAttention, S2CoreAttention
+
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    errors = {}
+    for layer, cls in ((1, S2CoreAttention), (2, FusedDenseAttention)):
+        cfgs = {
+            cp: tiny_s2_config(
+                SCHEDULE, s2_seq_length=SEQ, s2_backend=backend, context_parallel_size=cp
+            )
+            for cp in (1, 2)
+        }
+        heads, groups, dim = 8, 4, cfgs[1].kv_channels
+        single = cls(config=cfgs[1], layer_number=layer, attn_mask_type=AttnMaskType.causal)
+        split = cls(config=cfgs[2], layer_number=layer, attn_mask_type=AttnMaskType.causal)
+        assert single.cp_group is None and split.cp_group.size() == 2
+        q, k, v, dout = _inputs(seed=100 + layer, heads=heads, groups=groups, dim=dim)
+        expect = [_local_rows(t, rank, 2) for t in _run(single, q, k, v, dout)]
+        got = _run(split, *(_local_rows(t, rank, 2) for t in (q, k, v, dout)))
+        errors[cls.__name__] = [
+            float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expect)
+        ]
+    torch.save(errors, os.path.join(result_dir, f"rank{rank}.pt"))
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_core_attention_cp2_matches_cp1(tmp_path, backend, monkeypatch):
+    """S2 (backend: PyTorch reference, or the Triton kernels under the interpreter) and dense
+    layers: out, dq, dk, dv of each rank's rows equal CP=1's to fp32 rounding."""
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.multiprocessing.spawn(
+        _worker, args=(free_port(), backend, str(tmp_path)), nprocs=2, join=True
+    )
+    for rank in range(2):
+        errors = torch.load(tmp_path / f"rank{rank}.pt")
+        for module, errs in errors.items():
+            assert max(errs) < 1e-5, (rank, module, dict(zip(("out", "dq", "dk", "dv"), errs)))
+
+
+def test_chunk_length_errors_name_context_parallel_size():
+    from megatron_s2.context_parallel import check_context_parallel_length
+
+    assert check_context_parallel_length("m", 64, 2, 16) == 32
+    with pytest.raises(ValueError, match="context_parallel_size=2.*multiple of 2 x"):
+        check_context_parallel_length("m", 63, 2)
+    with pytest.raises(ValueError, match="context_parallel_size=2.*block_size \\(16\\).*= 64"):
+        check_context_parallel_length("m", 40, 2, 16)
+
+
+def test_config_rejects_cp_size_the_sequence_cannot_serve():
+    with pytest.raises(ValueError, match="context_parallel_size=2: s2_seq_length \\(96\\)"):
+        tiny_s2_config(SCHEDULE, s2_seq_length=96, context_parallel_size=2)
+    tiny_s2_config(SCHEDULE, s2_seq_length=128, context_parallel_size=2)
