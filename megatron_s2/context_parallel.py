@@ -33,6 +33,7 @@ __all__ = [
     "check_context_parallel_length",
     "gather_sequence",
     "attend_local_chunks",
+    "attend_rank_chunks",
     "dense_causal_suffix",
 ]
 
@@ -108,10 +109,24 @@ def attend_local_chunks(
     Returns:
         ``[2 * chunk, b, np * hn]``.
     """
-    cp, rank = group.size(), group.rank()
     # One collective for K and V: they travel stacked.
     kv = gather_sequence(torch.stack((key, value), dim=1), group)  # [S, 2, b, ng, hn]
-    k_abs, v_abs = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [b, S, ng, hn]
+    return attend_rank_chunks(query, kv[:, 0], kv[:, 1], group.rank(), group.size(), attend, chunk)
+
+
+def attend_rank_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rank: int,
+    cp: int,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+    chunk: int,
+) -> torch.Tensor:
+    """The compute of :func:`attend_local_chunks` once K/V are whole: ``query [2 * chunk, b, np,
+    hn]`` of CP rank ``rank`` of ``cp`` against ``key, value [2 * cp * chunk, b, ng, hn]`` in
+    absolute order -> ``[2 * chunk, b, np * hn]`` (also what the benchmark times per rank)."""
+    k_abs, v_abs = key.transpose(0, 1), value.transpose(0, 1)  # [b, S, ng, hn]
     q = query.transpose(0, 1)
     outs = []
     for slot, index in enumerate((rank, 2 * cp - 1 - rank)):

@@ -116,3 +116,53 @@ def test_config_rejects_cp_size_the_sequence_cannot_serve():
     with pytest.raises(ValueError, match="context_parallel_size=2: s2_seq_length \\(96\\)"):
         tiny_s2_config(SCHEDULE, s2_seq_length=96, context_parallel_size=2)
     tiny_s2_config(SCHEDULE, s2_seq_length=128, context_parallel_size=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, groups", [(16, 16), (32, 8)])
+def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
+    """bf16 on CUDA, 8k tokens split for CP=2 and CP=4: every rank's chunks (S2: the kernels at
+    q_start; dense: FlashAttention varlen, bottom-right causal) equal the whole-sequence layer's
+    rows, forward and dq (dk/dv of a rank are partial sums; the CPU test checks their sum)."""
+    from s2attn import S2Pattern, s2_attention
+
+    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+
+    dev, seq, dim = torch.device("cuda"), 8192, 128
+    g = torch.Generator(device=dev).manual_seed(3)
+    q = torch.randn(seq, 1, heads, dim, device=dev, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(seq, 1, groups, dim, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(seq, 1, groups, dim, device=dev, generator=g, dtype=torch.bfloat16)
+    scale = dim**-0.5
+    pattern = S2Pattern(heads, groups, block_size=64, local_blocks=16, vert_stride=8)
+
+    def whole(kind, qq):
+        if kind == "s2":
+            out = s2_attention(qq.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), pattern)
+            return out.transpose(0, 1).reshape(seq, 1, -1)
+        qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (qq, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.permute(2, 0, 1, 3).reshape(seq, 1, -1)
+
+    attend = {
+        "s2": lambda a, b, c, start: s2_attention(a, b, c, pattern, q_start=start),
+        "dense": lambda a, b, c, start: dense_causal_suffix(a, b, c, scale),
+    }
+    for kind in ("s2", "dense"):
+        qq = q.clone().requires_grad_()
+        ref = whole(kind, qq)
+        dout = torch.randn_like(ref)
+        ref.backward(dout)
+        for cp in (2, 4):
+            for rank in range(cp):
+                rows = _local_rows(q, rank, cp).clone().requires_grad_()
+                out = attend_rank_chunks(rows, k, v, rank, cp, attend[kind], seq // (2 * cp))
+                out.backward(_local_rows(dout, rank, cp))
+                for name, a, b in (
+                    ("out", out, _local_rows(ref.detach(), rank, cp)),
+                    ("dq", rows.grad, _local_rows(qq.grad, rank, cp)),
+                ):
+                    err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                    assert err < 2e-2, (kind, cp, rank, name, err)

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Context-parallel attention cost on one GPU: per-rank compute and memory of the all-gather
+design next to the single-GPU (CP=1) layer, for S2 and dense layers.
+
+    python tools/cp_benchmark.py                          # 1.3B- and 7B-shaped heads, 32k + 128k
+    python tools/cp_benchmark.py --seqs 32768 --cp 2 4 --heads 32/8
+
+Each row times one layer's core attention, forward + backward (``triton.testing.do_bench``,
+median): CP=1 attends the whole sequence as today's modules do (S2: ``s2_attention``; dense:
+``FusedDenseAttention``'s SDPA); CP=N attends one rank's two load-balanced query chunks against
+the whole K/V (what each rank computes after the all-gather; ranks 0 and N-1 bracket the
+balance). "per-token vs CP=1" is the rank's time per query token over CP=1's (1.00 = no
+overhead from splitting). Memory is the peak allocation of the fwd+bwd above its inputs. The
+all-gather itself is not timed here (one GPU); its volume per layer is printed: K and V of the
+whole sequence, ``(N-1)/N`` of it received by each rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# The 1.3B hybrid's S2 layers (configs/gpt-1.3b-s2.yaml).
+S2_SETTINGS = dict(block_size=64, local_blocks=16, vert_stride=8, head_offset=0)
+
+
+def _timed(fn, grads_of) -> tuple[float, float]:
+    """(median ms, peak MiB above the live allocation) of ``fn().backward``."""
+    import triton.testing
+
+    def step():
+        for t in grads_of:
+            t.grad = None
+        out = fn()
+        out.backward(torch.ones_like(out))
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(step, warmup=5, rep=40, return_mode="median")
+    return ms, peak
+
+
+def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dict]:
+    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+    from s2attn import S2Pattern, s2_attention
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(seq, 1, heads, dim, device=dev, dtype=dt, generator=g).requires_grad_()
+    k = torch.randn(seq, 1, groups, dim, device=dev, dtype=dt, generator=g).requires_grad_()
+    v = torch.randn(seq, 1, groups, dim, device=dev, dtype=dt, generator=g).requires_grad_()
+    scale = dim**-0.5
+    pattern = S2Pattern(num_heads=heads, num_kv_heads=groups, **S2_SETTINGS)
+
+    def s2_at(qc, kc, vc, q_start):
+        return s2_attention(qc, kc, vc, pattern, softmax_scale=scale, q_start=q_start)
+
+    def dense_at(qc, kc, vc, q_start):
+        return dense_causal_suffix(qc, kc, vc, scale)
+
+    def s2_full():
+        return s2_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), pattern)
+
+    def dense_full():  # FusedDenseAttention's CP=1 path
+        qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+        return F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=groups != heads
+        )
+
+    rows = []
+    kv_mib = 2 * seq * groups * dim * 2 / 2**20
+    for kind, full, at in (("S2", s2_full, s2_at), ("dense", dense_full, dense_at)):
+        ms1, mem1 = _timed(full, (q, k, v))
+        rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0.0))
+        for cp in cps:
+            chunk = seq // (2 * cp)
+            for rank in sorted({0, cp - 1}):
+                rows_q = torch.cat(
+                    [q[rank * chunk : (rank + 1) * chunk], q[(2 * cp - 1 - rank) * chunk :][:chunk]]
+                ).detach()
+                rows_q.requires_grad_()
+
+                def local(rows_q=rows_q, rank=rank, cp=cp, chunk=chunk, at=at):
+                    return attend_rank_chunks(rows_q, k, v, rank, cp, at, chunk)
+
+                ms, mem = _timed(local, (rows_q, k, v))
+                rel = (ms / (2 * chunk)) / (ms1 / seq)
+                kv = kv_mib * (cp - 1) / cp
+                rows.append(
+                    dict(kind=kind, seq=seq, cp=cp, rank=rank, ms=ms, mem=mem, rel=rel, kv=kv)
+                )
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument(
+        "--heads", nargs="+", default=["16/16", "32/8"], help="query/KV heads, head_dim 128"
+    )
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cp_benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(
+        f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+        f"{datetime.date.today()}, bf16, head_dim 128, batch 1, S2 {S2_SETTINGS}"
+    )
+    print(
+        "| heads | seq | layer | CP | rank | fwd+bwd ms | per-token vs CP=1 | "
+        "peak MiB | K/V received MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec in args.heads:
+        heads, groups = (int(x) for x in spec.split("/"))
+        for seq in args.seqs:
+            for r in run(seq, heads, groups, 128, args.cp):
+                print(
+                    f"| {spec} | {seq} | {r['kind']} | {r['cp']} | {r['rank']} | {r['ms']:.2f} | "
+                    f"{r['rel']:.2f} | {r['mem']:.0f} | {r['kv']:.0f} |"
+                )
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
