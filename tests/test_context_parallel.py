@@ -124,9 +124,8 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
     """bf16 on CUDA, 8k tokens split for CP=2 and CP=4: every rank's chunks (S2: the kernels at
     q_start; dense: FlashAttention varlen, bottom-right causal) equal the whole-sequence layer's
     rows, forward and dq (dk/dv of a rank are partial sums; the CPU test checks their sum)."""
-    from s2attn import S2Pattern, s2_attention
-
     from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+    from s2attn import S2Pattern, s2_attention
 
     dev, seq, dim = torch.device("cuda"), 8192, 128
     g = torch.Generator(device=dev).manual_seed(3)
