@@ -156,10 +156,101 @@ def _varlen_flash():
 
 _VARLEN_FLASH = _varlen_flash()
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# cuDNN's fused attention (what SDPA picks for dense causal layers on Hopper) takes head sizes up
+# to 128 in multiples of 8.
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def _cudnn_usable(q: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in FLASH_DTYPES
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= CUDNN_MAX_HEAD_DIM
+        and torch.backends.cudnn.is_available()
+        and torch.cuda.get_device_capability(q.device) >= (9, 0)
+        and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+    )
+
+
+def _cudnn_part(q, k, v, causal: bool, scale: float):
+    """One cuDNN attention call ``[b, h, s, d]``: ``(out, lse [b, h, sq, 1], backward args)``."""
+    out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = (
+        torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+    )
+    return out, lse, (seed, offset, cu_q, cu_k, max_q, max_k)
+
+
+class _CausalSuffixCudnn(torch.autograd.Function):
+    """Bottom-right causal attention as two cuDNN calls merged by their log-sum-exp.
+
+    The queries (the last ``sq`` of ``sk`` positions) see the keys before them in full (a
+    rectangular, non-causal call) and their own ``sq`` keys causally (a square call, where
+    top-left and bottom-right causal coincide). The backward runs cuDNN's backward of each part
+    with the *merged* output and log-sum-exp, which gives each part's exact share of the
+    gradients (softmax rows are normalized by the merged sum).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        split = k.shape[2] - q.shape[2]
+        out, lse, diag = _cudnn_part(q, k[:, :, split:], v[:, :, split:], True, scale)
+        prefix = None
+        if split:
+            out_p, lse_p, prefix = _cudnn_part(q, k[:, :, :split], v[:, :, :split], False, scale)
+            merged = torch.logaddexp(lse_p, lse)
+            out = (
+                out_p.float() * torch.exp(lse_p - merged) + out.float() * torch.exp(lse - merged)
+            ).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.parts = (prefix, diag)
+        ctx.scale, ctx.split = scale, split
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        prefix, diag = ctx.parts
+        split = ctx.split
+        dout = dout.contiguous() if dout.stride() != out.stride() else dout
+
+        def part_grads(kk, vv, causal, args):
+            seed, offset, cu_q, cu_k, max_q, max_k = args
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout,
+                q,
+                kk,
+                vv,
+                out,
+                lse,
+                seed,
+                offset,
+                None,
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                0.0,
+                causal,
+                scale=ctx.scale,
+            )
+
+        dq, dk, dv = part_grads(k[:, :, split:], v[:, :, split:], True, diag)
+        if split:
+            dq_p, dk_p, dv_p = part_grads(k[:, :, :split], v[:, :, :split], False, prefix)
+            dq = dq + dq_p
+            dk, dv = torch.cat((dk_p, dk), dim=2), torch.cat((dv_p, dv), dim=2)
+        return dq, dk, dv, None
+
+
+DENSE_IMPLS = ("auto", "cudnn", "flash", "sdpa")
 
 
 def dense_causal_suffix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str = "auto"
 ) -> torch.Tensor:
     """Dense causal attention of the last ``sq`` positions of a ``sk``-token prefix.
 
@@ -167,12 +258,26 @@ def dense_causal_suffix(
     ``0 .. sk - 1`` (GQA groups not repeated). Query ``i`` attends keys ``<= sk - sq + i``
     (causal aligned at the bottom right). Returns ``[b, sq, np, hn]``.
 
-    On CUDA in fp16/bf16 this is one FlashAttention varlen call per sample (no mask tensor, no
-    copy for ``b == 1``); elsewhere SDPA with PyTorch's lower-right causal bias.
+    On Hopper in fp16/bf16 (head_dim <= 128): cuDNN, the kernel SDPA runs for the CP=1 dense
+    layer, as two calls merged by their log-sum-exp (:class:`_CausalSuffixCudnn`). Other CUDA
+    GPUs: FlashAttention's varlen kernel, which aligns causal masks at the bottom right itself.
+    Elsewhere (CPU, fp32): SDPA with PyTorch's lower-right causal bias. ``impl`` forces one of
+    them (tests, benchmarks): "cudnn", "flash", "sdpa"; default "auto".
     """
+    if impl not in DENSE_IMPLS:
+        raise ValueError(f"dense_causal_suffix: impl must be one of {DENSE_IMPLS}, got {impl!r}")
     b, sq, nq, hn = q.shape
     sk, ng = k.shape[1], k.shape[2]
-    if _VARLEN_FLASH is not None and q.is_cuda and q.dtype in FLASH_DTYPES:
+    auto = impl == "auto"
+    if impl == "cudnn" or (auto and _cudnn_usable(q)):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d] views
+        if ng != nq:
+            kt = kt.repeat_interleave(nq // ng, dim=1)
+            vt = vt.repeat_interleave(nq // ng, dim=1)
+        return _CausalSuffixCudnn.apply(qt, kt, vt, scale).transpose(1, 2)
+    if impl == "flash" or (
+        auto and _VARLEN_FLASH is not None and q.is_cuda and q.dtype in FLASH_DTYPES
+    ):
         varlen_attn, causal, has_gqa = _VARLEN_FLASH
         if ng != nq and not has_gqa:
             k = k.repeat_interleave(nq // ng, dim=2)

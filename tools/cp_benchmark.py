@@ -12,7 +12,9 @@ the whole K/V (what each rank computes after the all-gather; ranks 0 and N-1 bra
 balance). "per-token vs CP=1" is the rank's time per query token over CP=1's (1.00 = no
 overhead from splitting). Memory is the peak allocation of the fwd+bwd above its inputs. The
 all-gather itself is not timed here (one GPU); its volume per layer is printed: K and V of the
-whole sequence, ``(N-1)/N`` of it received by each rank.
+whole sequence, ``(N-1)/N`` of it received by each rank. The "dense, FA2 varlen" rows are the
+alternative dense path (FlashAttention-2's varlen kernel with bottom-right causal masks) that
+the cuDNN path replaced.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dic
     def dense_at(qc, kc, vc, q_start):
         return dense_causal_suffix(qc, kc, vc, scale)
 
+    def flash_at(qc, kc, vc, q_start):
+        return dense_causal_suffix(qc, kc, vc, scale, impl="flash")
+
     def s2_full():
         return s2_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), pattern)
 
@@ -82,10 +87,16 @@ def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dic
 
     rows = []
     kv_mib = 2 * seq * groups * dim * 2 / 2**20
-    for kind, full, at in (("S2", s2_full, s2_at), ("dense", dense_full, dense_at)):
-        ms1, mem1 = _timed(full, (q, k, v))
-        rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0.0))
-        for cp in cps:
+    kinds = (
+        ("S2", s2_full, s2_at, cps),
+        ("dense", dense_full, dense_at, cps),
+        ("dense, FA2 varlen", None, flash_at, cps[:1]),
+    )
+    for kind, full, at, kind_cps in kinds:
+        if full is not None:  # the FA2 rows compare with the dense CP=1 row before them
+            ms1, mem1 = _timed(full, (q, k, v))
+            rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0))
+        for cp in kind_cps:
             chunk = seq // (2 * cp)
             for rank in sorted({0, cp - 1}):
                 rows_q = torch.cat(
