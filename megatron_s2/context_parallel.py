@@ -30,6 +30,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 __all__ = [
     "context_parallel_group",
+    "batch_on_this_cp_rank",
     "check_context_parallel_length",
     "gather_sequence",
     "attend_local_chunks",
@@ -45,6 +46,19 @@ def context_parallel_group(pg_collection=None):
     if group is None:
         group = parallel_state.get_context_parallel_group(check_initialized=False)
     return group
+
+
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """This CP rank's part of a micro-batch ``{name: [b, s, ...]}``: Megatron's
+    ``get_batch_on_this_cp_rank`` (chunks ``r`` and ``2 * cp - 1 - r`` of every tensor's sequence
+    dimension), called as each megatron-core version takes it (0.18 made ``is_hybrid_cp`` a
+    required argument, and 0.19 reads the world's size when no ``cp_group`` is given)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = parallel_state.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
 def check_context_parallel_length(
