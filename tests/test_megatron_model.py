@@ -504,3 +504,40 @@ def test_s2_transformer_config_declares_validates_and_survives_copies():
 def test_s2_transformer_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(config_class=S2TransformerConfig, **kw)
+
+
+def test_packed_documents_checked_once_per_batch(monkeypatch):
+    """The cu_seqlens value checks (a device sync each) run for the first layer that sees a
+    PackedSeqParams; later layers of the same forward skip them; a new batch is checked again,
+    and invalid values are still caught."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    import megatron_s2.attention as attention
+
+    calls = []
+    real = attention.s2_attention_varlen
+
+    def spy(*args, check_cu_seqlens=True, **kw):
+        calls.append(check_cu_seqlens)
+        return real(*args, check_cu_seqlens=check_cu_seqlens, **kw)
+
+    monkeypatch.setattr(attention, "s2_attention_varlen", spy)
+    cfg = tiny_config()
+    pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
+    layers = [
+        S2CoreAttention(cfg, i, AttnMaskType.causal, "self", pg_collection=_PG(0, 1), pattern=p)
+        for i, p in ((1, pattern), (2, pattern))
+    ]
+    q, k, v = (x[:, 0] for x in _qkv())
+
+    def batch(cu):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+    psp = batch([0, 50, SEQ])
+    for layer in layers:
+        layer(q, k, v, None, packed_seq_params=psp)
+    layers[0](q, k, v, None, packed_seq_params=batch([0, 20, SEQ]))
+    assert calls == [True, False, True]
+    with pytest.raises(ValueError, match="cu_seqlens must end at total_tokens"):
+        layers[0](q, k, v, None, packed_seq_params=batch([0, 20, SEQ - 1]))
