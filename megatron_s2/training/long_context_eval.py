@@ -64,6 +64,8 @@ __all__ = [
     "haystack_stream",
     "make_trial",
     "score_sequences",
+    "default_tasks",
+    "check_grid",
     "evaluate_retrieval",
     "retrieval_table",
     "plot_retrieval",
@@ -229,14 +231,6 @@ def load_eval_model(
         raise ConfigError("give a run config (--config) or a checkpoint (--checkpoint), or both")
     root, iteration = _resolve_checkpoint(checkpoint or cfg.checkpoint_dir)
     path = checkpoint_path(root, iteration)
-    gpu = torch.cuda.is_available()
-    if not gpu:
-        # As in the trainer: Megatron's distributed package must be imported before CPU mode.
-        import megatron.core.distributed  # noqa: F401
-
-        from .cpu_mode import enable_cpu_mode
-
-        enable_cpu_mode()
     saved, saved_vocab = _saved_config(root, iteration)
     if cfg is None:
         if saved is None:
@@ -264,6 +258,15 @@ def load_eval_model(
             + format_changes(noted, "checkpoint", "evaluation"),
             flush=True,
         )
+    # Only now, with the inputs checked: CPU mode patches torch for the whole process.
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        # As in the trainer: Megatron's distributed package must be imported before CPU mode.
+        import megatron.core.distributed  # noqa: F401
+
+        from .cpu_mode import enable_cpu_mode
+
+        enable_cpu_mode()
     bf16 = parallel.use_bf16(cfg.train.precision, gpu=gpu)
     parallel.init_process_group(env, gpu=gpu)
     parallel.init_model_parallel(p, seed=cfg.train.seed)
@@ -621,6 +624,23 @@ def make_trial(
     )
 
 
+def check_grid(tasks: Sequence[str], depths: Sequence[float], trials: int) -> None:
+    """Raise :class:`ConfigError` naming the option when the retrieval grid is empty or holds
+    an unknown task, a depth outside [0, 1] or fewer than one trial."""
+    if not depths:
+        raise ConfigError("--depths is empty: give at least one needle depth in [0, 1]")
+    if not tasks:
+        raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TASKS))
+    if trials < 1:
+        raise ConfigError(f"--trials must be >= 1, got {trials}")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:
+            raise ConfigError(f"--depths: {d} is outside [0, 1] (a fraction of the context)")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ConfigError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
+
+
 def evaluate_retrieval(
     em: EvalModel,
     tasks: Sequence[str],
@@ -639,18 +659,7 @@ def evaluate_retrieval(
     ``log_likelihood`` (mean over trials of the answer's summed log-probability, nats); a trial
     record per prompt (its answer, the greedy answer text, ``log_likelihood``, ``exact``).
     """
-    if not depths:
-        raise ConfigError("--depths is empty: give at least one needle depth in [0, 1]")
-    if not tasks:
-        raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TASKS))
-    if trials < 1:
-        raise ConfigError(f"--trials must be >= 1, got {trials}")
-    for d in depths:
-        if not 0.0 <= d <= 1.0:
-            raise ConfigError(f"--depths: {d} is outside [0, 1] (a fraction of the context)")
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ConfigError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
+    check_grid(tasks, depths, trials)
     tok = em.tokenizer
     out = {"tasks": {}}
     for name in tasks:
@@ -893,10 +902,12 @@ def run(args) -> dict:
     lengths = sorted(set(lengths)) if lengths else []
     check_lengths(cfg, lengths, allow_extrapolation=args.allow_extrapolation)
     depths = _floats(args.depths)
-    if not args.skip_retrieval and not depths:
-        raise ConfigError("--depths is empty: give at least one needle depth in [0, 1]")
-    if args.trials < 1:
-        raise ConfigError(f"--trials must be >= 1, got {args.trials}")
+    if args.tasks is None:
+        tasks = default_tasks(cfg)
+    else:
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not args.skip_retrieval:
+        check_grid(tasks, depths, args.trials)
     pos_length = args.position_length or max(lengths)
     check_lengths(
         cfg, [pos_length], allow_extrapolation=args.allow_extrapolation, what="--position-length"
@@ -914,10 +925,11 @@ def run(args) -> dict:
     files, result = [], {"checkpoint": em.checkpoint, "iteration": em.iteration}
     if em.rank0:
         os.makedirs(out_dir, exist_ok=True)
-    documents = None
+    corpus = not args.skip_position or (
+        not args.skip_retrieval and any(TASKS[t].filler == "corpus" for t in tasks)
+    )
+    documents = heldout_documents(em.cfg) if corpus else None
     if not args.skip_retrieval:
-        tasks = args.tasks.split(",") if args.tasks else default_tasks(em.cfg)
-        tasks = [t.strip() for t in tasks if t.strip()]
         retrieval = evaluate_retrieval(
             em,
             tasks,
@@ -926,6 +938,7 @@ def run(args) -> dict:
             args.trials,
             seed=args.seed,
             micro_batch_size=args.micro_batch_size,
+            documents=documents,
         )
         retrieval.update(checkpoint=em.checkpoint, iteration=em.iteration)
         result["retrieval"] = retrieval
@@ -990,6 +1003,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .checkpointing import CheckpointError
 
     args = build_arg_parser().parse_args(argv)
+    # A caller's process group (an in-process test) is left alone; ours is shut down.
+    started = not torch.distributed.is_initialized()
     try:
         run(args)
     except ConfigError as e:
@@ -999,6 +1014,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"megatron-s2-eval-long-context: error: {e}", file=sys.stderr, flush=True)
         return 4
     finally:
-        if torch.distributed.is_initialized():
+        if started and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0

@@ -1,0 +1,238 @@
+"""Long-context evaluation (megatron_s2/training/long_context_eval.py) on a tiny trained run, CPU.
+
+The run is trained by the real trainer for a few steps; the evaluation runs as its command line
+in a subprocess (CPU mode patches torch for the whole process), and its JSON is checked against
+the model's own outputs computed another way: Megatron's loss (labels given to the model, no
+pipeline schedule) for the log-likelihoods, and token-by-token greedy decoding for the greedy
+answers.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_trainer import DEMO, REPO, _env, demo_dir, run_trainer  # noqa: E402, F401
+
+from megatron_s2.training.long_context_eval import main  # noqa: E402
+
+EVAL = [sys.executable, os.path.join(REPO, "tools", "eval_long_context.py")]
+GRID = [
+    "--tasks",
+    "kv,passkey",
+    "--lengths",
+    "128,256",
+    "--allow-extrapolation",
+    "--depths",
+    "0,0.5,1",
+    "--trials",
+    "2",
+    "--bins",
+    "8",
+    "--position-sequences",
+    "4",
+    "--micro-batch-size",
+    "2",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, demo_dir):  # noqa: F811
+    """A tiny S2 hybrid (seq_length 128, 16-token blocks) trained 3 steps, checkpointed."""
+    tmp = tmp_path_factory.mktemp("lce")
+    run_trainer(tmp, demo_dir, "train.train_iters=3", "checkpoint.save_at_end=true")
+    return tmp / "t"
+
+
+@pytest.fixture(scope="module")
+def evaluated(run_dir):
+    """The evaluation CLI on the run's checkpoint (its stored config): stdout and outputs."""
+    out = run_dir / "eval"
+    proc = subprocess.run(
+        [*EVAL, "--checkpoint", str(run_dir / "checkpoints"), "--output-dir", str(out), *GRID],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=run_dir,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, out
+
+
+def test_grid_table_and_files(evaluated):
+    stdout, out = evaluated
+    assert "| depth \\ length | 128 | 256 |" in stdout
+    assert "kv: greedy exact-match accuracy" in stdout and "passkey" in stdout
+    for name in ("retrieval_kv.png", "retrieval_passkey.png", "loss_by_position.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    result = json.loads((out / "retrieval.json").read_text())
+    assert result["iteration"] == 3
+    for task in ("kv", "passkey"):
+        cells = result["tasks"][task]["cells"]
+        assert {(c["length"], c["depth"]) for c in cells} == {
+            (n, d) for n in (128, 256) for d in (0.0, 0.5, 1.0)
+        }
+        trials = result["tasks"][task]["trials"]
+        assert len(trials) == 12
+        for t in trials:
+            assert t["log_likelihood"] < 0
+            # Exact match is the greedy answer being the answer, token by token.
+            assert t["exact"] == (t["greedy"] == t["answer"])
+            assert t["exact"] == (t["token_accuracy"] == 1.0)
+        for c in cells:
+            mine = [t for t in trials if (t["length"], t["depth"]) == (c["length"], c["depth"])]
+            assert c["trials"] == 2
+            assert c["accuracy"] == pytest.approx(sum(t["exact"] for t in mine) / 2)
+            assert c["log_likelihood"] == pytest.approx(sum(t["log_likelihood"] for t in mine) / 2)
+    # The needle sits where the depth puts it: the start, or the end of the haystack.
+    kv = result["tasks"]["kv"]["trials"]
+    assert all(t["needle_depth"] == 0.0 for t in kv if t["depth"] == 0.0)
+    assert all(t["needle_depth"] > 0.9 for t in kv if t["depth"] == 1.0)
+    position = json.loads((out / "loss_by_position.json").read_text())
+    assert position["length"] == 256 and position["num_sequences"] == 4
+    assert [b["start"] for b in position["bins"]] == list(range(0, 256, 32))
+    assert sum(b["tokens"] for b in position["bins"]) == 4 * 256
+
+
+# Rebuilds two trials and the loss-by-position sequences, and scores them without the
+# evaluation's code path: the model's own loss (labels given) in one plain forward, and greedy
+# decoding one token at a time (the prefix padded to the S2 block size: a causal model's
+# logits at a position do not depend on what follows).
+CHECK = r"""
+import json, sys
+import numpy as np
+import torch
+from megatron_s2.training import long_context_eval as L
+
+ckpt, out = sys.argv[1], sys.argv[2]
+em = L.load_eval_model(None, ckpt, max_length=256)
+model, tok = em.model[0], em.tokenizer
+
+def nll(tokens):
+    t = torch.from_numpy(tokens[None].astype(np.int64))
+    pos = torch.arange(t.shape[1] - 1)[None]
+    with torch.no_grad():
+        return model(t[:, :-1], pos, None, labels=t[:, 1:])[0].double().numpy()
+
+def greedy(prefix, n):
+    seq = list(prefix)
+    for _ in range(n):
+        padded = seq + [tok.eod] * (-len(seq) % em.length_unit)
+        t = torch.tensor([padded])
+        with torch.no_grad():
+            logits = model(t, torch.arange(len(padded))[None], None)
+        seq.append(int(logits[0, len(seq) - 1].argmax()))
+    return seq[len(prefix):]
+
+result = json.load(open(f"{out}/retrieval.json"))
+docs = L.heldout_documents(em.cfg)
+checked = []
+for task, length, depth, index in (("kv", 128, 0.5, 1), ("passkey", 256, 1.0, 0)):
+    spec = L.TASKS[task]
+    stream = L.haystack_stream(spec, tok, docs, 2 * 256 + 2)
+    trial = L.make_trial(spec, tok, stream, length, depth, index, seed=0)
+    rec = next(r for r in result["tasks"][task]["trials"]
+               if (r["length"], r["depth"], r["trial"]) == (length, depth, index))
+    answer = trial.tokens[trial.answer_at:]
+    ll = -nll(trial.tokens)[trial.answer_at - 1:].sum()
+    decoded = greedy(trial.tokens[:trial.answer_at].tolist(), len(answer))
+    checked.append({"task": task, "json_ll": rec["log_likelihood"], "ll": float(ll),
+                    "answer": tok.decode(answer.tolist()), "json_answer": rec["answer"],
+                    "first_greedy": tok.decode(decoded[:1]), "json_greedy": rec["greedy"],
+                    "decoded_exact": decoded == answer.tolist(), "json_exact": rec["exact"]})
+position = json.load(open(f"{out}/loss_by_position.json"))
+seqs = [d[:257] for d in docs if d.size >= 257][:4]
+per_token = np.stack([nll(s) for s in seqs])
+checked.append({"first_bin": position["bins"][0]["loss"],
+                "first_bin_now": float(per_token[:, :32].mean()),
+                "mean": position["loss"], "mean_now": float(per_token.mean())})
+print("CHECKED " + json.dumps(checked))
+"""
+
+
+def test_scores_match_the_model_computed_another_way(run_dir, evaluated):
+    _, out = evaluated
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, str(run_dir / "checkpoints"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CHECKED "))
+    *trials, position = json.loads(line[len("CHECKED ") :])
+    for t in trials:
+        assert t["answer"] == t["json_answer"], t
+        assert t["ll"] == pytest.approx(t["json_ll"], rel=1e-4, abs=1e-4), t
+        assert t["json_greedy"].startswith(t["first_greedy"]), t
+        assert t["decoded_exact"] == t["json_exact"], t
+    assert position["first_bin"] == pytest.approx(position["first_bin_now"], rel=1e-5)
+    assert position["mean"] == pytest.approx(position["mean_now"], rel=1e-5)
+
+
+# ---- bad input: errors name the setting (in-process: they come before any model is built) ----
+@pytest.fixture(autouse=True)
+def _no_model_in_this_process(monkeypatch):
+    """Bad input must be refused before CPU mode or a process group: in-process calls here
+    would otherwise patch torch for the rest of the test session."""
+    from megatron_s2.training import cpu_mode, parallel
+
+    def built(*args, **kwargs):
+        raise AssertionError("the evaluation went on to build the model")
+
+    monkeypatch.setattr(cpu_mode, "enable_cpu_mode", built)
+    monkeypatch.setattr(parallel, "init_process_group", built)
+
+
+def _fails(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    return capsys.readouterr().err
+
+
+def test_empty_grid(run_dir, capsys):
+    ckpt = ["--checkpoint", str(run_dir / "checkpoints")]
+    assert "--lengths is empty" in _fails(capsys, *ckpt, "--lengths", "")
+    assert "--depths is empty" in _fails(capsys, *ckpt, "--lengths", "128", "--depths", "")
+    assert "--trials must be >= 1" in _fails(capsys, *ckpt, "--lengths", "128", "--trials", "0")
+    assert "--depths: 1.5 is outside [0, 1]" in _fails(
+        capsys, *ckpt, "--lengths", "128", "--depths", "0,1.5"
+    )
+    assert "--tasks: unknown ['haystack']" in _fails(
+        capsys, *ckpt, "--lengths", "128", "--tasks", "kv,haystack"
+    )
+
+
+def test_length_above_seq_length_or_off_the_blocks(run_dir, capsys):
+    ckpt = ["--checkpoint", str(run_dir / "checkpoints")]
+    err = _fails(capsys, *ckpt, "--lengths", "128,512")
+    assert "512 exceeds model.seq_length=128" in err and "--allow-extrapolation" in err
+    err = _fails(capsys, *ckpt, "--lengths", "100")
+    assert "--lengths: 100 is not a multiple of 16" in err and "block sizes [16]" in err
+    err = _fails(capsys, *ckpt, "--lengths", "128", "--position-length", "1024")
+    assert "--position-length: 1024 exceeds model.seq_length=128" in err
+
+
+def test_checkpoint_that_does_not_match_the_config(run_dir, capsys):
+    from test_trainer import TINY
+
+    err = _fails(
+        capsys,
+        "--config",
+        DEMO,
+        "--checkpoint",
+        str(run_dir / "checkpoints"),
+        "--lengths",
+        "128",
+        *TINY,
+        "model.hidden_size=32",
+        f"data.demo_dir={run_dir}",
+    )
+    assert "does not match the config" in err
+    assert "model.hidden_size" in err and "64" in err and "32" in err
