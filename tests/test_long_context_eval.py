@@ -236,3 +236,51 @@ def test_checkpoint_that_does_not_match_the_config(run_dir, capsys):
     )
     assert "does not match the config" in err
     assert "model.hidden_size" in err and "64" in err and "32" in err
+
+
+def test_context_parallel_gives_the_single_process_scores(run_dir, evaluated):
+    """Two processes at CP=2 (Megatron's zigzag split, scores put back at their positions)."""
+    from test_trainer import TWO_PROCESSES
+
+    _, single = evaluated
+    out = run_dir / "eval_cp2"
+    grid = ["--tasks", "kv", "--lengths", "128,256", "--allow-extrapolation", "--depths", "0.5"]
+    proc = subprocess.run(
+        [
+            *TWO_PROCESSES,
+            *EVAL[1:],
+            "--checkpoint",
+            str(run_dir / "checkpoints"),
+            "--output-dir",
+            str(out),
+            *grid,
+            "--trials",
+            "2",
+            "--bins",
+            "8",
+            "--position-sequences",
+            "4",
+            "parallel.context_parallel_size=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=run_dir,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "CP 2" in proc.stdout
+    ref = json.loads((single / "retrieval.json").read_text())["tasks"]["kv"]["trials"]
+    got = json.loads((out / "retrieval.json").read_text())["tasks"]["kv"]["trials"]
+    assert len(got) == 4
+    for t in got:
+        (r,) = [
+            r
+            for r in ref
+            if (r["length"], r["depth"], r["trial"]) == (t["length"], 0.5, t["trial"])
+        ]
+        assert t["answer"] == r["answer"] and t["greedy"] == r["greedy"]
+        assert t["log_likelihood"] == pytest.approx(r["log_likelihood"], rel=1e-5)
+    ref_bins = json.loads((single / "loss_by_position.json").read_text())["bins"]
+    got_bins = json.loads((out / "loss_by_position.json").read_text())["bins"]
+    assert [b["loss"] for b in got_bins] == pytest.approx([b["loss"] for b in ref_bins], rel=1e-5)
