@@ -19,8 +19,9 @@ masks go through their (small) block mask.
 Packed documents (varlen) reuse these layouts: the pattern restarts at each document start, so
 a document of ``L`` tokens uses exactly the first ``ceil(L / tile)`` query and key tiles of a
 layout for any length whose tiles are all complete. :func:`varlen_layout_len` picks that length
-(few distinct values, so the cache stays small) and :func:`varlen_programs` builds the launch's
-program map (document, layout item) on the device from ``cu_seqlens``.
+(few distinct values, so the cache stays small); the launch's program map (layout item, document
+start and length per program) is built on the device from ``cu_seqlens`` (one small Triton launch
+in :mod:`s2attn.triton_attention`; :func:`varlen_programs` is its torch reference).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class TileLayout:
         ``rows`` (query tile), ``lo_c``, ``hi_c``.
     ``q_order``: query items, head by head, heaviest first within a head; ``kv_order``: (kv head,
     key tile) items likewise, each item's work summed over the query heads of its group.
-    ``q_work``, ``kv_work``: those works (entries per item), which order varlen launches.
+    ``q_work``, ``kv_work``: those works (entries per item). Varlen launches run the orders per
+    document, restricted to the document's tiles.
     """
 
     block_m: int
@@ -317,6 +319,16 @@ def varlen_layout_len(pattern: S2Pattern, max_seqlen: int, largest_tile: int) ->
     return n if pattern.max_seq_len is None else min(n, pattern.max_seq_len)
 
 
+def varlen_grid(
+    num_docs: int, max_seqlen: int, total_tokens: int, tile: int, num_heads: int, num_tiles: int
+) -> int:
+    """Program slots of a varlen launch, from host values only: per head at most
+    ``min(ceil(total / tile) + num_docs, num_docs * ceil(max_seqlen / tile))`` tiles (the latter
+    clamped to the layout's ``num_tiles``); the slots past the real count are padding."""
+    per_doc = min(-(-max_seqlen // tile), num_tiles)
+    return num_heads * min(-(-total_tokens // tile) + num_docs, num_docs * per_doc)
+
+
 def varlen_programs(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
@@ -326,23 +338,23 @@ def varlen_programs(
     num_tiles: int,
     work: torch.Tensor,
 ):
-    """Program map of a launch over packed documents: ``(grid, prog_doc, prog_item)``.
+    """Program map of a launch over packed documents with torch ops: ``(grid, prog_doc,
+    prog_item)`` (the reference of the kernels' map, which one small Triton launch builds in
+    :func:`s2attn.triton_attention.varlen_program_map`).
 
     Program ``p`` does layout item ``prog_item[p]`` (``head * num_tiles + tile``, ``tile`` tokens
     each) of document ``prog_doc[p]``. Programs go document by document, head by head and, within
     a head, heaviest first by ``work`` (entries per layout item, ties by tile): the order of a
     fixed-length launch over a batch, so equal documents run exactly like a batch.
 
-    Built with torch ops on ``cu_seqlens``' device without reading it back: the host bounds the
-    program count by ``min(ceil(total / tile) + num_docs, num_docs * ceil(max_seqlen / tile))``
-    per head; the slots past the real count (at most ``num_docs`` per head) get document
-    ``num_docs``, which the kernels read as empty and leave at once. Tiles are clamped to the
-    layout's ``num_tiles`` so that even invalid lengths read nothing outside the layout.
+    Built on ``cu_seqlens``' device without reading it back: :func:`varlen_grid` bounds the
+    program count; the slots past the real count (at most ``num_docs`` per head) get document
+    ``num_docs`` and item 0. Tiles are clamped to the layout's ``num_tiles`` so that even invalid
+    lengths read nothing outside the layout.
     """
     device = cu_seqlens.device
     num_docs = cu_seqlens.numel() - 1
-    per_doc = min(-(-max_seqlen // tile), num_tiles)
-    grid = num_heads * min(-(-total_tokens // tile) + num_docs, num_docs * per_doc)
+    grid = varlen_grid(num_docs, max_seqlen, total_tokens, tile, num_heads, num_tiles)
     cu = cu_seqlens.to(torch.int64)
     tiles = torch.clamp(torch.div(cu[1:] - cu[:-1] + tile - 1, tile, rounding_mode="floor"), 0)
     tiles = torch.clamp(tiles, max=num_tiles)

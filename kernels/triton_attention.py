@@ -13,10 +13,10 @@ natural-log log-sum-exp of the scaled logits, fp32, shape ``[batch, heads, seq_q
 Varlen (packed documents, ``VARLEN`` constexpr): the S2 pattern restarts at every document start,
 so a document of length ``L`` uses exactly the first ``ceil(L / tile)`` query and key tiles of
 the layout of any longer sequence. One layout (for a length ``>= max_seqlen``) serves every
-document; a program gets its document from a program map built on the device
-(:func:`s2attn.layout.varlen_programs`), offsets its pointers by the document's first token and
-bounds rows and keys by the document's length. Inputs are the packed ``[1, total, heads, dim]``
-tensors themselves, never a padded copy.
+document; a program gets its layout item, its document's first token and length from a program
+map (:func:`varlen_program_map`: one small Triton launch on ``cu_seqlens``, no host sync),
+offsets its pointers by that token and bounds rows and keys by that length. Inputs are the packed
+``[1, total, heads, dim]`` tensors themselves, never a padded copy.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import MIN_TILE, layout_for, varlen_layout_len, varlen_programs
+from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
 # Logits are kept in base 2 (exp2 is the fast path); the LSE is returned in natural log.
@@ -77,21 +77,20 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 # ------------------------------------------------------------------------- what a program does
 @triton.jit
-def _program(pid, order, prog_doc, cu_seqlens, n_items, seq_q, seq_k, VARLEN: tl.constexpr):
+def _program(pid, order, prog_tok, prog_len, n_items, seq_q, seq_k, VARLEN: tl.constexpr):
     """``(item, b, tok0, seq_q, seq_k)`` of program ``pid``: its layout item, the batch row and
     first token of its sequence, and the query and key lengths that bound it.
 
     Fixed length: every batch row runs through ``order``; tokens start at 0 and the lengths are
-    the call's. Varlen (one packed row): the program map names the item and the document; the
-    document's first token offsets every pointer and its length bounds queries and keys (both
-    restart at the document start). ``cu_seqlens`` carries one extra copy of its last entry, so
-    the map's padding slots (document ``num_docs``) see an empty document.
+    the call's. Varlen (one packed row): the program map names the item, the document's first
+    token (which offsets every pointer) and its length (which bounds queries and keys: both
+    restart at the document start), three independent loads. The map's padding slots have
+    length 0.
     """
     if VARLEN:
         item = tl.load(order + pid)
-        doc = tl.load(prog_doc + pid)
-        tok0 = tl.load(cu_seqlens + doc)
-        seq_q = tl.load(cu_seqlens + doc + 1) - tok0
+        tok0 = tl.load(prog_tok + pid)
+        seq_q = tl.load(prog_len + pid)
         seq_k = seq_q
         b = 0
     else:
@@ -222,8 +221,8 @@ def _s2_fwd_kernel(
     los,
     his,
     order,
-    prog_doc,
-    cu_seqlens,
+    prog_tok,
+    prog_len,
     num_heads,
     seq_q,
     seq_k,
@@ -241,7 +240,7 @@ def _s2_fwd_kernel(
 ):
     pid = tl.program_id(0)
     item, b, tok0, seq_q, seq_k = _program(
-        pid, order, prog_doc, cu_seqlens, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
+        pid, order, prog_tok, prog_len, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
     )
     h = item // num_q_tiles
     qt = item % num_q_tiles
@@ -362,6 +361,8 @@ def _dkdv_tiles(
     his,
     e_begin,
     e_end,
+    jump_at,
+    jump_by,
     k_abs,
     offs_m,
     offs_d,
@@ -374,10 +375,16 @@ def _dkdv_tiles(
     qk_scale,
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
+    JUMP: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    for e in range(e_begin, e_end):
+    # With JUMP, steps from jump_at on read entry i + jump_by: two ranges of the list in one
+    # loop (varlen: the query tile across the document's end, then the partial entries).
+    for i in range(e_begin, e_end):
+        e = i
+        if JUMP:
+            e = tl.where(i < jump_at, i, i + jump_by)
         qt = tl.load(rows + e)
         m_idx = qt * BLOCK_M + offs_m
         m64 = m_idx[:, None].to(tl.int64)
@@ -465,8 +472,8 @@ def _s2_dkdv_kernel(
     los,
     his,
     order,
-    prog_doc,
-    cu_seqlens,
+    prog_tok,
+    prog_len,
     num_heads,
     seq_q,
     seq_k,
@@ -486,7 +493,7 @@ def _s2_dkdv_kernel(
 ):
     pid = tl.program_id(0)
     item, b, tok0, seq_q, seq_k = _program(
-        pid, order, prog_doc, cu_seqlens, (num_heads // group) * num_k_tiles, seq_q, seq_k, VARLEN
+        pid, order, prog_tok, prog_len, (num_heads // group) * num_k_tiles, seq_q, seq_k, VARLEN
     )
     kvh = item // num_k_tiles
     kt = item % num_k_tiles
@@ -568,6 +575,8 @@ def _s2_dkdv_kernel(
             his,
             e0,
             full_end,
+            0,
+            0,
             k_abs,
             offs_m,
             offs_d,
@@ -580,40 +589,13 @@ def _s2_dkdv_kernel(
             qk_scale,
             BLOCK_M,
             False,
+            False,
             PRECISION,
             INTERPRET,
         )
-        if VARLEN:
-            # Full entries of the query tile across the document's end, masked at seq_q.
-            dk, dv = _dkdv_tiles(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                lse_base,
-                delta_base,
-                rows,
-                los,
-                his,
-                full_end,
-                straddle_end,
-                k_abs,
-                offs_m,
-                offs_d,
-                stride_qs,
-                stride_qd,
-                stride_dos,
-                stride_dod,
-                seq_q,
-                q_start,
-                qk_scale,
-                BLOCK_M,
-                True,
-                PRECISION,
-                INTERPRET,
-            )
+        # Masked: varlen's full entries of the query tile across the document's end (masked at
+        # seq_q), then the partial entries, in one loop (one loop less to hold registers for:
+        # the dK/dV kernel is at the register limit).
         dk, dv = _dkdv_tiles(
             dk,
             dv,
@@ -626,8 +608,10 @@ def _s2_dkdv_kernel(
             rows,
             los,
             his,
-            e1,
-            partial_end,
+            full_end,
+            straddle_end + partial_end - e1,
+            straddle_end,
+            e1 - straddle_end,
             k_abs,
             offs_m,
             offs_d,
@@ -640,6 +624,7 @@ def _s2_dkdv_kernel(
             qk_scale,
             BLOCK_M,
             True,
+            VARLEN,
             PRECISION,
             INTERPRET,
         )
@@ -772,8 +757,8 @@ def _s2_dq_kernel(
     los,
     his,
     order,
-    prog_doc,
-    cu_seqlens,
+    prog_tok,
+    prog_len,
     num_heads,
     seq_q,
     seq_k,
@@ -796,7 +781,7 @@ def _s2_dq_kernel(
     # for the dK/dV pass, which runs afterwards.
     pid = tl.program_id(0)
     item, b, tok0, seq_q, seq_k = _program(
-        pid, order, prog_doc, cu_seqlens, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
+        pid, order, prog_tok, prog_len, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
     )
     h = item // num_q_tiles
     qt = item % num_q_tiles
@@ -1049,6 +1034,156 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# ----------------------------------------------------------------------- varlen program maps
+# Documents, and layout items of one head, handled per vector step of the map kernels.
+MAP_CHUNK = tl.constexpr(1024)
+# Packs of fewer documents (at most MAP_CHUNK) build their map in one launch.
+MAP_FUSED_DOCS = 1024
+
+
+@triton.jit
+def _varlen_doc_starts(cu_seqlens, starts, num_docs, tile, num_tiles, CHUNK: tl.constexpr):
+    """``starts[d]``: tiles of the documents before ``d`` (``starts[num_docs]``: all of them),
+    each document's ``ceil(length / tile)`` clamped to the layout's ``num_tiles``. One program,
+    a running sum over chunks of documents."""
+    carry = tl.program_id(0) * 0
+    for c in range(0, num_docs, CHUNK):
+        d = c + tl.arange(0, CHUNK)
+        ok = d < num_docs
+        lo = tl.load(cu_seqlens + d, mask=ok, other=0)
+        hi = tl.load(cu_seqlens + d + 1, mask=ok, other=0)
+        n = tl.minimum((tl.maximum(hi - lo, 0) + tile - 1) // tile, num_tiles)
+        tl.store(starts + d, carry + tl.cumsum(n, 0) - n, mask=ok)
+        carry += tl.sum(n, 0)
+    tl.store(starts + num_docs, carry)
+
+
+@triton.jit
+def _varlen_map_kernel(
+    cu_seqlens,
+    starts,
+    order,
+    prog_item,
+    prog_tok,
+    prog_len,
+    num_docs,
+    num_heads,
+    num_tiles,
+    tile,
+    grid,
+    CHUNK: tl.constexpr,
+    FUSED: tl.constexpr,
+):
+    """Program ``(d, h)`` writes the map's slots of document ``d``, head ``h``: the layout's
+    order of head ``h`` (``order[h * num_tiles:][:num_tiles]``, heaviest first) restricted to the
+    document's tiles, at ``num_heads * starts[d] + h * tiles(d)``. Program ``(num_docs, h)``
+    fills a share of the padding slots after the last document with empty programs. ``FUSED``
+    (fewer than ``CHUNK`` documents): every program sums the tiles before its document itself
+    (one vector load of ``cu_seqlens``) and ``starts`` is unused: one launch instead of two."""
+    d = tl.program_id(0)
+    h = tl.program_id(1)
+    if FUSED:
+        i = tl.arange(0, CHUNK)
+        ok = i < num_docs
+        lo = tl.load(cu_seqlens + i, mask=ok, other=0)
+        hi = tl.load(cu_seqlens + i + 1, mask=ok, other=0)
+        n_all = tl.minimum((tl.maximum(hi - lo, 0) + tile - 1) // tile, num_tiles)
+        total = tl.sum(n_all, 0)
+        before = tl.sum(tl.where(i < d, n_all, 0), 0)
+    else:
+        total = tl.load(starts + num_docs)
+        before = tl.load(starts + tl.minimum(d, num_docs))
+    if d == num_docs:
+        first = num_heads * total + h * CHUNK
+        for c in range(first, grid, num_heads * CHUNK):
+            i = c + tl.arange(0, CHUNK)
+            ok = i < grid
+            zero = i * 0
+            tl.store(prog_item + i, zero, mask=ok)
+            tl.store(prog_tok + i, zero, mask=ok)
+            tl.store(prog_len + i, zero, mask=ok)
+    else:
+        tok0 = tl.load(cu_seqlens + d)
+        length = tl.maximum(tl.load(cu_seqlens + d + 1) - tok0, 0)
+        n = tl.minimum((length + tile - 1) // tile, num_tiles)
+        base = num_heads * before + h * n
+        head0 = h * num_tiles
+        placed = n * 0
+        for c in range(0, num_tiles, CHUNK):
+            j = c + tl.arange(0, CHUNK)
+            item = tl.load(order + head0 + j, mask=j < num_tiles, other=0)
+            keep = (j < num_tiles) & (item - head0 < n)
+            k32 = keep.to(tl.int32)
+            slot = base + placed + tl.cumsum(k32, 0) - k32
+            # Only lengths over max_seqlen (unchecked, invalid) could run past the grid.
+            keep = keep & (slot < grid)
+            tl.store(prog_item + slot, item, mask=keep)
+            tl.store(prog_tok + slot, slot * 0 + tok0, mask=keep)
+            tl.store(prog_len + slot, slot * 0 + length, mask=keep)
+            placed += tl.sum(k32, 0)
+
+
+def varlen_program_map(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    total_tokens: int,
+    tile: int,
+    num_heads: int,
+    num_tiles: int,
+    order: torch.Tensor,
+    work: torch.Tensor,
+):
+    """Program map of a launch over packed documents: ``(grid, prog_item, prog_tok, prog_len)``,
+    int32 on ``cu_seqlens``' device.
+
+    Program ``p`` does layout item ``prog_item[p]`` of the document that starts at token
+    ``prog_tok[p]`` and has ``prog_len[p]`` tokens; padding slots have length 0. The order is
+    :func:`s2attn.layout.varlen_programs`' (document by document, head by head, heaviest first
+    inside a head: a fixed-length batch's order for equal documents). ``order``, ``work``: the
+    layout's heaviest-first order of the pass's items (head-major) and their work.
+
+    Built from ``cu_seqlens`` without reading it back, in one small Triton launch (two from
+    ``MAP_FUSED_DOCS`` documents on) on CUDA and under the interpreter. The torch ops it replaces
+    (120+ launches per map, 0.4-1.7 ms on an H100) remain the reference and serve CPU tensors
+    with compiled kernels (compile-only checks).
+    """
+    grid = varlen_grid(cu_seqlens.numel() - 1, max_seqlen, total_tokens, tile, num_heads, num_tiles)
+    device = cu_seqlens.device
+    if grid == 0:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return 0, empty, empty, empty
+    if device.type != "cuda" and not _INTERPRETED:
+        _, doc, item = varlen_programs(
+            cu_seqlens, max_seqlen, total_tokens, tile, num_heads, num_tiles, work
+        )
+        cu_ext = torch.cat([cu_seqlens, cu_seqlens[-1:]]).to(torch.int32)
+        tok = torch.where(doc < cu_seqlens.numel() - 1, cu_ext[doc], 0).to(torch.int32)
+        return grid, item, tok, (cu_ext[doc + 1] - cu_ext[doc]).to(torch.int32)
+    num_docs = cu_seqlens.numel() - 1
+    prog = torch.empty(3, grid, dtype=torch.int32, device=device)
+    fused = num_docs < min(MAP_FUSED_DOCS, MAP_CHUNK.value)
+    starts = prog  # unused when fused
+    if not fused:
+        starts = torch.empty(num_docs + 1, dtype=torch.int32, device=device)
+        _varlen_doc_starts[(1,)](cu_seqlens, starts, num_docs, tile, num_tiles, CHUNK=MAP_CHUNK)
+    _varlen_map_kernel[(num_docs + 1, num_heads)](
+        cu_seqlens,
+        starts,
+        order,
+        prog[0],
+        prog[1],
+        prog[2],
+        num_docs,
+        num_heads,
+        num_tiles,
+        tile,
+        grid,
+        CHUNK=MAP_CHUNK,
+        FUSED=fused,
+    )
+    return grid, prog[0], prog[1], prog[2]
+
+
 @dataclass(eq=False)
 class Varlen:
     """Packed documents of a varlen call (FlashAttention's varlen convention).
@@ -1065,9 +1200,6 @@ class Varlen:
     total_tokens: int
 
     def __post_init__(self):
-        # One extra copy of the last entry: the program maps' padding slots read document
-        # num_docs, which then has length 0.
-        self.cu_ext = torch.cat([self.cu_seqlens, self.cu_seqlens[-1:]])
         self._maps = {}
 
     def layout(self, pattern: S2Pattern, block_m: int, block_n: int, device, with_csc=False):
@@ -1075,20 +1207,18 @@ class Varlen:
         return layout_for(pattern, n, n, 0, 0, block_m, block_n, device, with_csc)
 
     def programs(self, lay, kv: bool):
-        """``(grid, prog_doc, prog_item)`` of a pass over query tiles or (``kv``) key tiles."""
+        """``(grid, prog_item, prog_tok, prog_len)`` of a pass over query tiles or (``kv``) key
+        tiles."""
         key = (id(lay), kv)
         if key not in self._maps:
             if kv:
-                heads, tile, tiles, work = (
-                    lay.num_heads // lay.group,
-                    lay.block_n,
-                    lay.num_k_tiles,
-                    lay.kv_work,
-                )
+                heads, tile, tiles = lay.num_heads // lay.group, lay.block_n, lay.num_k_tiles
+                order, work = lay.kv_order, lay.kv_work
             else:
-                heads, tile, tiles, work = lay.num_heads, lay.block_m, lay.num_q_tiles, lay.q_work
-            self._maps[key] = varlen_programs(
-                self.cu_seqlens, self.max_seqlen, self.total_tokens, tile, heads, tiles, work
+                heads, tile, tiles = lay.num_heads, lay.block_m, lay.num_q_tiles
+                order, work = lay.q_order, lay.q_work
+            self._maps[key] = varlen_program_map(
+                self.cu_seqlens, self.max_seqlen, self.total_tokens, tile, heads, tiles, order, work
             )
         return self._maps[key]
 
@@ -1101,13 +1231,12 @@ def _pass_layout(pattern, sq, sk, q_start, k_start, block_m, block_n, device, va
 
 
 def _programs(lay, batch: int, varlen: Optional[Varlen], kv: bool):
-    """``(grid, order, prog_doc, cu_seqlens)`` kernel arguments of one pass (the last two are
+    """``(grid, order, prog_tok, prog_len)`` kernel arguments of one pass (the last two are
     unused placeholders for fixed-length calls)."""
     order = lay.kv_order if kv else lay.q_order
     if varlen is None:
         return order.numel() * batch, order, order, order
-    grid, prog_doc, prog_item = varlen.programs(lay, kv)
-    return grid, prog_item, prog_doc, varlen.cu_ext
+    return varlen.programs(lay, kv)
 
 
 def s2_forward(
@@ -1133,7 +1262,7 @@ def s2_forward(
     )
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    grid, order, prog_doc, cu = _programs(lay, b, varlen, kv=False)
+    grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=False)
     if grid == 0:
         return out, lse
     _s2_fwd_kernel[(grid,)](
@@ -1154,8 +1283,8 @@ def s2_forward(
         lay.lo,
         lay.hi,
         order,
-        prog_doc,
-        cu,
+        prog_tok,
+        prog_len,
         hq,
         sq,
         sk,
@@ -1207,7 +1336,7 @@ def bwd_dkdv(
         csc=True,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    grid, order, prog_doc, cu = _programs(lay, b, varlen, kv=True)
+    grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=True)
     if grid == 0:
         return dk, dv
     _s2_dkdv_kernel[(grid,)](
@@ -1233,8 +1362,8 @@ def bwd_dkdv(
         lay.lo_c,
         lay.hi_c,
         order,
-        prog_doc,
-        cu,
+        prog_tok,
+        prog_len,
         hq,
         sq,
         sk,
@@ -1281,7 +1410,7 @@ def bwd_dq(
     )
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
-    grid, order, prog_doc, cu = _programs(lay, b, varlen, kv=False)
+    grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=False)
     if grid == 0:
         return dq, delta
     _s2_dq_kernel[(grid,)](
@@ -1308,8 +1437,8 @@ def bwd_dq(
         lay.lo,
         lay.hi,
         order,
-        prog_doc,
-        cu,
+        prog_tok,
+        prog_len,
         hq,
         sq,
         sk,

@@ -350,6 +350,44 @@ def test_program_map_covers_every_tile_once_in_order():
     assert bool((key[1:] >= key[:-1]).all())
 
 
+@pytest.mark.parametrize("launches", ["fused", "two"])
+def test_kernel_program_map_matches_the_torch_reference(monkeypatch, launches):
+    """The kernels' map (item, document start, length per program; Triton, one launch or,
+    from ``MAP_FUSED_DOCS`` documents on, two) is the torch reference's order exactly; padding
+    slots are empty programs (length 0)."""
+    import s2attn.triton_attention as ta
+
+    if launches == "two":
+        monkeypatch.setattr(ta, "MAP_FUSED_DOCS", 0)
+    g = torch.Generator().manual_seed(3)
+    tile, heads, num_tiles = 32, 3, 16
+    packs = [[0, 5, 64, 1, 0, 130, 33], [0, 0], [512], [511, 1, 480]]
+    packs += [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 4, 11)]
+    for lens in packs:
+        work = torch.randint(0, 50, (heads * num_tiles,), generator=g)
+        most = int(work.max())
+        head = torch.arange(work.numel()) // num_tiles
+        order = torch.argsort(head * (most + 1) + (most - work), stable=True).to(torch.int32)
+        cu = _cu(lens, DEVICE)
+        args = (cu, max(lens), sum(lens), tile, heads, num_tiles)
+        grid, item, tok, length = (
+            x.cpu() if torch.is_tensor(x) else x
+            for x in ta.varlen_program_map(*args, order.to(DEVICE), work.to(DEVICE))
+        )
+        ref_grid, doc, ref_item = varlen_programs(
+            *(a.cpu() if torch.is_tensor(a) else a for a in args), work
+        )
+        assert grid == ref_grid == item.numel() == tok.numel() == length.numel(), lens
+        cu_ext = torch.cat([cu.cpu(), cu.cpu()[-1:]])
+        real = doc < len(lens)
+        assert torch.equal(item[real], ref_item[real]), lens
+        assert torch.equal(tok[real], cu_ext[doc[real].long()]), lens
+        assert torch.equal(length[real], cu_ext[doc[real].long() + 1] - cu_ext[doc[real].long()])
+        assert bool((length[real] > 0).all())
+        for x in (item, tok, length):
+            assert not x[~real].any(), lens
+
+
 def test_layout_length_is_a_power_of_two_capped_by_a_user_mask():
     p = S2Pattern(num_heads=2, block_size=16, local_blocks=2, vert_stride=3)
     assert [varlen_layout_len(p, n, 32) for n in (0, 1, 32, 33, 1000)] == [32, 32, 32, 64, 1024]
