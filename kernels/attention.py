@@ -304,7 +304,8 @@ def s2_attention_varlen(
         out, lse = S2AttentionFunction.apply(
             q[None], k[None], v[None], pattern, scale, 0, 0, kernel_config, packed
         )
-        return (out[0], lse[0]) if return_lse else out[0]
+        # squeeze, not [0]: a select's backward allocates a zero tensor and copies the grad in.
+        return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
     return s2_attention_varlen_reference(
         q, k, v, cu_seqlens, pattern, softmax_scale=scale, return_lse=return_lse
     )
