@@ -5,6 +5,8 @@ and split by Megatron's ``BlendedMegatronDatasetBuilder`` into
 :class:`~megatron.core.datasets.gpt_dataset.GPTDataset` samples of ``seq_length + 1`` tokens.
 Documents are concatenated with their EOD tokens the Megatron way (a sample may span documents;
 ``train.reset_position_ids`` / ``train.eod_mask_loss`` change how boundaries are treated).
+With ``train.pack_documents`` each micro-batch becomes one packed sequence of documents
+(:func:`pack_documents`), split at the EOD token the datasets use (:attr:`Datasets.eod`).
 
 Sample order is a pure function of the number of samples consumed so far: step ``i`` reads global
 samples ``[i * global_batch, (i + 1) * global_batch)``, and data-parallel rank ``r`` takes its slice
@@ -48,6 +50,8 @@ __all__ = [
     "micro_batches",
     "chunk_micro_batches",
     "Datasets",
+    "DocumentPack",
+    "pack_documents",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,9 @@ class DatasetTokenizer:
 class Datasets:
     train: object
     valid: Optional[object]
+    # The EOD id the datasets were built with (their position ids and EOD loss mask use it), so
+    # that packing splits documents where the datasets see them end.
+    eod: Optional[int] = None
 
 
 # ---- up-front checks of the corpora --------------------------------------------------------------
@@ -542,16 +549,17 @@ def build_datasets(
     )
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
+    dataset_tokenizer = DatasetTokenizer(tokenizer, {c.prefix: c.fingerprint for c in corpora})
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=(prefixes, weights),
         split=split,
         path_to_cache=cache_dir,
-        tokenizer=DatasetTokenizer(tokenizer, {c.prefix: c.fingerprint for c in corpora}),
+        tokenizer=dataset_tokenizer,
         reset_position_ids=reset_position_ids,
-        # The S2 kernels take no dense mask: documents in one sample attend across EOD, as in
-        # Megatron's default pretraining; a dense [s, s] mask would also cost s^2 memory.
+        # No dense mask: it would cost s^2 memory per sample and the S2 kernels take none.
+        # Documents are kept apart by packing instead (train.pack_documents, pack_documents).
         reset_attention_mask=False,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
@@ -575,7 +583,7 @@ def build_datasets(
             f"train.eval_iters > 0; give the valid split a weight or set "
             f"train.eval_iters=0"
         )
-    return Datasets(train=train, valid=valid)
+    return Datasets(train=train, valid=valid, eod=dataset_tokenizer.eod)
 
 
 class _MicroBatchSampler(torch.utils.data.Sampler):
@@ -666,3 +674,63 @@ def chunk_micro_batches(
         )
         for _ in range(num_chunks)
     ]
+
+
+# ---- packed documents (train.pack_documents) ---------------------------------------------------
+# The micro-batch fields a pack flattens; others (an attention mask) are dropped.
+PACKED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class DocumentPack:
+    """One micro-batch as a single sequence of documents (Megatron's THD layout).
+
+    ``batch``: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[1, b * s]``
+    (positions restart at 0 at every document). Document ``i`` is tokens
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``; ``cu_seqlens`` is int32 ``[num_docs + 1]`` on the host,
+    ``max_seqlen`` the longest document (a Python int).
+    """
+
+    batch: dict
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+    @property
+    def num_documents(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+def pack_documents(batch: dict, eod: int) -> DocumentPack:
+    """Pack a micro-batch of ``[b, s]`` CPU tensors into one ``[1, b * s]`` sequence of documents.
+
+    A document starts at every sample's first token and at the token after each EOD (an EOD
+    ends its document; an EOD as a sample's last token starts nothing). So consecutive EODs make
+    one-token documents, and no document is empty. Labels and the loss mask are flattened
+    unchanged, so the per-token losses and their sum (the 3-tuple loss) cover the same tokens as
+    the unpacked batch; ``train.eod_mask_loss`` has already masked them in the dataset.
+
+    Everything is computed on the host, before the batch goes to the device: ``max_seqlen`` is a
+    Python int and nothing reads device memory back. ``eod``: the id the datasets were built
+    with (:attr:`Datasets.eod`).
+    """
+    tokens = batch["tokens"]
+    if tokens.dim() != 2:
+        raise ValueError(f"pack_documents: tokens must be [b, s], got shape {tuple(tokens.shape)}")
+    if tokens.device.type != "cpu":
+        # On a GPU the lengths below would be read back per micro-batch (a device sync).
+        raise ValueError("pack_documents: pack the micro-batch on the host, before moving it")
+    b, s = tokens.shape
+    total = b * s
+    first = torch.zeros((b, s), dtype=torch.bool)
+    first[:, 0] = True
+    first[:, 1:] = tokens[:, :-1] == eod
+    starts = first.view(-1).nonzero().view(-1)
+    cu_seqlens = torch.empty(starts.numel() + 1, dtype=torch.int32)
+    cu_seqlens[:-1] = starts
+    cu_seqlens[-1] = total
+    lengths = cu_seqlens.diff()
+    max_seqlen = int(lengths.max())
+    positions = torch.arange(total) - torch.repeat_interleave(starts, lengths.long())
+    packed = {k: batch[k].reshape(1, total) for k in PACKED_KEYS if k in batch}
+    packed["position_ids"] = positions.view(1, total)
+    return DocumentPack(packed, cu_seqlens, max_seqlen)

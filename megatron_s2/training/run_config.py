@@ -115,9 +115,14 @@ class TrainConfig:
     precision: str = "auto"
     eval_interval: int = 100
     eval_iters: int = 4
-    # Where a sample's documents end, keep attending across EOD (Megatron's default) or not.
+    # Restart position ids after every EOD (Megatron's dataset option; needed by pack_documents).
     reset_position_ids: bool = False
+    # Leave out the loss of predicting the token after an EOD (the next document's first).
     eod_mask_loss: bool = False
+    # Each micro-batch as one packed sequence of documents split at EOD: no attention across
+    # documents, RoPE restarting per document. false: samples attend across EOD (Megatron's
+    # default concatenation).
+    pack_documents: bool = False
     num_workers: int = 0
 
 
@@ -331,6 +336,18 @@ class RunConfig:
             raise ConfigError(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"train.micro_batch_size ({t.micro_batch_size})"
+            )
+        if t.pack_documents and cp > 1:
+            raise ConfigError(
+                f"train.pack_documents=true and parallel.context_parallel_size={cp} are not "
+                f"supported together yet; set parallel.context_parallel_size=1 or "
+                f"train.pack_documents=false"
+            )
+        if t.pack_documents and not t.reset_position_ids:
+            raise ConfigError(
+                "train.pack_documents=true needs train.reset_position_ids=true: packed documents "
+                "are attended on their own, so their positions restart at every document's "
+                "first token; set both, or train.pack_documents=false"
             )
 
         if o.lr <= 0:
@@ -648,6 +665,7 @@ PLAN_KEYS = (
     "train.eval_iters",
     "train.reset_position_ids",
     "train.eod_mask_loss",
+    "train.pack_documents",
     "model.hidden_dropout",
     "data.blend",
     "data.split",

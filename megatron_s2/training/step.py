@@ -5,20 +5,29 @@ The loss follows Megatron's 3-tuple convention (``calculate_per_token_loss=True`
 config): each micro-batch returns the sum of its token losses and its token count, and
 ``finalize_model_grads`` divides the gradients by the token count of the whole global batch.
 That is exact under context parallelism and with uneven loss masks.
+
+With packed documents (``train.pack_documents``) each micro-batch ``[b, s]`` goes to the model
+as one THD sequence ``[1, b * s]`` with Megatron's ``PackedSeqParams``: attention and RoPE restart
+at every document (:func:`~.data.pack_documents` builds the pack on the host). The loss covers
+the same tokens, so the 3-tuple convention is unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import torch
+
+from .data import pack_documents
 
 __all__ = [
     "LOSS_KEY",
     "BATCH_KEYS",
     "loss_func",
     "forward_step",
+    "packed_seq_params",
     "reduce_loss",
     "StepLoss",
     "ForwardBackward",
@@ -45,20 +54,58 @@ def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor
     return loss, num_tokens, {LOSS_KEY: report}
 
 
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.device):
+    """Megatron's THD ``PackedSeqParams`` for causal self-attention over packed documents.
+
+    ``cu_seqlens``: int32 ``[num_docs + 1]`` (moved to ``device``), ``max_seqlen``: the longest
+    document, a Python int (Megatron sizes RoPE by it, the kernels bound their grid by it)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+
+
 def forward_step(
-    device: torch.device, context_parallel_size: int, poison: bool, data_iterator, model
+    device: torch.device,
+    context_parallel_size: int,
+    poison: bool,
+    data_iterator,
+    model,
+    *,
+    pack_eod: Optional[int] = None,
 ):
     """Megatron ``forward_step_func``: the next micro-batch through ``model``.
 
-    Bind the first three arguments with ``functools.partial``; under context parallelism each
-    rank keeps its part of the sequence."""
+    Bind the first three arguments (and ``pack_eod``) with ``functools.partial``; under context
+    parallelism each rank keeps its part of the sequence. ``pack_eod`` (the datasets' EOD id)
+    packs the micro-batch ``[b, s]`` into one sequence ``[1, b * s]`` of documents
+    (:func:`~.data.pack_documents`); the output is then the per-token loss ``[1, b * s]``
+    instead of ``[b, s]``, in the same token order."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    batch = next(data_iterator)
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in BATCH_KEYS}
+    batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
+    params = None
+    if pack_eod is not None:
+        # On the host, from the loader's CPU tensors: no device read-back per micro-batch.
+        pack = pack_documents(batch, pack_eod)
+        batch = pack.batch
+        params = packed_seq_params(pack.cu_seqlens, pack.max_seqlen, device)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if context_parallel_size > 1:
         batch = get_batch_on_this_cp_rank(batch)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        packed_seq_params=params,
+    )
     return output, partial(loss_func, batch["loss_mask"], poison)
 
 
@@ -94,7 +141,10 @@ def reduce_loss(reports: list, device: torch.device) -> StepLoss:
 
 class ForwardBackward:
     """Runs one global batch of ``model`` (its chunks, one per virtual pipeline stage) through
-    Megatron's schedule for the current parallel layout (none, 1F1B or interleaved)."""
+    Megatron's schedule for the current parallel layout (none, 1F1B or interleaved).
+
+    ``pack_eod``: pack each micro-batch's documents into one THD sequence, split at this EOD id
+    (``train.pack_documents``; the datasets' :attr:`~.data.Datasets.eod`); None: plain batches."""
 
     def __init__(
         self,
@@ -105,15 +155,21 @@ class ForwardBackward:
         micro_batch_size: int,
         device: torch.device,
         context_parallel_size: int = 1,
+        pack_eod: Optional[int] = None,
     ):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        if pack_eod is not None and context_parallel_size > 1:
+            raise ValueError(
+                "packed documents with context parallelism are not supported together yet"
+            )
         self.model = model
         self.num_microbatches = num_microbatches
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.device = device
         self.context_parallel_size = context_parallel_size
+        self.pack_eod = pack_eod
         self._schedule = get_forward_backward_func()
 
     def __call__(
@@ -122,14 +178,25 @@ class ForwardBackward:
         """Forward (and, unless ``forward_only``, backward into the gradient buffers) over
         ``num_microbatches`` micro-batches; ``data_iterators`` holds one iterator per chunk.
         Returns the batch's loss on every rank."""
-        step = partial(forward_step, self.device, self.context_parallel_size, poison_loss)
+        step = partial(
+            forward_step,
+            self.device,
+            self.context_parallel_size,
+            poison_loss,
+            pack_eod=self.pack_eod,
+        )
+        # Pipeline stages exchange activations of the shape the model runs: [b * s, 1, h] when
+        # the micro-batch is one packed sequence.
+        seq_length, micro_batch_size = self.seq_length, self.micro_batch_size
+        if self.pack_eod is not None:
+            seq_length, micro_batch_size = seq_length * micro_batch_size, 1
         reports = self._schedule(
             forward_step_func=step,
             data_iterator=data_iterators[0] if len(data_iterators) == 1 else data_iterators,
             model=self.model,
             num_microbatches=self.num_microbatches,
-            seq_length=self.seq_length,
-            micro_batch_size=self.micro_batch_size,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
         return reduce_loss(reports, self.device)

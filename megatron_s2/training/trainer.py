@@ -241,6 +241,7 @@ class Trainer:
             micro_batch_size=t.micro_batch_size,
             device=self.device,
             context_parallel_size=p.context_parallel_size,
+            pack_eod=self.datasets.eod if t.pack_documents else None,
         )
         self.evaluator = Evaluator(
             t, self.datasets.valid, self.forward_backward, dp_rank=dp_rank, dp_size=dp_size
@@ -438,7 +439,13 @@ class Trainer:
             f"{self.world_size} (TP {p.tensor_model_parallel_size}, PP "
             f"{p.pipeline_model_parallel_size}, CP {p.context_parallel_size}, DP {dp_size}), "
             f"{self.forward_backward.num_microbatches} micro-batches of {t.micro_batch_size} x "
-            f"{m.seq_length} tokens per step\n"
+            f"{m.seq_length} tokens per step"
+            + (
+                f", each packed into one sequence of documents split at EOD (id "
+                f"{self.datasets.eod}; train.pack_documents)\n"
+                if t.pack_documents
+                else "\n"
+            )
             + self.schedule.summary(
                 m.num_layers, m.num_attention_heads, m.query_groups, m.seq_length
             )
