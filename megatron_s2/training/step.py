@@ -87,7 +87,7 @@ def forward_step(
     packs the micro-batch ``[b, s]`` into one sequence ``[1, b * s]`` of documents
     (:func:`~.data.pack_documents`); the output is then the per-token loss ``[1, b * s]``
     instead of ``[b, s]``, in the same token order."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from ..context_parallel import batch_on_this_cp_rank
 
     batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
     params = None
@@ -98,7 +98,7 @@ def forward_step(
         params = packed_seq_params(pack.cu_seqlens, pack.max_seqlen, device)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if context_parallel_size > 1:
-        batch = get_batch_on_this_cp_rank(batch)
+        batch = batch_on_this_cp_rank(batch)
     output = model(
         batch["tokens"],
         batch["position_ids"],
