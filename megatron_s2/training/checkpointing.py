@@ -476,6 +476,7 @@ def load_checkpoint(
     *,
     iteration: Optional[int] = None,
     load_optimizer: bool = True,
+    load_scheduler: Optional[bool] = None,
     schedule_from_config: bool = False,
     optimizer_config=None,
 ) -> tuple[int, int]:
@@ -483,6 +484,8 @@ def load_checkpoint(
 
     Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is no checkpoint.
     ``load_optimizer=False`` loads the model only and restarts optimizer and LR schedule.
+    ``load_scheduler``: load the LR schedule's state (default: with the optimizer); False keeps
+    the scheduler as built (a fresh schedule from step 0).
 
     ``schedule_from_config``: the scheduler keeps the LR/WD schedule it was built with (the
     run config's) and takes only its step count from the checkpoint; otherwise Megatron's
@@ -508,7 +511,7 @@ def load_checkpoint(
             f"is not {OPTIMIZER_FORMAT!r}; load it with "
             f"checkpoint.load_optimizer=false"
         )
-    load_scheduler = load_optimizer
+    load_scheduler = load_optimizer if load_scheduler is None else load_scheduler
     if load_optimizer and not same_model_layout:
         logger.warning(
             "checkpoint %s was saved at TP/PP/VPP/CP %s and is loaded at %s: the dp_reshardable "
@@ -582,6 +585,9 @@ class ResumePoint:
     path: str
     iteration: int
     consumed_samples: int
+    # checkpoint.reset_iteration: only the weights (and optionally the optimizer state) were
+    # taken; the run starts at iteration 0 with a fresh LR schedule.
+    reset: bool = False
 
 
 def find_resume(config: CheckpointConfig, directory: str) -> Optional[ResumeCandidate]:
@@ -657,6 +663,8 @@ class Checkpointer:
             candidate = self.find()
             if candidate is None:
                 return None
+        # checkpoint.reset_iteration: another run's weights start this run at iteration 0.
+        reset = self.config.reset_iteration and not candidate.own
         iteration, consumed = load_checkpoint(
             candidate.root,
             self.model,
@@ -664,12 +672,15 @@ class Checkpointer:
             self.scheduler,
             iteration=candidate.iteration,
             load_optimizer=self.config.load_optimizer,
+            load_scheduler=False if reset else None,
             schedule_from_config=True,
             optimizer_config=self.optimizer_config,
         )
         self.last_checkpoint = checkpoint_path(candidate.root, iteration)
+        if reset:
+            iteration, consumed = 0, 0
         self._start_iteration = iteration
-        return ResumePoint(self.last_checkpoint, iteration, consumed)
+        return ResumePoint(self.last_checkpoint, iteration, consumed, reset=reset)
 
     def should_save(self, iteration: int) -> bool:
         """Save after ``iteration``? Every ``checkpoint.save_interval`` iterations (0 = never)."""

@@ -35,6 +35,7 @@ __all__ = [
     "init_model_parallel",
     "use_bf16",
     "transformer_config",
+    "rope_scaling_kwargs",
     "build_model_chunks",
     "wrap_model_chunks",
     "build_model",
@@ -182,6 +183,17 @@ def transformer_config(
     )
 
 
+def rope_scaling_kwargs(model: ModelConfig) -> dict:
+    """``GPTModel`` arguments of ``model.rope_scaling`` (Megatron-core's own RoPE scaling)."""
+    if model.rope_scaling == "position_interpolation":
+        # Positions are divided by the factor: a model trained at L reads L * factor tokens at
+        # the position range it knows.
+        return {"seq_len_interpolation_factor": model.rope_scaling_factor}
+    if model.rope_scaling == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": model.rope_scaling_factor}
+    return {}
+
+
 def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool) -> list:
     """This rank's ``GPTModel`` chunks, one per virtual pipeline stage, unwrapped (fp32 or bf16
     as ``config.params_dtype``), on the GPU when ``gpu``.
@@ -211,6 +223,7 @@ def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool
             position_embedding_type="rope",
             rotary_base=model.rotary_base,
             share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            **rope_scaling_kwargs(model),
         )
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)

@@ -71,6 +71,11 @@ class ModelConfig:
     normalization: str = "RMSNorm"
     swiglu: bool = True
     rotary_base: float = 10000.0
+    # RoPE scaling for context extension, Megatron-core's GPTModel options: "none",
+    # "position_interpolation" (positions divided by rope_scaling_factor) or "llama3" (Llama
+    # 3.1's frequency-dependent scaling by rope_scaling_factor, original context 8192).
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     untie_embeddings_and_output_weights: bool = True
@@ -162,6 +167,9 @@ class DataConfig:
     cache_dir: Optional[str] = None
 
 
+# model.rope_scaling: Megatron-core's RoPE scaling methods (GPTModel arguments).
+ROPE_SCALING = ("none", "position_interpolation", "llama3")
+
 # checkpoint.on_resume: what a resumed run does with changed plan settings (PLAN_KEYS).
 ON_RESUME = ("apply", "keep")
 
@@ -186,6 +194,10 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     # false: load only the model weights (fine-tuning from a checkpoint, or a new optimizer).
     load_optimizer: bool = True
+    # Starting from another run's checkpoint (load_dir): true starts at iteration 0 with a fresh
+    # LR schedule (warm-up included) and the data from its start, as continual pretraining such
+    # as context extension does; false continues that run's iteration count and LR schedule.
+    reset_iteration: bool = False
 
 
 @dataclass
@@ -273,6 +285,12 @@ class RunConfig:
         _one_of("model.recompute", m.recompute, ("none", "selective", "full"))
         if m.rotary_base <= 0:
             raise ConfigError(f"model.rotary_base must be > 0, got {m.rotary_base}")
+        _one_of("model.rope_scaling", m.rope_scaling, ROPE_SCALING)
+        if m.rope_scaling != "none" and m.rope_scaling_factor <= 1.0:
+            raise ConfigError(
+                f"model.rope_scaling_factor must be > 1 with model.rope_scaling="
+                f"{m.rope_scaling}, got {m.rope_scaling_factor}"
+            )
         if not 0.0 <= m.hidden_dropout < 1.0:
             raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}")
 
@@ -653,7 +671,14 @@ SHAPE_KEYS = (
 # Not shapes, but what the weights were trained to mean. Refused when a run resumes its own
 # checkpoint; printed (and applied) when a new run starts from another run's weights
 # (checkpoint.load_dir), e.g. to turn a dense model into an S2 hybrid.
-MEANING_KEYS = ("model.seq_length", "model.rotary_base", "data.tokenizer", "attention")
+MEANING_KEYS = (
+    "model.seq_length",
+    "model.rotary_base",
+    "model.rope_scaling",
+    "model.rope_scaling_factor",
+    "data.tokenizer",
+    "attention",
+)
 # The run's plan: checkpoint.on_resume decides whether a resumed run uses the values given now
 # ("apply") or its checkpoint's ("keep"); both print the differences. A section covers its keys.
 PLAN_KEYS = (
@@ -685,6 +710,7 @@ UNCOMPARED_KEYS = (
     "checkpoint.load_dir",
     "checkpoint.resume",
     "checkpoint.on_resume",
+    "checkpoint.reset_iteration",
     "data.cache_dir",
 )
 # Every other key (parallel layout, micro-batch size, precision, recomputation, data workers,

@@ -166,7 +166,9 @@ class Trainer:
                 )
             self.cfg = self._reconcile(candidate, saved)
             self.schedule = self.cfg.schedule()
-            if candidate.iteration >= self.cfg.train.train_iters:
+            # Another run's weights under checkpoint.reset_iteration start this run at 0.
+            reset = self.cfg.checkpoint.reset_iteration and not candidate.own
+            if not reset and candidate.iteration >= self.cfg.train.train_iters:
                 self.nothing_to_do = True
                 self._print(
                     f"{PREFIX} nothing to do: {candidate.path} is at iteration "
@@ -215,11 +217,18 @@ class Trainer:
             resumed = self.checkpointer.load(candidate)
             self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
             self.resumed_from = resumed.path
-            self._print(
-                f"{PREFIX} resumed from {resumed.path} (iteration {resumed.iteration}, "
-                f"{resumed.consumed_samples} samples consumed; next learning rate "
-                f"{self.optimizer.param_groups[0]['lr']:.3e})"
-            )
+            if resumed.reset:
+                self._print(
+                    f"{PREFIX} starting at iteration 0 from the weights of {resumed.path} "
+                    f"(checkpoint.reset_iteration: fresh LR schedule, data from its start; "
+                    f"optimizer state {'loaded' if cfg.checkpoint.load_optimizer else 'new'})"
+                )
+            else:
+                self._print(
+                    f"{PREFIX} resumed from {resumed.path} (iteration {resumed.iteration}, "
+                    f"{resumed.consumed_samples} samples consumed; next learning rate "
+                    f"{self.optimizer.param_groups[0]['lr']:.3e})"
+                )
 
         from megatron.core import parallel_state as ps
 

@@ -1,0 +1,98 @@
+"""Context extension through the trainer (CPU): a dense model trained at 128 tokens continues at
+512 tokens as an S2 hybrid with a new RoPE base and RoPE scaling, from its weights, at iteration
+0 with a fresh LR schedule (``checkpoint.reset_iteration``)."""
+
+import pytest
+from test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
+
+DENSE = "attention={dense_layers: {pattern: D}}"
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, demo_dir):  # noqa: F811
+    """A dense run at 128 tokens, 4 iterations, checkpoint at the end."""
+    tmp = tmp_path_factory.mktemp("short")
+    run_trainer(
+        tmp, demo_dir, DENSE, "train.train_iters=4", "checkpoint.save_at_end=true", name="short"
+    )
+    return tmp / "short" / "checkpoints"
+
+
+@pytest.mark.parametrize("scaling", ["position_interpolation", "llama3"])
+def test_dense_128_to_s2_hybrid_512_with_new_rope(
+    tmp_path,
+    demo_dir,  # noqa: F811
+    short_run,
+    scaling,
+):
+    proc, recs = run_trainer(
+        tmp_path,
+        demo_dir,
+        "model.seq_length=512",
+        "model.rotary_base=100000",
+        f"model.rope_scaling={scaling}",
+        "model.rope_scaling_factor=4",
+        "attention.dense_layers.pattern=DS",
+        f"checkpoint.load_dir={short_run}",
+        "checkpoint.reset_iteration=true",
+        "checkpoint.load_optimizer=false",
+        "train.train_iters=3",
+        "checkpoint.save_at_end=true",
+        name="long",
+    )
+    out = proc.stdout + proc.stderr
+    assert "starting at iteration 0 from the weights of" in out
+    # The settings that change what the weights mean are listed, and applied.
+    for key in ("model.seq_length", "model.rotary_base", "model.rope_scaling", "attention"):
+        assert key in out, key
+    assert sorted(recs) == [1, 2, 3]
+    # A fresh schedule: warm-up from the first step again (lr_warmup_iters=2 in the tests).
+    assert recs[1]["lr"] < recs[2]["lr"]
+    # The extended run's checkpoint holds iteration 3 of its own count and the new settings.
+    tracker = tmp_path / "long" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "3"
+
+
+def test_weights_carry_over(tmp_path, demo_dir, short_run):  # noqa: F811
+    """Starting from the short run's weights gives a lower first loss than a fresh model at the
+    same settings: the weights (not only the shapes) were loaded."""
+    common = ["model.seq_length=256", "train.train_iters=3", DENSE]
+    _, fresh = run_trainer(tmp_path, demo_dir, *common, name="fresh")
+    _, loaded = run_trainer(
+        tmp_path,
+        demo_dir,
+        *common,
+        f"checkpoint.load_dir={short_run}",
+        "checkpoint.reset_iteration=true",
+        name="loaded",
+    )
+    assert loaded[1]["loss"] < fresh[1]["loss"] - 0.05, (loaded[1], fresh[1])
+
+
+def test_keep_iteration_continues_the_schedule(tmp_path, demo_dir, short_run):  # noqa: F811
+    proc, recs = run_trainer(
+        tmp_path,
+        demo_dir,
+        DENSE,
+        "model.seq_length=256",
+        f"checkpoint.load_dir={short_run}",
+        "train.train_iters=6",
+        name="kept",
+    )
+    assert "resumed from" in proc.stdout
+    assert sorted(recs) == [5, 6]
+
+
+def test_bad_rope_scaling_is_a_config_error(tmp_path, demo_dir):  # noqa: F811
+    proc, _ = run_trainer(tmp_path, demo_dir, "model.rope_scaling=yarn", check=False, name="bad")
+    assert proc.returncode == 2
+    assert "model.rope_scaling" in proc.stderr and "position_interpolation" in proc.stderr
+    proc, _ = run_trainer(
+        tmp_path,
+        demo_dir,
+        "model.rope_scaling=llama3",
+        "model.rope_scaling_factor=1",
+        check=False,
+        name="bad2",
+    )
+    assert proc.returncode == 2 and "model.rope_scaling_factor must be > 1" in proc.stderr
