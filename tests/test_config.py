@@ -9,6 +9,8 @@ from megatron_s2.training.run_config import ConfigError, RunConfig, apply_overri
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+# Context-extension recipes (they start from another run's checkpoint).
+EXTEND_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "extend", "*.yaml")))
 
 
 def test_default_is_the_demo():
@@ -18,7 +20,7 @@ def test_default_is_the_demo():
     assert cfg.checkpoint_dir == os.path.join("runs", "demo", "checkpoints")
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+@pytest.mark.parametrize("path", CONFIGS + EXTEND_CONFIGS, ids=os.path.basename)
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     cfg.schedule()  # the attention schedule fits the model
@@ -28,6 +30,15 @@ def test_shipped_configs_validate(path):
         * p.pipeline_model_parallel_size
         * p.context_parallel_size
     )
+
+
+@pytest.mark.parametrize("path", EXTEND_CONFIGS, ids=os.path.basename)
+def test_extension_configs_start_from_weights_with_their_memory_noted(path):
+    cfg = load_config(path)
+    assert cfg.checkpoint.load_dir and cfg.checkpoint.reset_iteration
+    assert cfg.model.seq_length >= 32768
+    with open(path) as f:
+        assert "GiB" in f.read()  # the memory per GPU is written next to the settings
 
 
 def test_shipped_configs_come_in_dense_s2_pairs():
