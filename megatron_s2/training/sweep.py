@@ -1,0 +1,968 @@
+"""Ablation studies: many runs of one base config, their results in one table and two plots.
+
+    megatron-s2-sweep run STUDY.yaml                  # every point, one after another, here
+    megatron-s2-sweep run STUDY.yaml --slurm --sbatch-args "--nodes=1 --gpus-per-node=8"
+    megatron-s2-sweep collect STUDY.yaml              # table and plots of what has run so far
+    megatron-s2-sweep list STUDY.yaml                 # the points, their state and validity
+
+A study YAML (``docs/sweeps.md``)::
+
+    name: s2-stride-window
+    base: ../gpt-125m-s2.yaml          # run config, relative to this file (default: the demo)
+    overrides: {train.train_iters: 300}  # every point (mapping, or a list of key=value)
+    grid:                              # the cross product of these axes ...
+      attention.s2.vert_stride: [4, 8, 16]
+      attention.s2.local_blocks: [4, 8, 16]
+    points:                            # ... and/or explicit points
+      - {attention.dense_layers.pattern: D}
+    output_dir: sweeps/s2-stride-window  # default sweeps/<name>, relative to the current dir
+    nproc_per_node: 1                  # trainer processes per point (> 1: launch/torchrun.sh)
+    equal_tokens: null                 # where "loss at equal tokens" is read (default: the
+                                       # smallest final token count of the points)
+
+Each point is the base config with the study's overrides and the point's values (dotted config
+keys, values as in YAML), named after the values (``vert_stride=8,local_blocks=16``), run in
+``<output_dir>/runs/<point>`` by the trainer's own command line. A point whose config does not
+load or validate (``load_config``, ``RunConfig.schedule()``, ``RunConfig.validate``) is reported
+with the config error and skipped. Running again skips finished points (``summary.json`` at
+``train.train_iters``) and resumes interrupted ones from their checkpoints (the trainer's own
+resume; a point interrupted before its first checkpoint starts over with ``--restart``).
+
+Exit codes: 0 every valid point finished (or was submitted); 1 a point failed; 2 a study error
+(unreadable YAML, unknown key, no valid point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .run_config import DEMO_CONFIG, ConfigError, RunConfig, load_config
+
+__all__ = [
+    "StudyError",
+    "Study",
+    "Point",
+    "load_study",
+    "expand_points",
+    "point_state",
+    "point_command",
+    "run_local",
+    "submit_slurm",
+    "collect",
+    "main",
+]
+
+PROG = "megatron-s2-sweep"
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "launch" / "slurm.sbatch"
+TORCHRUN = REPO / "launch" / "torchrun.sh"
+
+EXIT_OK, EXIT_FAILED, EXIT_STUDY_ERROR = 0, 1, 2
+
+STUDY_KEYS = (
+    "name",
+    "base",
+    "overrides",
+    "grid",
+    "points",
+    "output_dir",
+    "nproc_per_node",
+    "equal_tokens",
+)
+# Written by whoever runs a point (this module, or launch/slurm.sbatch for array tasks): one
+# JSON line per session with its start, end and exit code; the table's wall time is their sum.
+SESSIONS = "sweep_sessions.jsonl"
+# Characters kept in point names (they become directory and run names).
+_SAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+_MAX_NAME = 120
+
+
+class StudyError(ValueError):
+    """The study YAML cannot be used; the message names the key."""
+
+
+@dataclass
+class Point:
+    """One run of the study: the base config with ``values`` (dotted key -> value)."""
+
+    index: int
+    name: str
+    values: dict
+    overrides: list = field(default_factory=list)  # all overrides after the base YAML
+    run_dir: str = ""
+    config: Optional[RunConfig] = None
+    error: Optional[str] = None  # the config error of an invalid point
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Study:
+    """A parsed study file; ``points`` are expanded and validated by :func:`load_study`."""
+
+    path: str
+    name: str
+    base: str
+    overrides: list
+    axes: list  # the dotted keys the points set (table columns), in order
+    output_dir: str
+    nproc_per_node: Optional[int] = None
+    equal_tokens: Optional[float] = None
+    points: list = field(default_factory=list)
+
+    def point_dir(self, name: str) -> str:
+        return os.path.join(self.output_dir, "runs", name)
+
+
+# ---- the study file ----------------------------------------------------------------------------
+def _attention_key(parts: list, key: str, where: str) -> None:
+    """Check the part of a dotted key inside ``attention`` against the schedule's schema."""
+    from s2attn.pattern import S2Pattern
+
+    from ..schedule import _DENSE_KEYS, _TOP_KEYS
+
+    settings = S2Pattern.setting_names()
+
+    def bad(allowed, upto):
+        raise StudyError(
+            f"{where}: unknown config key {key!r} ({'.'.join(['attention', *parts[:upto]])}); "
+            f"allowed there: {', '.join(str(a) for a in allowed)}"
+        )
+
+    if not parts:
+        return
+    if parts[0] not in _TOP_KEYS:
+        bad(_TOP_KEYS, 1)
+    if parts[0] == "s2" and len(parts) > 1:
+        if parts[1] not in settings or len(parts) > 2:
+            bad(settings, 2)
+    elif parts[0] == "dense_layers" and len(parts) > 1:
+        if parts[1] not in _DENSE_KEYS or len(parts) > 2:
+            bad(_DENSE_KEYS, 2)
+    elif parts[0] == "overrides" and len(parts) > 1:
+        if not re.fullmatch(r"-?[0-9]+", parts[1]):
+            raise StudyError(f"{where}: {key!r}: attention.overrides keys are layer indices")
+        if len(parts) > 2 and (parts[2] not in settings or len(parts) > 3):
+            bad(settings, 3)
+    elif parts[0] == "allow_coverage_holes" and len(parts) > 1:
+        bad([], 1)
+
+
+def check_config_key(key: str, where: str) -> None:
+    """Raise :class:`StudyError` unless the dotted ``key`` names a run-config setting."""
+    if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
+        raise StudyError(f"{where}: {key!r} is not a dotted config key like train.train_iters")
+    parts = key.split(".")
+    cls: Any = RunConfig
+    for i, part in enumerate(parts):
+        if cls is None:
+            raise StudyError(
+                f"{where}: unknown config key {key!r}: {'.'.join(parts[:i])} is a value, not a "
+                f"section"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise StudyError(
+                f"{where}: unknown config key {key!r} ({'.'.join(parts[: i + 1])}); allowed "
+                f"there: {', '.join(names)}"
+            )
+        if cls is RunConfig and part == "attention":
+            _attention_key(parts[i + 1 :], key, where)
+            return
+        tp = typing.get_type_hints(cls)[part]
+        cls = tp if dataclasses.is_dataclass(tp) else None
+
+
+def _dump(value: Any) -> str:
+    """``value`` as a one-line YAML flow value (what an override ``key=value`` parses back)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+    text = text.removesuffix("...").strip()
+    if "\n" in text:
+        raise StudyError(f"value {value!r} does not fit on one line")
+    return text
+
+
+def _mapping_of_keys(raw: Any, where: str) -> dict:
+    """A mapping of dotted keys (or a list of ``key=value`` strings) as {key: value}."""
+    if raw is None:
+        return {}
+    if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        out = {}
+        for item in raw:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise StudyError(f"{where}: {item!r} must look like key.sub=value")
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        return out
+    if not isinstance(raw, dict):
+        raise StudyError(
+            f"{where} must be a mapping of dotted config keys to values (or a list of "
+            f"key=value), got {type(raw).__name__}"
+        )
+    return dict(raw)
+
+
+def _short_keys(keys: list) -> dict:
+    """Each dotted key's shortest suffix that no other key shares (``vert_stride``)."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            suffix = ".".join(parts[-n:])
+            if not any(k != key and k.split(".")[-n:] == parts[-n:] for k in keys):
+                out[key] = suffix
+                break
+        else:
+            out[key] = key
+    return out
+
+
+def point_name(values: dict, short: dict) -> str:
+    """``vert_stride=8,local_blocks=16``, made safe as a file and run name."""
+    if not values:
+        return "base"
+    text = ",".join(f"{short[k]}={_dump(v)}" for k, v in values.items())
+    name = _SAFE.sub("_", text).lstrip(".") or "point"
+    if len(name) > _MAX_NAME:
+        import hashlib
+
+        name = name[: _MAX_NAME - 9] + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
+    return name
+
+
+def expand_points(grid: Any, points: Any) -> list[tuple[Optional[str], dict]]:
+    """(explicit name or None, {key: value}) of every point: the grid's cross product (the
+    first axis varies slowest), then the explicit points."""
+    out = []
+    if grid is not None:
+        if not isinstance(grid, dict) or not grid:
+            raise StudyError("grid must be a non-empty mapping of config keys to lists of values")
+        for key, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise StudyError(f"grid.{key} must be a non-empty list of values, got {values!r}")
+        keys = list(grid)
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            out.append((None, dict(zip(keys, combo))))
+    if points is not None:
+        if not isinstance(points, list):
+            raise StudyError(f"points must be a list of mappings, got {type(points).__name__}")
+        for i, p in enumerate(points):
+            if not isinstance(p, dict):
+                raise StudyError(f"points[{i}] must be a mapping of config keys to values")
+            p = dict(p)
+            name = p.pop("name", None)
+            if name is not None and not isinstance(name, str):
+                raise StudyError(f"points[{i}].name must be a string, got {name!r}")
+            out.append((name, p))
+    if not out:
+        raise StudyError("the study has no points: give grid and/or points")
+    return out
+
+
+def load_study(
+    path: str | os.PathLike,
+    output_dir: Optional[str] = None,
+    world_size: Optional[int] = None,
+) -> Study:
+    """Parse ``path``, expand and validate its points. Raises :class:`StudyError`.
+
+    ``output_dir`` overrides the study's. ``world_size``: the processes each point will run on
+    (for the data-parallel checks); default the study's ``nproc_per_node`` when set."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"study file {str(path)!r} does not exist")
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise StudyError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(d, dict):
+        raise StudyError(f"{path}: the top level must be a mapping")
+    unknown = sorted(set(map(str, d)) - set(STUDY_KEYS))
+    if unknown:
+        raise StudyError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(STUDY_KEYS)}"
+        )
+    name = d.get("name", path.stem)
+    if not isinstance(name, str) or not name or _SAFE.search(name):
+        raise StudyError(f"name must be a non-empty string of [A-Za-z0-9._=,+-], got {name!r}")
+    base = d.get("base")
+    if base is None:
+        base_path = DEMO_CONFIG
+    elif isinstance(base, str):
+        base_path = (path.parent / base).resolve()
+        if not base_path.is_file():
+            raise StudyError(f"base: run config {str(base_path)!r} does not exist")
+    else:
+        raise StudyError(f"base must be the path of a run config, got {base!r}")
+    nproc = d.get("nproc_per_node")
+    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
+        raise StudyError(f"nproc_per_node must be an integer >= 1, got {nproc!r}")
+    equal = d.get("equal_tokens")
+    if equal is not None and (
+        not isinstance(equal, (int, float)) or isinstance(equal, bool) or equal <= 0
+    ):
+        raise StudyError(f"equal_tokens must be a number > 0, got {equal!r}")
+    out = output_dir or d.get("output_dir") or os.path.join("sweeps", name)
+    if not isinstance(out, str):
+        raise StudyError(f"output_dir must be a path, got {out!r}")
+
+    common = _mapping_of_keys(d.get("overrides"), "overrides")
+    for key in common:
+        check_config_key(key, "overrides")
+    raw_points = expand_points(d.get("grid"), d.get("points"))
+    axes: list = []
+    for i, (_, values) in enumerate(raw_points):
+        for key in values:
+            check_config_key(key, f"points[{i}]" if d.get("grid") is None else "grid/points")
+            if key not in axes:
+                axes.append(key)
+    for key in ("name", "logging.run_dir"):
+        if key in axes or key in common:
+            raise StudyError(f"{key} is set by the sweep for each point; leave it out of the study")
+    short = _short_keys(axes)
+
+    study = Study(
+        path=str(path),
+        name=name,
+        base=str(base_path),
+        overrides=[f"{k}={_dump(v)}" for k, v in common.items()],
+        axes=axes,
+        output_dir=os.path.abspath(out),
+        nproc_per_node=nproc,
+        equal_tokens=equal,
+    )
+    seen: dict = {}
+    for i, (explicit, values) in enumerate(raw_points):
+        pname = _SAFE.sub("_", explicit) if explicit else point_name(values, short)
+        if pname in seen:
+            raise StudyError(
+                f"points {seen[pname]} and {i} have the same name {pname!r} (the same values?)"
+            )
+        seen[pname] = i
+        run_dir = study.point_dir(pname)
+        overrides = [
+            *study.overrides,
+            *(f"{k}={_dump(v)}" for k, v in values.items()),
+            f"name={pname}",
+            f"logging.run_dir={run_dir}",
+        ]
+        point = Point(i, pname, values, overrides, run_dir)
+        try:
+            cfg = load_config(study.base, overrides)
+            cfg.schedule()
+            cfg.validate(world_size=world_size or nproc)
+            if cfg.checkpoint.dir is not None:
+                raise ConfigError(
+                    f"checkpoint.dir is set ({cfg.checkpoint.dir}): every point would write "
+                    f"its checkpoints there; leave it unset so that each point checkpoints in "
+                    f"its own run directory"
+                )
+            point.config = cfg
+        except ConfigError as e:
+            point.error = str(e)
+        study.points.append(point)
+    return study
+
+
+# ---- the state of a point's run directory ------------------------------------------------------
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _locked(run_dir: str) -> bool:
+    """Is a live trainer holding the run directory's lock?"""
+    import fcntl
+
+    path = os.path.join(run_dir, ".lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock this process took
+    return False
+
+
+def _has_checkpoint(checkpoint_dir: str) -> bool:
+    return os.path.isdir(checkpoint_dir) and any(
+        n.startswith("iter_") or n == "latest_checkpointed_iteration.txt"
+        for n in os.listdir(checkpoint_dir)
+    )
+
+
+def point_state(point: Point) -> str:
+    """``invalid``, ``running`` (a live trainer holds it), ``finished`` (its summary is at
+    ``train.train_iters``), ``interrupted`` (a previous run that did not finish) or ``new``."""
+    if not point.valid:
+        return "invalid"
+    run_dir = point.run_dir
+    if _locked(run_dir):
+        return "running"
+    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    if summary and (summary.get("iteration") or 0) >= point.config.train.train_iters:
+        return "finished"
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if (
+        summary is not None
+        or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+        or _has_checkpoint(point.config.checkpoint_dir)
+    ):
+        return "interrupted"
+    return "new"
+
+
+# ---- running -------------------------------------------------------------------------------
+def point_command(study: Study, point: Point, *, restart: bool = False) -> tuple[list, dict]:
+    """(argv, environment) that trains ``point``: the trainer's CLI, or ``launch/torchrun.sh``
+    with ``nproc_per_node`` > 1."""
+    env = dict(os.environ)
+    env.pop("RUN_DIR", None)
+    extra = ["--restart"] if restart else []
+    nproc = study.nproc_per_node or 1
+    if nproc > 1:
+        env.update(NPROC_PER_NODE=str(nproc), PYTHON=env.get("PYTHON", sys.executable))
+        argv = ["bash", str(TORCHRUN), study.base, *point.overrides, *extra]
+    else:
+        argv = [
+            sys.executable,
+            "-m",
+            "megatron_s2.training",
+            "--config",
+            study.base,
+            *point.overrides,
+            *extra,
+        ]
+    return argv, env
+
+
+def _say(msg: str) -> None:
+    print(f"[{PROG}] {msg}", flush=True)
+
+
+def report_invalid(study: Study) -> None:
+    for p in study.points:
+        if not p.valid:
+            _say(f"point {p.name}: config error, skipped: {p.error}")
+
+
+def _run_one(study: Study, point: Point, restart: bool) -> int:
+    """Train ``point`` in a subprocess, its output both on the console and in
+    ``<output_dir>/logs/<point>.log``; append the session to the run's sessions file."""
+    argv, env = point_command(study, point, restart=restart)
+    os.makedirs(os.path.join(study.output_dir, "logs"), exist_ok=True)
+    log_path = os.path.join(study.output_dir, "logs", f"{point.name}.log")
+    start = time.time()
+    with open(log_path, "a") as log:
+        log.write(f"$ {shlex.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # The trainer got the Ctrl-C too (same process group): let it checkpoint and stop.
+            code = proc.wait()
+            raise
+        finally:
+            _record_session(point.run_dir, start, time.time(), proc.poll(), "local")
+    sys.stdout.flush()
+    return code
+
+
+def _record_session(run_dir: str, start: float, end: float, code, how: str) -> None:
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, SESSIONS), "a") as f:
+            record = {"start": round(start, 3), "end": round(end, 3), "exit_code": code}
+            f.write(json.dumps(record | {"how": how}) + "\n")
+    except OSError:
+        pass
+
+
+def run_local(study: Study) -> int:
+    """Run every valid point that is not finished, one after another; return the exit code."""
+    report_invalid(study)
+    failed = []
+    for point in study.points:
+        state = point_state(point)
+        if state == "invalid":
+            continue
+        if state == "finished":
+            _say(f"point {point.name}: finished, not rerun ({point.run_dir})")
+            continue
+        if state == "running":
+            _say(f"point {point.name}: a live run holds {point.run_dir}; skipped")
+            failed.append(point.name)
+            continue
+        restart = False
+        if state == "interrupted":
+            if _has_checkpoint(point.config.checkpoint_dir):
+                _say(f"point {point.name}: interrupted, resuming from its checkpoint")
+            else:
+                restart = True
+                _say(
+                    f"point {point.name}: interrupted before its first checkpoint, starting over "
+                    f"(the partial run is moved aside)"
+                )
+        else:
+            _say(f"point {point.name}: running in {point.run_dir}")
+        code = _run_one(study, point, restart)
+        if code != 0 or point_state(point) != "finished":
+            _say(f"point {point.name}: failed (exit code {code}); see its log")
+            failed.append(point.name)
+    if failed:
+        _say(f"{len(failed)} point(s) did not finish: {', '.join(failed)}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def submit_slurm(study: Study, sbatch_args: list, sbatch_script: str = str(SBATCH)) -> int:
+    """Submit the valid, unfinished points as one Slurm job array through ``slurm.sbatch``:
+    array task ``i`` trains point ``i`` (its run directory and overrides are in
+    ``<output_dir>/slurm/tasks/<i>.args``, read by the script through ``SWEEP_TASKS``)."""
+    report_invalid(study)
+    tasks_dir = os.path.join(study.output_dir, "slurm", "tasks")
+    logs = os.path.join(study.output_dir, "logs")
+    os.makedirs(tasks_dir, exist_ok=True)
+    os.makedirs(logs, exist_ok=True)
+    todo = []
+    for point in study.points:
+        state = point_state(point)
+        if state in ("invalid", "finished", "running"):
+            if state != "invalid":
+                _say(f"point {point.name}: {state}, not submitted")
+            continue
+        args = list(point.overrides)
+        if state == "interrupted" and not _has_checkpoint(point.config.checkpoint_dir):
+            args.append("--restart")  # nothing to resume: start over
+        with open(os.path.join(tasks_dir, f"{point.index}.args"), "w") as f:
+            f.write("\n".join([point.run_dir, *args]) + "\n")
+        todo.append(point)
+    if not todo:
+        _say("nothing to submit")
+        return EXIT_OK
+    env = dict(os.environ, SWEEP_TASKS=tasks_dir)
+    env.pop("RUN_DIR", None)
+    env.setdefault("PYTHON", sys.executable)
+    if study.nproc_per_node:
+        env["NPROC_PER_NODE"] = str(study.nproc_per_node)
+    argv = [
+        "sbatch",
+        "--parsable",
+        f"--array={','.join(str(p.index) for p in todo)}",
+        f"--job-name={study.name}",
+        f"--output={os.path.join(logs, 'slurm-%A_%a.out')}",
+        *sbatch_args,
+        sbatch_script,
+        study.base,
+    ]
+    _say(f"submitting {len(todo)} point(s): {shlex.join(argv)}")
+    r = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
+    job = (r.stdout or "").strip().split(";")[0]
+    if job:
+        with open(os.path.join(study.output_dir, "slurm", "jobs.jsonl"), "a") as f:
+            f.write(json.dumps({"job": job, "points": [p.name for p in todo]}) + "\n")
+        _say(f"job array {job}: task i trains point i ({', '.join(p.name for p in todo)})")
+    if r.returncode != 0:
+        _say(f"sbatch exited with {r.returncode}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+# ---- collecting ------------------------------------------------------------------------------
+COLUMNS = (
+    "point",
+    "status",
+    # the axes come here
+    "final_train_loss",
+    "final_train_iteration",
+    "final_valid_loss",
+    "final_valid_iteration",
+    "loss_at_equal_tokens",
+    "equal_tokens",
+    "tokens",
+    "tokens_per_s",
+    "tflops_per_gpu",
+    "peak_memory_gib",
+    "memory",
+    "attention_density",
+    "union_coverage",
+    "wall_time_s",
+    "run_dir",
+    "error",
+)
+
+
+def attention_stats(cfg: RunConfig) -> tuple[float, float]:
+    """(model attention density, union coverage) at the run's sequence length.
+
+    Density: attended (query, key) pairs over the dense causal pairs, all layers. Coverage: the
+    smallest fraction, over the S2 layers, of key blocks that the union of the layer's heads
+    reaches from every later query (1.0: no holes)."""
+    m = cfg.model
+    sched = cfg.schedule()
+    heads, groups, n, s = m.num_attention_heads, m.query_groups, m.num_layers, m.seq_length
+    causal = s * (s + 1) // 2 * heads
+    density = sum(sched.attention_pairs(n, heads, groups, s)) / (causal * n)
+    coverage = 1.0
+    for i in range(n):
+        p = sched.layer_pattern(i + 1, heads, groups, n)
+        if p is not None:
+            report = p.coverage(s)
+            coverage = min(coverage, 1.0 - len(report.uncovered_blocks) / report.num_blocks)
+    return density, coverage
+
+
+def _records(run_dir: str) -> list:
+    from .metrics import read_jsonl
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        return read_jsonl(path)
+    except (OSError, ValueError):
+        return []
+
+
+def throughput(train: list) -> tuple[Optional[float], Optional[float]]:
+    """(tokens/s, model TFLOP/s per GPU) of the logged training windows after the first (the
+    warm-up), weighted by their time: what the trainer's summary reports for a run without
+    resumes. Each record covers the iterations since the previous one."""
+    tokens = flops = seconds = 0.0
+    for prev, r in zip(train, train[1:]):
+        n = r["iteration"] - prev["iteration"]
+        t = n * r.get("step_time_s", 0.0)
+        tokens += r.get("tokens_per_s", 0.0) * t
+        flops += r.get("tflops_per_gpu", 0.0) * t
+        seconds += t
+    if not seconds and train:  # one window only: it is all there is
+        r = train[-1]
+        return r.get("tokens_per_s"), r.get("tflops_per_gpu")
+    if not seconds:
+        return None, None
+    return tokens / seconds, flops / seconds
+
+
+def loss_at_tokens(curve: list, tokens: float) -> Optional[float]:
+    """Training loss at ``tokens`` on the (tokens, loss) ``curve``, interpolated linearly between
+    the logged records around it; None outside the curve."""
+    if not curve or tokens < curve[0][0] or tokens > curve[-1][0]:
+        return None
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= tokens <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return curve[-1][1]
+
+
+def _wall_time(run_dir: str) -> Optional[float]:
+    path = os.path.join(run_dir, SESSIONS)
+    try:
+        with open(path) as f:
+            sessions = [json.loads(ln) for ln in f if ln.strip()]
+    except (OSError, ValueError):
+        return None
+    return sum(s["end"] - s["start"] for s in sessions) if sessions else None
+
+
+def _last_exit(run_dir: str):
+    try:
+        with open(os.path.join(run_dir, SESSIONS)) as f:
+            lines = [ln for ln in f if ln.strip()]
+        return json.loads(lines[-1]).get("exit_code") if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def curves(point: Point) -> tuple[list, list]:
+    """(tokens, loss) of the training and of the validation records of a point's run."""
+    recs = _records(point.run_dir)
+    seq = point.config.model.seq_length if point.config else 1
+    gbs = point.config.train.global_batch_size if point.config else 1
+
+    def tokens(r):
+        samples = r.get("consumed_samples")
+        return (samples if samples is not None else r["iteration"] * gbs) * seq
+
+    train = sorted((tokens(r), r["loss"]) for r in recs if r.get("kind") == "train")
+    # Validation records carry no sample count: the iteration's.
+    valid = sorted(
+        (r["iteration"] * gbs * seq, r["loss"]) for r in recs if r.get("kind") == "valid"
+    )
+    return train, valid
+
+
+def collect(study: Study) -> list[dict]:
+    """One row per point (see COLUMNS; the axes after ``status``), read from the runs'
+    ``metrics.jsonl`` and sessions files and the points' configs."""
+    rows = []
+    finals = []
+    for point in study.points:
+        row: dict = {"point": point.name, "run_dir": point.run_dir, "error": point.error or ""}
+        row.update({k: _dump(point.values[k]) if k in point.values else "" for k in study.axes})
+        state = point_state(point)
+        recs = _records(point.run_dir) if point.valid else []
+        train = [r for r in recs if r.get("kind") == "train" and "loss" in r]
+        valid = [r for r in recs if r.get("kind") == "valid" and "loss" in r]
+        if state == "interrupted":
+            code = _last_exit(point.run_dir)
+            state = "failed" if code not in (None, 0) else "partial"
+        elif state == "new":
+            state = "not run"
+        row["status"] = state
+        if point.valid:
+            row["attention_density"], row["union_coverage"] = attention_stats(point.config)
+        if train:
+            row["final_train_loss"] = train[-1]["loss"]
+            row["final_train_iteration"] = train[-1]["iteration"]
+            row["tokens_per_s"], row["tflops_per_gpu"] = throughput(train)
+            mem = [(k, r[k]) for r in train for k in ("gpu_mem_gib", "cpu_rss_gib") if k in r]
+            if mem:
+                row["memory"] = {"gpu_mem_gib": "gpu peak", "cpu_rss_gib": "cpu rss"}[mem[-1][0]]
+                row["peak_memory_gib"] = max(v for _, v in mem)
+            tc, _ = curves(point)
+            row["tokens"] = tc[-1][0]
+            finals.append(tc[-1][0])
+        if valid:
+            row["final_valid_loss"] = valid[-1]["loss"]
+            row["final_valid_iteration"] = valid[-1]["iteration"]
+        row["wall_time_s"] = _wall_time(point.run_dir) if point.valid else None
+        rows.append(row)
+    equal = study.equal_tokens or (min(finals) if finals else None)
+    for point, row in zip(study.points, rows):
+        if equal is not None and "final_train_loss" in row:
+            row["equal_tokens"] = equal
+            row["loss_at_equal_tokens"] = loss_at_tokens(curves(point)[0], equal)
+    return rows
+
+
+def _fmt(value: Any, key: str) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float):
+        if key in ("tokens_per_s", "wall_time_s", "equal_tokens", "tokens"):
+            return f"{value:,.0f}"
+        if key in ("tflops_per_gpu", "peak_memory_gib", "attention_density", "union_coverage"):
+            return f"{value:.3f}"
+        return f"{value:.4f}"
+    if isinstance(value, int) and key in ("tokens", "equal_tokens"):
+        return f"{value:,}"
+    return str(value)
+
+
+def write_tables(study: Study, rows: list) -> tuple[str, str]:
+    """``results.csv`` (every column, full precision) and ``results.md`` in the output dir."""
+    os.makedirs(study.output_dir, exist_ok=True)
+    columns = list(COLUMNS[:2]) + list(study.axes) + list(COLUMNS[2:])
+    csv_path = os.path.join(study.output_dir, "results.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for row in rows:
+            w.writerow({c: "" if row.get(c) is None else row.get(c, "") for c in columns})
+    equal = next((r["equal_tokens"] for r in rows if r.get("equal_tokens")), None)
+    md_cols = [
+        ("point", "point"),
+        ("status", "status"),
+        *((k, k) for k in study.axes),
+        ("final_train_loss", "train loss"),
+        ("final_valid_loss", "valid loss"),
+        ("loss_at_equal_tokens", f"train loss @ {_fmt(equal, 'tokens')} tokens"),
+        ("tokens_per_s", "tokens/s"),
+        ("tflops_per_gpu", "model TFLOP/s/GPU"),
+        ("peak_memory_gib", "peak mem GiB"),
+        ("attention_density", "attn density"),
+        ("union_coverage", "union coverage"),
+        ("wall_time_s", "wall s"),
+    ]
+    lines = [
+        f"# {study.name}",
+        "",
+        f"Base config `{study.base}`, {len(rows)} points; attention density "
+        f"and coverage at each run's sequence length.",
+        "",
+        "| " + " | ".join(h for _, h in md_cols) + " |",
+        "|" + "---|" * len(md_cols),
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(k), k) for k, _ in md_cols) + " |")
+    errors = [r for r in rows if r.get("error")]
+    if errors:
+        lines += ["", "Skipped (config errors):", ""]
+        lines += [f"- `{r['point']}`: {r['error']}" for r in errors]
+    md_path = os.path.join(study.output_dir, "results.md")
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return csv_path, md_path
+
+
+def pareto_front(xy: list) -> list:
+    """Indices of the (x, y) points no other point beats on both (lower is better), by x."""
+    order = sorted(range(len(xy)), key=lambda i: (xy[i][0], xy[i][1]))
+    front, best = [], math.inf
+    for i in order:
+        if xy[i][1] < best:
+            front.append(i)
+            best = xy[i][1]
+    return front
+
+
+def write_plots(study: Study, rows: list) -> tuple[Optional[str], Optional[str]]:
+    """``pareto.png`` (final loss vs attention density, the front joined) and
+    ``loss_curves.png`` (every point's loss against tokens); None where nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r.get("final_train_loss") is not None]
+    use_valid = bool(done) and all(r.get("final_valid_loss") is not None for r in done)
+    key = "final_valid_loss" if use_valid else "final_train_loss"
+    pareto_path = curves_path = None
+    if done:
+        xy = [(r["attention_density"], r[key]) for r in done]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.scatter(*zip(*xy), zorder=3)
+        for r, (x, y) in zip(done, xy):
+            ax.annotate(r["point"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        front = pareto_front(xy)
+        ax.plot(
+            [xy[i][0] for i in front],
+            [xy[i][1] for i in front],
+            "r--o",
+            mfc="none",
+            ms=10,
+            label="Pareto front",
+        )
+        ax.margins(x=0.2, y=0.1)
+        ax.set_xlabel("attention density (attended / dense causal pairs)")
+        ax.set_ylabel(("validation" if use_valid else "training") + " loss (final)")
+        ax.set_title(f"{study.name}: loss vs attention density")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        pareto_path = os.path.join(study.output_dir, "pareto.png")
+        fig.savefig(pareto_path, dpi=100)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        names = {r["point"] for r in done}
+        for point in study.points:
+            if point.name not in names:
+                continue
+            train, valid = curves(point)
+            (line,) = ax.plot(*zip(*train), label=point.name, lw=1)
+            if valid:
+                ax.plot(*zip(*valid), "o", color=line.get_color(), ms=4)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss (nats/token; dots: validation)")
+        ax.set_title(f"{study.name}: loss curves")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        curves_path = os.path.join(study.output_dir, "loss_curves.png")
+        fig.savefig(curves_path, dpi=100)
+        plt.close(fig)
+    return pareto_path, curves_path
+
+
+def collect_and_write(study: Study) -> list:
+    rows = collect(study)
+    csv_path, md_path = write_tables(study, rows)
+    pareto, loss = write_plots(study, rows)
+    _say(f"table {csv_path}, {md_path}")
+    if pareto:
+        _say(f"plots {pareto}, {loss}")
+    return rows
+
+
+# ---- command line ----------------------------------------------------------------------------
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Ablation sweeps of megatron-s2-train runs (docs/sweeps.md).",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run (or submit) the points that have not finished")
+    collect_p = sub.add_parser("collect", help="write the table and plots only")
+    list_p = sub.add_parser("list", help="the points, their state and config errors")
+    for q in (run, collect_p, list_p):
+        q.add_argument("study", help="study YAML")
+        q.add_argument("--output-dir", default=None, help="default: the study's output_dir")
+    run.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit one Slurm job array through launch/slurm.sbatch instead of running here",
+    )
+    run.add_argument(
+        "--sbatch-args",
+        default="",
+        help='options for sbatch, one string (e.g. "--nodes=1 --gpus-per-node=8 --wait"; '
+        "with --wait the table is written when the array has finished)",
+    )
+    run.add_argument("--sbatch-script", default=str(SBATCH), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        study = load_study(args.study, args.output_dir)
+    except StudyError as e:
+        print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
+        return EXIT_STUDY_ERROR
+    if args.command == "list":
+        for p in study.points:
+            state = point_state(p)
+            print(f"{p.index:3d}  {state:11s}  {p.name}" + (f"  ({p.error})" if p.error else ""))
+        return EXIT_OK
+    if args.command == "collect":
+        collect_and_write(study)
+        return EXIT_OK
+    if not any(p.valid for p in study.points):
+        report_invalid(study)
+        print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)
+        return EXIT_STUDY_ERROR
+    if args.slurm:
+        sbatch_args = shlex.split(args.sbatch_args)
+        code = submit_slurm(study, sbatch_args, args.sbatch_script)
+        if "--wait" in sbatch_args or "-W" in sbatch_args:
+            collect_and_write(study)
+            if any(point_state(p) not in ("finished", "invalid") for p in study.points):
+                code = EXIT_FAILED
+        return code
+    code = run_local(study)
+    collect_and_write(study)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
