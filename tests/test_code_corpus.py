@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import sysconfig
 import warnings
@@ -249,6 +250,14 @@ def test_filters_duplicates_and_holdout_rule(tmp_path):
         assert cc.assign_splits(files, fraction) == chosen, fraction
     with pytest.raises(ValueError, match="no such package"):
         cc.assign_splits(files, 0.1, ["nope"])
+    kept = [r for r in files if r.split != "skip"]
+    assert cc.tokenizer_sample(kept) == kept
+    sample = cc.tokenizer_sample(kept, 40)
+    assert 0 < sum(r.bytes for r in sample) <= 40 and len(sample) < len(kept)
+    assert [r.path for r in sample] == sorted(r.path for r in sample)
+    assert cc.tokenizer_sample(kept, 40) == sample
+    with pytest.raises(ValueError, match="holds no training file"):
+        cc.tokenizer_sample(kept, 5)
 
 
 def test_special_token_text_is_not_a_document_boundary(tmp_path):
@@ -277,6 +286,7 @@ def test_cli_prints_stats_and_rejects_bad_roots(tmp_path, capsys):
     root = tmp_path / "lib"
     _tree(root, {f"p{i}/m.py": f"x = {i}\n".encode() * 20 for i in range(4)})
     args = ["--out", str(tmp_path / "out"), "--root", f"lib={root}", "--vocab-size", "300"]
+    args += ["--tokenizer-sample-bytes", "300"]
     assert cc.main([*args, "--valid-packages", "p1", "--valid-fraction", "0"]) == 0
     out = capsys.readouterr().out
     assert "train: 3 packages, 3 files" in out and "valid: 1 packages, 1 files" in out
@@ -284,6 +294,29 @@ def test_cli_prints_stats_and_rejects_bad_roots(tmp_path, capsys):
     assert cc.main(["--out", str(tmp_path / "o2"), "--root", f"x={tmp_path / 'missing'}"]) == 2
     assert "not a directory" in capsys.readouterr().err
     assert cc.parse_root("stdlib") == ("stdlib", STDLIB)
+
+
+def test_tool_runs_without_hf_datasets(tmp_path):
+    """The device has no ``datasets``/``dill``/``multiprocess``/``tqdm``: the tool needs none."""
+    root = tmp_path / "lib"
+    _tree(root, {f"p{i}/m.py": f"y = {i}\n".encode() * 20 for i in range(3)})
+    tool = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "build_code_corpus.py"
+    )
+    blocked = ["datasets", "dill", "multiprocess", "tqdm", "pyarrow"]
+    code = (
+        "import runpy, sys\n"
+        f"for m in {blocked!r}: sys.modules[m] = None\n"
+        f"sys.argv = [{tool!r}, '--out', {str(tmp_path / 'out')!r}, '--root', "
+        f"{'lib=' + str(root)!r}, '--vocab-size', '300', '--valid-packages', 'p2']\n"
+        f"runpy.run_path({tool!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "data.split=2,1,0" in proc.stdout
+    assert (tmp_path / "out" / "train_valid.idx").is_file()
 
 
 def test_trainer_trains_and_validates_on_the_corpus(corpus, tmp_path):

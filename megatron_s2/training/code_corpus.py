@@ -67,6 +67,7 @@ __all__ = [
     "default_roots",
     "discover",
     "assign_splits",
+    "tokenizer_sample",
     "train_tokenizer",
     "build_code_corpus",
     "main",
@@ -343,6 +344,23 @@ def _text_batches(files: Sequence[CorpusFile]) -> Iterator[list[str]]:
         yield batch
 
 
+def tokenizer_sample(
+    files: Sequence[CorpusFile], max_bytes: Optional[int] = None
+) -> list[CorpusFile]:
+    """``files`` (all when ``max_bytes`` is None), else those taken in the order of
+    ``sha256(path)`` while their bytes fit in ``max_bytes``, returned in path order."""
+    if max_bytes is None:
+        return list(files)
+    taken, left = set(), max_bytes
+    for r in sorted(files, key=lambda r: hashlib.sha256(r.path.encode("utf-8")).hexdigest()):
+        if r.bytes <= left:
+            taken.add(r.path)
+            left -= r.bytes
+    if not taken:
+        raise ValueError(f"tokenizer_sample_bytes={max_bytes} holds no training file")
+    return [r for r in files if r.path in taken]
+
+
 def train_tokenizer(
     files: Sequence[CorpusFile], out_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE
 ) -> str:
@@ -478,12 +496,14 @@ def build_code_corpus(
     valid_packages: Sequence[str] = (),
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     tokenizer: Optional[str] = None,
+    tokenizer_sample_bytes: Optional[int] = None,
 ) -> dict:
     """Build the corpus in ``out_dir`` (see the module docstring); return the summary that is
     also written to ``out_dir/corpus.json``.
 
     ``tokenizer``: use this tokenizer (``"byte"`` or a local HF tokenizer path) instead of
-    training one.
+    training one. ``tokenizer_sample_bytes``: train the BPE on a deterministic sample of the
+    training files only (:func:`tokenizer_sample`), to bound its time and memory.
     """
     t0 = time.time()
     roots = list(roots) if roots else default_roots()
@@ -510,7 +530,11 @@ def build_code_corpus(
     t_discover = time.time() - t0
 
     if tokenizer is None:
-        tokenizer = train_tokenizer(train_files, os.path.join(out_dir, "tokenizer"), vocab_size)
+        tokenizer = train_tokenizer(
+            tokenizer_sample(train_files, tokenizer_sample_bytes),
+            os.path.join(out_dir, "tokenizer"),
+            vocab_size,
+        )
     t_tokenizer = time.time() - t0 - t_discover
     tok, encode_batch = _encoder(tokenizer)
 
@@ -593,6 +617,7 @@ def build_code_corpus(
             "valid_fraction": valid_fraction,
             "valid_packages": list(valid_packages),
             "vocab_size": vocab_size,
+            "tokenizer_sample_bytes": tokenizer_sample_bytes,
             "holdout_salt": HOLDOUT_SALT,
         },
         "manifest_sha256": manifest_sha,
@@ -702,6 +727,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument(
+        "--tokenizer-sample-bytes",
+        type=int,
+        default=None,
+        help="train the BPE on a deterministic sample of this many bytes of the training files "
+        "(default: all of them)",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="use this tokenizer ('byte' or a local HF tokenizer) instead of training one",
@@ -729,6 +761,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             valid_packages=_csv(args.valid_packages),
             vocab_size=args.vocab_size,
             tokenizer=args.tokenizer,
+            tokenizer_sample_bytes=args.tokenizer_sample_bytes,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"build_code_corpus: error: {exc}", file=sys.stderr)
