@@ -243,3 +243,73 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
     assert any(s.startswith("__0_") for s in shards) and any(
         s.startswith("__1_") for s in shards
     ), shards
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sweep_as_job_array(slurm, tmp_path):
+    """megatron-s2-sweep --slurm: a 2-point study (plus an invalid point, not submitted) as one
+    job array through launch/slurm.sbatch, each task in its own run directory; the table is
+    written from both runs, and a second submission submits nothing."""
+    import csv
+
+    import yaml
+
+    study = tmp_path / "study.yaml"
+    study.write_text(
+        yaml.safe_dump(
+            {
+                "name": "s2array",
+                "base": str(CONFIG),
+                "overrides": [
+                    *demo_overrides(tmp_path / "data", iters=3),
+                    "model.num_layers=2",
+                    "model.hidden_size=64",
+                    "model.seq_length=128",
+                ],
+                "points": [
+                    {"attention.s2.vert_stride": 2, "attention.s2.local_blocks": 2},
+                    {"attention.s2.vert_stride": 8},  # 4 heads leave stripe phases uncovered
+                    {"attention.dense_layers.pattern": "D"},
+                ],
+                "output_dir": str(tmp_path / "out"),
+                "nproc_per_node": 1,
+            },
+            sort_keys=False,
+        )
+    )
+    env = clean_env(slurm.env())
+    try:
+        socket.gethostbyname(slurm.host)
+    except OSError:
+        env["MASTER_ADDR"] = "127.0.0.1"
+    sweep = [sys.executable, "-m", "megatron_s2.training.sweep", "run", str(study), "--slurm"]
+    r = subprocess.run(
+        [*sweep, "--sbatch-args", "--nodes=1 --cpus-per-task=1 --wait"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=400,
+    )
+    out = r.stdout + r.stderr
+    logs = "\n".join(
+        p.read_text(errors="replace")[-2000:] for p in (tmp_path / "out" / "logs").glob("*")
+    )
+    assert r.returncode == 0, out[-3000:] + logs + slurm.logs()
+    assert "--array=0,2" in out and "vert_stride=8: config error, skipped" in out
+    with open(tmp_path / "out" / "results.csv") as f:
+        rows = {row["point"]: row for row in csv.DictReader(f)}
+    assert [rows[p]["status"] for p in rows] == ["finished", "invalid", "finished"], rows
+    for name in ("vert_stride=2,local_blocks=2", "pattern=D"):
+        run_dir = tmp_path / "out" / "runs" / name
+        assert rank_logs(run_dir, 0, 0) is not None  # launched by slurm.sbatch into its run dir
+        assert (
+            run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+        ).read_text().strip() == "3"
+        assert float(rows[name]["wall_time_s"]) > 0  # the task's session, written by the script
+        assert "slurm" in (run_dir / "sweep_sessions.jsonl").read_text()
+    assert not (tmp_path / "out" / "runs" / "vert_stride=8").exists()
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+    r = subprocess.run(sweep, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and "nothing to submit" in r.stdout, r.stdout + r.stderr
