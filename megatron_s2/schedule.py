@@ -58,8 +58,10 @@ logger = logging.getLogger(__name__)
 
 SCHEDULE_ENV_VAR = "MEGATRON_S2_SCHEDULE"
 
-_TOP_KEYS = ("s2", "dense_layers", "overrides", "allow_coverage_holes")
-_DENSE_KEYS = ("pattern", "indices")
+# Keys of a schedule mapping and of its dense_layers section (the sweep tool checks study axes
+# against them before any run).
+SCHEDULE_KEYS = ("s2", "dense_layers", "overrides", "allow_coverage_holes")
+DENSE_LAYER_KEYS = ("pattern", "indices")
 
 # The schedule's defaults are S2Pattern's own (block 64, local 16, stride 8, phase 0).
 DEFAULT_S2_SETTINGS: dict[str, Any] = S2Pattern(num_heads=1).settings() | {"head_step": None}
@@ -125,23 +127,23 @@ class AttentionSchedule:
         if not isinstance(d, Mapping):
             raise ScheduleError(f"{prefix} must be a mapping, got {type(d).__name__}")
         for key in d:
-            if key not in _TOP_KEYS:
+            if key not in SCHEDULE_KEYS:
                 raise ScheduleError(
-                    f"unknown key {prefix}.{key}; allowed keys: {', '.join(_TOP_KEYS)}"
+                    f"unknown key {prefix}.{key}; allowed keys: {', '.join(SCHEDULE_KEYS)}"
                 )
         s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(d.get("s2") or {}, f"{prefix}.s2")
 
         dense = d.get("dense_layers") or {}
         if not isinstance(dense, Mapping):
             raise ScheduleError(
-                f"{prefix}.dense_layers must be a mapping with keys {_DENSE_KEYS}, "
+                f"{prefix}.dense_layers must be a mapping with keys {DENSE_LAYER_KEYS}, "
                 f"got {type(dense).__name__}"
             )
         for key in dense:
-            if key not in _DENSE_KEYS:
+            if key not in DENSE_LAYER_KEYS:
                 raise ScheduleError(
                     f"unknown key {prefix}.dense_layers.{key}; allowed keys: "
-                    f"{', '.join(_DENSE_KEYS)}"
+                    f"{', '.join(DENSE_LAYER_KEYS)}"
                 )
         pattern = dense.get("pattern") or ""
         if not isinstance(pattern, str) or set(pattern.upper()) - {"S", "D"}:

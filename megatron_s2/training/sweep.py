@@ -138,7 +138,7 @@ def _attention_key(parts: list, key: str, where: str) -> None:
     """Check the part of a dotted key inside ``attention`` against the schedule's schema."""
     from s2attn.pattern import S2Pattern
 
-    from ..schedule import _DENSE_KEYS, _TOP_KEYS
+    from ..schedule import DENSE_LAYER_KEYS, SCHEDULE_KEYS
 
     settings = S2Pattern.setting_names()
 
@@ -150,14 +150,14 @@ def _attention_key(parts: list, key: str, where: str) -> None:
 
     if not parts:
         return
-    if parts[0] not in _TOP_KEYS:
-        bad(_TOP_KEYS, 1)
+    if parts[0] not in SCHEDULE_KEYS:
+        bad(SCHEDULE_KEYS, 1)
     if parts[0] == "s2" and len(parts) > 1:
         if parts[1] not in settings or len(parts) > 2:
             bad(settings, 2)
     elif parts[0] == "dense_layers" and len(parts) > 1:
-        if parts[1] not in _DENSE_KEYS or len(parts) > 2:
-            bad(_DENSE_KEYS, 2)
+        if parts[1] not in DENSE_LAYER_KEYS or len(parts) > 2:
+            bad(DENSE_LAYER_KEYS, 2)
     elif parts[0] == "overrides" and len(parts) > 1:
         if not re.fullmatch(r"-?[0-9]+", parts[1]):
             raise StudyError(f"{where}: {key!r}: attention.overrides keys are layer indices")
