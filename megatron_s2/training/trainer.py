@@ -112,11 +112,6 @@ class Trainer:
         self.cfg = cfg
         self.gpu = torch.cuda.is_available()
         if not self.gpu:
-            # Megatron's DDP grad buffers keep the reduce-scatter they find at import. Imported
-            # after CPU mode, they would get its gloo emulation, whose all-reduce is deferred
-            # inside their coalescing manager (data-parallel gradients would not be reduced).
-            import megatron.core.distributed  # noqa: F401
-
             from .cpu_mode import enable_cpu_mode
 
             enable_cpu_mode()
