@@ -300,22 +300,6 @@ def test_unpacked_micro_batch_attends_across_documents(packed_model_result):
 
 
 # ---- (c) the trainer with the option on -----------------------------------------------------
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.seq_length=128",
-    "attention.s2.local_blocks=2",
-    "attention.s2.vert_stride=2",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
-    "optimizer.lr_warmup_iters=1",
-    "logging.log_interval=1",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "logging.plot=false",
-    "checkpoint.save_at_end=false",
-]
 
 
 @pytest.fixture(scope="module")
@@ -327,30 +311,23 @@ def short_documents(tmp_path_factory):
     return ensure_demo_data(str(d), num_docs=300, min_chars=20, max_chars=200)
 
 
-def _train(tmp_path, prefix, name, *overrides, check=True, processes=1):
-    args = [
-        f"name={name}",
-        f"logging.run_dir={tmp_path / name}",
+def _train(tmp_path, prefix, name, *overrides, check=True, two_processes=False):
+    """The trainer CLI (tests/test_trainer.py's runner and its tiny model) on the corpus
+    ``prefix``; returns the process and every record of its metrics.jsonl."""
+    from test_trainer import TWO_PROCESSES, run_trainer
+
+    proc, _ = run_trainer(
+        tmp_path,
+        os.path.dirname(prefix),
         "data.demo=false",
         f"data.blend=[{prefix}]",
         "data.split=90,10,0",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        *TINY,
+        "optimizer.lr_warmup_iters=1",
         *overrides,
-    ]
-    launcher = [sys.executable]
-    if processes > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-    proc = subprocess.run(
-        [*launcher, "-m", "megatron_s2.training", "--config", str(DEMO_CONFIG), *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
+        name=name,
+        check=check,
+        launcher=TWO_PROCESSES if two_processes else None,
     )
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     path = tmp_path / name / "metrics.jsonl"
     records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     return proc, records
@@ -420,7 +397,7 @@ def test_packed_checkpoint_resumes_under_pipeline_parallelism(tmp_path, short_do
         "pp2",
         *common,
         "parallel.pipeline_model_parallel_size=2",
-        processes=2,
+        two_processes=True,
     )
     assert "resumed from" in proc.stdout
     loss_one = next(r["loss"] for r in one if r["kind"] == "train" and r["iteration"] == 2)
