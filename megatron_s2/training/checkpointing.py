@@ -577,6 +577,12 @@ class ResumeCandidate:
     def path(self) -> str:
         return checkpoint_path(self.root, self.iteration)
 
+    def starts_fresh(self, config: CheckpointConfig) -> bool:
+        """Whether a run with checkpoint section ``config`` takes only this checkpoint's weights
+        (and optionally optimizer state) and starts at iteration 0: another run's checkpoint
+        under ``checkpoint.reset_iteration``."""
+        return config.reset_iteration and not self.own
+
 
 @dataclass(frozen=True)
 class ResumePoint:
@@ -663,8 +669,7 @@ class Checkpointer:
             candidate = self.find()
             if candidate is None:
                 return None
-        # checkpoint.reset_iteration: another run's weights start this run at iteration 0.
-        reset = self.config.reset_iteration and not candidate.own
+        reset = candidate.starts_fresh(self.config)
         iteration, consumed = load_checkpoint(
             candidate.root,
             self.model,

@@ -161,9 +161,8 @@ class Trainer:
                 )
             self.cfg = self._reconcile(candidate, saved)
             self.schedule = self.cfg.schedule()
-            # Another run's weights under checkpoint.reset_iteration start this run at 0.
-            reset = self.cfg.checkpoint.reset_iteration and not candidate.own
-            if not reset and candidate.iteration >= self.cfg.train.train_iters:
+            fresh = candidate.starts_fresh(self.cfg.checkpoint)
+            if not fresh and candidate.iteration >= self.cfg.train.train_iters:
                 self.nothing_to_do = True
                 self._print(
                     f"{PREFIX} nothing to do: {candidate.path} is at iteration "
