@@ -141,6 +141,28 @@ def test_invalid_point_is_reported_with_its_config_error(tmp_path, capsys):
     assert not (tmp_path / "out2" / "runs").exists()
 
 
+def test_command_line_overrides_sit_between_study_and_point(tmp_path, capsys):
+    path = write_study(
+        tmp_path,
+        overrides=[*TINY, "train.seed=5", "train.train_iters=3"],
+        points=[{"train.train_iters": 7}, {"attention.s2.local_blocks": 2}],
+    )
+    study = load_study(path, extra_overrides=["train.seed=11", "train.train_iters=4"])
+    longer, window = study.points
+    # The command line wins over the study's overrides, the point's own values over both.
+    assert longer.config.train.seed == 11 and longer.config.train.train_iters == 7
+    assert window.config.train.seed == 11 and window.config.train.train_iters == 4
+    for bad, message in [
+        (["train.seeed=1"], "'train.seeed'"),
+        (["train.seed"], "not of the form key=value"),
+        (["name=x"], "name is set by the sweep"),
+    ]:
+        with pytest.raises(StudyError, match=message):
+            load_study(path, extra_overrides=bad)
+    assert sweep.main(["list", str(path), "train.seeed=1"]) == 2
+    assert "'train.seeed'" in capsys.readouterr().err
+
+
 def test_loss_at_tokens_and_pareto_front():
     curve = [(100, 4.0), (200, 3.0), (400, 2.0)]
     assert sweep.loss_at_tokens(curve, 200) == 3.0

@@ -1017,3 +1017,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if started and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -282,11 +283,15 @@ def load_study(
     path: str | os.PathLike,
     output_dir: Optional[str] = None,
     world_size: Optional[int] = None,
+    extra_overrides: Sequence[str] = (),
 ) -> Study:
     """Parse ``path``, expand and validate its points. Raises :class:`StudyError`.
 
     ``output_dir`` overrides the study's. ``world_size``: the processes each point will run on
-    (for the data-parallel checks); default the study's ``nproc_per_node`` when set."""
+    (for the data-parallel checks); default the study's ``nproc_per_node`` when set.
+    ``extra_overrides``: ``key=value`` strings from the command line, applied to every point
+    after the study's ``overrides`` and before the point's own values (machine-specific settings
+    such as a corpus built on this machine, kept out of the study file)."""
     path = Path(path)
     if not path.is_file():
         raise StudyError(f"study file {str(path)!r} does not exist")
@@ -328,6 +333,13 @@ def load_study(
     common = _mapping_of_keys(d.get("overrides"), "overrides")
     for key in common:
         check_config_key(key, "overrides")
+    cli: dict = {}
+    for item in extra_overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise StudyError(f"command-line override {item!r} is not of the form key=value")
+        check_config_key(key, "command line")
+        cli[key] = value
     raw_points = expand_points(d.get("grid"), d.get("points"))
     axes: list = []
     for i, (_, values) in enumerate(raw_points):
@@ -336,7 +348,7 @@ def load_study(
             if key not in axes:
                 axes.append(key)
     for key in ("name", "logging.run_dir"):
-        if key in axes or key in common:
+        if key in axes or key in common or key in cli:
             raise StudyError(f"{key} is set by the sweep for each point; leave it out of the study")
     short = _short_keys(axes)
 
@@ -344,7 +356,10 @@ def load_study(
         path=str(path),
         name=name,
         base=str(base_path),
-        overrides=[f"{k}={_dump(v)}" for k, v in common.items()],
+        overrides=[
+            *(f"{k}={_dump(v)}" for k, v in common.items()),
+            *(f"{k}={v}" for k, v in cli.items()),
+        ],
         axes=axes,
         output_dir=os.path.abspath(out),
         nproc_per_node=nproc,
@@ -917,6 +932,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     for q in (run, collect_p, list_p):
         q.add_argument("study", help="study YAML")
         q.add_argument("--output-dir", default=None, help="default: the study's output_dir")
+        q.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="key.sub=value",
+            help="run config overrides for every point, after the study's overrides and before "
+            "the point's values (give the same ones to every run/collect/list of a study)",
+        )
     run.add_argument(
         "--slurm",
         action="store_true",
@@ -935,7 +957,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     args = build_arg_parser().parse_args(argv)
     try:
-        study = load_study(args.study, args.output_dir)
+        study = load_study(args.study, args.output_dir, extra_overrides=args.overrides)
     except StudyError as e:
         print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
         return EXIT_STUDY_ERROR

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The quality study on real text, end to end on one GPU machine (docs/quality.md):
+#   1. build the code corpus from this interpreter's own files (skipped if CORPUS/corpus.json
+#      exists: the build is deterministic, see docs/code_corpus.md),
+#   2. run a study with megatron-s2-sweep on it (resumable: run the script again),
+#   3. loss by token position of every finished point on held-out documents (at the run's own
+#      sequence length),
+#   4. one plot of those curves and the study's table and plots.
+#
+#   tools/run_code_study.sh [STUDY] [BUILD OPTION ...]
+#
+# STUDY: default configs/studies/code-125m-attention.yaml. Environment: CORPUS (data/code),
+# PYTHON (python), POSITION_SEQUENCES (64). Extra arguments go to tools/build_code_corpus.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STUDY=${1:-configs/studies/code-125m-attention.yaml}
+shift || true
+CORPUS=${CORPUS:-data/code}
+PYTHON=${PYTHON:-python}
+
+if [[ ! -f "$CORPUS/corpus.json" ]]; then
+    echo "== building the code corpus in $CORPUS"
+    "$PYTHON" tools/build_code_corpus.py --out "$CORPUS" "$@"
+fi
+read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['overrides'])" "$CORPUS/corpus.json")
+echo "== corpus overrides: ${OVERRIDES[*]}"
+
+echo "== study $STUDY"
+status=0
+"$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" || status=$?
+
+OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
+import sys
+from megatron_s2.training.sweep import load_study
+print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
+PY
+)
+curves=()
+for run in "$OUT"/runs/*/; do
+    run=${run%/}
+    [[ -f "$run/summary.json" ]] || continue
+    echo "== loss by position: $(basename "$run")"
+    if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
+        "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
+            --skip-retrieval \
+            --position-sequences "${POSITION_SEQUENCES:-64}" || status=$?
+    fi
+    [[ -f "$run/long_context_eval/loss_by_position.json" ]] && curves+=("$run/long_context_eval/loss_by_position.json")
+done
+if (( ${#curves[@]} )); then
+    "$PYTHON" tools/plot_loss_by_position.py --out "$OUT/loss_by_position.png" "${curves[@]}"
+fi
+exit "$status"
