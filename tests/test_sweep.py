@@ -352,3 +352,27 @@ def test_example_study_loads():
     ]
     assert study.points[0].name == "vert_stride=4,local_blocks=4"
     assert {p.config.model.seq_length for p in study.points} == {8192}
+
+
+@pytest.mark.parametrize(
+    "name, points", [("code-125m-attention", 3), ("code-125m-stride-window", 7)]
+)
+def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
+    """The studies of docs/quality.md take the corpus from the command line, as
+    tools/run_code_study.sh passes it (the corpus need not exist to validate the configs)."""
+    corpus = [
+        "data.demo=false",
+        f"data.blend=[{tmp_path}/train_valid]",
+        "data.split=100,3,0",
+        f"data.tokenizer={tmp_path}/tokenizer",
+    ]
+    study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
+    assert len(study.points) == points and all(p.valid for p in study.points), [
+        p.error for p in study.points if not p.valid
+    ]
+    tokens = {
+        p.config.train.train_iters * p.config.train.global_batch_size * p.config.model.seq_length
+        for p in study.points
+    }
+    assert len(tokens) == 1  # every point at equal tokens
+    assert {p.config.data.split for p in study.points} == {"100,3,0"}
