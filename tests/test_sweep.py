@@ -355,7 +355,13 @@ def test_example_study_loads():
 
 
 @pytest.mark.parametrize(
-    "name, points", [("code-125m-attention", 3), ("code-125m-stride-window", 7)]
+    "name, points",
+    [
+        ("code-125m-attention", 3),
+        ("code-125m-stride-window", 7),
+        ("code-125m-4k-base", 2),
+        ("code-125m-extend-16k", 3),
+    ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
     """The studies of docs/quality.md take the corpus from the command line, as

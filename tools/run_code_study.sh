@@ -3,14 +3,17 @@
 #   1. build the code corpus from this interpreter's own files (skipped if CORPUS/corpus.json
 #      exists: the build is deterministic, see docs/code_corpus.md),
 #   2. run a study with megatron-s2-sweep on it (resumable: run the script again),
-#   3. loss by token position of every finished point on held-out documents (at the run's own
-#      sequence length),
+#   3. megatron-s2-eval-long-context on every finished point: loss by token position on held-out
+#      documents (at the run's own sequence length unless EVAL_ARGS gives --lengths), and
+#      passkey / needle retrieval if EVAL_ARGS asks for it,
 #   4. one plot of those curves and the study's table and plots.
 #
 #   tools/run_code_study.sh [STUDY] [BUILD OPTION ...]
 #
 # STUDY: default configs/studies/code-125m-attention.yaml. Environment: CORPUS (data/code),
-# PYTHON (python), POSITION_SEQUENCES (64). Extra arguments go to tools/build_code_corpus.py.
+# PYTHON (python), POSITION_SEQUENCES (64), EVAL_ARGS (options of megatron-s2-eval-long-context;
+# default --skip-retrieval: loss by position only). Extra arguments go to
+# tools/build_code_corpus.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STUDY=${1:-configs/studies/code-125m-attention.yaml}
@@ -41,9 +44,9 @@ for run in "$OUT"/runs/*/; do
     [[ -f "$run/summary.json" ]] || continue
     echo "== loss by position: $(basename "$run")"
     if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
+        read -r -a eval_args <<< "${EVAL_ARGS:---skip-retrieval}"
         "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
-            --skip-retrieval \
-            --position-sequences "${POSITION_SEQUENCES:-64}" || status=$?
+            "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" || status=$?
     fi
     [[ -f "$run/long_context_eval/loss_by_position.json" ]] && curves+=("$run/long_context_eval/loss_by_position.json")
 done
