@@ -20,6 +20,9 @@ from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 _LAZY = {
     "S2TransformerConfig": "config",
     "build_gpt_model": "model",
+    "S2HybridTransformerConfig": "hybrid",
+    "build_hybrid_model": "hybrid",
+    "get_s2_hybrid_stack_spec": "hybrid",
     "load_unsharded_parameters": "unsharded",
     "S2CoreAttention": "attention",
     "ScheduledCoreAttention": "attention",

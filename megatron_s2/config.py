@@ -72,8 +72,9 @@ class S2TransformerConfig(TransformerConfig):
                 f"S2TransformerConfig.s2_seq_length must be >= 1, got {self.s2_seq_length}"
             )
         settings = s2_settings_of(self)
+        layers = self.s2_schedule_layers()
         settings.schedule.validate(
-            self.num_layers,
+            layers,
             self.num_attention_heads,
             settings.num_query_groups,
             self.tensor_model_parallel_size,
@@ -81,14 +82,20 @@ class S2TransformerConfig(TransformerConfig):
         )
         cp = self.context_parallel_size
         if cp > 1 and settings.seq_length is not None:
-            unit = settings.schedule.context_parallel_unit(self.num_layers, cp)
+            unit = settings.schedule.context_parallel_unit(layers, cp)
             if settings.seq_length % unit:
                 raise ValueError(
                     f"context_parallel_size={cp}: s2_seq_length ({settings.seq_length}) must be a "
                     f"multiple of {unit} (2 x context_parallel_size chunks, each a whole number "
-                    f"of every S2 layer's blocks {settings.schedule.block_sizes(self.num_layers)})"
+                    f"of every S2 layer's blocks {settings.schedule.block_sizes(layers)})"
                 )
         settings.log_summary(self)
+
+    def s2_schedule_layers(self) -> int:
+        """How many layers the attention schedule indexes: every layer of a GPT model (the
+        HybridModel config, :class:`megatron_s2.hybrid.S2HybridTransformerConfig`, counts its
+        attention layers only)."""
+        return self.num_layers
 
 
 @dataclass(frozen=True)
@@ -101,8 +108,13 @@ class S2Settings:
     backend: str
 
     def log_summary(self, config) -> None:
+        layers = (
+            config.s2_schedule_layers()
+            if isinstance(config, S2TransformerConfig)
+            else config.num_layers
+        )
         self.schedule.log_summary(
-            config.num_layers, config.num_attention_heads, self.num_query_groups, self.seq_length
+            layers, config.num_attention_heads, self.num_query_groups, self.seq_length
         )
 
 
