@@ -1,20 +1,30 @@
-"""Benchmark S2 attention against FlexAttention (same pattern) and dense causal SDPA.
+"""Benchmark S2 attention against FlexAttention (same pattern) and dense causal kernels.
 
     python tools/benchmark.py                       # the docs/benchmarks.md table (GPU)
     python tools/benchmark.py --seqs 32768 --sweep  # also try alternative kernel configs
+    python tools/benchmark.py --list-rows           # which rows this machine can run (no GPU)
 
 For each sequence length (batch x seq = --tokens), times forward and forward+backward with CUDA
-events (``triton.testing.do_bench``, median, after warm-up) for:
-  * s2attn (this package's Triton kernels),
-  * s2attn varlen (row "varlen"): the same tokens as packed documents of ``seq`` tokens through
-    ``s2_attention_varlen`` (equal work: compare with the s2attn row); row "varlen-mixed" (not in
-    the default rows): documents of seeded log-uniform lengths in [block, seq], odd ones included,
-    at the same total tokens; both time the call a training loop makes
+events (``triton.testing.do_bench``, median, after warm-up) for the row ``s2attn`` (this
+package's Triton kernels on the S2 pattern) and the rows named by ``--rows``:
+  * ``s2dense``: s2attn on a dense causal pattern (``vert_stride=1``: every key block is on a
+    stripe), the base rate that every S2 speed-up multiplies,
+  * ``varlen``: the same tokens as packed documents of ``seq`` tokens through
+    ``s2_attention_varlen`` (equal work: compare with the s2attn row); ``varlen-mixed`` (not in
+    the default rows): documents of seeded log-uniform lengths in [block, seq], odd ones
+    included, at the same total tokens; both time the call a training loop makes
     (``check_cu_seqlens=False``),
-  * FlexAttention with the identical S2 pattern: its BlockMask is built from our tile layout
-    (partial/full 128-blocks), never from a dense S x S mask,
-  * dense causal SDPA with the flash and cuDNN backends.
-Effective TFLOP/s count attended token pairs only: forward 4*d per pair, backward 2.5x forward.
+  * ``flex`` / ``flex-fa4``: FlexAttention with the identical S2 pattern, Triton backend and
+    FlashAttention-4 backend (``kernel_options={"BACKEND": "FLASH"}``, needs ``flash-attn-4``);
+    its BlockMask is built from our tile layout (partial/full 128-blocks), never from a dense
+    S x S mask,
+  * ``flash`` / ``cudnn``: dense causal SDPA with the flash (FA2) and cuDNN backends,
+  * ``fa4``: dense causal FlashAttention-4 (``flash_attn.cute.flash_attn_func`` of the
+    ``flash-attn-4`` package; tools/stage_flash_attn4.sh carries it to the lent GPU machines).
+Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
+attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
+row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
+and a footer per case with our rows' forward and forward+backward fractions.
 """
 
 from __future__ import annotations
@@ -22,8 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import sys
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +45,134 @@ from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 from s2attn.layout import layout_for
 from s2attn.triton_attention import KernelConfig, PassConfig, kernel_config
 
-# FlexAttention's BlockMask granularity (its default block size).
+# FlexAttention's BlockMask granularity (its default block size; FA4's block-sparse backward
+# on Hopper also needs 128-key blocks).
 FLEX_BLOCK = 128
 # FLOPs per attended (query, key) pair and head dim: QK^T and PV, 2 each; backward 2.5x forward.
 FWD_FLOPS_PER_PAIR_DIM = 4
 BWD_FLOPS_OVER_FWD = 2.5
 
+# Rows besides "s2attn" (--rows keys), in table order, with their table labels.
+ROWS = {
+    "s2dense": "s2attn dense (V=1)",
+    "varlen": "s2attn varlen",
+    "varlen-mixed": "s2attn varlen mixed",
+    "flex": "flex (same S2)",
+    "flex-fa4": "flex FA4 (same S2)",
+    "flash": "sdpa flash dense",
+    "cudnn": "sdpa cudnn dense",
+    "fa4": "fa4 dense",
+}
+DEFAULT_ROWS = "s2dense,varlen,flex,flex-fa4,flash,cudnn,fa4"
+# Other people's dense causal kernels: "best dense" is the fastest of these in the same case.
+# Our own dense-pattern row is left out on purpose: it is what we measure against them.
+DENSE_BASELINES = ("flash", "cudnn", "fa4")
+# Rows of ours whose fractions of the best dense rate the footer spells out.
+OUR_ROWS = ("s2attn", "s2dense")
+FA4_MODULE = "flash_attn.cute"
+STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
+# Rate keys of a result record: forward alone and forward+backward.
+RATES = ("fwd_tflops", "fwdbwd_tflops")
+
 
 def tflops(pairs: int, d: int, ms: float, with_bwd: bool) -> float:
+    """Effective TFLOP/s of ``pairs`` attended (query, key) pairs at head dim ``d`` run in
+    ``ms`` milliseconds (forward 4*d FLOPs per pair; backward 2.5x forward when ``with_bwd``)."""
     flops = FWD_FLOPS_PER_PAIR_DIM * d * pairs * (1.0 + (BWD_FLOPS_OVER_FWD if with_bwd else 0.0))
     return flops / (ms * 1e-3) / 1e12
+
+
+def dense_causal_pairs(seq: int, heads: int, batch: int = 1) -> int:
+    """Attended pairs of dense causal attention: ``seq*(seq+1)/2`` per query head and sequence
+    (the diagonal included), what the dense rows are credited with."""
+    return seq * (seq + 1) // 2 * heads * batch
+
+
+def dense_pattern(pattern: S2Pattern) -> S2Pattern:
+    """``pattern`` with ``vert_stride=1``: every key block lies on every head's stripe, so the
+    S2 rule attends the whole causal triangle while running the same sparse kernels (tile
+    lists, masks, program order), at the same heads, block and local window."""
+    return S2Pattern(
+        num_heads=pattern.num_heads,
+        num_kv_heads=pattern.num_kv_heads,
+        block_size=pattern.block_size,
+        local_blocks=pattern.local_blocks,
+        vert_stride=1,
+        head_offset=0,
+    )
+
+
+def row_pairs(row: str, pattern: S2Pattern, seq: int, batch: int, lens=None) -> int:
+    """Attended (query, key) pairs that ``row`` is credited with for ``batch`` sequences of
+    ``seq`` tokens: the S2 pattern's for our S2 rows and Flex (same BlockMask), the causal
+    triangle for the dense kernels and our dense-pattern row; ``varlen-mixed`` counts each
+    document of ``lens`` (token counts summing to ``batch * seq``) as a sequence of its own."""
+    if row == "varlen-mixed":
+        return sum(pattern.attended_pairs(n) for n in lens)
+    if row in ("s2attn", "varlen", "flex", "flex-fa4"):
+        return pattern.attended_pairs(seq) * batch
+    if row == "s2dense":
+        return dense_pattern(pattern).attended_pairs(seq) * batch
+    if row in DENSE_BASELINES:
+        return dense_causal_pairs(seq, pattern.num_heads, batch)
+    raise ValueError(f"unknown row {row!r}")
+
+
+def parse_rows(text: str) -> list:
+    """``--rows`` (comma list of ``ROWS`` keys, blanks ignored) as a list in the given order;
+    ValueError naming any unknown key (a typo would otherwise drop a row silently)."""
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    return list(dict.fromkeys(rows))
+
+
+def _import_error(import_module: Callable, name: str) -> Optional[str]:
+    try:
+        import_module(name)
+    except Exception as exc:  # an installed but broken package is as unusable as a missing one
+        return f"{name} does not import ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
+    return None
+
+
+def flex_backends() -> tuple:
+    """The ``BACKEND`` values this torch's FlexAttention accepts (empty before the option)."""
+    try:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+    except ImportError:
+        return ()
+    if "BACKEND" not in getattr(FlexKernelOptions, "__annotations__", {}):
+        return ()
+    return ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
+
+
+def unavailable_rows(
+    rows, import_module: Callable = importlib.import_module, backends: Optional[tuple] = None
+) -> dict:
+    """``{row: reason}`` for the rows of ``rows`` that cannot run here because a package is
+    missing: ``fa4`` needs ``flash_attn.cute`` (flash-attn-4); ``flex-fa4`` needs it too
+    (torch's FLASH backend calls it) and a FlexAttention with the ``BACKEND`` kernel option.
+    ``import_module`` and ``backends`` (default: :func:`flex_backends`) are for tests."""
+    out = {}
+    need_fa4 = [r for r in rows if r in ("fa4", "flex-fa4")]
+    fa4_missing = _import_error(import_module, FA4_MODULE) if need_fa4 else None
+    for r in need_fa4:
+        if fa4_missing:
+            out[r] = f"{fa4_missing}; {STAGE_HINT}"
+    if "flex-fa4" in rows and "flex-fa4" not in out:
+        if "FLASH" not in (flex_backends() if backends is None else backends):
+            out["flex-fa4"] = (
+                f"torch {torch.__version__} FlexAttention has no kernel_options BACKEND='FLASH'"
+            )
+    return out
+
+
+def plan_rows(rows, unavailable: dict) -> tuple:
+    """(rows to run, [(row, reason)] to skip), both in ``rows`` order."""
+    run = [r for r in rows if r not in unavailable]
+    skipped = [(r, unavailable[r]) for r in rows if r in unavailable]
+    return run, skipped
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -57,6 +188,15 @@ def fwd_bwd(run, inputs, grad):
         run().backward(grad)
 
     return step
+
+
+def _allow_flex_recompiles() -> None:
+    # Every case compiles flex_attention again (dynamic=False; a new shape or backend each), and
+    # past dynamo's recompile limit (8) it would silently run eagerly, materializing S x S.
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
 
 
 def flex_block_mask(pattern: S2Pattern, seq: int, device):
@@ -159,7 +299,10 @@ def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     return "s2attn" + ("" if not diffs else " " + ",".join(diffs))
 
 
-def run_case(seq, args, d, block, rows, sweep):
+def run_case(seq, args, d, block, rows, sweep, skipped=()):
+    """Time the s2attn row (and ``--sweep`` configs) and ``rows`` (``ROWS`` keys that can run)
+    at one shape; ``skipped``: ``[(row, reason)]`` recorded as skipped. Returns (records,
+    density of the S2 pattern at ``seq``)."""
     dev = torch.device("cuda")
     batch = max(1, args.tokens // seq)
     H, Hkv = args.heads, args.kv_heads or args.heads
@@ -171,8 +314,6 @@ def run_case(seq, args, d, block, rows, sweep):
         vert_stride=args.vert_stride,
         head_offset=args.head_offset,
     )
-    s2_pairs = pat.attended_pairs(seq) * batch
-    dense_pairs = seq * (seq + 1) // 2 * H * batch
     torch.manual_seed(0)
     mk = lambda h: torch.randn(
         batch, seq, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True
@@ -180,23 +321,21 @@ def run_case(seq, args, d, block, rows, sweep):
     q, k, v = mk(H), mk(Hkv), mk(Hkv)
     grad = torch.randn_like(q)
     res = []
+    shape = dict(seq=seq, batch=batch, d=d, block=block)
 
-    def record(name, pairs, f, fb):
+    def record(row, name, pairs, f, fb):
         try:
             ms_f = bench(f)
             ms_fb = bench(fb)
         except Exception as exc:  # a baseline that cannot run at this size is reported, not fatal
             print(f"  {name}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-            res.append(
-                dict(name=name, seq=seq, batch=batch, d=d, block=block, error=str(exc)[:300])
-            )
+            res.append(dict(row=row, name=name, **shape, error=str(exc)[:300]))
             return
         r = dict(
+            row=row,
             name=name,
-            seq=seq,
-            batch=batch,
-            d=d,
-            block=block,
+            **shape,
+            pairs=pairs,
             fwd_ms=ms_f,
             fwdbwd_ms=ms_fb,
             fwd_tflops=tflops(pairs, d, ms_f, False),
@@ -204,15 +343,25 @@ def run_case(seq, args, d, block, rows, sweep):
         )
         res.append(r)
         print(
-            f"  {name:<14} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
+            f"  {name:<18} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
             f"fwd+bwd {ms_fb:8.2f} ms {r['fwdbwd_tflops']:6.0f} TF/s",
             flush=True,
         )
 
+    for row, reason in skipped:
+        print(f"  {ROWS[row]}: skipped ({reason})", flush=True)
+        res.append(dict(row=row, name=ROWS[row], **shape, skipped=reason))
+
     base = kernel_config(pat, d, dev)
     for cfg in [base] + (sweep_configs(base) if sweep else []):
         run = lambda cfg=cfg: s2_attention(q, k, v, pat, kernel_config=cfg)
-        record(config_label(cfg, base), s2_pairs, run, fwd_bwd(run, (q, k, v), grad))
+        pairs = row_pairs("s2attn", pat, seq, batch)
+        record("s2attn", config_label(cfg, base), pairs, run, fwd_bwd(run, (q, k, v), grad))
+    if "s2dense" in rows:
+        dpat = dense_pattern(pat)
+        run = lambda: s2_attention(q, k, v, dpat)
+        pairs = row_pairs("s2dense", pat, seq, batch)
+        record("s2dense", ROWS["s2dense"], pairs, run, fwd_bwd(run, (q, k, v), grad))
     # The batch's tokens packed (views, no copy) for the varlen rows.
     qv, kv, vv = (x.view(batch * seq, *x.shape[2:]) for x in (q, k, v))
     for row in ("varlen", "varlen-mixed"):
@@ -223,28 +372,36 @@ def run_case(seq, args, d, block, rows, sweep):
         run = lambda cu=cu, lens=lens: s2_attention_varlen(
             qv, kv, vv, cu, max(lens), pat, check_cu_seqlens=False
         )
-        pairs = s2_pairs if row == "varlen" else sum(pat.attended_pairs(n) for n in lens)
-        name = "s2attn varlen" + ("" if row == "varlen" else f" mixed ({len(lens)} docs)")
-        record(name, pairs, run, fwd_bwd(run, (q, k, v), grad.view(batch * seq, H, d)))
-    if "flex" in rows:
+        pairs = row_pairs(row, pat, seq, batch, lens)
+        name = ROWS[row] + ("" if row == "varlen" else f" ({len(lens)} docs)")
+        record(row, name, pairs, run, fwd_bwd(run, (q, k, v), grad.view(batch * seq, H, d)))
+    flex_rows = [r for r in ("flex", "flex-fa4") if r in rows]
+    if flex_rows:
         from torch.nn.attention.flex_attention import flex_attention
 
+        _allow_flex_recompiles()
         flex = torch.compile(flex_attention, dynamic=False)
         bm = flex_block_mask(pat, seq, dev)
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
         gt = grad.transpose(1, 2).contiguous()
-        run = lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=Hkv != H)
-        record("flex (same S2)", s2_pairs, run, fwd_bwd(run, (qt, kt, vt), gt))
+        for row in flex_rows:
+            # Both backends get the same BlockMask, so they attend exactly the same pairs.
+            opts = {"BACKEND": "FLASH"} if row == "flex-fa4" else None
+            run = lambda opts=opts: flex(
+                qt, kt, vt, block_mask=bm, enable_gqa=Hkv != H, kernel_options=opts
+            )
+            pairs = row_pairs(row, pat, seq, batch)
+            record(row, ROWS[row], pairs, run, fwd_bwd(run, (qt, kt, vt), gt))
         del qt, kt, vt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qd, kd, vd = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     gd = grad.transpose(1, 2).contiguous()
-    for name, backend in (
-        ("sdpa flash", SDPBackend.FLASH_ATTENTION),
-        ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+    for row, backend in (
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
     ):
-        if name.split()[1] not in rows:
+        if row not in rows:
             continue
 
         def run(backend=backend):
@@ -253,33 +410,110 @@ def run_case(seq, args, d, block, rows, sweep):
                     qd, kd, vd, is_causal=True, enable_gqa=Hkv != H
                 )
 
-        record(name + " dense", dense_pairs, run, fwd_bwd(run, (qd, kd, vd), gd))
+        pairs = row_pairs(row, pat, seq, batch)
+        record(row, ROWS[row], pairs, run, fwd_bwd(run, (qd, kd, vd), gd))
+    if "fa4" in rows:
+        from flash_attn.cute import flash_attn_func
+
+        # FA4 takes our [batch, seq, heads, dim] layout and GQA as is; it returns (out, lse).
+        run = lambda: flash_attn_func(q, k, v, causal=True)[0]
+        pairs = row_pairs("fa4", pat, seq, batch)
+        record("fa4", ROWS["fa4"], pairs, run, fwd_bwd(run, (q, k, v), grad))
     return res, pat.density(seq)
 
 
-def summarize(results):
-    """Markdown table with speedups of s2attn over each baseline (fwd+bwd)."""
+def best_dense(records, rate: str = "fwdbwd_tflops") -> Optional[dict]:
+    """The record of the fastest dense baseline (``DENSE_BASELINES``) by ``rate`` (a key of
+    ``RATES``) among ``records`` of one case that ran; None when none ran."""
+    timed = [r for r in records if r.get("row") in DENSE_BASELINES and rate in r]
+    return max(timed, key=lambda r: r[rate], default=None)
+
+
+def fraction_of_best_dense(record: dict, records, rate: str = "fwdbwd_tflops") -> Optional[float]:
+    """``record``'s ``rate`` over the best dense baseline's in the same case (1.0 = as fast
+    per attended pair); None when either did not run."""
+    best = best_dense(records, rate)
+    if best is None or rate not in record:
+        return None
+    return record[rate] / best[rate]
+
+
+def _pct(x: Optional[float]) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
+def case_footer(seq: int, batch: int, d: int, block: int, records) -> list:
+    """Lines that say how our rows compare with the best dense kernel of one case."""
+    head = f"seq {seq} x {batch}, d {d}, block {block}:"
+    bests = {rate: best_dense(records, rate) for rate in RATES}
+    if bests["fwdbwd_tflops"] is None:
+        return [f"{head} no dense baseline ran, no fraction"]
+    lines = [
+        f"{head} best dense fwd+bwd {bests['fwdbwd_tflops']['name']} "
+        f"{bests['fwdbwd_tflops']['fwdbwd_tflops']:.0f} TF/s, fwd "
+        f"{bests['fwd_tflops']['name']} {bests['fwd_tflops']['fwd_tflops']:.0f} TF/s"
+    ]
+    for r in records:
+        if r.get("row") not in OUR_ROWS or "fwdbwd_tflops" not in r:
+            continue
+        fb = fraction_of_best_dense(r, records, "fwdbwd_tflops")
+        f = fraction_of_best_dense(r, records, "fwd_tflops")
+        lines.append(
+            f"  {r['name']}: fwd+bwd {r['fwdbwd_tflops']:.0f} TF/s = {_pct(fb)} of best dense, "
+            f"fwd {r['fwd_tflops']:.0f} TF/s = {_pct(f)}"
+        )
+    return lines
+
+
+def summarize(results) -> str:
+    """Markdown table of every case (``{(seq, d, block, density): records}``): times, rates,
+    s2attn's speed-up over each row (fwd+bwd time) and each row's fwd+bwd rate as a fraction
+    of the best dense baseline of its case; then one footer block per case."""
     lines = [
         "| seq x batch | d | block | density | kernel | fwd ms | fwd TF/s | fwd+bwd ms "
-        "| fwd+bwd TF/s | s2attn speedup (fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd TF/s | s2attn speedup (fwd+bwd) | of best dense (fwd+bwd TF/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    footer = []
     for (seq, d, block, dens), rs in results.items():
         ours = next((r for r in rs if r["name"] == "s2attn" and "fwdbwd_ms" in r), None)
         for r in rs:
             row = f"| {seq} x {r['batch']} | {d} | {block} | {dens:.3f} | {r['name']} |"
+            if "skipped" in r:
+                lines.append(f"{row} skipped | | | | | |")
+                continue
             if "fwdbwd_ms" not in r:
-                lines.append(f"{row} failed | | | | |")
+                lines.append(f"{row} failed | | | | | |")
                 continue
             sp = "" if ours is None or r is ours else f"{r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x"
+            frac = _pct(fraction_of_best_dense(r, rs))
             lines.append(
                 f"{row} {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
-                f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {sp} |"
+                f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {sp} | {frac} |"
             )
-    return "\n".join(lines)
+        batch = rs[0]["batch"] if rs else 1
+        footer += case_footer(seq, batch, d, block, rs)
+    skipped = sorted(
+        {(r["name"], r["skipped"]) for rs in results.values() for r in rs if "skipped" in r}
+    )
+    notes = [f"skipped {name}: {why}" for name, why in skipped]
+    return "\n".join(lines + [""] + footer + ([""] + notes if notes else []))
 
 
-def main(argv=None):
+def build_cases(args, rows: list) -> list:
+    """(seq, head_dim, block, rows, sweep) per case: ``--seqs`` at the given shape, plus with
+    ``--extra`` head_dim 64 and block 16 at 32k, each with its dense baselines and FA4 rows so
+    that its fraction of the best dense rate is measured at its own head dim."""
+    cases = [(s, args.head_dim, args.block_size, list(rows), args.sweep) for s in args.seqs]
+    if args.extra:
+        cases += [
+            (32768, 64, args.block_size, ["s2dense", "flex", "flex-fa4", "cudnn", "fa4"], False),
+            (32768, args.head_dim, 16, ["flex", "flex-fa4", "cudnn", "fa4"], False),
+        ]
+    return cases
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -294,26 +528,40 @@ def main(argv=None):
     ap.add_argument("--head-offset", type=int, default=0)
     ap.add_argument(
         "--rows",
-        default="varlen,flex,flash,cudnn",
-        help="rows besides s2attn (comma list of varlen, varlen-mixed, flex, flash, cudnn)",
+        default=DEFAULT_ROWS,
+        help=f"rows besides s2attn, comma list of {', '.join(ROWS)} (default {DEFAULT_ROWS})",
     )
     ap.add_argument(
         "--extra",
         action="store_true",
-        help="also run head_dim 64 and block 16 rows at 32k (s2attn and flex)",
+        help="also run head_dim 64 and block 16 cases at 32k (s2attn, flex, dense baselines)",
     )
     ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configs")
     ap.add_argument("--json", default=None, help="write raw results here")
+    ap.add_argument(
+        "--list-rows",
+        action="store_true",
+        help="print which of --rows this machine can run (and why not), then exit; no GPU needed",
+    )
+    return ap
+
+
+def main(argv=None):
+    ap = build_arg_parser()
     args = ap.parse_args(argv)
+    try:
+        rows = parse_rows(args.rows)
+    except ValueError as exc:
+        ap.error(str(exc))
+    cases = build_cases(args, rows)
+    unavailable = unavailable_rows({r for c in cases for r in c[3]})
+    if args.list_rows:
+        for r in rows:
+            state = f"skipped: {unavailable[r]}" if r in unavailable else "available"
+            print(f"{r:<13} {ROWS[r]:<20} {state}")
+        return
     if not torch.cuda.is_available():
         sys.exit("tools/benchmark.py needs a CUDA GPU")
-    rows = set(args.rows.split(","))
-    cases = [(s, args.head_dim, args.block_size, rows, args.sweep) for s in args.seqs]
-    if args.extra:
-        cases += [
-            (32768, 64, args.block_size, {"flex", "cudnn"}, False),
-            (32768, args.head_dim, 16, {"flex"}, False),
-        ]
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
         f"{datetime.date.today()} | heads {args.heads}/{args.kv_heads or args.heads} "
@@ -323,7 +571,8 @@ def main(argv=None):
     results = {}
     for seq, d, block, rws, sw in cases:
         print(f"seq {seq} d {d} block {block}", flush=True)
-        rs, dens = run_case(seq, args, d, block, rws, sw)
+        run, skipped = plan_rows(rws, unavailable)
+        rs, dens = run_case(seq, args, d, block, run, sw, skipped)
         results[(seq, d, block, dens)] = rs
         torch.cuda.empty_cache()
     table = summarize(results)
@@ -334,6 +583,7 @@ def main(argv=None):
                 {
                     "device": torch.cuda.get_device_name(),
                     "date": str(datetime.date.today()),
+                    "torch": torch.__version__,
                     "argv": sys.argv,
                     "results": [r for rs in results.values() for r in rs],
                     "table": table,
