@@ -238,12 +238,28 @@ def test_checkpoint_that_does_not_match_the_config(run_dir, capsys):
     assert "model.hidden_size" in err and "64" in err and "32" in err
 
 
-def test_context_parallel_gives_the_single_process_scores(run_dir, evaluated):
-    """Two processes at CP=2 (Megatron's zigzag split, scores put back at their positions)."""
+@pytest.mark.parametrize(
+    "layout, shown",
+    [
+        # Megatron's zigzag split; the scores are put back at their positions.
+        (["parallel.context_parallel_size=2"], "CP 2"),
+        # Logits sharded over the vocabulary: the argmax and log-softmax gather across TP. The
+        # padded vocabulary is a multiple of make_vocab_size_divisible_by x TP; halving the
+        # former keeps the checkpoint's (Megatron's rule, and the tool says so otherwise).
+        (
+            ["parallel.tensor_model_parallel_size=2", "model.make_vocab_size_divisible_by=32"],
+            "TP 2",
+        ),
+        # Only the last stage has logits: scores come from there.
+        (["parallel.pipeline_model_parallel_size=2"], "PP 2"),
+    ],
+)
+def test_parallel_layouts_give_the_single_process_scores(run_dir, evaluated, layout, shown):
+    """Two processes under each layout of training, from the single-process checkpoint."""
     from test_trainer import TWO_PROCESSES
 
     _, single = evaluated
-    out = run_dir / "eval_cp2"
+    out = run_dir / f"eval_{shown.replace(' ', '')}"
     grid = ["--tasks", "kv", "--lengths", "128,256", "--allow-extrapolation", "--depths", "0.5"]
     proc = subprocess.run(
         [
@@ -260,7 +276,7 @@ def test_context_parallel_gives_the_single_process_scores(run_dir, evaluated):
             "8",
             "--position-sequences",
             "4",
-            "parallel.context_parallel_size=2",
+            *layout,
         ],
         capture_output=True,
         text=True,
@@ -269,7 +285,7 @@ def test_context_parallel_gives_the_single_process_scores(run_dir, evaluated):
         cwd=run_dir,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "CP 2" in proc.stdout
+    assert shown in proc.stdout
     ref = json.loads((single / "retrieval.json").read_text())["tasks"]["kv"]["trials"]
     got = json.loads((out / "retrieval.json").read_text())["tasks"]["kv"]["trials"]
     assert len(got) == 4
