@@ -96,3 +96,30 @@ def test_bad_rope_scaling_is_a_config_error(tmp_path, demo_dir):  # noqa: F811
         name="bad2",
     )
     assert proc.returncode == 2 and "model.rope_scaling_factor must be > 1" in proc.stderr
+
+
+def test_preempted_extension_resumes_its_own_optimizer_and_schedule(
+    tmp_path,
+    demo_dir,  # noqa: F811
+    short_run,
+):
+    """checkpoint.load_optimizer=false (the recipes' setting) applies to the start from
+    load_dir only: an extension run stopped by SIGTERM resumes from its own checkpoint with its
+    Adam state and LR schedule, so the losses and learning rates continue those of the
+    uninterrupted run (and do not restart the warm-up)."""
+    start = [
+        "model.seq_length=256",
+        "attention.dense_layers.pattern=DS",
+        f"checkpoint.load_dir={short_run}",
+        "checkpoint.reset_iteration=true",
+        "checkpoint.load_optimizer=false",
+        "train.train_iters=5",
+    ]
+    _, whole = run_trainer(tmp_path, demo_dir, *start, name="whole")
+    proc, _ = run_trainer(tmp_path, demo_dir, *start, "debug.sigterm_at_iter=3", name="split")
+    assert "saved checkpoint" in proc.stdout + proc.stderr
+    proc, resumed = run_trainer(tmp_path, demo_dir, *start, name="split")
+    assert "resum" in proc.stdout + proc.stderr
+    for it in (4, 5):
+        assert resumed[it]["lr"] == pytest.approx(whole[it]["lr"], rel=1e-6), it
+        assert resumed[it]["loss"] == pytest.approx(whole[it]["loss"], rel=1e-5), it

@@ -118,8 +118,8 @@ def runs(tmp_path_factory, demo_dir):  # noqa: F811
     out["swapped_run"] = run(
         "swapped", *start, *_layout_overrides(swapped), launcher=EIGHT_PROCESSES
     )
-    # A requeued job's own resume, without the config's load_optimizer=false: with it the
-    # trainer drops the optimizer state and restarts the LR schedule on every own resume.
+    # A requeued job's own resume under the swapped layout (load_optimizer concerns the start
+    # from load_dir only; test_context_extension checks an own resume with it set).
     out["resumed"] = run(
         "config",
         f"train.train_iters={STEPS}",

@@ -676,7 +676,10 @@ class Checkpointer:
             self.optimizer,
             self.scheduler,
             iteration=candidate.iteration,
-            load_optimizer=self.config.load_optimizer,
+            # checkpoint.load_optimizer is about the start from another run: a run's own
+            # checkpoint (a preempted extension run requeued) must bring back its Adam state and
+            # LR schedule, or every resume would restart the warm-up.
+            load_optimizer=self.config.load_optimizer or candidate.own,
             load_scheduler=False if reset else None,
             schedule_from_config=True,
             optimizer_config=self.optimizer_config,

@@ -192,7 +192,8 @@ class CheckpointConfig:
     load_dir: Optional[str] = None
     # Keep only the newest N checkpoints; None keeps all.
     keep_last: Optional[int] = None
-    # false: load only the model weights (fine-tuning from a checkpoint, or a new optimizer).
+    # false: take only the model weights from load_dir's checkpoint (fine-tuning, or a new
+    # optimizer); the run's own checkpoints always restore the optimizer and LR schedule.
     load_optimizer: bool = True
     # Starting from another run's checkpoint (load_dir): true starts at iteration 0 with a fresh
     # LR schedule (warm-up included) and the data from its start, as continual pretraining such
