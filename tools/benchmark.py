@@ -193,6 +193,8 @@ def fwd_bwd(run, inputs, grad):
 def _allow_flex_recompiles() -> None:
     # Every case compiles flex_attention again (dynamic=False; a new shape or backend each), and
     # past dynamo's recompile limit (8) it would silently run eagerly, materializing S x S.
+    import torch._dynamo
+
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
