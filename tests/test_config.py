@@ -135,6 +135,10 @@ def test_override_null_and_int_to_float():
             "checkpoint.on_resume=merge",
             "checkpoint.on_resume must be one of ['apply', 'keep'], got 'merge'",
         ),
+        (
+            "model.transformer_impl=te",
+            "model.transformer_impl must be one of ['local', 'transformer_engine'], got 'te'",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(override, message):
@@ -209,3 +213,35 @@ def test_head_offset_phases_accepted(offset, stride):
     load_config(
         None, [f"attention.s2.head_offset={offset}", f"attention.s2.vert_stride={stride}"]
     ).schedule()
+
+
+def test_transformer_engine_impl_is_refused_where_it_cannot_run(monkeypatch):
+    """model.transformer_impl=transformer_engine: a config error before any GPU work on the CPU
+    and where TE does not import; the local implementation always passes."""
+    import megatron_s2.specs
+    from megatron_s2.training.parallel import check_transformer_impl
+
+    cfg = load_config(None, ["model.transformer_impl=transformer_engine"])
+    cfg.validate()  # the value itself is valid
+    check_transformer_impl("local", gpu=False)
+    with pytest.raises(ConfigError, match="transformer_engine needs a CUDA GPU"):
+        check_transformer_impl(cfg.model.transformer_impl, gpu=False)
+    monkeypatch.setattr(megatron_s2.specs, "HAVE_TE", False)
+    with pytest.raises(ConfigError, match="Transformer Engine is not installed here"):
+        check_transformer_impl(cfg.model.transformer_impl, gpu=True)
+    monkeypatch.setattr(megatron_s2.specs, "HAVE_TE", True)
+    check_transformer_impl(cfg.model.transformer_impl, gpu=True)
+
+
+def test_transformer_impl_change_is_refused_on_resume():
+    """TE and local layers hold differently named parameters (TE fuses the norms)."""
+    from megatron_s2.training.run_config import resume_changes
+
+    old = load_config(None, []).to_dict()
+    new = load_config(None, ["model.transformer_impl=transformer_engine"])
+    refused = resume_changes(old, new, own=True).refused
+    assert [c.key for c in refused] == ["model.transformer_impl"]
+    # A checkpoint written before the setting existed was local.
+    del old["model"]["transformer_impl"]
+    assert resume_changes(old, new, own=True).refused[0].checkpoint == "local"
+    assert not resume_changes(old, load_config(None, []), own=True).refused

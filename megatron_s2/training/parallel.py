@@ -194,6 +194,26 @@ def rope_scaling_kwargs(model: ModelConfig) -> dict:
     return {}
 
 
+def check_transformer_impl(impl: str, *, gpu: bool) -> None:
+    """Refuse ``model.transformer_impl=transformer_engine`` where it cannot run (no CUDA, or
+    Transformer Engine not importable), before any process group or GPU work."""
+    if impl != "transformer_engine":
+        return
+    if not gpu:
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine needs a CUDA GPU (Transformer Engine has "
+            "no CPU kernels); CPU mode runs model.transformer_impl=local"
+        )
+    from ..specs import HAVE_TE
+
+    if not HAVE_TE:
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine: Transformer Engine is not installed here "
+            "(or failed to import with this torch); install it (tools/stage_transformer_engine.sh "
+            "on the lent GPU machines, docs/megatron.md) or use model.transformer_impl=local"
+        )
+
+
 def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool) -> list:
     """This rank's ``GPTModel`` chunks, one per virtual pipeline stage, unwrapped (fp32 or bf16
     as ``config.params_dtype``), on the GPU when ``gpu``.
@@ -218,7 +238,7 @@ def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool
             post_process=parallel_state.is_pipeline_last_stage(
                 ignore_virtual=False, vp_stage=stage
             ),
-            use_te=False,
+            use_te=model.transformer_impl == "transformer_engine",
             vp_stage=stage,
             position_embedding_type="rope",
             rotary_base=model.rotary_base,

@@ -78,6 +78,10 @@ class ModelConfig:
     rope_scaling_factor: float = 8.0
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
+    # Megatron's --transformer-impl: "local" (Megatron's own linears and norms, our fused dense
+    # attention) or "transformer_engine" (TE linears with fused norms, TEDotProductAttention on
+    # dense layers; S2 layers keep our core attention). TE needs a CUDA GPU and TE installed.
+    transformer_impl: str = "local"
     untie_embeddings_and_output_weights: bool = True
     # Activation recomputation: "none", "selective" (core attention only) or "full".
     recompute: str = "none"
@@ -167,6 +171,8 @@ class DataConfig:
     cache_dir: Optional[str] = None
 
 
+# model.transformer_impl: the layer implementations of Megatron's --transformer-impl.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 # model.rope_scaling: Megatron-core's RoPE scaling methods (GPTModel arguments).
 ROPE_SCALING = ("none", "position_interpolation", "llama3")
 
@@ -292,6 +298,7 @@ class RunConfig:
                 f"model.rope_scaling_factor must be > 1 with model.rope_scaling="
                 f"{m.rope_scaling}, got {m.rope_scaling_factor}"
             )
+        _one_of("model.transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS)
         if not 0.0 <= m.hidden_dropout < 1.0:
             raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}")
 
@@ -668,6 +675,8 @@ SHAPE_KEYS = (
     "model.normalization",
     "model.swiglu",
     "model.untie_embeddings_and_output_weights",
+    # TE fuses the norms into the linears (other parameter names): not the same state dict.
+    "model.transformer_impl",
 )
 # Not shapes, but what the weights were trained to mean. Refused when a run resumes its own
 # checkpoint; printed (and applied) when a new run starts from another run's weights

@@ -119,6 +119,7 @@ class Trainer:
         self.schedule = cfg.schedule()
         env = parallel.DistributedEnv.from_environment()
         cfg.validate(world_size=env.world_size)
+        parallel.check_transformer_impl(cfg.model.transformer_impl, gpu=self.gpu)
         parallel.init_process_group(env, gpu=self.gpu)
         parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
