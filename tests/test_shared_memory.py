@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+# Independent of the megatron-core version: CI runs this module in its first suite only.
+pytestmark = pytest.mark.version_independent
+
 # H100/H200: 227 KB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 HOPPER_SHARED_BYTES = 232448
 

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# Independent of the megatron-core version: CI runs this module in its first suite only.
+pytestmark = pytest.mark.version_independent
+
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN = REPO / "launch" / "torchrun.sh"
