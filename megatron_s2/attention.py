@@ -486,9 +486,9 @@ class ScheduledCoreAttention:
         dense_attention=FusedDenseAttention,
         **kwargs,
     ):
-        schedule = s2_settings_of(config).schedule
-        pattern = schedule.layer_pattern(
-            layer_number, config.num_attention_heads, config.num_query_groups, config.num_layers
+        schedule_layer, schedule_layers = cls.schedule_position(config, layer_number)
+        pattern = s2_settings_of(config).schedule.layer_pattern(
+            schedule_layer, config.num_attention_heads, config.num_query_groups, schedule_layers
         )
         module = dense_attention if pattern is None else S2CoreAttention
         if pattern is not None:
@@ -500,3 +500,9 @@ class ScheduledCoreAttention:
             attention_type=attention_type,
             **kwargs,
         )
+
+    @classmethod
+    def schedule_position(cls, config, layer_number: int) -> tuple[int, int]:
+        """``(schedule layer number, 1-based; layers the schedule indexes)`` of the layer with
+        Megatron's global 1-based ``layer_number``: every layer of a GPT model."""
+        return layer_number, config.num_layers

@@ -41,20 +41,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
 
-from .attention import FusedDenseAttention, S2CoreAttention
-from .config import S2TransformerConfig, s2_settings_of
+from .attention import ScheduledCoreAttention
+from .config import S2TransformerConfig
 from .norm import SPNorm
-from .specs import HAVE_TE, _mlp_spec, _require_te
+from .specs import _flavour_modules, _mlp_spec
 
 try:
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -64,14 +62,6 @@ try:
     HAVE_HYBRID = True
 except ImportError:
     HAVE_HYBRID = False
-
-if HAVE_TE:
-    from megatron.core.extensions.transformer_engine import (
-        TEDotProductAttention,
-        TELayerNormColumnParallelLinear,
-        TENorm,
-        TERowParallelLinear,
-    )
 
 __all__ = [
     "S2HybridTransformerConfig",
@@ -214,7 +204,7 @@ class S2HybridTransformerConfig(S2TransformerConfig):
         return _main_pattern(self.hybrid_layer_pattern).count(ATTENTION)
 
 
-class HybridScheduledCoreAttention:
+class HybridScheduledCoreAttention(ScheduledCoreAttention):
     """Core-attention builder for the attention layers of a hybrid stack: S2 or dense per layer.
 
     ``HybridStack`` builds every ``*`` layer from one spec and passes its global 1-based
@@ -224,16 +214,8 @@ class HybridScheduledCoreAttention:
     ``TEDotProductAttention``). The returned module keeps Megatron's ``layer_number``.
     """
 
-    def __new__(
-        cls,
-        config,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        *,
-        dense_attention=FusedDenseAttention,
-        **kwargs,
-    ):
+    @classmethod
+    def schedule_position(cls, config, layer_number: int) -> tuple[int, int]:
         if not isinstance(config, S2HybridTransformerConfig):
             raise TypeError(
                 f"HybridScheduledCoreAttention needs a megatron_s2.hybrid."
@@ -241,24 +223,7 @@ class HybridScheduledCoreAttention:
                 f"attention layers), got {type(config).__name__}"
             )
         index = attention_layer_index(config.hybrid_layer_pattern, layer_number)
-        pattern = s2_settings_of(config).schedule.layer_pattern(
-            index + 1,
-            config.num_attention_heads,
-            config.num_query_groups,
-            config.s2_schedule_layers(),
-        )
-        if pattern is None:
-            module = dense_attention
-        else:
-            module = S2CoreAttention
-            kwargs["pattern"] = pattern
-        return module(
-            config=config,
-            layer_number=layer_number,
-            attn_mask_type=attn_mask_type,
-            attention_type=attention_type,
-            **kwargs,
-        )
+        return index + 1, config.s2_schedule_layers()
 
 
 if HAVE_HYBRID:
@@ -304,68 +269,44 @@ def get_s2_hybrid_stack_spec(
             f"got {type(config).__name__}"
         )
     has_mamba = MAMBA in config.hybrid_layer_pattern
-    if use_te:
-        _require_te("the S2 HybridModel spec with use_te=True")
-        qkv, proj, fc1, fc2 = (
-            TELayerNormColumnParallelLinear,
-            TERowParallelLinear,
-            TELayerNormColumnParallelLinear,
-            TERowParallelLinear,
+    if has_mamba and not use_te:
+        raise ValueError(
+            f"S2HybridTransformerConfig.hybrid_layer_pattern "
+            f"{config.hybrid_layer_pattern!r} has Mamba ('M') layers, which Megatron-core "
+            f"builds only with Transformer Engine: use use_te=True, or a pattern of '*' and "
+            f"'-' only"
         )
-        # TE fuses the pre-attention and pre-MLP norms into the following linear layer.
-        in_norm = pre_mlp_norm = IdentityOp
-        qk_norm = TENorm if qk_layernorm else IdentityOp
-        dense = TEDotProductAttention
-        attn_keys = mlp_keys = {}
-    else:
-        if has_mamba:
-            raise ValueError(
-                f"S2HybridTransformerConfig.hybrid_layer_pattern "
-                f"{config.hybrid_layer_pattern!r} has Mamba ('M') layers, which Megatron-core "
-                f"builds only with Transformer Engine: use use_te=True, or a pattern of '*' and "
-                f"'-' only"
-            )
-        qkv, proj, fc1, fc2 = (
-            ColumnParallelLinear,
-            RowParallelLinear,
-            ColumnParallelLinear,
-            RowParallelLinear,
-        )
-        in_norm = pre_mlp_norm = SPNorm
-        qk_norm = SPNorm if qk_layernorm else IdentityOp
-        dense = FusedDenseAttention
-        # Checkpoint keys as in the TE flavour (where the norms live inside the linears).
-        attn_keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
-        mlp_keys = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    m = _flavour_modules(use_te, qk_layernorm, "the S2 HybridModel spec with use_te=True")
 
     attention_layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=in_norm,
+            input_layernorm=m.in_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=qkv,
+                    linear_qkv=m.qkv,
                     core_attention=ModuleSpec(
-                        module=HybridScheduledCoreAttention, params={"dense_attention": dense}
+                        module=HybridScheduledCoreAttention,
+                        params={"dense_attention": m.dense_attention},
                     ),
-                    linear_proj=proj,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
+                    linear_proj=m.proj,
+                    q_layernorm=m.qk_norm,
+                    k_layernorm=m.qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=attn_keys,
+            sharded_state_dict_keys_map=m.attn_keys,
         ),
     )
     mlp_layer = ModuleSpec(
         module=MLPLayer,
         submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=pre_mlp_norm,
-            mlp=_mlp_spec(fc1, fc2),
+            pre_mlp_layernorm=m.pre_mlp_norm,
+            mlp=_mlp_spec(m.fc1, m.fc2),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=mlp_keys,
+            sharded_state_dict_keys_map=m.mlp_keys,
         ),
     )
     layers = {"attention_layer": attention_layer, "mlp_layer": mlp_layer}

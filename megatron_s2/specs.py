@@ -20,6 +20,7 @@ Transformer Engine raises an error that says what to install or which spec to us
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -97,53 +98,79 @@ def _mlp_spec(fc1, fc2):
     return ModuleSpec(module=MLP, submodules=submodules)
 
 
-def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
+@dataclass(frozen=True)
+class _FlavourModules:
+    """The modules a transformer layer takes from its flavour (local or TE), shared by the GPT
+    layer spec here and the hybrid stack spec (:mod:`megatron_s2.hybrid`)."""
+
+    qkv: type
+    proj: type
+    fc1: type
+    fc2: type
+    in_norm: type
+    pre_mlp_norm: type
+    qk_norm: type
+    dense_attention: type
+    # sharded_state_dict_keys_map entries of the attention and MLP halves of a layer
+    attn_keys: dict
+    mlp_keys: dict
+
+
+def _flavour_modules(use_te: bool, qk_layernorm: bool, what: str) -> _FlavourModules:
+    """Linears, norms and dense attention of the TE (``use_te``) or local flavour; ``what``
+    names the caller in the error raised when TE is asked for and missing."""
     if use_te:
-        _require_te("S2 TE layer spec")
-        qkv, proj, fc1, fc2 = (
-            TELayerNormColumnParallelLinear,
-            TERowParallelLinear,
-            TELayerNormColumnParallelLinear,
-            TERowParallelLinear,
-        )
+        _require_te(what)
         # TE fuses the pre-attention and pre-MLP norms into the following linear layer.
-        in_norm = pre_mlp_norm = IdentityOp
-        qk_norm = TENorm if qk_layernorm else IdentityOp
-        keys_map = {}
-    else:
-        qkv, proj, fc1, fc2 = (
-            ColumnParallelLinear,
-            RowParallelLinear,
-            ColumnParallelLinear,
-            RowParallelLinear,
+        return _FlavourModules(
+            qkv=TELayerNormColumnParallelLinear,
+            proj=TERowParallelLinear,
+            fc1=TELayerNormColumnParallelLinear,
+            fc2=TERowParallelLinear,
+            in_norm=IdentityOp,
+            pre_mlp_norm=IdentityOp,
+            qk_norm=TENorm if qk_layernorm else IdentityOp,
+            dense_attention=TEDotProductAttention,
+            attn_keys={},
+            mlp_keys={},
         )
-        in_norm = pre_mlp_norm = SPNorm
-        qk_norm = SPNorm if qk_layernorm else IdentityOp
+    return _FlavourModules(
+        qkv=ColumnParallelLinear,
+        proj=RowParallelLinear,
+        fc1=ColumnParallelLinear,
+        fc2=RowParallelLinear,
+        in_norm=SPNorm,
+        pre_mlp_norm=SPNorm,
+        qk_norm=SPNorm if qk_layernorm else IdentityOp,
+        dense_attention=FusedDenseAttention,
         # Checkpoints stay interchangeable with the TE flavour (Megatron's local spec does this).
-        keys_map = {
-            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-        }
+        attn_keys={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
+        mlp_keys={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+    )
+
+
+def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
+    m = _flavour_modules(use_te, qk_layernorm, "S2 TE layer spec")
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=in_norm,
+            input_layernorm=m.in_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=qkv,
+                    linear_qkv=m.qkv,
                     core_attention=core_attention,
-                    linear_proj=proj,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
+                    linear_proj=m.proj,
+                    q_layernorm=m.qk_norm,
+                    k_layernorm=m.qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=pre_mlp_norm,
-            mlp=_mlp_spec(fc1, fc2),
+            pre_mlp_layernorm=m.pre_mlp_norm,
+            mlp=_mlp_spec(m.fc1, m.fc2),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=keys_map,
+            sharded_state_dict_keys_map={**m.attn_keys, **m.mlp_keys},
         ),
     )
 
