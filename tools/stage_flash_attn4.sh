@@ -50,20 +50,10 @@ PACKAGES=(
 # The trainer's wheels that the machines lack (megatron-core 0.16.1 as CI tests it).
 TRAIN_PACKAGES=(datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
 MEGATRON_CORE=megatron-core==0.16.1
-PLATFORMS=(manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64
-  manylinux_2_27_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64
-  manylinux_2_35_x86_64 manylinux1_x86_64)
+# PLATFORMS and pip_download
+. "$REPO/tools/device_wheels.sh"
 
 die() { echo "stage_flash_attn4: $*" >&2; exit 1; }
-
-pip_download() {  # DEST PACKAGE...
-  local dest=$1; shift
-  local plat=()
-  for p in "${PLATFORMS[@]}"; do plat+=(--platform "$p"); done
-  mkdir -p "$dest"
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${plat[@]}" -d "$dest" "$@"
-}
 
 cmd_download() {
   pip_download "$WHEELS" "${PACKAGES[@]}"

@@ -69,20 +69,10 @@ DEP_PACKAGES=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
 # For the TE-spec runs: megatron-core 0.19.2 (the version the TE spec is for; the machines have
 # none) and the trainer's missing wheels. They ride in call 1 and go to $TRAIN_SITE.
 MCORE_PACKAGES=(megatron-core==0.19.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
-PLATFORMS=(manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64
-  manylinux_2_27_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64
-  manylinux_2_35_x86_64 manylinux1_x86_64)
+# PLATFORMS and pip_download
+. "$REPO/tools/device_wheels.sh"
 
 die() { echo "stage_transformer_engine: $*" >&2; exit 1; }
-
-pip_download() {  # DEST PACKAGE...
-  local dest=$1; shift
-  local plat=()
-  for p in "${PLATFORMS[@]}"; do plat+=(--platform "$p"); done
-  mkdir -p "$dest"
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${plat[@]}" -d "$dest" "$@"
-}
 
 cmd_download() {
   pip_download "$WHEELS" "${PACKAGES[@]}"
