@@ -94,6 +94,16 @@ def _loss_and_grads(model, device="cpu", seq=SEQ):
     return loss.detach(), grads
 
 
+def _max_relative_grad_difference(hybrid_grads, gpt_grads) -> float:
+    """max over the GPT model's parameters of max|g_hybrid - g_gpt| / max|g_gpt|."""
+    worst = 0.0
+    for name, grad in gpt_grads.items():
+        got = hybrid_grads[gpt_to_hybrid_name(name)].float()
+        scale = grad.float().abs().max().clamp_min(1e-12)
+        worst = max(worst, float((got - grad.float()).abs().max() / scale))
+    return worst
+
+
 def _attention_layers(model):
     return [
         (type(layer.self_attention.core_attention).__name__, layer.layer_number)
@@ -150,11 +160,12 @@ def test_hybrid_equals_gpt_with_the_same_weights():
             grads_h[gpt_to_hybrid_name(name)], grad, rtol=1e-5, atol=1e-6, msg=name
         )
 
-    # Not vacuous: the same weights with every attention layer dense give another loss.
+    # Not vacuous: the same weights with every attention layer dense give other gradients, far
+    # outside the tolerance above (at init the losses differ only by ~1e-4, too little to test).
     dense = _hybrid(schedule={"dense_layers": {"pattern": "D"}})
     _copy_gpt_weights(gpt, dense)
-    loss_d, _ = _loss_and_grads(dense)
-    assert abs(float(loss_d) - float(loss_g)) > 1e-4
+    _, grads_d = _loss_and_grads(dense)
+    assert _max_relative_grad_difference(grads_d, grads_g) > 1e-2
 
 
 @needs_hybrid
@@ -353,5 +364,5 @@ def test_hybrid_equals_gpt_on_cuda_bf16():
         assert float((got - grad.float()).abs().max() / scale) < 2e-2, name
     dense = _hybrid(schedule={"dense_layers": {"pattern": "D"}}, seq=seq, **kw).cuda()
     _copy_gpt_weights(gpt, dense)
-    loss_d, _ = _loss_and_grads(dense, "cuda", seq)
-    assert abs(float(loss_d) - float(loss_g)) > 1e-3
+    _, grads_d = _loss_and_grads(dense, "cuda", seq)
+    assert _max_relative_grad_difference(grads_d, grads_g) > 0.1
