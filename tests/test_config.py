@@ -245,3 +245,122 @@ def test_transformer_impl_change_is_refused_on_resume():
     del old["model"]["transformer_impl"]
     assert resume_changes(old, new, own=True).refused[0].checkpoint == "local"
     assert not resume_changes(old, load_config(None, []), own=True).refused
+
+
+TE = "model.transformer_impl=transformer_engine"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.fp8=e5m2", TE],
+            "model.fp8 must be null (no FP8) or one of ['hybrid', 'e4m3'], got 'e5m2'",
+        ),
+        (
+            [TE, "model.fp8=hybrid", "model.fp8_recipe=custom"],
+            "model.fp8_recipe must be one of ['delayed', 'tensorwise', 'blockwise', 'mxfp8'], "
+            "got 'custom'",
+        ),
+        (
+            ["model.fp8=hybrid"],
+            "model.fp8=hybrid needs model.transformer_impl=transformer_engine (FP8 GEMMs are "
+            "Transformer Engine's), got model.transformer_impl=local",
+        ),
+        (
+            [TE, "model.fp8=e4m3", "train.precision=fp32"],
+            "model.fp8=e4m3 needs bf16 training (FP8 GEMMs inside bf16 layers, as Megatron's "
+            "--fp8-format with --bf16), got train.precision=fp32",
+        ),
+        (
+            [TE, "model.fp8=hybrid", "model.seq_length=500", "train.micro_batch_size=1"],
+            "tokens per rank (train.micro_batch_size x model.seq_length / context parallel) = "
+            "500 (not a multiple of 8)",
+        ),
+        (
+            [TE, "model.fp8=hybrid", "model.hidden_size=136", "model.num_attention_heads=4"],
+            "model.hidden_size = 136 (not a multiple of 16)",
+        ),
+        (
+            [
+                TE,
+                "model.fp8=hybrid",
+                "parallel.tensor_model_parallel_size=2",
+                "parallel.sequence_parallel=true",
+                "model.seq_length=524",
+                "train.micro_batch_size=1",
+            ],
+            "/ tensor parallel) = 262 (not a multiple of 8)",
+        ),
+    ],
+)
+def test_fp8_errors_name_the_setting_and_the_allowed_values(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
+    """The machine-dependent FP8 checks (trainer start-up, before any process group): CPU mode,
+    fp32, TE missing, and a GPU whose TE build lacks the recipe."""
+    import megatron_s2.specs
+    from megatron_s2.training import parallel
+
+    m = load_config(None, [TE, "model.fp8=hybrid"]).model
+    parallel.check_fp8(load_config().model, gpu=False, bf16=False)  # no FP8: nothing to check
+    with pytest.raises(ConfigError, match=r"model\.fp8=hybrid .* needs a CUDA GPU .* CPU mode"):
+        parallel.check_fp8(m, gpu=False, bf16=False)
+    with pytest.raises(ConfigError, match="needs bf16 training"):
+        parallel.check_fp8(m, gpu=True, bf16=False)
+    monkeypatch.setattr(megatron_s2.specs, "HAVE_TE", False)
+    with pytest.raises(ConfigError, match="Transformer Engine is not installed here"):
+        parallel.check_fp8(m, gpu=True, bf16=True)
+    monkeypatch.setattr(megatron_s2.specs, "HAVE_TE", True)
+    monkeypatch.setattr(parallel, "_te_fp8_support", lambda name: (False, f"no {name} here"))
+    monkeypatch.setattr(parallel.torch.cuda, "get_device_name", lambda: "a test GPU")
+    with pytest.raises(ConfigError, match=r"cannot run this recipe on this GPU \(a test GPU\): "):
+        parallel.check_fp8(m, gpu=True, bf16=True)
+    asked = []
+    monkeypatch.setattr(parallel, "_te_fp8_support", lambda name: asked.append(name) or (True, ""))
+    parallel.check_fp8(m, gpu=True, bf16=True)
+    mx = load_config(None, [TE, "model.fp8=e4m3", "model.fp8_recipe=mxfp8"]).model
+    parallel.check_fp8(mx, gpu=True, bf16=True)
+    assert asked == ["fp8", "mxfp8"]
+
+
+@pytest.mark.parametrize("fmt, recipe", [("hybrid", "delayed"), ("e4m3", "tensorwise")])
+def test_fp8_maps_to_the_transformer_config(fmt, recipe):
+    """model.fp8 / model.fp8_recipe become Megatron's TransformerConfig fields (what
+    --fp8-format / --fp8-recipe set), attention stays bf16; without FP8 Megatron's defaults
+    stay. Built on the CPU: the config itself needs no Transformer Engine."""
+    from megatron_s2.training import parallel
+
+    cfg = load_config(None, [TE, f"model.fp8={fmt}", f"model.fp8_recipe={recipe}"])
+    assert parallel.fp8_kwargs(cfg.model) == {
+        "fp8": fmt,
+        "fp8_recipe": recipe,
+        "fp8_dot_product_attention": False,
+        "fp8_multi_head_attention": False,
+    }
+    config = parallel.transformer_config(cfg.model, cfg.parallel, cfg.schedule(), bf16=True)
+    assert config.fp8 == fmt and config.fp8_recipe == recipe
+    assert not config.fp8_dot_product_attention and not config.fp8_multi_head_attention
+    plain = load_config()
+    assert parallel.fp8_kwargs(plain.model) == {}
+    config = parallel.transformer_config(plain.model, plain.parallel, plain.schedule(), bf16=False)
+    assert config.fp8 is None
+
+
+def test_fp8_may_change_on_resume():
+    """Like Megatron-LM (--fp8-format is not among the arguments a checkpoint pins), FP8 is how
+    a run executes: a resume may switch it on or off; the difference is printed."""
+    from megatron_s2.training.run_config import resume_changes
+
+    old = load_config(None, [TE]).to_dict()
+    new = load_config(None, [TE, "model.fp8=hybrid", "model.fp8_recipe=tensorwise"])
+    changes = resume_changes(old, new, own=True)
+    assert not changes.refused and not changes.plan
+    assert {c.key for c in changes.other} == {"model.fp8", "model.fp8_recipe"}
+    # A checkpoint written before the keys existed: not compared, nothing refused.
+    del old["model"]["fp8"], old["model"]["fp8_recipe"]
+    assert not resume_changes(old, new, own=True).refused

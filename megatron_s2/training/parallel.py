@@ -36,6 +36,9 @@ __all__ = [
     "use_bf16",
     "transformer_config",
     "rope_scaling_kwargs",
+    "fp8_kwargs",
+    "check_transformer_impl",
+    "check_fp8",
     "build_model_chunks",
     "wrap_model_chunks",
     "build_model",
@@ -180,6 +183,27 @@ def transformer_config(
         s2_seq_length=model.seq_length,
         s2_backend=backend,
         **recompute,
+        **fp8_kwargs(model),
+    )
+
+
+def fp8_kwargs(model: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of ``model.fp8`` / ``model.fp8_recipe`` (Megatron-LM's
+    ``--fp8-format`` / ``--fp8-recipe``); empty without FP8, so the config keeps Megatron's
+    defaults.
+
+    Megatron wraps each transformer layer's forward in TE's ``fp8_autocast``, which reaches only
+    Transformer Engine modules: the TE linears run FP8 GEMMs, our S2 core attention (plain
+    PyTorch/Triton) never sees FP8, and ``fp8_dot_product_attention=False`` keeps TE's dense
+    attention in bf16 (S2 layers refuse it anyway). Embedding and output layer stay bf16.
+    """
+    if model.fp8 is None:
+        return {}
+    return dict(
+        fp8=model.fp8,
+        fp8_recipe=model.fp8_recipe,
+        fp8_dot_product_attention=False,
+        fp8_multi_head_attention=False,
     )
 
 
@@ -211,6 +235,60 @@ def check_transformer_impl(impl: str, *, gpu: bool) -> None:
             "model.transformer_impl=transformer_engine: Transformer Engine is not installed here "
             "(or failed to import with this torch); install it (tools/stage_transformer_engine.sh "
             "on the lent GPU machines, docs/megatron.md) or use model.transformer_impl=local"
+        )
+
+
+# model.fp8_recipe -> the Transformer Engine function that says whether this GPU and TE build can
+# run it: transformer_engine.pytorch.is_<name>_available in TE >= 2.8, else
+# transformer_engine.pytorch.fp8.check_<name>_support.
+_FP8_SUPPORT_CHECKS = {
+    "delayed": "fp8",
+    "tensorwise": "fp8",
+    "blockwise": "fp8_block_scaling",
+    "mxfp8": "mxfp8",
+}
+
+
+def _te_fp8_support(name: str):
+    """``(available, reason)`` from Transformer Engine for ``name`` (a value of
+    ``_FP8_SUPPORT_CHECKS``), or None when this TE version has neither check."""
+    import transformer_engine.pytorch as te
+
+    check = getattr(te, f"is_{name}_available", None)
+    if check is not None:
+        return check(return_reason=True)
+    try:
+        from transformer_engine.pytorch import fp8 as te_fp8
+    except ImportError:
+        return None
+    check = getattr(te_fp8, f"check_{name}_support", None)
+    return check() if check is not None else None
+
+
+def check_fp8(model: ModelConfig, *, gpu: bool, bf16: bool) -> None:
+    """Refuse ``model.fp8`` where it cannot run, before any process group or GPU work: no GPU
+    (CPU mode), not bf16, no Transformer Engine, or a GPU/TE build without the recipe.
+
+    The hardware-free checks (format, ``model.transformer_impl``, GEMM shapes) are in
+    ``RunConfig.validate``; this adds what depends on the machine."""
+    if model.fp8 is None:
+        return
+    what = f"model.fp8={model.fp8} (model.fp8_recipe={model.fp8_recipe})"
+    if not gpu:
+        raise ConfigError(
+            f"{what} needs a CUDA GPU with Transformer Engine; CPU mode trains in fp32 with "
+            f"model.transformer_impl=local: set model.fp8=null"
+        )
+    if not bf16:
+        raise ConfigError(f"{what} needs bf16 training; set train.precision=bf16 (or auto)")
+    check_transformer_impl(model.transformer_impl, gpu=gpu)
+    support = _te_fp8_support(_FP8_SUPPORT_CHECKS[model.fp8_recipe])
+    if support is not None and not support[0]:
+        raise ConfigError(
+            f"{what}: Transformer Engine cannot run this recipe on this GPU "
+            f"({torch.cuda.get_device_name()}): {support[1]}. FP8 needs compute capability "
+            f">= 8.9 (Ada, Hopper); mxfp8 needs Blackwell. Choose another model.fp8_recipe "
+            f"(allowed: delayed, tensorwise, blockwise, mxfp8) or set model.fp8=null"
         )
 
 

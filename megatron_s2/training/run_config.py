@@ -82,6 +82,14 @@ class ModelConfig:
     # attention) or "transformer_engine" (TE linears with fused norms, TEDotProductAttention on
     # dense layers; S2 layers keep our core attention). TE needs a CUDA GPU and TE installed.
     transformer_impl: str = "local"
+    # FP8 GEMMs in the TE linears (Megatron's --fp8-format): null (bf16), "hybrid" (e4m3
+    # forward, e5m2 gradients) or "e4m3". Attention stays bf16: S2 layers are our kernels, and
+    # TE's dense attention gets fp8_dot_product_attention=False. Needs transformer_engine, bf16
+    # and a GPU whose TE build supports the recipe.
+    fp8: Optional[str] = None
+    # Megatron's --fp8-recipe: how the FP8 scales are found. "delayed" (amax history; Megatron's
+    # default), "tensorwise" (current scaling), "blockwise" (Hopper), "mxfp8" (Blackwell).
+    fp8_recipe: str = "delayed"
     untie_embeddings_and_output_weights: bool = True
     # Activation recomputation: "none", "selective" (core attention only) or "full".
     recompute: str = "none"
@@ -173,6 +181,11 @@ class DataConfig:
 
 # model.transformer_impl: the layer implementations of Megatron's --transformer-impl.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# model.fp8 / model.fp8_recipe: the values of Megatron's --fp8-format / --fp8-recipe that the
+# trainer takes. Megatron's "custom" recipe is left out: it needs a quantizer factory, which
+# the run config has no key for.
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 # model.rope_scaling: Megatron-core's RoPE scaling methods (GPTModel arguments).
 ROPE_SCALING = ("none", "position_interpolation", "llama3")
 
@@ -299,6 +312,9 @@ class RunConfig:
                 f"{m.rope_scaling}, got {m.rope_scaling_factor}"
             )
         _one_of("model.transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS)
+        _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
+        if m.fp8 is not None:
+            self._validate_fp8()
         if not 0.0 <= m.hidden_dropout < 1.0:
             raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}")
 
@@ -431,6 +447,59 @@ class RunConfig:
 
         if world_size is not None:
             self.data_parallel_size(world_size)
+
+    def _validate_fp8(self) -> None:
+        """The FP8 checks that need no hardware: the format, the layer implementation, the
+        precision, and the GEMM shapes Transformer Engine's FP8 kernels take."""
+        m, p, t = self.model, self.parallel, self.train
+        if m.fp8 not in FP8_FORMATS:
+            raise ConfigError(
+                f"model.fp8 must be null (no FP8) or one of {list(FP8_FORMATS)}, got {m.fp8!r}"
+            )
+        if m.transformer_impl != "transformer_engine":
+            raise ConfigError(
+                f"model.fp8={m.fp8} needs model.transformer_impl=transformer_engine (FP8 GEMMs "
+                f"are Transformer Engine's), got model.transformer_impl={m.transformer_impl}; "
+                f"set model.transformer_impl=transformer_engine or model.fp8=null"
+            )
+        if t.precision == "fp32":
+            raise ConfigError(
+                f"model.fp8={m.fp8} needs bf16 training (FP8 GEMMs inside bf16 layers, as "
+                f"Megatron's --fp8-format with --bf16), got train.precision=fp32; set "
+                f"train.precision to 'auto' or 'bf16', or model.fp8=null"
+            )
+        # Transformer Engine asserts at the first forward that every FP8 GEMM input has rows
+        # divisible by 8 and columns by 16 (weights likewise); finding out here costs nothing.
+        tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+        d = m.kv_channels or m.hidden_size // m.num_attention_heads
+        tokens = t.micro_batch_size * m.seq_length // cp
+        if p.sequence_parallel:
+            tokens //= tp
+        rows = {
+            "tokens per rank (train.micro_batch_size x model.seq_length / context parallel"
+            + (" / tensor parallel" if p.sequence_parallel else "")
+            + ")": tokens,
+            "QKV output features per tensor-parallel rank": (
+                (m.num_attention_heads + 2 * m.query_groups) * d // tp
+            ),
+            "FFN output features per tensor-parallel rank": (
+                (2 if m.swiglu else 1) * m.ffn_size // tp
+            ),
+        }
+        cols = {
+            "model.hidden_size": m.hidden_size,
+            "attention output features per tensor-parallel rank (heads x kv_channels / TP)": (
+                m.num_attention_heads * d // tp
+            ),
+            "FFN width per tensor-parallel rank (model.ffn_hidden_size / TP)": m.ffn_size // tp,
+        }
+        bad = [f"{k} = {v} (not a multiple of 8)" for k, v in rows.items() if v % 8]
+        bad += [f"{k} = {v} (not a multiple of 16)" for k, v in cols.items() if v % 16]
+        if bad:
+            raise ConfigError(
+                f"model.fp8={m.fp8}: Transformer Engine's FP8 GEMMs need row counts divisible "
+                f"by 8 and inner sizes divisible by 16: " + "; ".join(bad)
+            )
 
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` processes (raises if it does not divide)."""

@@ -119,6 +119,7 @@ class Trainer:
         self.schedule = cfg.schedule()
         env = parallel.DistributedEnv.from_environment()
         cfg.validate(world_size=env.world_size)
+        parallel.check_fp8(cfg.model, gpu=self.gpu, bf16=self.bf16)
         parallel.check_transformer_impl(cfg.model.transformer_impl, gpu=self.gpu)
         parallel.init_process_group(env, gpu=self.gpu)
         parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
@@ -376,6 +377,12 @@ class Trainer:
                 f"GPU mode: {torch.cuda.get_device_name()} x {self.world_size}, NCCL, "
                 f"{'bf16' if self.bf16 else 'fp32'}, Triton S2 kernels"
             )
+            m = self.cfg.model
+            if m.transformer_impl == "transformer_engine":
+                mode += ", Transformer Engine layers"
+            if m.fp8 is not None:
+                # The tokens/s of FP8 and bf16 runs are compared from these logs.
+                mode += f", FP8 linears ({m.fp8}, {m.fp8_recipe} scaling; attention bf16)"
         else:
             attention = (
                 "Triton interpreter attention (TRITON_INTERPRET=1: slow)"
