@@ -7,6 +7,8 @@ TP/PP/SP/CP layouts must match the single-device run (same seed, same initial we
     python tools/gpu_parallel_check.py --layouts cp2 --seq-length 32768
     # CPU (gloo, megatron_s2 CPU mode), tiny model:
     python tools/gpu_parallel_check.py --cpu
+    # The Transformer Engine spec (one GPU, then each layout) against the local spec's run:
+    python tools/gpu_parallel_check.py --transformer-impl transformer_engine
 
 The script launches each layout itself (torch.multiprocessing, one process per device):
 the TP=1/PP=1 reference on one device first, then the parallel layouts (2 or 4 devices). Each run
@@ -16,6 +18,15 @@ through megatron_s2.model's TP/PP-agnostic loader), trains with Megatron-core's 
 schedules, and records per-step loss and grad norm plus the first step's gradients. A table
 with PASS/FAIL per layout is printed and written as JSON to --out; exit status 1 on any FAIL.
 
+``--transformer-impl transformer_engine`` builds the checked layouts with the TE spec (TE linears
+with fused norms, TEDotProductAttention on dense layers, our S2 core attention) and compares them
+with the reference built with ``--reference-impl`` (default: the local spec), adding the layout
+``single`` (the TE spec on one device) so that a spec difference and a parallel one are told
+apart. The weights travel in the local spec's names: TE's fused norms are renamed with the
+local spec's own checkpoint key map (``input_layernorm.weight`` <->
+``self_attention.linear_qkv.layer_norm_weight``). Without Transformer Engine, or with --cpu, the
+TE mode is refused (exit status 2).
+
 The functions are importable (the CPU tests in tests/test_megatron_parallel.py use them).
 """
 
@@ -24,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -89,16 +101,21 @@ class CheckConfig:
     schedule: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_SCHEDULE)))
     cpu: bool = False
     backend: str = "auto"  # s2_attention backend; the CPU check uses the PyTorch reference
+    # model.transformer_impl of the checked layouts and of the reference (the TP=1/PP=1 run).
+    transformer_impl: str = "local"
+    reference_impl: str = "local"
     # Relative tolerances (fp32 CPU runs are exact to ~1e-5; bf16 GPU runs reduce differently).
     loss_rtol: float = 2e-2
     gnorm_rtol: float = 5e-2
     grad_rtol: float = 1e-1
 
-    def model_config(self):
-        """The model as the trainer's ``model`` section: RMSNorm, SwiGLU, RoPE, untied output."""
+    def model_config(self, transformer_impl: Optional[str] = None):
+        """The model as the trainer's ``model`` section: RMSNorm, SwiGLU, RoPE, untied output;
+        ``transformer_impl`` None = the checked layouts' (``self.transformer_impl``)."""
         from megatron_s2.training.run_config import ModelConfig
 
         return ModelConfig(
+            transformer_impl=transformer_impl or self.transformer_impl,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -179,6 +196,9 @@ class Layout:
 
 
 REFERENCE = Layout("tp1_pp1")
+# The checked implementation on one device: against a reference of another implementation it
+# shows the spec difference alone.
+SINGLE = Layout("single")
 GPU_LAYOUTS = [
     Layout("tp2_sp", tp=2, sp=True),
     Layout("pp2", pp=2),
@@ -188,6 +208,56 @@ GPU_LAYOUTS = [
     Layout("cp2_tp2_sp", cp=2, tp=2, sp=True),
     Layout("cp2_pp2", cp=2, pp=2),
 ]
+
+
+# ----------------------------------------------------------------- local <-> TE parameter names
+_LAYER_PREFIX_RE = re.compile(r"^(decoder\.layers\.\d+\.)(.*)$")
+
+
+def te_key_map() -> dict[str, str]:
+    """Local-spec name prefix -> TE-spec name prefix inside a transformer layer: the local spec's
+    ``sharded_state_dict_keys_map`` (the map that keeps its checkpoints loadable into the TE
+    spec), e.g. ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``."""
+    from megatron_s2.specs import s2_layer_spec
+
+    return dict(s2_layer_spec.submodules.sharded_state_dict_keys_map)
+
+
+def _rename(state: dict, pairs: list[tuple[str, str]]) -> dict:
+    out = {}
+    for name, value in state.items():
+        m = _LAYER_PREFIX_RE.match(name)
+        if m:
+            layer, rest = m.groups()
+            for old, new in pairs:
+                if rest.startswith(old):
+                    name = layer + new + rest[len(old) :]
+                    break
+        if name in out:
+            raise KeyError(f"two parameters map to {name!r}")
+        out[name] = value
+    return out
+
+
+def local_to_te_names(state: dict) -> dict:
+    """``state`` (unsharded names of the local spec) with the TE spec's names: each layer's
+    norm weights (and biases) become the fused ``layer_norm_*`` of the following linear."""
+    return _rename(state, list(te_key_map().items()))
+
+
+def te_to_local_names(state: dict) -> dict:
+    """The inverse of :func:`local_to_te_names`."""
+    return _rename(state, [(new, old) for old, new in te_key_map().items()])
+
+
+def to_local_names(state: dict, transformer_impl: str) -> dict:
+    """``state`` of a model built with ``transformer_impl``, in the local spec's names."""
+    return te_to_local_names(state) if transformer_impl == "transformer_engine" else dict(state)
+
+
+def from_local_names(state: dict, transformer_impl: str) -> dict:
+    """``state`` in the local spec's names, renamed for a model built with ``transformer_impl``."""
+    return local_to_te_names(state) if transformer_impl == "transformer_engine" else dict(state)
 
 
 # ---------------------------------------------------------------------------- one rank's run
@@ -270,15 +340,28 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
         unsharded_parameters,
     )
 
-    model_cfg, par = cc.model_config(), layout.parallel_config()
+    reference = layout.name == REFERENCE.name
+    impl = cc.reference_impl if reference else cc.transformer_impl
+    model_cfg, par = cc.model_config(impl), layout.parallel_config()
     bf16 = cc.dtype == "bf16"
     config = parallel.transformer_config(model_cfg, par, cc.schedule, bf16=bf16, backend=cc.backend)
     chunks = parallel.build_model_chunks(model_cfg, config, cc.vocab_size, gpu=not cc.cpu)
+    # Files hold the local spec's parameter names, whichever spec wrote them.
     init_path = os.path.join(workdir, "init.pt")
-    if layout.world == 1:  # the reference: its initial weights are every layout's
-        torch.save(unsharded_parameters(chunks[0]), init_path)
+    if reference:  # its initial weights are every layout's
+        torch.save(to_local_names(unsharded_parameters(chunks[0]), impl), init_path)
     else:
-        load_unsharded_parameters(chunks, torch.load(init_path))
+        init = from_local_names(torch.load(init_path), impl)
+        if layout.world == 1:
+            # One device holds every parameter: a key the renaming missed shows here, where a
+            # sharded layout would just not ask for it.
+            have = {name for name, _, _ in named_parameters_unsharded(chunks)}
+            if have != set(init):
+                raise KeyError(
+                    f"{impl} model vs reference weights: missing {sorted(have - set(init))}, "
+                    f"unused {sorted(set(init) - have)}"
+                )
+        load_unsharded_parameters(chunks, init)
     model = parallel.wrap_model_chunks(chunks, config, par, bf16=bf16)
     optimizer, scheduler = parallel.build_optimizer(
         cc.optimizer_config(), par, model, bf16=bf16, train_iters=cc.steps
@@ -308,7 +391,7 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
             for name, p, _ in named_parameters_unsharded(model):
                 g = getattr(p, "main_grad", None)
                 grads[name] = (g if g is not None else p.grad).detach().float().cpu().clone()
-            grad_report = grads
+            grad_report = to_local_names(grads, impl)
         _, gnorm, _ = optimizer.step()
         scheduler.step(increment=1)
         losses.append(loss)
@@ -382,6 +465,8 @@ def compare(cc: CheckConfig, layout: Layout, workdir: str) -> dict:
         "vpp": layout.vpp,
         "sp": layout.sp,
         "cp": layout.cp,
+        "impl": cc.transformer_impl,
+        "ref_impl": cc.reference_impl,
         "losses": losses,
         "ref_losses": ref["losses"],
         "grad_norms": gnorms,
@@ -472,15 +557,23 @@ def tolerances(dtype: str, cpu: bool):
     return (1e-4, 1e-3, 1e-3) if cpu else (1e-3, 5e-3, 2e-2)
 
 
-def main(argv=None) -> int:
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def parse_args(argv=None):
+    """Parse the command line into ``(args, cc, layouts)``: the check's :class:`CheckConfig`
+    (tolerances set for its dtype) and the layouts asked for, before any device is touched.
+    ``single`` is added in front when the layouts' spec differs from the reference's and no
+    ``--layouts`` are given."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--cpu", action="store_true", help="tiny model on CPU/gloo (megatron_s2 CPU mode)"
     )
+    choices = [SINGLE] + GPU_LAYOUTS
     ap.add_argument(
         "--layouts",
         default=None,
-        help="comma-separated subset of: " + ",".join(layout.name for layout in GPU_LAYOUTS),
+        help="comma-separated subset of: " + ",".join(layout.name for layout in choices),
     )
     ap.add_argument("--seq-length", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
@@ -490,6 +583,19 @@ def main(argv=None) -> int:
         choices=("auto", "triton", "reference"),
         default=None,
         help="s2_attention backend of the S2 layers",
+    )
+    ap.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="local",
+        help="layer spec of the checked layouts (the trainer's model.transformer_impl)",
+    )
+    ap.add_argument(
+        "--reference-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="local",
+        help="layer spec of the single-device reference (default: local, so the TE spec is "
+        "checked against the local one)",
     )
     ap.add_argument("--out", default="parallel_check.json", help="JSON report path")
     ap.add_argument("--workdir", default=None)
@@ -504,13 +610,39 @@ def main(argv=None) -> int:
         cc.backend = args.backend
     if args.dtype:
         cc.dtype = args.dtype
+    cc.transformer_impl, cc.reference_impl = args.transformer_impl, args.reference_impl
     cc.loss_rtol, cc.gnorm_rtol, cc.grad_rtol = tolerances(cc.dtype, args.cpu)
-    layouts = GPU_LAYOUTS
+    layouts = list(GPU_LAYOUTS)
+    if cc.transformer_impl != cc.reference_impl:
+        layouts.insert(0, SINGLE)
     if args.layouts:
         wanted = args.layouts.split(",")
-        layouts = [layout for layout in GPU_LAYOUTS if layout.name in wanted]
+        layouts = [layout for layout in choices if layout.name in wanted]
         if len(layouts) != len(wanted):
-            ap.error(f"--layouts: choose from {[layout.name for layout in GPU_LAYOUTS]}")
+            ap.error(f"--layouts: choose from {[layout.name for layout in choices]}")
+    return args, cc, layouts
+
+
+def check_impls(cc: CheckConfig) -> Optional[str]:
+    """Why the specs of ``cc`` cannot run here (TE asked for with --cpu or without Transformer
+    Engine), or None."""
+    from megatron_s2.training.parallel import check_transformer_impl
+    from megatron_s2.training.run_config import ConfigError
+
+    try:
+        for impl in {cc.transformer_impl, cc.reference_impl}:
+            check_transformer_impl(impl, gpu=not cc.cpu)
+    except ConfigError as e:
+        return f"--transformer-impl/--reference-impl: {e}"
+    return None
+
+
+def main(argv=None) -> int:
+    args, cc, layouts = parse_args(argv)
+    problem = check_impls(cc)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if not args.cpu:
         n = torch.cuda.device_count()
         if not args.layouts:  # by default, every layout this host's GPUs can hold
@@ -525,6 +657,7 @@ def main(argv=None) -> int:
     rows = run_check(cc, layouts, args.workdir)
     print(f"config: {json.dumps({k: v for k, v in asdict(cc).items() if k != 'schedule'})}")
     print(f"schedule: {json.dumps(cc.schedule)}")
+    print(f"layouts: {cc.transformer_impl} spec; reference (one device): {cc.reference_impl} spec")
     print(format_table(rows))
     with open(args.out, "w") as f:
         json.dump(
