@@ -126,6 +126,20 @@ def _entries_below(rows, begin, end, tile_a, tile_b, SCAN: tl.constexpr):
     return n_a, n_b
 
 
+@triton.jit
+def _list_entry(entries, pos, step, end):
+    """``entries[pos]`` if loop step ``step < end``, else 0: the tile-list entry of the loop's
+    next step.
+
+    Each tile loop loads the entry of step ``i + 1`` during step ``i`` and carries it. The
+    K/V (or Q/dO) tile addresses then depend on a loop-carried value, and Triton's software
+    pipeliner keeps ``num_stages - 1`` tiles in flight; with the entry loaded in the step that
+    uses it, Triton 3.6 made the entry itself an async copy and waited for every copy at the top
+    of each step (one tile in flight, the load latency exposed). tools/inspect_kernels.py shows
+    the difference in the compiled loop (``async_wait`` counts, buffers per tile)."""
+    return tl.load(entries + pos, mask=step < end, other=0)
+
+
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tiles(
@@ -155,8 +169,10 @@ def _fwd_tiles(
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    kt_next = _list_entry(cols, e_begin, e_begin, e_end)
     for e in range(e_begin, e_end):
-        kt = tl.load(cols + e)
+        kt = kt_next
+        kt_next = _list_entry(cols, e + 1, e + 1, e_end)
         n_idx = kt * BLOCK_N + offs_n
         k_ptrs = k_base + n_idx[None, :].to(tl.int64) * stride_ks + offs_d[:, None] * stride_kd
         v_ptrs = v_base + n_idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
@@ -347,6 +363,14 @@ def _s2_fwd_kernel(
 
 # -------------------------------------------------------------------------------------- backward
 @triton.jit
+def _jump(i, jump_at, jump_by, JUMP: tl.constexpr):
+    """List position of loop step ``i``: ``i``, or with JUMP ``i + jump_by`` from ``jump_at`` on."""
+    if JUMP:
+        i = tl.where(i < jump_at, i, i + jump_by)
+    return i
+
+
+@triton.jit
 def _dkdv_tiles(
     dk,
     dv,
@@ -381,11 +405,13 @@ def _dkdv_tiles(
 ):
     # With JUMP, steps from jump_at on read entry i + jump_by: two ranges of the list in one
     # loop (varlen: the query tile across the document's end, then the partial entries).
+    e_next = _jump(e_begin, jump_at, jump_by, JUMP)
+    qt_next = _list_entry(rows, e_next, e_begin, e_end)
     for i in range(e_begin, e_end):
-        e = i
-        if JUMP:
-            e = tl.where(i < jump_at, i, i + jump_by)
-        qt = tl.load(rows + e)
+        e = e_next
+        qt = qt_next
+        e_next = _jump(i + 1, jump_at, jump_by, JUMP)
+        qt_next = _list_entry(rows, e_next, i + 1, e_end)
         m_idx = qt * BLOCK_M + offs_m
         m64 = m_idx[:, None].to(tl.int64)
         if MASKED:
@@ -678,8 +704,10 @@ def _dq_tiles(
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    kt_next = _list_entry(cols, e_begin, e_begin, e_end)
     for e in range(e_begin, e_end):
-        kt = tl.load(cols + e)
+        kt = kt_next
+        kt_next = _list_entry(cols, e + 1, e + 1, e_end)
         n_idx = kt * BLOCK_N + offs_n
         n64 = n_idx[:, None].to(tl.int64)
         if MASKED:

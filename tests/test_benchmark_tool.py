@@ -415,3 +415,28 @@ def test_e2e_table_puts_the_twins_side_by_side():
     assert "CUDA out of memory" in text
     assert first[4:] == ["20,000 / 17,000", "50.0 / 52.0"]
     assert second[4:] == ["/ 7,300", "/ 70.0"]
+
+
+def test_baseline_package_is_a_second_copy_that_computes_the_same(tmp_path):
+    """--baseline: another copy of s2attn imports beside this one (its own module objects and
+    pattern class) and, being the same code here, gives the same attention on the same inputs."""
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    copy = tmp_path / "kernels"
+    shutil.copytree(os.path.join(root, "kernels"), copy)
+    base = bench.load_baseline(str(copy))
+    assert base.__name__ == bench.BASELINE_PACKAGE
+    assert base.S2Pattern is not S2Pattern
+    pattern = PATTERNS["gqa-phase1"]
+    bp = bench.baseline_pattern(base, pattern)
+    assert isinstance(bp, base.S2Pattern) and repr(bp) == repr(pattern)
+    import s2attn
+
+    q = torch.randn(1, 70, 4, 16)
+    k, v = torch.randn(1, 70, 2, 16), torch.randn(1, 70, 2, 16)
+    torch.testing.assert_close(
+        base.s2_attention(q, k, v, bp), s2attn.s2_attention(q, k, v, pattern)
+    )
+    with pytest.raises(SystemExit, match="no __init__.py"):
+        bench.load_baseline(str(tmp_path))

@@ -43,26 +43,9 @@ from concurrent.futures import ProcessPoolExecutor
 assert os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def target():
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-
-    t = GPUTarget("cuda", 90, 128)
-    return t, make_backend(t)
-
-
-def compile_sm90(fn, args, kwargs):
-    # What JITFunction.run does before compiling, without a driver: the GPU launch's
-    # specialization (divisibility by 16, ints equal to 1 as constants) and options.
-    import triton
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    t, backend = target()
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, options = binder(*args, **kwargs)
-    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=t, options=options.__dict__)
+# tools/inspect_kernels.py compiles a captured launch for sm_90 as a GPU launch would.
+sys.path.insert(0, os.environ["S2_TOOLS"])
+from inspect_kernels import compile_sm90, loop_waits  # noqa: E402
 
 
 def probe():
@@ -136,7 +119,7 @@ def run_case(case):
             c = compile_sm90(fn, a, kw)
             cfg = f"m{kw['BLOCK_M']} n{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']}"
             out[("varlen " if varlen else "fixed ") + tag] = dict(
-                shared=c.metadata.shared, config=cfg
+                shared=c.metadata.shared, config=cfg, loop_waits=loop_waits(c.asm["ttgir"])
             )
     return name, out
 
@@ -164,6 +147,7 @@ def compiled(tmp_path_factory):
     (tmp / "s2attn").symlink_to(root / "kernels", target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), env.get("PYTHONPATH")]))
+    env["S2_TOOLS"] = str(root / "tools")
     env["S2ATTN_CHECKOUT"] = os.path.realpath(root / "kernels" / "triton_attention.py")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default; silences its warning
     script = tmp / "compile_sm90.py"  # a file: @triton.jit reads its source
@@ -195,3 +179,18 @@ def test_default_launches_fit_hopper_shared_memory(compiled, case):
     )
     over = {k: v for k, v in launches.items() if v["shared"] > HOPPER_SHARED_BYTES}
     assert not over, f"{case}: over {HOPPER_SHARED_BYTES} bytes of shared memory: {over}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("fp32")])
+def test_tile_loops_keep_tiles_in_flight(compiled, case):
+    """Every tile loop of every 16-bit launch is software-pipelined: the wait at the top of a
+    step leaves later tiles' copies in flight (``async_wait`` num > 0). Loading the tile-list
+    entry in the step that uses it once gave num = 0 in the main loops of all three kernels
+    (one tile in flight, its latency exposed); kernels/triton_attention.py's _list_entry."""
+    for launch, info in compiled[case].items():
+        waits = [w for w in info["loop_waits"] if w]
+        assert waits, f"{case} {launch}: no pipelined tile loop"
+        starved = [w for w in waits if min(w) == 0]
+        assert not starved, f"{case} {launch}: a tile loop waits for every copy: {waits}"

@@ -21,6 +21,10 @@ package's Triton kernels on the S2 pattern) and the rows named by ``--rows``:
   * ``flash`` / ``cudnn``: dense causal SDPA with the flash (FA2) and cuDNN backends,
   * ``fa4``: dense causal FlashAttention-4 (``flash_attn.cute.flash_attn_func`` of the
     ``flash-attn-4`` package; tools/stage_flash_attn4.sh carries it to the lent GPU machines).
+With ``--baseline DIR`` (another copy of the s2attn package, e.g. an earlier commit's
+``kernels/`` from ``git archive``), rows ``base s2attn`` (and ``base s2attn dense (V=1)`` when
+s2dense runs) time that copy on the same inputs in the same run: a kernel change is judged
+against its predecessor side by side, not against a number from another day.
 Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
 attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
 row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
@@ -67,8 +71,10 @@ DEFAULT_ROWS = "s2dense,varlen,flex,flex-fa4,flash,cudnn,fa4"
 # Other people's dense causal kernels: "best dense" is the fastest of these in the same case.
 # Our own dense-pattern row is left out on purpose: it is what we measure against them.
 DENSE_BASELINES = ("flash", "cudnn", "fa4")
-# Rows of ours whose fractions of the best dense rate the footer spells out.
-OUR_ROWS = ("s2attn", "s2dense")
+# Rows of ours whose fractions of the best dense rate the footer spells out (base-*: the
+# --baseline copy of the package).
+OUR_ROWS = ("s2attn", "s2dense", "base-s2attn", "base-s2dense")
+BASELINE_PACKAGE = "s2attn_baseline"
 FA4_MODULE = "flash_attn.cute"
 STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
 # Rate keys of a result record: forward alone and forward+backward.
@@ -301,7 +307,31 @@ def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     return "s2attn" + ("" if not diffs else " " + ",".join(diffs))
 
 
-def run_case(seq, args, d, block, rows, sweep, skipped=()):
+def load_baseline(path: str):
+    """Import the s2attn package in folder ``path`` (its ``__init__.py`` inside) under the name
+    ``s2attn_baseline``, next to this checkout's ``s2attn``; returns the module."""
+    import importlib.util
+    import os
+
+    init = os.path.join(path, "__init__.py")
+    if not os.path.isfile(init):
+        raise SystemExit(f"--baseline {path}: no __init__.py there (give an s2attn package folder)")
+    spec = importlib.util.spec_from_file_location(
+        BASELINE_PACKAGE, init, submodule_search_locations=[path]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[BASELINE_PACKAGE] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def baseline_pattern(base, pattern: S2Pattern):
+    """``pattern`` rebuilt with the baseline package's own S2Pattern class (same fields)."""
+    fields = {f.name: getattr(pattern, f.name) for f in dataclasses.fields(pattern) if f.init}
+    return base.S2Pattern(**fields)
+
+
+def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
     """Time the s2attn row (and ``--sweep`` configs) and ``rows`` (``ROWS`` keys that can run)
     at one shape; ``skipped``: ``[(row, reason)]`` recorded as skipped. Returns (records,
     density of the S2 pattern at ``seq``)."""
@@ -363,6 +393,16 @@ def run_case(seq, args, d, block, rows, sweep, skipped=()):
         run = lambda: s2_attention(q, k, v, dpat)
         pairs = row_pairs("s2dense", pat, seq, batch)
         record("s2dense", ROWS["s2dense"], pairs, run, fwd_bwd(run, (q, k, v), grad))
+    if baseline is not None:
+        variants = [("s2attn", pat)] + (
+            [("s2dense", dense_pattern(pat))] if "s2dense" in rows else []
+        )
+        for row, p in variants:
+            bp = baseline_pattern(baseline, p)
+            run = lambda bp=bp: baseline.s2_attention(q, k, v, bp)
+            name = "base " + ("s2attn" if row == "s2attn" else ROWS[row])
+            pairs = row_pairs(row, pat, seq, batch)
+            record("base-" + row, name, pairs, run, fwd_bwd(run, (q, k, v), grad))
     # The batch's tokens packed (views, no copy) for the varlen rows.
     qv, kv, vv = (x.view(batch * seq, *x.shape[2:]) for x in (q, k, v))
     for row in ("varlen", "varlen-mixed"):
@@ -540,6 +580,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="also run head_dim 64 and block 16 cases at 32k (s2attn, flex, dense baselines)",
     )
     ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configs")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="another copy of the s2attn package (e.g. `git archive COMMIT kernels`) timed in "
+        "the same run as rows 'base s2attn' / 'base s2attn dense (V=1)'",
+    )
     ap.add_argument("--json", default=None, help="write raw results here")
     ap.add_argument(
         "--list-rows",
@@ -571,11 +618,12 @@ def main(argv=None):
         f"L={args.local_blocks} V={args.vert_stride} tokens={args.tokens}",
         flush=True,
     )
+    baseline = load_baseline(args.baseline) if args.baseline else None
     results = {}
     for seq, d, block, rws, sw in cases:
         print(f"seq {seq} d {d} block {block}", flush=True)
         run, skipped = plan_rows(rws, unavailable)
-        rs, dens = run_case(seq, args, d, block, run, sw, skipped)
+        rs, dens = run_case(seq, args, d, block, run, sw, skipped, baseline)
         results[(seq, d, block, dens)] = rs
         torch.cuda.empty_cache()
     table = summarize(results)
