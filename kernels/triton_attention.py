@@ -7,6 +7,13 @@ dK/dV are accumulated in registers with no atomics (deterministic). Each walk do
 tiles first without any masking, then the "partial" tiles (causal diagonal, row range, sequence
 end) with masking applied to the logits *before* the exponential.
 
+With ``KernelConfig(tma=True)`` the tiles the loops walk (K/V in the forward and dQ passes, Q/dO
+in the dK/dV pass) are read through tensor descriptors over the ``[b, s, h, d]`` tensors: Hopper's
+tensor memory accelerator (TMA) copies a whole tile per instruction, instead of every thread
+computing its addresses. Rows past a tensor's sequence length read as zeros, as the masked loads
+give; inside a packed row they are the next document's tokens, finite and masked out by the
+logits like any key outside the document.
+
 Logits are kept in base 2 (``qk_scale = softmax_scale * log2(e)``); the returned LSE is the
 natural-log log-sum-exp of the scaled logits, fp32, shape ``[batch, heads, seq_q]``.
 
@@ -28,6 +35,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
@@ -140,6 +148,25 @@ def _list_entry(entries, pos, step, end):
     return tl.load(entries + pos, mask=step < end, other=0)
 
 
+@triton.jit
+def _tma_rows(desc, batch, row0, head, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``[ROWS, HEAD_DIM]``: rows ``row0 ..`` of head ``head`` of batch row ``batch``, through a
+    tensor descriptor over a ``[b, s, h, d]`` tensor (block ``[1, ROWS, 1, HEAD_DIM]``)."""
+    return desc.load([batch, row0, head, 0]).reshape(ROWS, HEAD_DIM)
+
+
+@triton.jit
+def _tma_origin(b, tok0, VARLEN: tl.constexpr):
+    """Descriptor coordinates ``(batch, first row)`` of a program's sequence (int32)."""
+    if VARLEN:
+        batch = 0
+        row0 = tok0
+    else:
+        batch = b.to(tl.int32)
+        row0 = 0
+    return batch, row0
+
+
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tiles(
@@ -164,8 +191,15 @@ def _fwd_tiles(
     seq_k,
     k_start,
     qk_scale,
+    k_desc,
+    v_desc,
+    tma_b,
+    tma_row,
+    kv_head,
     BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
+    TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -174,12 +208,15 @@ def _fwd_tiles(
         kt = kt_next
         kt_next = _list_entry(cols, e + 1, e + 1, e_end)
         n_idx = kt * BLOCK_N + offs_n
-        k_ptrs = k_base + n_idx[None, :].to(tl.int64) * stride_ks + offs_d[:, None] * stride_kd
-        v_ptrs = v_base + n_idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-        if MASKED:
-            k = tl.load(k_ptrs, mask=n_idx[None, :] < seq_k, other=0.0)
+        if TMA:
+            k_row = tma_row + kt * BLOCK_N
+            k = tl.trans(_tma_rows(k_desc, tma_b, k_row, kv_head, BLOCK_N, HEAD_DIM))
         else:
-            k = tl.load(k_ptrs)
+            k_ptrs = k_base + n_idx[None, :].to(tl.int64) * stride_ks + offs_d[:, None] * stride_kd
+            if MASKED:
+                k = tl.load(k_ptrs, mask=n_idx[None, :] < seq_k, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
         s = _mma(q, k, PRECISION, INTERPRET) * qk_scale
         if MASKED:
             lo = tl.load(los + e)
@@ -197,10 +234,14 @@ def _fwd_tiles(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=n_idx[:, None] < seq_k, other=0.0)
+        if TMA:
+            v = _tma_rows(v_desc, tma_b, k_row, kv_head, BLOCK_N, HEAD_DIM)
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_base + n_idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+            if MASKED:
+                v = tl.load(v_ptrs, mask=n_idx[:, None] < seq_k, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + _mma(_cast(p, v.dtype, INTERPRET), v, PRECISION, INTERPRET)
         m_i = m_new
     return acc, l_i, m_i
@@ -247,17 +288,21 @@ def _s2_fwd_kernel(
     num_q_tiles,
     group,
     qk_scale,
+    k_desc,
+    v_desc,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     VARLEN: tl.constexpr,
+    TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     item, b, tok0, seq_q, seq_k = _program(
         pid, order, prog_tok, prog_len, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
     )
+    tma_b, tma_row = _tma_origin(b, tok0, VARLEN)
     h = item // num_q_tiles
     qt = item % num_q_tiles
     if VARLEN:
@@ -312,8 +357,15 @@ def _s2_fwd_kernel(
         seq_k,
         k_start,
         qk_scale,
+        k_desc,
+        v_desc,
+        tma_b,
+        tma_row,
+        h // group,
         BLOCK_N,
+        HEAD_DIM,
         False,
+        TMA,
         PRECISION,
         INTERPRET,
     )
@@ -339,8 +391,15 @@ def _s2_fwd_kernel(
         seq_k,
         k_start,
         qk_scale,
+        k_desc,
+        v_desc,
+        tma_b,
+        tma_row,
+        h // group,
         BLOCK_N,
+        HEAD_DIM,
         True,
+        TMA,
         PRECISION,
         INTERPRET,
     )
@@ -397,9 +456,16 @@ def _dkdv_tiles(
     seq_q,
     q_start,
     qk_scale,
+    q_desc,
+    do_desc,
+    tma_b,
+    tma_row,
+    head,
     BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     JUMP: tl.constexpr,
+    TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -414,25 +480,31 @@ def _dkdv_tiles(
         qt_next = _list_entry(rows, e_next, i + 1, e_end)
         m_idx = qt * BLOCK_M + offs_m
         m64 = m_idx[:, None].to(tl.int64)
+        if TMA:
+            q_row = tma_row + qt * BLOCK_M
+            q = _tma_rows(q_desc, tma_b, q_row, head, BLOCK_M, HEAD_DIM)
+            do = _tma_rows(do_desc, tma_b, q_row, head, BLOCK_M, HEAD_DIM)
         if MASKED:
             row_ok = m_idx < seq_q
-            q = tl.load(
-                q_base + m64 * stride_qs + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            do = tl.load(
-                do_base + m64 * stride_dos + offs_d[None, :] * stride_dod,
-                mask=row_ok[:, None],
-                other=0.0,
-            )
+            if not TMA:
+                q = tl.load(
+                    q_base + m64 * stride_qs + offs_d[None, :] * stride_qd,
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )
+                do = tl.load(
+                    do_base + m64 * stride_dos + offs_d[None, :] * stride_dod,
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )
             lse = tl.load(lse_base + m_idx, mask=row_ok, other=0.0)
             delta = tl.load(delta_base + m_idx, mask=row_ok, other=0.0)
             # Rows that attend nothing (lse = -inf, only with offsets) must give p = 0, not NaN.
             lse = tl.where(lse == float("-inf"), 0.0, lse)
         else:
-            q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd)
-            do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod)
+            if not TMA:
+                q = tl.load(q_base + m64 * stride_qs + offs_d[None, :] * stride_qd)
+                do = tl.load(do_base + m64 * stride_dos + offs_d[None, :] * stride_dod)
             lse = tl.load(lse_base + m_idx)
             delta = tl.load(delta_base + m_idx)
         # Transposed scores [BLOCK_N, BLOCK_M]: keys are this program's rows.
@@ -510,17 +582,21 @@ def _s2_dkdv_kernel(
     group,
     qk_scale,
     sm_scale,
+    q_desc,
+    do_desc,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     VARLEN: tl.constexpr,
+    TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     item, b, tok0, seq_q, seq_k = _program(
         pid, order, prog_tok, prog_len, (num_heads // group) * num_k_tiles, seq_q, seq_k, VARLEN
     )
+    tma_b, tma_row = _tma_origin(b, tok0, VARLEN)
     kvh = item // num_k_tiles
     kt = item % num_k_tiles
     if VARLEN:
@@ -613,9 +689,16 @@ def _s2_dkdv_kernel(
             seq_q,
             q_start,
             qk_scale,
+            q_desc,
+            do_desc,
+            tma_b,
+            tma_row,
+            h,
             BLOCK_M,
+            HEAD_DIM,
             False,
             False,
+            TMA,
             PRECISION,
             INTERPRET,
         )
@@ -648,9 +731,16 @@ def _s2_dkdv_kernel(
             seq_q,
             q_start,
             qk_scale,
+            q_desc,
+            do_desc,
+            tma_b,
+            tma_row,
+            h,
             BLOCK_M,
+            HEAD_DIM,
             True,
             VARLEN,
+            TMA,
             PRECISION,
             INTERPRET,
         )
@@ -699,8 +789,15 @@ def _dq_tiles(
     seq_k,
     k_start,
     qk_scale,
+    k_desc,
+    v_desc,
+    tma_b,
+    tma_row,
+    kv_head,
     BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
+    TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -710,7 +807,11 @@ def _dq_tiles(
         kt_next = _list_entry(cols, e + 1, e + 1, e_end)
         n_idx = kt * BLOCK_N + offs_n
         n64 = n_idx[:, None].to(tl.int64)
-        if MASKED:
+        if TMA:
+            k_row = tma_row + kt * BLOCK_N
+            k = _tma_rows(k_desc, tma_b, k_row, kv_head, BLOCK_N, HEAD_DIM)
+            v = _tma_rows(v_desc, tma_b, k_row, kv_head, BLOCK_N, HEAD_DIM)
+        elif MASKED:
             k = tl.load(
                 k_base + n64 * stride_ks + offs_d[None, :] * stride_kd,
                 mask=n_idx[:, None] < seq_k,
@@ -796,12 +897,15 @@ def _s2_dq_kernel(
     group,
     qk_scale,
     sm_scale,
+    k_desc,
+    v_desc,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     VARLEN: tl.constexpr,
+    TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     # dQ programs own query rows, so they also produce each row's
@@ -811,6 +915,7 @@ def _s2_dq_kernel(
     item, b, tok0, seq_q, seq_k = _program(
         pid, order, prog_tok, prog_len, num_heads * num_q_tiles, seq_q, seq_k, VARLEN
     )
+    tma_b, tma_row = _tma_origin(b, tok0, VARLEN)
     h = item // num_q_tiles
     qt = item % num_q_tiles
     if VARLEN:
@@ -888,8 +993,15 @@ def _s2_dq_kernel(
         seq_k,
         k_start,
         qk_scale,
+        k_desc,
+        v_desc,
+        tma_b,
+        tma_row,
+        h // group,
         BLOCK_N,
+        HEAD_DIM,
         False,
+        TMA,
         PRECISION,
         INTERPRET,
     )
@@ -916,8 +1028,15 @@ def _s2_dq_kernel(
         seq_k,
         k_start,
         qk_scale,
+        k_desc,
+        v_desc,
+        tma_b,
+        tma_row,
+        h // group,
         BLOCK_N,
+        HEAD_DIM,
         True,
+        TMA,
         PRECISION,
         INTERPRET,
     )
@@ -981,16 +1100,20 @@ class KernelConfig:
     ``block_n``: key tile of every pass (a power of two >= 16 that divides the pattern's block
     size, so a key tile never spans two pattern blocks). ``fwd``, ``dq``, ``dkdv``: the
     :class:`PassConfig` of the forward, dQ and dK/dV kernels; their ``block_m`` may merge several
-    pattern blocks (Merge-Q). Derive variants with ``dataclasses.replace``, e.g.
-    ``replace(cfg, dq=PassConfig(64, 4, 3))``.
+    pattern blocks (Merge-Q). ``tma``: read the walked tiles through TMA tensor descriptors
+    (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run). Derive
+    variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))``.
     """
 
     block_n: int
     fwd: PassConfig
     dq: PassConfig
     dkdv: PassConfig
+    tma: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.tma, bool):
+            raise TypeError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
         if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
             raise ValueError(
                 f"KernelConfig.block_n must be a power of two >= {MIN_TILE}, got {self.block_n!r}"
@@ -1051,6 +1174,38 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     return KernelConfig(block_n, fwd=GPU_FWD, dq=dq, dkdv=dkdv)
+
+
+# Hopper's TMA: the global address and every stride but the innermost (which must be 1) are
+# multiples of 16 bytes, and a tile row is at least 16 bytes.
+TMA_ALIGN_BYTES = 16
+# TMA tiles for the 16-bit training dtypes only: fp32 tiles (tests, exact checks) staged for TMA
+# would exceed Hopper's shared memory in the dQ pass at head_dim 128 (262 KB, measured with
+# tools/inspect_kernels.py), and fp32 runs are not where speed matters.
+TMA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """Whether ``[b, s, h, d]`` tensor ``t`` can be read through a TMA tensor descriptor."""
+    size = t.element_size()
+    return (
+        t.dtype in TMA_DTYPES
+        and t.stride(-1) == 1
+        and t.data_ptr() % TMA_ALIGN_BYTES == 0
+        and t.shape[-1] * size >= TMA_ALIGN_BYTES
+        and all(st * size % TMA_ALIGN_BYTES == 0 for st in t.stride()[:-1])
+    )
+
+
+def _tile_descriptors(enabled: bool, tensors, rows: int) -> tuple:
+    """Tensor descriptors of ``[b, s, h, d]`` ``tensors`` with ``[1, rows, 1, d]`` tiles when
+    ``enabled`` and every tensor allows one (else Nones: the kernels take the pointer path)."""
+    if not (enabled and all(tma_compatible(t) for t in tensors)):
+        return (None,) * len(tensors)
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]])
+        for t in tensors
+    )
 
 
 def _strides(t):
@@ -1293,6 +1448,7 @@ def s2_forward(
     grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=False)
     if grid == 0:
         return out, lse
+    tiles = _tile_descriptors(cfg.tma, (k, v), lay.block_n)
     _s2_fwd_kernel[(grid,)](
         q,
         k,
@@ -1321,11 +1477,13 @@ def s2_forward(
         lay.num_q_tiles,
         lay.group,
         scale * LOG2E.value,
+        *tiles,
         BLOCK_M=lay.block_m,
         BLOCK_N=lay.block_n,
         HEAD_DIM=d,
         PRECISION=_precision(q.dtype),
         VARLEN=varlen is not None,
+        TMA=tiles[0] is not None,
         INTERPRET=_INTERPRETED,
         num_warps=cfg.fwd.num_warps,
         num_stages=cfg.fwd.num_stages,
@@ -1367,6 +1525,7 @@ def bwd_dkdv(
     grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=True)
     if grid == 0:
         return dk, dv
+    tiles = _tile_descriptors(config.tma, (q, do), lay.block_m)
     _s2_dkdv_kernel[(grid,)](
         q,
         k,
@@ -1402,11 +1561,13 @@ def bwd_dkdv(
         lay.group,
         scale * LOG2E.value,
         scale,
+        *tiles,
         BLOCK_M=lay.block_m,
         BLOCK_N=lay.block_n,
         HEAD_DIM=d,
         PRECISION=_precision(q.dtype),
         VARLEN=varlen is not None,
+        TMA=tiles[0] is not None,
         INTERPRET=_INTERPRETED,
         num_warps=config.dkdv.num_warps,
         num_stages=config.dkdv.num_stages,
@@ -1441,6 +1602,7 @@ def bwd_dq(
     grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=False)
     if grid == 0:
         return dq, delta
+    tiles = _tile_descriptors(config.tma, (k, v), lay.block_n)
     _s2_dq_kernel[(grid,)](
         q,
         k,
@@ -1476,12 +1638,14 @@ def bwd_dq(
         lay.group,
         scale * LOG2E.value,
         scale,
+        *tiles,
         BLOCK_M=lay.block_m,
         BLOCK_N=lay.block_n,
         HEAD_DIM=d,
         PRECISION=_precision(q.dtype),
         HAS_DLSE=dlse is not None,
         VARLEN=varlen is not None,
+        TMA=tiles[0] is not None,
         INTERPRET=_INTERPRETED,
         num_warps=config.dq.num_warps,
         num_stages=config.dq.num_stages,

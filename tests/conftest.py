@@ -156,3 +156,28 @@ def assert_matches(got: dict, ref: dict, tol: float, names=("out", "lse", "dq", 
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
     return errs
+
+
+@pytest.fixture(params=[False, True], ids=["pointer-tiles", "tma-tiles"])
+def tile_loads(request, monkeypatch):
+    """Runs a test twice: default kernel configs as they are, then with ``tma=True`` (the walked
+    tiles read through TMA tensor descriptors, 16-bit inputs only). Yields None, or with TMA the
+    list of descriptors built, so a test can check that the TMA path really ran."""
+    import dataclasses
+
+    import s2attn.triton_attention as ta
+
+    built = []
+    if request.param:
+        default, make = ta.kernel_config, ta.TensorDescriptor
+
+        def with_tma(*a, **kw):
+            return dataclasses.replace(default(*a, **kw), tma=True)
+
+        def counted(*a, **kw):
+            built.append(a[0].shape)
+            return make(*a, **kw)
+
+        monkeypatch.setattr(ta, "kernel_config", with_tma)
+        monkeypatch.setattr(ta, "TensorDescriptor", counted)
+    yield built if request.param else None

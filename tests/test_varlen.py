@@ -186,7 +186,9 @@ def _masked_attention(q, k, v, mask, scale):
 # ------------------------------------------------------------------------- against float64
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
-def test_varlen_matches_fp64_reference(c):
+def test_varlen_matches_fp64_reference(c, tile_loads):
+    if tile_loads is not None and c.dtype == torch.float32:
+        pytest.skip("TMA tiles are for 16-bit inputs (fp32 takes the pointer loads)")
     views, _, do, dl = _inputs(c)
     got = _triton(c, views, do, dl)
     ref = _fp64_reference(c, views, do, dl)
@@ -194,6 +196,7 @@ def test_varlen_matches_fp64_reference(c):
     assert got["out"].shape == (total, c.heads, c.head_dim) and got["out"].dtype == c.dtype
     assert got["lse"].shape == (c.heads, total) and got["lse"].dtype == torch.float32
     assert_matches(got, ref, FP32_TOL if c.dtype == torch.float32 else BF16_TOL)
+    assert tile_loads is None or tile_loads, "tma=True built no descriptor: pointer loads ran"
     if c.dtype == torch.bfloat16:
         # No worse than plain bf16 attention (matmuls and probabilities rounded to bf16) under
         # the same packed mask, both measured against float64.

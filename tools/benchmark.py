@@ -284,6 +284,7 @@ def sweep_configs(base: KernelConfig) -> list:
         )
 
     return [
+        r(base, tma=not base.tma),
         r(base, fwd=PassConfig(128, 4, base.fwd.num_stages)),
         r(base, fwd=PassConfig(128, 8, base.fwd.num_stages)),
         r(base, dq=PassConfig(64, 4, base.dq.num_stages)),
@@ -297,6 +298,7 @@ def sweep_configs(base: KernelConfig) -> list:
 def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     """``s2attn`` for the default config, else the fields that differ from it."""
     diffs = [f"bn={cfg.block_n}"] if cfg.block_n != base.block_n else []
+    diffs += [f"tma={cfg.tma}"] if cfg.tma != base.tma else []
     for name in ("fwd", "dq", "dkdv"):
         got, ref = getattr(cfg, name), getattr(base, name)
         diffs += [

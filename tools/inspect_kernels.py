@@ -13,6 +13,7 @@ METHOD.md in the device notes: "read what costs no device time" before spending 
     python tools/inspect_kernels.py                       # bf16, d128, block 64, the GPU defaults
     python tools/inspect_kernels.py --head-dim 64 --block-size 16 --kv-heads 2
     python tools/inspect_kernels.py --fwd 128,8,3 --dq 128,8,3 --dkdv 64,8,2   # other tiles
+    python tools/inspect_kernels.py --tma                 # tiles through TMA descriptors
     python tools/inspect_kernels.py --dump /tmp/asm      # also write .ttgir/.ptx/.sass files
 
 Tiles are ``block_m,num_warps,num_stages`` per pass (:class:`s2attn.triton_attention.PassConfig`).
@@ -252,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dq", help="block_m,num_warps,num_stages of the dQ pass")
     ap.add_argument("--dkdv", help="block_m,num_warps,num_stages of the dK/dV pass")
     ap.add_argument("--block-n", type=int, help="key tile (default: the pattern block, <= 64)")
+    ap.add_argument("--tma", action="store_true", help="KernelConfig(tma=True): TMA tile loads")
     ap.add_argument("--dump", type=Path, help="write each kernel's TTGIR, PTX and SASS here")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = ap.parse_args(argv)
@@ -277,6 +279,8 @@ def main(argv=None) -> int:
             config = dataclasses.replace(config, **{key: ta.PassConfig(*val)})
     if args.block_n is not None:
         config = dataclasses.replace(config, block_n=args.block_n)
+    if args.tma:
+        config = dataclasses.replace(config, tma=True)
     launches = capture_launches(
         ta,
         pattern,
