@@ -2,8 +2,9 @@
 
     python tools/tune_kernels.py --seq 32768 --tokens 131072
 
-Prints one line per (kernel, config) with the median time; the fastest per kernel is what
-``triton_attention.kernel_config`` should return on this GPU (its ``GPU_*`` defaults).
+Prints one line per (kernel, config, pointer or TMA tile loads) with the median time; the
+fastest per kernel is what ``triton_attention.kernel_config`` should return on this GPU (its
+``GPU_*`` defaults).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument(
+        "--tma",
+        choices=("off", "on", "both"),
+        default="both",
+        help="tile loads per candidate: pointer (off), TMA descriptors (on), or each (both)",
+    )
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     b = max(1, args.tokens // args.seq)
@@ -62,8 +69,10 @@ def main(argv=None):
         ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c)),
     ):
         best = None
-        for cand in cands:
-            cfg = dataclasses.replace(base, **{name: cand})
+        tmas = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
+        for cand, tma in ((c, t) for c in cands for t in tmas):
+            cfg = dataclasses.replace(base, tma=tma, **{name: cand})
+            cand = f"{cand}{' tma' if tma else ''}"
             try:
                 ms = triton.testing.do_bench(
                     lambda fn=fn, cfg=cfg: fn(cfg), warmup=25, rep=100, return_mode="median"
