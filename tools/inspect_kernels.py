@@ -14,6 +14,7 @@ METHOD.md in the device notes: "read what costs no device time" before spending 
     python tools/inspect_kernels.py --head-dim 64 --block-size 16 --kv-heads 2
     python tools/inspect_kernels.py --fwd 128,8,3 --dq 128,8,3 --dkdv 64,8,2   # other tiles
     python tools/inspect_kernels.py --tma                 # tiles through TMA descriptors
+    python tools/inspect_kernels.py --kernels /tmp/old/kernels   # another copy of the package
     python tools/inspect_kernels.py --dump /tmp/asm      # also write .ttgir/.ptx/.sass files
 
 Tiles are ``block_m,num_warps,num_stages`` per pass (:class:`s2attn.triton_attention.PassConfig`).
@@ -32,10 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("tools/inspect_kernels.py compiles for sm_90: unset TRITON_INTERPRET")
-
-import torch  # noqa: E402
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,11 +56,11 @@ SASS_COUNTS = {
 HOPPER_SHARED_BYTES = 232448
 
 
-def _import_s2attn():
-    """s2attn from this checkout (the package's folder is kernels/)."""
+def _import_s2attn(folder: Path = REPO / "kernels"):
+    """s2attn from ``folder`` (default: this checkout's kernels/)."""
     import importlib.util
 
-    init = REPO / "kernels" / "__init__.py"
+    init = Path(folder) / "__init__.py"
     spec = importlib.util.spec_from_file_location(
         "s2attn", init, submodule_search_locations=[str(init.parent)]
     )
@@ -254,11 +252,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dkdv", help="block_m,num_warps,num_stages of the dK/dV pass")
     ap.add_argument("--block-n", type=int, help="key tile (default: the pattern block, <= 64)")
     ap.add_argument("--tma", action="store_true", help="KernelConfig(tma=True): TMA tile loads")
+    ap.add_argument(
+        "--kernels",
+        type=Path,
+        default=REPO / "kernels",
+        help="the s2attn package folder to compile (e.g. an earlier commit's, from git archive)",
+    )
     ap.add_argument("--dump", type=Path, help="write each kernel's TTGIR, PTX and SASS here")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = ap.parse_args(argv)
-
-    _import_s2attn()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # Under the interpreter the kernels are not JITFunctions and cannot be compiled.
+        sys.exit("tools/inspect_kernels.py compiles for sm_90: unset TRITON_INTERPRET")
+    _import_s2attn(args.kernels)
     import s2attn.triton_attention as ta
     from s2attn import S2Pattern
 
