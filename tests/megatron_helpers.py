@@ -32,6 +32,12 @@ def init_single_process() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        try:
+            torch.distributed.get_rank(group=parallel_state.get_pipeline_model_parallel_group())
+        except (ValueError, RuntimeError):
+            # Groups of a world an earlier test tore down and replaced: start over.
+            parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
 

@@ -125,6 +125,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         if torch.distributed.is_initialized():
+            # Megatron's groups too: a caller that runs main() again in this process (a sweep, a
+            # test, a notebook) must not find groups of the world destroyed here.
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
 
 

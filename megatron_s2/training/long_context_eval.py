@@ -1015,6 +1015,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 4
     finally:
         if started and torch.distributed.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()  # no stale groups for a later run here
             torch.distributed.destroy_process_group()
     return 0
 
