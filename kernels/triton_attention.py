@@ -35,7 +35,11 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before host-side tensor descriptors: tma=True takes pointer loads
+    TensorDescriptor = None
 
 from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
@@ -1200,7 +1204,7 @@ def tma_compatible(t: torch.Tensor) -> bool:
 def _tile_descriptors(enabled: bool, tensors, rows: int) -> tuple:
     """Tensor descriptors of ``[b, s, h, d]`` ``tensors`` with ``[1, rows, 1, d]`` tiles when
     ``enabled`` and every tensor allows one (else Nones: the kernels take the pointer path)."""
-    if not (enabled and all(tma_compatible(t) for t in tensors)):
+    if not (enabled and TensorDescriptor is not None and all(tma_compatible(t) for t in tensors)):
         return (None,) * len(tensors)
     return tuple(
         TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]])

@@ -440,3 +440,15 @@ def test_baseline_package_is_a_second_copy_that_computes_the_same(tmp_path):
     )
     with pytest.raises(SystemExit, match="no __init__.py"):
         bench.load_baseline(str(tmp_path))
+
+
+def test_kernel_timing_script_needs_a_baseline_package(tmp_path):
+    """tools/run_kernel_timing.sh refuses, before any GPU work, a folder that is no package."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tools", "run_kernel_timing.sh")
+    run = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 2 and "no s2attn package" in run.stderr
+    run = subprocess.run(["bash", script], capture_output=True, text=True)
+    assert run.returncode != 0 and "usage" in run.stderr
