@@ -45,7 +45,7 @@ assert os.environ.get("TRITON_INTERPRET") != "1"
 
 # tools/inspect_kernels.py compiles a captured launch for sm_90 as a GPU launch would.
 sys.path.insert(0, os.environ["S2_TOOLS"])
-from inspect_kernels import compile_sm90, loop_waits  # noqa: E402
+from inspect_kernels import capture_launches, compile_sm90, loop_waits  # noqa: E402
 
 
 def probe():
@@ -63,19 +63,6 @@ def probe():
     compile_sm90(_probe, (torch.zeros(16),), dict(BLOCK=16))
 
 
-captured = []
-
-
-# Stands in for a kernel: kernel[grid](*args, **kwargs) records the launch.
-class Capture:
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: captured.append((self.fn, a, kw))
-
-
 def run_case(case):
     name, (dt, d, block, h, hkv) = case
     import torch
@@ -85,37 +72,17 @@ def run_case(case):
 
     assert os.path.realpath(ta.__file__) == os.environ["S2ATTN_CHECKOUT"], ta.__file__
 
-    for k in ("_s2_fwd_kernel", "_s2_dq_kernel", "_s2_dkdv_kernel"):
-        if not isinstance(getattr(ta, k), Capture):
-            setattr(ta, k, Capture(getattr(ta, k)))
-    if not hasattr(ta, "_cpu_kernel_config"):
-        # The tensors are on the CPU; the launches get the defaults a CUDA tensor would.
-        ta._cpu_kernel_config = ta.kernel_config
-        ta.kernel_config = lambda p, d, device, dtype=None: ta._cpu_kernel_config(
-            p, d, "cuda", dtype
-        )
     dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[dt]
     p = S2Pattern(num_heads=h, num_kv_heads=hkv, block_size=block, local_blocks=2, vert_stride=3)
     lens = [300, 1, 64, 37]
-    total = sum(lens)
     out = {}
     for varlen in (False, True):
-        b = 1 if varlen else 2
-        q = torch.randn(b, total, h, d, dtype=dtype)
-        k = torch.randn(b, total, hkv, d, dtype=dtype)
-        v = torch.randn_like(k)
-        lse = torch.zeros(b, h, total)
-        vl = None
-        if varlen:
-            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-            vl = ta.Varlen(cu, max(lens), total)
-        captured.clear()
-        # config=None: the GPU default for the dtype, as a user's call gets it. dQ with an LSE
-        # gradient (HAS_DLSE, one more row load; the same shared memory without).
-        ta.s2_forward(q, k, v, p, 0.1, 0, 0, None, vl)
-        ta.s2_backward(q, lse, q, k, v, q, lse, p, 0.1, 0, 0, None, vl)
-        for fn, a, kw in captured:
-            tag = fn.__name__.strip("_").replace("s2_", "").replace("_kernel", "")
+        # The GPU default config for the dtype, as a user's call on a CUDA tensor gets it.
+        docs = lens if varlen else None
+        launches = capture_launches(
+            ta, p, seq=sum(lens), head_dim=d, dtype=dtype, batch=2, doc_lens=docs
+        )
+        for tag, fn, a, kw in launches:
             c = compile_sm90(fn, a, kw)
             cfg = f"m{kw['BLOCK_M']} n{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']}"
             out[("varlen " if varlen else "fixed ") + tag] = dict(

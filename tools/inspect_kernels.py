@@ -137,12 +137,15 @@ def _count(text: str, patterns: dict) -> dict:
     return {k: len(re.findall(p, text)) for k, p in patterns.items()}
 
 
-def capture_launches(ta, pattern, *, batch, seq, head_dim, dtype, config, varlen):
+def capture_launches(ta, pattern, *, seq, head_dim, dtype, config=None, batch=1, doc_lens=None):
     """``[(pass name, kernel, args, kwargs)]`` of one forward and one backward call on CPU
-    tensors, with the launch configuration a CUDA tensor would get."""
+    tensors ``[batch, seq, heads, head_dim]``, with the launch configuration a CUDA tensor would
+    get (``config=None``: :func:`kernel_config`'s GPU default for ``dtype``). ``doc_lens``: one
+    packed row of documents of these lengths (varlen; ``seq`` is ignored)."""
     captured = []
 
     class Capture:
+        # Stands in for a kernel: kernel[grid](*args, **kwargs) records the launch.
         def __init__(self, fn):
             self.fn = fn
 
@@ -153,21 +156,20 @@ def capture_launches(ta, pattern, *, batch, seq, head_dim, dtype, config, varlen
     saved = {n: getattr(ta, n) for n in names}
     if config is None:
         config = ta.kernel_config(pattern, head_dim, "cuda", dtype)
+    vl = None
+    if doc_lens is not None:
+        seq, batch = sum(doc_lens), 1
+        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32)
+        vl = ta.Varlen(cu, max(doc_lens), seq)
+    h, hkv = pattern.num_heads, pattern.num_kv_heads
+    q = torch.randn(batch, seq, h, head_dim, dtype=dtype)
+    k = torch.randn(batch, seq, hkv, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    lse = torch.zeros(batch, h, seq)
     try:
         for n in names:
             setattr(ta, n, Capture(saved[n]))
-        h, hkv = pattern.num_heads, pattern.num_kv_heads
-        vl = None
-        if varlen:
-            # Three documents of uneven, non-block-multiple lengths in one packed row.
-            lens = [seq // 2 + 3, seq // 4 - 5, seq - (seq // 2 + 3) - (seq // 4 - 5)]
-            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-            vl = ta.Varlen(cu, max(lens), seq)
-            batch = 1
-        q = torch.randn(batch, seq, h, head_dim, dtype=dtype)
-        k = torch.randn(batch, seq, hkv, head_dim, dtype=dtype)
-        v = torch.randn_like(k)
-        lse = torch.zeros(batch, h, seq)
+        # The backward with an LSE gradient (dQ's HAS_DLSE: one more row load).
         ta.s2_forward(q, k, v, pattern, head_dim**-0.5, 0, 0, config, vl)
         ta.s2_backward(q, lse, q, k, v, q, lse, pattern, head_dim**-0.5, 0, 0, config, vl)
     finally:
@@ -287,15 +289,17 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, block_n=args.block_n)
     if args.tma:
         config = dataclasses.replace(config, tma=True)
+    # Varlen: three documents of uneven, non-block-multiple lengths in one packed row.
+    third = args.seq - (args.seq // 2 + 3) - (args.seq // 4 - 5)
+    doc_lens = [args.seq // 2 + 3, args.seq // 4 - 5, third] if args.varlen else None
     launches = capture_launches(
         ta,
         pattern,
-        batch=1,
         seq=args.seq,
         head_dim=args.head_dim,
         dtype=dtype,
         config=config,
-        varlen=args.varlen,
+        doc_lens=doc_lens,
     )
     rows = inspect(launches, args.dump)
     if args.json:
