@@ -345,6 +345,51 @@ def test_tiny_study_end_to_end(tmp_path, demo_data):
     assert r.returncode == 0 and r.stdout.count("finished") == 3 and "invalid" in r.stdout
 
 
+def test_devices_run_points_at_once_each_on_its_gpus(tmp_path, demo_data):
+    path = write_study(
+        tmp_path,
+        name="pair",
+        overrides=[
+            *TINY,
+            "train.train_iters=3",
+            "train.eval_interval=3",
+            "train.eval_iters=1",
+            f"data.demo_dir={demo_data}",
+        ],
+        grid={"attention.s2.vert_stride": [2, 4]},
+        output_dir="out",
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    r = _sweep("run", str(path), "--devices", "3,5", cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert [sweep.point_state(p) for p in study.points] == ["finished", "finished"]
+    spans = []
+    for point, gpu in zip(study.points, ("3", "5")):
+        assert f"point {point.name}: on GPU {gpu}," in out
+        log = (tmp_path / "out" / "logs" / f"{point.name}.log").read_text()
+        assert log.startswith(f"CUDA_VISIBLE_DEVICES={gpu}\n")
+        (session,) = [json.loads(x) for x in open(Path(point.run_dir) / sweep.SESSIONS)]
+        spans.append((session["start"], session["end"]))
+    assert "[megatron-s2] " not in r.stdout  # trainers' output goes to their logs only
+    # Both trainers ran at the same time.
+    assert max(s for s, _ in spans) < min(e for _, e in spans)
+    assert (tmp_path / "out" / "results.csv").stat().st_size > 0
+
+
+@pytest.mark.parametrize("devices", [["0", "0"], [], ["0", "1", "2"]])
+def test_devices_must_be_distinct_and_fill_whole_groups(tmp_path, devices):
+    path = write_study(
+        tmp_path, name="t", overrides=[*TINY], points=[{"train.seed": 1}], nproc_per_node=2
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    with pytest.raises(StudyError, match=r"--devices .*nproc_per_node \(2\)"):
+        sweep.device_groups(study, devices)
+    assert sweep.device_groups(study, ["0", "1", "2", "3"]) == [["0", "1"], ["2", "3"]]
+    assert sweep.main(["run", str(path), "--devices", ",".join(devices) or ","]) == 2
+    assert sweep.main(["run", str(path), "--devices", "0,1", "--slurm"]) == 2
+
+
 def test_example_study_loads():
     study = load_study(REPO / "configs" / "studies" / "s2-stride-window.yaml")
     assert len(study.points) == 11 and all(p.valid for p in study.points), [

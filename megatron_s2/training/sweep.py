@@ -1,6 +1,7 @@
 """Ablation studies: many runs of one base config, their results in one table and two plots.
 
     megatron-s2-sweep run STUDY.yaml                  # every point, one after another, here
+    megatron-s2-sweep run STUDY.yaml --devices 0,1,2,3  # here, one point per GPU at a time
     megatron-s2-sweep run STUDY.yaml --slurm --sbatch-args "--nodes=1 --gpus-per-node=8"
     megatron-s2-sweep collect STUDY.yaml              # table and plots of what has run so far
     megatron-s2-sweep list STUDY.yaml                 # the points, their state and validity
@@ -41,10 +42,12 @@ import itertools
 import json
 import math
 import os
+import queue
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import typing
 from collections.abc import Sequence
@@ -65,6 +68,7 @@ __all__ = [
     "point_state",
     "point_command",
     "run_local",
+    "device_groups",
     "submit_slurm",
     "collect",
     "main",
@@ -454,11 +458,15 @@ def point_state(point: Point) -> str:
 
 
 # ---- running -------------------------------------------------------------------------------
-def point_command(study: Study, point: Point, *, restart: bool = False) -> tuple[list, dict]:
+def point_command(
+    study: Study, point: Point, *, restart: bool = False, devices: Optional[Sequence[str]] = None
+) -> tuple[list, dict]:
     """(argv, environment) that trains ``point``: the trainer's CLI, or ``launch/torchrun.sh``
-    with ``nproc_per_node`` > 1."""
+    with ``nproc_per_node`` > 1; ``devices`` (GPU ids) become its ``CUDA_VISIBLE_DEVICES``."""
     env = dict(os.environ)
     env.pop("RUN_DIR", None)
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     extra = ["--restart"] if restart else []
     nproc = study.nproc_per_node or 1
     if nproc > 1:
@@ -477,6 +485,18 @@ def point_command(study: Study, point: Point, *, restart: bool = False) -> tuple
     return argv, env
 
 
+def device_groups(study: Study, devices: Sequence[str]) -> list[list[str]]:
+    """Split GPU ids into one group per concurrent point (``nproc_per_node`` ids each)."""
+    devices = [d.strip() for d in devices if d.strip()]
+    nproc = study.nproc_per_node or 1
+    if not devices or len(set(devices)) != len(devices) or len(devices) % nproc:
+        raise StudyError(
+            f"--devices {','.join(devices) or '(empty)'}: give distinct GPU ids, a multiple of "
+            f"the study's nproc_per_node ({nproc}) of them"
+        )
+    return [devices[i : i + nproc] for i in range(0, len(devices), nproc)]
+
+
 def _say(msg: str) -> None:
     print(f"[{PROG}] {msg}", flush=True)
 
@@ -487,14 +507,22 @@ def report_invalid(study: Study) -> None:
             _say(f"point {p.name}: config error, skipped: {p.error}")
 
 
-def _run_one(study: Study, point: Point, restart: bool) -> int:
-    """Train ``point`` in a subprocess, its output both on the console and in
-    ``<output_dir>/logs/<point>.log``; append the session to the run's sessions file."""
-    argv, env = point_command(study, point, restart=restart)
+def _run_one(
+    study: Study,
+    point: Point,
+    restart: bool,
+    devices: Optional[Sequence[str]] = None,
+    echo: bool = True,
+) -> int:
+    """Train ``point`` in a subprocess, its output in ``<output_dir>/logs/<point>.log`` (and on
+    the console with ``echo``); append the session to the run's sessions file."""
+    argv, env = point_command(study, point, restart=restart, devices=devices)
     os.makedirs(os.path.join(study.output_dir, "logs"), exist_ok=True)
     log_path = os.path.join(study.output_dir, "logs", f"{point.name}.log")
     start = time.time()
     with open(log_path, "a") as log:
+        if devices:
+            log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
         proc = subprocess.Popen(
@@ -502,7 +530,8 @@ def _run_one(study: Study, point: Point, restart: bool) -> int:
         )
         try:
             for line in proc.stdout:
-                sys.stdout.write(line)
+                if echo:
+                    sys.stdout.write(line)
                 log.write(line)
             code = proc.wait()
         except KeyboardInterrupt:
@@ -525,37 +554,73 @@ def _record_session(run_dir: str, start: float, end: float, code, how: str) -> N
         pass
 
 
-def run_local(study: Study) -> int:
-    """Run every valid point that is not finished, one after another; return the exit code."""
-    report_invalid(study)
-    failed = []
-    for point in study.points:
-        state = point_state(point)
-        if state == "invalid":
-            continue
+def _start_state(point: Point) -> Optional[bool]:
+    """Whether ``point`` must start over (``--restart``), or None if it is not to run now."""
+    state = point_state(point)
+    if state in ("invalid", "finished", "running"):
         if state == "finished":
             _say(f"point {point.name}: finished, not rerun ({point.run_dir})")
-            continue
-        if state == "running":
+        elif state == "running":
             _say(f"point {point.name}: a live run holds {point.run_dir}; skipped")
+        return None
+    if state == "interrupted":
+        if _has_checkpoint(point.config.checkpoint_dir):
+            _say(f"point {point.name}: interrupted, resuming from its checkpoint")
+            return False
+        _say(
+            f"point {point.name}: interrupted before its first checkpoint, starting over "
+            f"(the partial run is moved aside)"
+        )
+        return True
+    _say(f"point {point.name}: running in {point.run_dir}")
+    return False
+
+
+def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
+    """Run every valid point that is not finished; return the exit code.
+
+    Without ``devices`` the points run one after another, each on what the trainer sees. With
+    GPU ids, as many points run at once as there are groups of ``nproc_per_node`` ids, each
+    seeing only its group (``CUDA_VISIBLE_DEVICES``); their output then goes to their logs only.
+    """
+    report_invalid(study)
+    groups = device_groups(study, devices) if devices else [None]
+    failed = []
+    for point in study.points:
+        if point.valid and point_state(point) == "running":
             failed.append(point.name)
-            continue
-        restart = False
-        if state == "interrupted":
-            if _has_checkpoint(point.config.checkpoint_dir):
-                _say(f"point {point.name}: interrupted, resuming from its checkpoint")
-            else:
-                restart = True
-                _say(
-                    f"point {point.name}: interrupted before its first checkpoint, starting over "
-                    f"(the partial run is moved aside)"
-                )
-        else:
-            _say(f"point {point.name}: running in {point.run_dir}")
-        code = _run_one(study, point, restart)
-        if code != 0 or point_state(point) != "finished":
-            _say(f"point {point.name}: failed (exit code {code}); see its log")
-            failed.append(point.name)
+    todo: queue.Queue = queue.Queue()
+    for point in study.points:
+        todo.put(point)
+    concurrent = len(groups) > 1
+
+    def worker(group: Optional[list]) -> None:
+        while True:
+            try:
+                point = todo.get_nowait()
+            except queue.Empty:
+                return
+            restart = _start_state(point)
+            if restart is None:
+                continue
+            if concurrent:
+                gpus = ",".join(group)
+                _say(f"point {point.name}: on GPU {gpus}, log in {study.output_dir}/logs")
+            code = _run_one(study, point, restart, devices=group, echo=not concurrent)
+            if code != 0 or point_state(point) != "finished":
+                _say(f"point {point.name}: failed (exit code {code}); see its log")
+                failed.append(point.name)
+            elif concurrent:
+                _say(f"point {point.name}: finished")
+
+    if concurrent:
+        threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        worker(groups[0])
     if failed:
         _say(f"{len(failed)} point(s) did not finish: {', '.join(failed)}")
     return EXIT_FAILED if failed else EXIT_OK
@@ -950,6 +1015,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help='options for sbatch, one string (e.g. "--nodes=1 --gpus-per-node=8 --wait"; '
         "with --wait the table is written when the array has finished)",
     )
+    run.add_argument(
+        "--devices",
+        default=None,
+        metavar="IDS",
+        help="GPU ids of this machine, e.g. 0,1,2,3: run as many points at once as there are "
+        "groups of nproc_per_node ids, each on its own group (default: one after another)",
+    )
     run.add_argument("--sbatch-script", default=str(SBATCH), help=argparse.SUPPRESS)
     return p
 
@@ -973,6 +1045,14 @@ def main(argv: Optional[list] = None) -> int:
         report_invalid(study)
         print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)
         return EXIT_STUDY_ERROR
+    if args.slurm and args.devices is not None:
+        print(
+            f"{PROG}: study error: --devices is for runs here; with --slurm the array "
+            "tasks get their GPUs from Slurm",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_STUDY_ERROR
     if args.slurm:
         sbatch_args = shlex.split(args.sbatch_args)
         code = submit_slurm(study, sbatch_args, args.sbatch_script)
@@ -981,7 +1061,14 @@ def main(argv: Optional[list] = None) -> int:
             if any(point_state(p) not in ("finished", "invalid") for p in study.points):
                 code = EXIT_FAILED
         return code
-    code = run_local(study)
+    devices = args.devices.split(",") if args.devices is not None else None
+    if devices is not None:
+        try:
+            device_groups(study, devices)
+        except StudyError as e:
+            print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
+            return EXIT_STUDY_ERROR
+    code = run_local(study, devices)
     collect_and_write(study)
     return code
 
