@@ -12,7 +12,8 @@
 #
 # STUDY: default configs/studies/code-125m-attention.yaml. Environment: CORPUS (data/code),
 # PYTHON (python), POSITION_SEQUENCES (64), EVAL_ARGS (options of megatron-s2-eval-long-context;
-# default --skip-retrieval: loss by position only). Extra arguments go to
+# default --skip-retrieval: loss by position only), SWEEP_ARGS (options of megatron-s2-sweep run,
+# e.g. "--devices 0,1" for two points at a time). Extra arguments go to
 # tools/build_code_corpus.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ echo "== corpus overrides: ${OVERRIDES[*]}"
 
 echo "== study $STUDY"
 status=0
-"$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" || status=$?
+read -r -a sweep_args <<< "${SWEEP_ARGS:-}"
+"$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" "${sweep_args[@]}" || status=$?
 
 OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
 import sys
