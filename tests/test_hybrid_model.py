@@ -351,8 +351,10 @@ def test_hybrid_equals_gpt_on_cuda_bf16():
     """On a GPU: bf16, the Triton kernels on S2 layers and SDPA on dense ones, 1k tokens; the
     hybrid twin's loss and gradients match the GPTModel's from the same weights."""
     seq, kw = 1024, dict(bf16=True, params_dtype=torch.bfloat16)
-    gpt = _gpt(backend="auto", seq=seq, **kw).cuda()
-    hybrid = _hybrid(backend="auto", seq=seq, **kw).cuda()
+    # .bfloat16() does what Megatron's Float16Module wrapper does in training: the learned
+    # position embedding is a plain torch.nn.Embedding that ignores params_dtype.
+    gpt = _gpt(backend="auto", seq=seq, **kw).cuda().bfloat16()
+    hybrid = _hybrid(backend="auto", seq=seq, **kw).cuda().bfloat16()
     assert [k for k, _ in _attention_layers(hybrid)] == TINY_KINDS
     _copy_gpt_weights(gpt, hybrid)
     loss_g, grads_g = _loss_and_grads(gpt, "cuda", seq)
@@ -362,7 +364,7 @@ def test_hybrid_equals_gpt_on_cuda_bf16():
         got = grads_h[gpt_to_hybrid_name(name)].float()
         scale = grad.float().abs().max().clamp_min(1e-6)
         assert float((got - grad.float()).abs().max() / scale) < 2e-2, name
-    dense = _hybrid(schedule={"dense_layers": {"pattern": "D"}}, seq=seq, **kw).cuda()
+    dense = _hybrid(schedule={"dense_layers": {"pattern": "D"}}, seq=seq, **kw).cuda().bfloat16()
     _copy_gpt_weights(gpt, dense)
     _, grads_d = _loss_and_grads(dense, "cuda", seq)
     assert _max_relative_grad_difference(grads_d, grads_g) > 0.1
