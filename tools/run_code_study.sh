@@ -13,7 +13,8 @@
 # STUDY: default configs/studies/code-125m-attention.yaml. Environment: CORPUS (data/code),
 # PYTHON (python), POSITION_SEQUENCES (64), EVAL_ARGS (options of megatron-s2-eval-long-context;
 # default --skip-retrieval: loss by position only), SWEEP_ARGS (options of megatron-s2-sweep run,
-# e.g. "--devices 0,1" for two points at a time). Extra arguments go to
+# e.g. "--devices 0,1" for two points at a time), EVAL_DEVICES (e.g. 0,1: the evaluations one per
+# GPU at a time, their output in each run's long_context_eval.log). Extra arguments go to
 # tools/build_code_corpus.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,16 +41,47 @@ from megatron_s2.training.sweep import load_study
 print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
 PY
 )
-curves=()
+# The evaluations: one after another, or with EVAL_DEVICES (GPU ids, e.g. 0,1) one per GPU at a
+# time, each in the background with its own CUDA_VISIBLE_DEVICES and its output in its run's
+# long_context_eval.log.
+IFS=, read -r -a eval_devices <<< "${EVAL_DEVICES:-}"
+read -r -a eval_args <<< "${EVAL_ARGS:---skip-retrieval}"
+evaluate() {  # RUN [GPU]
+    local run=$1 gpu=${2:-}
+    if [[ -n "$gpu" ]]; then
+        CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m megatron_s2.training.long_context_eval \
+            --checkpoint "$run/checkpoints" "${eval_args[@]}" \
+            --position-sequences "${POSITION_SEQUENCES:-64}" > "$run/long_context_eval.log" 2>&1
+    else
+        "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
+            "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}"
+    fi
+}
+pids=()
+i=0
 for run in "$OUT"/runs/*/; do
     run=${run%/}
     [[ -f "$run/summary.json" ]] || continue
-    echo "== loss by position: $(basename "$run")"
-    if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
-        read -r -a eval_args <<< "${EVAL_ARGS:---skip-retrieval}"
-        "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
-            "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" || status=$?
+    [[ -f "$run/long_context_eval/loss_by_position.json" ]] && continue
+    echo "== evaluating: $(basename "$run")"
+    if (( ${#eval_devices[@]} )); then
+        if (( ${#pids[@]} >= ${#eval_devices[@]} )); then
+            wait "${pids[0]}" || status=$?
+            pids=("${pids[@]:1}")
+        fi
+        evaluate "$run" "${eval_devices[i % ${#eval_devices[@]}]}" &
+        pids+=($!)
+        i=$((i + 1))
+    else
+        evaluate "$run" || status=$?
     fi
+done
+for pid in "${pids[@]}"; do
+    wait "$pid" || status=$?
+done
+curves=()
+for run in "$OUT"/runs/*/; do
+    run=${run%/}
     [[ -f "$run/long_context_eval/loss_by_position.json" ]] && curves+=("$run/long_context_eval/loss_by_position.json")
 done
 if (( ${#curves[@]} )); then
