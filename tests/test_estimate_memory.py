@@ -21,6 +21,35 @@ def test_reproduces_the_measured_125m_run():
     assert _estimate().total == pytest.approx(10.7, rel=0.05)
 
 
+@pytest.mark.parametrize(
+    "config, gpus, overrides, measured",
+    [
+        # docs/quality.md: the 125M model on the code corpus at 4k, micro batch 8, one H100.
+        (
+            "gpt-125m-s2.yaml",
+            1,
+            ["model.seq_length=4096", "train.micro_batch_size=8", "train.global_batch_size=32"],
+            25.8,
+        ),
+        # docs/context_parallel.md: the 1.3B hybrid at 128k, full recompute, one and two H200s.
+        ("gpt-1.3b-s2.yaml", 1, [], 66.7),
+        ("gpt-1.3b-s2.yaml", 2, ["parallel.context_parallel_size=2"], 38.3),
+    ],
+)
+def test_reproduces_the_measured_runs_with_a_32k_vocabulary(config, gpus, overrides, measured):
+    if config == "gpt-1.3b-s2.yaml":
+        overrides = [
+            "model.seq_length=131072",
+            "model.recompute=full",
+            "train.global_batch_size=1",
+            "train.train_iters=8",
+            "optimizer.lr_warmup_iters=2",
+            *overrides,
+        ]
+    cfg = load_config(os.path.join(REPO, "configs", config), overrides)
+    assert tool.estimate(cfg, gpus, 32768).total == pytest.approx(measured, rel=0.08)
+
+
 def test_layouts_divide_what_they_shard():
     base = _estimate(["model.seq_length=32768", "train.micro_batch_size=1"], gpus=2)
     cp = _estimate(

@@ -12,13 +12,18 @@ An estimate, for choosing a layout before a GPU is spent on it, not a measuremen
   Adam state 12 B/param (fp32 master, m, v) divided over data x context parallel ranks with the
   distributed optimizer;
 * activations per layer and token of ``hidden`` width: ``ACT_BYTES`` bytes with no or selective
-  recompute (flash-style attention keeps no ``s x s`` scores), fitted to the one measurement we
-  have (the 125M hybrid at 8k, micro batch 2, no recompute: 10.7 GiB on an H100,
-  docs/benchmarks.md); with full recompute each layer keeps its bf16 input and one layer at a
-  time runs with the full working set; divided by TP under sequence parallelism, by CP always;
-  1F1B keeps up to ``PP`` micro-batches in flight on the first stage;
-* logits ``[s / CP, b, vocab / TP]`` at ``LOGIT_BYTES`` per element (bf16 output, fp32 copy for
-  the cross entropy, its gradient);
+  recompute (flash-style attention keeps no ``s x s`` scores), fitted to the 125M hybrid at 8k
+  (micro batch 2, no recompute, byte vocabulary: 10.7 GiB on an H100, docs/benchmarks.md);
+  with full recompute each layer keeps its bf16 input, and one layer at a time runs with the
+  full working set, which is not alive together with the logits (the peak is the larger of the
+  two); divided by TP under sequence parallelism, by CP always; 1F1B keeps up to ``PP``
+  micro-batches in flight on the first stage;
+* logits ``[s / CP, b, vocab / TP]`` at ``LOGIT_BYTES`` per element: the bf16 output and the
+  fp32 copy that Megatron's cross entropy works in (its gradient is computed in place there).
+  Checked against three measurements with a 32k vocabulary: the 125M model at 4k, micro batch
+  8 (25.8 GiB, H100; estimate 24.9), and the 1.3B hybrid at 128k with full recompute on one
+  GPU (66.7 GiB, H200; estimate 66.8) and with CP 2 (38.3 GiB; estimate 41.0; docs/quality.md,
+  docs/context_parallel.md);
 * with CP, one layer's gathered K/V (bf16, whole sequence) and its gradient;
 * ``OVERHEAD_GIB`` for the CUDA context, workspace and allocator fragmentation.
 """
@@ -35,7 +40,7 @@ sys.path.insert(0, REPO)
 
 # Fitted: (10.7 GiB - weights/grads/optimizer - overhead) / (s * b * h * layers) of the 125M run.
 ACT_BYTES = 52.0
-LOGIT_BYTES = 10.0
+LOGIT_BYTES = 6.0
 OVERHEAD_GIB = 1.5
 GIB = 2**30
 
@@ -93,13 +98,14 @@ def estimate(cfg, world_size: int, vocab_size: int) -> Estimate:
     tokens = m.seq_length / cp * t.micro_batch_size
     width = m.hidden_size / (tp if p.sequence_parallel else 1)
     in_flight = min(pp, cfg.num_microbatches(world_size)) if pp > 1 else 1
+    logits = LOGIT_BYTES * tokens * vocab_size / tp if pp == 1 else 0.0
     if m.recompute == "full":
         kept = 2 * tokens * width * layers * in_flight
         working = ACT_BYTES * tokens * m.hidden_size / tp
-        activations = kept + working
+        # The recomputed layer's working set lives in the backward, after the logits are freed.
+        activations = kept + max(working - logits, 0.0)
     else:
         activations = ACT_BYTES * tokens * width * layers * in_flight
-    logits = LOGIT_BYTES * tokens * vocab_size / tp if pp == 1 else 0.0
     kv_heads = max(m.query_groups // tp, 1)
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     cp_kv = 2 * 2 * 2 * m.seq_length * t.micro_batch_size * kv_heads * d if cp > 1 else 0.0
