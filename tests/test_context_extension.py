@@ -2,6 +2,8 @@
 512 tokens as an S2 hybrid with a new RoPE base and RoPE scaling, from its weights, at iteration
 0 with a fresh LR schedule (``checkpoint.reset_iteration``)."""
 
+import os
+
 import pytest
 from test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
 
@@ -123,3 +125,93 @@ def test_preempted_extension_resumes_its_own_optimizer_and_schedule(
     for it in (4, 5):
         assert resumed[it]["lr"] == pytest.approx(whole[it]["lr"], rel=1e-6), it
         assert resumed[it]["loss"] == pytest.approx(whole[it]["loss"], rel=1e-5), it
+
+
+_BF16_START_SCRIPT = """
+import sys
+
+import torch
+
+from megatron_s2.training.cpu_mode import enable_cpu_mode
+
+enable_cpu_mode()
+sys.path.insert(0, "tests")
+from megatron_helpers import TINY_SCHEDULE, init_single_process, tiny_s2_config  # noqa: E402
+
+from megatron_s2.model import build_gpt_model  # noqa: E402
+from megatron_s2.training.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_s2.training.parallel import build_optimizer, wrap_model_chunks  # noqa: E402
+from megatron_s2.training.run_config import OptimizerConfig, ParallelConfig  # noqa: E402
+
+parallel = ParallelConfig()
+config = None
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = wrap_model_chunks([build_gpt_model(config, 128, 64)], config, parallel, bf16=True)
+    opt, sched = build_optimizer(
+        OptimizerConfig(weight_decay=0.0, lr_warmup_iters=1), parallel, model, bf16=True,
+        train_iters=10,
+    )
+    return model, opt, sched
+
+
+def weights(model):
+    return [p.detach().clone() for p in model[0].parameters()]
+
+
+def zero_grad_step(model, opt):
+    # Zero gradients, no weight decay: Adam's update is 0, so afterwards the weights are
+    # whatever the optimizer's fp32 main copy holds.
+    model[0].zero_grad_buffer()
+    opt.zero_grad()
+    ok, _, _ = opt.step()
+    assert ok
+
+
+def main():
+    global config
+    init_single_process()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = tiny_s2_config(TINY_SCHEDULE, bf16=True, params_dtype=torch.bfloat16)
+    model, opt, sched = build(0)
+    zero_grad_step(model, opt)  # Adam state to save
+    saved = weights(model)
+    save_checkpoint(sys.argv[1], 5, model, opt, sched, consumed_samples=0, config={})
+    model, opt, sched = build(1)
+    assert any(not torch.equal(a, b) for a, b in zip(saved, weights(model))), "same init"
+    load_checkpoint(sys.argv[1], model, opt, sched, load_optimizer=False)
+    zero_grad_step(model, opt)
+    for a, b in zip(saved, weights(model)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    print("ok")
+
+
+# The checkpoint writer starts worker processes: the script must be importable.
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_bf16_start_from_weights_keeps_them_through_the_first_step(tmp_path):
+    """checkpoint.load_optimizer=false with bf16 parameters (every GPU run): the optimizer's
+    fp32 main weights are refreshed from the loaded model, so its first step does not write the
+    fresh model's random initialization back (this happened on the GPU: a 4k -> 16k extension
+    went from loss 3.6 at iteration 1 to 8.9 at 15). Megatron's bf16 optimizer on the CPU."""
+    import subprocess
+    import sys
+
+    from megatron_helpers import REPO
+
+    script = tmp_path / "bf16_start.py"
+    script.write_text(_BF16_START_SCRIPT)
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -548,6 +548,12 @@ def load_checkpoint(
             f"start-up checks, so their contents are damaged: move the folder aside and the "
             f"newest intact older checkpoint is used"
         ) from e
+    if optimizer is not None and not load_optimizer:
+        # A bf16 (or fp16) optimizer steps its fp32 main copy of the weights, made when it was
+        # built, and copies that back into the model: without this refresh the first step of a
+        # start from another run's weights (checkpoint.load_optimizer=false, or a new TP/PP/CP
+        # layout) would put the fresh model's random weights back (Megatron-LM does the same).
+        optimizer.reload_model_params()
     if load_optimizer and optimizer_config is not None:
         _set_optimizer_hyperparameters(optimizer, optimizer_config)
     if load_scheduler:

@@ -38,6 +38,7 @@ __all__ = [
     "write_corpus_jsonl",
     "ensure_demo_data",
     "demo_prefix",
+    "write_kv_dataset",
     "main",
 ]
 
@@ -182,6 +183,70 @@ def ensure_demo_data(
     return prefix
 
 
+def write_kv_dataset(
+    output_prefix: str | os.PathLike,
+    tokenizer: str,
+    seed: int = 0,
+    *,
+    num_docs: int = DEFAULT_NUM_DOCS,
+    min_chars: int = 768,
+    max_chars: int = 2560,
+) -> dict:
+    """Write the key-value recall corpus tokenized with ``tokenizer`` (``byte`` or a local HF
+    tokenizer directory, e.g. the code corpus's ``data/code/tokenizer``) as a Megatron indexed
+    dataset ``output_prefix.bin/.idx``, one EOD-terminated document per generated record.
+
+    This is the synthetic retrieval component of a real-data blend (``data.blend='[[0.8, code],
+    [0.2, kv]]'``): with a real corpus's tokenizer its ids live in that corpus's vocabulary.
+    Tokenizes in this process with the tokenizer alone (no HF ``datasets``), so it runs where
+    only ``tokenizers`` and megatron-core are installed. Returns ``{"documents", "tokens"}``
+    (tokens with EOD)."""
+    import numpy as np
+
+    from megatron_s2.training.code_corpus import _encoder, _Writer
+    from megatron_s2.training.preprocess import _import_megatron_writer
+
+    tok, encode_batch = _encoder(tokenizer)
+    dtype_cls, builder_cls = _import_megatron_writer()
+    prefix = os.fspath(output_prefix)
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    writer = _Writer(prefix, dtype_cls.optimal_dtype(tok.vocab_size), builder_cls)
+    docs = tokens = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal docs, tokens
+        for ids in encode_batch(batch):
+            doc = np.asarray(list(ids) + [tok.eod], dtype=np.int64)
+            writer.add(doc)
+            docs += 1
+            tokens += doc.size
+        batch.clear()
+
+    try:
+        for text in generate_corpus(seed, num_docs, min_chars, max_chars):
+            batch.append(text)
+            if len(batch) == 256:
+                flush()
+        flush()
+        stats = {"documents": docs, "tokens": tokens}
+        writer.finish(
+            {
+                "generator": f"kv-recall-v{GENERATOR_VERSION}",
+                "seed": seed,
+                "num_docs": num_docs,
+                "min_chars": min_chars,
+                "max_chars": max_chars,
+                "tokenizer": str(tokenizer),
+                **stats,
+            }
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    return stats
+
+
 def _damage(prefix: str, num_docs: int) -> Optional[str]:
     """None if ``prefix`` is an intact demo dataset of ``num_docs`` documents, else what is
     wrong (missing files, a truncated or corrupt ``.bin``/``.idx``, another document count)."""
@@ -213,8 +278,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--num-docs", type=int, default=None, help="documents to generate (default: 1200, ~2 MB)"
     )
     p.add_argument("--force", action="store_true", help="regenerate even if the dataset exists")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenize with this tokenizer (a local HF tokenizer directory, e.g. data/code/"
+        "tokenizer) into --output-prefix, to blend with a real corpus; default: the demo's "
+        "byte-level dataset in --data-dir",
+    )
+    p.add_argument("--output-prefix", default=None, help="with --tokenizer: the dataset prefix")
+    p.add_argument("--min-chars", type=int, default=None, help="shortest document (default 768)")
+    p.add_argument("--max-chars", type=int, default=None, help="longest document (default 2560)")
     args = p.parse_args(argv)
     kwargs = {} if args.num_docs is None else {"num_docs": args.num_docs}
+    for name in ("min_chars", "max_chars"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    if (args.tokenizer is None) != (args.output_prefix is None):
+        p.error("--tokenizer and --output-prefix go together")
+    if args.tokenizer is not None:
+        try:
+            stats = write_kv_dataset(args.output_prefix, args.tokenizer, args.seed, **kwargs)
+        except (ValueError, OSError) as exc:
+            print(f"make_demo_corpus: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.output_prefix}: {stats['documents']} documents, {stats['tokens']} tokens")
+        return 0
     try:
         prefix = ensure_demo_data(
             args.data_dir, seed=args.seed, force=args.force, progress=True, **kwargs
