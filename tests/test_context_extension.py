@@ -212,6 +212,10 @@ def test_bf16_start_from_weights_keeps_them_through_the_first_step(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "ckpt")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -22,7 +22,7 @@ from megatron_s2.training.long_context_eval import main  # noqa: E402
 EVAL = [sys.executable, os.path.join(REPO, "tools", "eval_long_context.py")]
 GRID = [
     "--tasks",
-    "kv,passkey",
+    "kv,passkey,kv-filler",
     "--lengths",
     "128,256",
     "--allow-extrapolation",
@@ -67,12 +67,17 @@ def test_grid_table_and_files(evaluated):
     stdout, out = evaluated
     assert "| depth \\ length | 128 | 256 |" in stdout
     assert "kv: greedy exact-match accuracy" in stdout and "passkey" in stdout
-    for name in ("retrieval_kv.png", "retrieval_passkey.png", "loss_by_position.png"):
+    for name in (
+        "retrieval_kv.png",
+        "retrieval_passkey.png",
+        "retrieval_kv-filler.png",
+        "loss_by_position.png",
+    ):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     result = json.loads((out / "retrieval.json").read_text())
     assert result["iteration"] == 3
-    for task in ("kv", "passkey"):
+    for task in ("kv", "passkey", "kv-filler"):
         cells = result["tasks"][task]["cells"]
         assert {(c["length"], c["depth"]) for c in cells} == {
             (n, d) for n in (128, 256) for d in (0.0, 0.5, 1.0)
@@ -153,6 +158,30 @@ checked.append({"first_bin": position["bins"][0]["loss"],
                 "mean": position["loss"], "mean_now": float(per_token.mean())})
 print("CHECKED " + json.dumps(checked))
 """
+
+
+def test_kv_filler_haystack_is_the_demo_corpus_filler_with_one_statement():
+    """``kv-filler``: the demo corpus's filler sentences (no statements of their own, never the
+    held-out documents), the needle once at its depth, the question and the answer last."""
+    from megatron_s2.training import long_context_eval as L
+    from megatron_s2.training.demo_corpus import filler_text
+    from megatron_s2.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("byte")
+    spec = L.TASKS["kv-filler"]
+    stream = L.haystack_stream(spec, tok, [], 1000)
+    assert stream.size >= 1000
+    assert tok.decode(stream[:400].tolist()) == filler_text(400)[:400]
+    for depth in (0.0, 0.5, 1.0):
+        trial = L.make_trial(spec, tok, stream, 600, depth, 3, seed=1)
+        text = tok.decode(trial.tokens.tolist())
+        needle = f"let {trial.key}={trial.value};\n"
+        assert text.count("let ") == 1 and text.count("?") == 1
+        assert text.endswith(f"\n{trial.key}?{trial.value}")
+        assert tok.decode(trial.tokens[trial.answer_at :].tolist()) == trial.value
+        at = text.index(needle)
+        assert abs(at / (len(text) - len(needle)) - depth) < 0.1, (depth, at)
+        assert trial.tokens.size == 601
 
 
 def test_scores_match_the_model_computed_another_way(run_dir, evaluated):

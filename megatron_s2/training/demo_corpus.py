@@ -34,6 +34,7 @@ from typing import Optional
 
 __all__ = [
     "generate_document",
+    "filler_text",
     "generate_corpus",
     "write_corpus_jsonl",
     "ensure_demo_data",
@@ -57,6 +58,23 @@ _WORDS = (
 ).split()
 
 
+def _sentence(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(5, 12))]
+    return " ".join(words).capitalize() + "."
+
+
+def filler_text(min_chars: int, seed: int = 0) -> str:
+    """At least ``min_chars`` characters of the corpus's filler sentences alone, one per line
+    (no definitions, no queries): the haystack of the ``kv-filler`` retrieval task, text of
+    the kind a model trained on this corpus has read around its statements."""
+    rng = random.Random(f"kv-filler-v{GENERATOR_VERSION}-{seed}")
+    parts, size = [], 0
+    while size < min_chars:
+        parts.append(_sentence(rng))
+        size += len(parts[-1]) + 1
+    return "\n".join(parts) + "\n"
+
+
 def generate_document(rng: random.Random, target_chars: int) -> str:
     """One document of roughly ``target_chars`` characters (see the module docstring)."""
     defined: list[tuple[str, str]] = []
@@ -76,9 +94,7 @@ def generate_document(rng: random.Random, target_chars: int) -> str:
             defined.append((key, value))
             piece = f"let {key}={value};"
         elif r < 0.55:
-            n = rng.randint(5, 12)
-            words = [rng.choice(_WORDS) for _ in range(n)]
-            piece = " ".join(words).capitalize() + "."
+            piece = _sentence(rng)
         else:
             key, value = rng.choice(defined)
             piece = f"{key}?{value};"

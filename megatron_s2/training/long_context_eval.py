@@ -462,8 +462,9 @@ def heldout_documents(cfg: RunConfig) -> list[np.ndarray]:
 class Task:
     """A retrieval task: templates with ``{key}``/``{value}`` and where the haystack comes from.
 
-    ``filler``: ``"passkey"`` (the repeated passkey sentences) or ``"corpus"`` (held-out text of
-    the run). ``boundary``: text a haystack token must end with for the needle to follow it.
+    ``filler``: ``"passkey"`` (the repeated passkey sentences), ``"corpus"`` (held-out text of
+    the run) or ``"kv-filler"`` (the demo corpus's filler sentences, :func:`filler_text`).
+    ``boundary``: text a haystack token must end with for the needle to follow it.
     """
 
     name: str
@@ -508,6 +509,18 @@ TASKS = {
         key_letters=3,
         value_digits=4,
     ),
+    # The demo corpus's statement in its own filler sentences: for a run whose blend includes
+    # that corpus (make_demo_corpus --tokenizer) next to real text.
+    "kv-filler": Task(
+        "kv-filler",
+        needle="let {key}={value};\n",
+        question="{key}?",
+        answer="{value}",
+        filler="kv-filler",
+        boundary="\n",
+        key_letters=3,
+        value_digits=4,
+    ),
 }
 
 
@@ -519,10 +532,16 @@ def default_tasks(cfg: RunConfig) -> list[str]:
 
 def haystack_stream(task: Task, tokenizer, documents: Sequence[np.ndarray], min_tokens: int):
     """Filler tokens for ``task``, at least ``min_tokens`` long (repeated as needed): the passkey
-    sentences, or the held-out ``documents`` joined by newlines (their EOD tokens dropped, so
-    that a needle and its question are in one document)."""
+    sentences, the demo corpus's filler sentences (``kv-filler``), or the held-out ``documents``
+    joined by newlines (their EOD tokens dropped, so that a needle and its question are in one
+    document)."""
     if task.filler == "passkey":
         unit = np.asarray(tokenizer.encode(PASSKEY_FILLER), dtype=np.int64)
+    elif task.filler == "kv-filler":
+        from .demo_corpus import filler_text
+
+        # Whole sentences, never repeated: about 2 characters a token or more for any tokenizer.
+        unit = np.asarray(tokenizer.encode(filler_text(2 * min_tokens + 4096)), dtype=np.int64)
     else:
         newline = np.asarray(tokenizer.encode("\n"), dtype=np.int64)
         parts = []

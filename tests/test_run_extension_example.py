@@ -1,0 +1,135 @@
+"""tools/run_extension_example.sh's orchestration, with a stand-in interpreter (the real steps are
+tested in test_code_corpus.py, test_demo_corpus.py, test_sweep.py, test_context_extension.py and
+test_long_context_eval.py): the key-value corpus is blended into both studies at KV_WEIGHT, the
+4k models are evaluated while the extension trains, every run is evaluated once on held-out code
+alone, and a second run redoes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.version_independent
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tools" / "run_extension_example.sh"
+POINTS = {
+    "code-125m-4k-base": ["dense", "hybrid-DS"],
+    "code-125m-extend-16k": ["dense", "hybrid-DS", "dense-to-hybrid"],
+}
+
+# Logs each call with its start and end; plays the corpus builders, the sweeps (their runs'
+# summary.json), the evaluations and the plot; runs the script's inline Python for real.
+FAKE = textwrap.dedent(
+    """\
+    #!{python}
+    import json, os, subprocess, sys, time
+    args = sys.argv[1:]
+    start = time.time()
+    points = {points!r}
+    def log():
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(json.dumps({{"args": args, "start": start, "end": time.time()}}) + "\\n")
+    tool = os.path.basename(args[0]) if args else ""
+    if tool == "build_code_corpus.py":
+        out = args[args.index("--out") + 1]
+        os.makedirs(out)
+        overrides = ("data.demo=false data.blend=[data/code/train_valid] data.split=9,1,0 "
+                     "data.tokenizer=data/code/tokenizer")
+        json.dump({{"overrides": overrides}}, open(os.path.join(out, "corpus.json"), "w"))
+    elif tool == "make_demo_corpus.py":
+        prefix = args[args.index("--output-prefix") + 1]
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        open(prefix + ".idx", "w").close()
+    elif args[:3] == ["-m", "megatron_s2.training.sweep", "run"]:
+        name = os.path.basename(args[3])[: -len(".yaml")]
+        time.sleep(1.0)  # long enough for the evaluations beside it to start
+        for p in points[name]:
+            os.makedirs(f"sweeps/{{name}}/runs/{{p}}/checkpoints", exist_ok=True)
+            open(f"sweeps/{{name}}/runs/{{p}}/summary.json", "w").write("{{}}")
+    elif args[:2] == ["-m", "megatron_s2.training.long_context_eval"]:
+        run = os.path.dirname(args[args.index("--checkpoint") + 1])
+        os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
+        open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w").write("{{}}")
+    elif tool == "plot_loss_by_position.py":
+        pass
+    else:
+        sys.exit(subprocess.call([{python!r}, *args]))
+    log()
+    """
+)
+
+
+def _run(tmp_path, log):
+    env = dict(os.environ, PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25")
+    r = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [json.loads(x) for x in log.read_text().splitlines()]
+
+
+def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log)
+
+    tools = [os.path.basename(c["args"][0]) for c in calls]
+    assert tools.count("build_code_corpus.py") == 1
+    (kv,) = [c for c in calls if os.path.basename(c["args"][0]) == "make_demo_corpus.py"]
+    assert kv["args"][kv["args"].index("--tokenizer") + 1] == "data/code/tokenizer"
+
+    sweeps = {
+        Path(c["args"][3]).stem: c
+        for c in calls
+        if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
+    }
+    assert sorted(sweeps) == sorted(POINTS)
+    for c in sweeps.values():
+        assert c["args"][4:] == [
+            "data.demo=false",
+            "data.blend=[data/code/train_valid]",
+            "data.split=9,1,0",
+            "data.tokenizer=data/code/tokenizer",
+            # after the corpus's own blend, so that it wins
+            "data.blend=[[0.75, data/code/train_valid], [0.25, data/kv/kv_code]]",
+        ]
+    extension = sweeps["code-125m-extend-16k"]
+    assert sweeps["code-125m-4k-base"]["end"] <= extension["start"]
+
+    eval_calls = [
+        c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
+    ]
+    evals = {Path(c["args"][c["args"].index("--checkpoint") + 1]).parent: c for c in eval_calls}
+    expected = {Path("sweeps") / s / "runs" / p for s, ps in POINTS.items() for p in ps}
+    assert set(evals) == expected and len(eval_calls) == len(expected)  # each run once
+    for run, c in evals.items():
+        assert c["args"][-1] == "data.blend=[data/code/train_valid]"  # held-out code only
+        before_extension = run.parts[1] == "code-125m-4k-base"
+        assert ("--allow-extrapolation" in c["args"]) == before_extension
+        if before_extension:
+            assert c["start"] < extension["end"]  # beside the extension, not after it
+        else:
+            assert c["start"] >= extension["end"]
+        assert (tmp_path / run / "long_context_eval.log").exists()
+    plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
+    assert len(plots) == 2
+    assert "all done (exit 0)" in (tmp_path / "example_status.log").read_text()
+
+    # Again: the corpora exist and every run has its evaluation; the sweeps are asked again
+    # (they skip finished points themselves).
+    log.write_text("")
+    calls = _run(tmp_path, log)
+    tools = [os.path.basename(c["args"][0]) for c in calls]
+    assert "build_code_corpus.py" not in tools and "make_demo_corpus.py" not in tools
+    assert not [
+        c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
+    ]

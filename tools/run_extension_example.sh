@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The worked context-extension example end to end on one GPU (docs/long_context_eval.md,
+# "Worked example"):
+#   1. the code corpus of this interpreter's own sources (tools/build_code_corpus.py) and, in its
+#      tokenizer, the key-value recall corpus (tools/make_demo_corpus.py --tokenizer): long
+#      documents whose statements are queried thousands of tokens later, blended into both
+#      studies at KV_WEIGHT so that the models have a reason to learn retrieval at all,
+#   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
+#   3. configs/studies/code-125m-extend-16k.yaml: the three 16k extensions, while the 4k models
+#      are evaluated beside it (the 125M model leaves the GPU room for both),
+#   4. megatron-s2-eval-long-context on every run: retrieval (TASKS) over LENGTHS x five depths,
+#      and loss by token position on held-out code (the kv corpus left out of the blend),
+#   5. one loss-by-position plot per study.
+#
+#   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
+#
+# Resumable: run it again and the finished studies' points and evaluations are skipped.
+# Environment: PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.3),
+# LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES
+# (64). Progress, one line per step, in STATUS (example_status.log). Measured on one H200:
+# 17 minutes in all (corpus 2, base 8, extension 5, evaluations 4 of which 2 overlap).
+set -uo pipefail
+ROOT=$(dirname "$0")/..
+PYTHON=${PYTHON:-python}
+CORPUS=${CORPUS:-data/code}
+KV_PREFIX=${KV_PREFIX:-data/kv/kv_code}
+KV_WEIGHT=${KV_WEIGHT:-0.3}
+STATUS=${STATUS:-example_status.log}
+BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
+EXTEND=$ROOT/configs/studies/code-125m-extend-16k.yaml
+status=0
+note() { echo "$(date +%T) $*" | tee -a "$STATUS"; }
+
+if [[ ! -f "$CORPUS/corpus.json" ]]; then
+    "$PYTHON" "$ROOT"/tools/build_code_corpus.py --out "$CORPUS" || exit
+    note "code corpus built in $CORPUS"
+fi
+if [[ ! -f "$KV_PREFIX.idx" ]]; then
+    # 8k-64k characters: in the code tokenizer 2k-16k tokens, so that a query can be far from
+    # its definition at every training length.
+    "$PYTHON" "$ROOT"/tools/make_demo_corpus.py --tokenizer "$CORPUS/tokenizer" --output-prefix "$KV_PREFIX" \
+        --num-docs 1000 --min-chars 8000 --max-chars 64000 --seed 1 || exit
+    note "key-value corpus written to $KV_PREFIX"
+fi
+read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['overrides'])" "$CORPUS/corpus.json")
+# After the corpus's own overrides, which name the code corpus alone.
+CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
+CODE_WEIGHT=$("$PYTHON" -c "import sys; print(round(1 - float(sys.argv[1]), 6))" "$KV_WEIGHT")
+OVERRIDES+=("data.blend=[[$CODE_WEIGHT, $CODE], [$KV_WEIGHT, $KV_PREFIX]]")
+
+evaluate() {  # RUN [extra options]: held-out code only, for the loss by position.
+    local run=$1
+    shift
+    [[ -f "$run/long_context_eval/loss_by_position.json" ]] && return 0
+    "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
+        --lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}" \
+        --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" "$@" \
+        "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
+    local rc=$?
+    note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
+    return $rc
+}
+
+"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" || status=$?
+note "base study done (exit $status)"
+"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" &
+extension=$!
+pids=()
+for run in sweeps/code-125m-4k-base/runs/*/; do
+    # Lengths above the 4k the models were trained at: that is the "before extension" column.
+    evaluate "${run%/}" --allow-extrapolation &
+    pids+=($!)
+done
+wait "$extension" || status=$?
+note "extension study done (exit $status)"
+for run in sweeps/code-125m-extend-16k/runs/*/; do
+    evaluate "${run%/}" &
+    pids+=($!)
+done
+for pid in "${pids[@]}"; do
+    wait "$pid" || status=$?
+done
+for study in code-125m-4k-base code-125m-extend-16k; do
+    "$PYTHON" "$ROOT"/tools/plot_loss_by_position.py --out "sweeps/$study/loss_by_position.png" \
+        sweeps/$study/runs/*/long_context_eval/loss_by_position.json || status=$?
+done
+note "all done (exit $status): sweeps/code-125m-4k-base, sweeps/code-125m-extend-16k"
+exit "$status"
