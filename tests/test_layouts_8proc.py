@@ -28,7 +28,7 @@ from test_trainer import REPO, demo_dir, run_trainer  # noqa: F401  (fixture)
 
 pytest.importorskip("megatron.core")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.eight_processes]
 
 CONFIG = os.path.join(REPO, "configs", "extend", "gpt-7b-s2-128k.yaml")
 EIGHT_PROCESSES = [
