@@ -78,12 +78,25 @@ cmd_download() {
   pip_download "$WHEELS" "${PACKAGES[@]}"
   pip_download "$DEPS" "${DEP_PACKAGES[@]}"
   pip_download "$MCORE" "${MCORE_PACKAGES[@]}"
-  # The sdist's metadata step imports torch: run pip with a Python that has torch, without build
-  # isolation (isolation would try to install torch from source).
-  local py=${TE_DOWNLOAD_PYTHON:-/work/venv312/bin/python}
-  "$py" -c 'import torch' 2>/dev/null || die "set TE_DOWNLOAD_PYTHON to a Python with torch"
-  "$py" -m pip download -q --no-deps --no-build-isolation --no-binary=:all: -d "$WHEELS" \
-    transformer-engine-torch==$TE_VERSION
+  # The sdist as the index serves it, checked against the index's sha256: pip download would
+  # also run its metadata step, which imports torch and needs a CUDA build of it.
+  python3 - "$WHEELS" "$TE_VERSION" <<'PY'
+import hashlib, os, re, sys, urllib.parse, urllib.request
+dest, version = sys.argv[1], sys.argv[2]
+index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+name = f"transformer_engine_torch-{version}.tar.gz"
+page = urllib.request.urlopen(f"{index}/transformer-engine-torch/", timeout=120).read().decode()
+links = [h.replace("&amp;", "&") for h in re.findall(r'href="([^"]+)"', page) if name in h]
+if not links:
+    sys.exit(f"stage_transformer_engine: {name} is not on {index}")
+url, _, sha = links[0].partition("#sha256=")
+url = urllib.parse.urljoin(f"{index}/transformer-engine-torch/", url)
+data = urllib.request.urlopen(url, timeout=300).read()
+if sha and hashlib.sha256(data).hexdigest() != sha:
+    sys.exit(f"stage_transformer_engine: {name}: sha256 differs from the index's")
+with open(os.path.join(dest, name), "wb") as f:
+    f.write(data)
+PY
   ls -l "$WHEELS" "$DEPS" "$MCORE"
 }
 
