@@ -19,7 +19,7 @@ from conftest import (
 )
 
 import s2attn.triton_attention as tri_mod
-from s2attn import S2Pattern, s2_attention
+from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 from s2attn.layout import fused_backward_schedule, layout_for
 
 pytestmark = pytest.mark.version_independent
@@ -143,3 +143,21 @@ def test_fused_flag_must_be_a_bool():
     )
     with pytest.raises(TypeError, match="KernelConfig.fused_bwd must be a bool"):
         dataclasses.replace(cfg, fused_bwd=1)
+
+
+def test_varlen_calls_keep_the_two_passes():
+    """Packed documents are not fused (``KernelConfig.fused_bwd`` says so): the same gradients
+    as without the flag, not an error."""
+    pattern = S2Pattern(num_heads=2, num_kv_heads=1, block_size=16, local_blocks=1, vert_stride=2)
+    lens = [37, 1, 64]
+    cu = torch.tensor([0, 37, 38, 102], dtype=torch.int32, device=DEVICE)
+    _, (q, k, v) = make_inputs(1, sum(lens), sum(lens), 2, 1, 32, torch.float32, seed=5)
+    grads = []
+    for fused in (False, True):
+        cfg = _config(pattern, 32, torch.float32, fused)
+        out = s2_attention_varlen(
+            q[0], k[0], v[0], cu, max(lens), pattern, backend="triton", kernel_config=cfg
+        )
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
