@@ -270,9 +270,11 @@ def mixed_lengths(tokens: int, longest: int, shortest: int, seed: int = 0) -> li
     return lens
 
 
-def sweep_configs(base: KernelConfig) -> list:
+def sweep_configs(base: KernelConfig, match=True) -> list:
     """Alternatives to ``base`` around each pass's tuned point (see tools/tune_kernels.py for a
-    per-kernel sweep)."""
+    per-kernel sweep); with ``match`` a string, only those whose label contains it."""
+    if isinstance(match, str):
+        return [c for c in sweep_configs(base) if match in config_label(c, base)]
     r = dataclasses.replace
 
     def stages(n):
@@ -392,15 +394,21 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
         print(f"  {ROWS[row]}: skipped ({reason})", flush=True)
 
     base = kernel_config(pat, d, dev)
-    for cfg in [base] + (sweep_configs(base) if sweep else []):
+    configs = [base] + (sweep_configs(base, sweep) if sweep else [])
+    for cfg in configs:
         run = lambda cfg=cfg: s2_attention(q, k, v, pat, kernel_config=cfg)
         pairs = row_pairs("s2attn", pat, seq, batch)
         record("s2attn", config_label(cfg, base), pairs, run, fwd_bwd(run, (q, k, v), grad))
     if "s2dense" in rows:
         dpat = dense_pattern(pat)
-        run = lambda: s2_attention(q, k, v, dpat)
-        pairs = row_pairs("s2dense", pat, seq, batch)
-        record("s2dense", ROWS["s2dense"], pairs, run, fwd_bwd(run, (q, k, v), grad))
+        # A filtered sweep is short enough to try its configs on the dense pattern too: the
+        # base rate that every S2 speed-up multiplies.
+        dense_configs = configs if isinstance(sweep, str) else [base]
+        for cfg in dense_configs:
+            run = lambda cfg=cfg: s2_attention(q, k, v, dpat, kernel_config=cfg)
+            pairs = row_pairs("s2dense", pat, seq, batch)
+            label = ROWS["s2dense"] + config_label(cfg, base).removeprefix("s2attn")
+            record("s2dense", label, pairs, run, fwd_bwd(run, (q, k, v), grad))
     if baseline is not None:
         variants = [("s2attn", pat)] + (
             [("s2dense", dense_pattern(pat))] if "s2dense" in rows else []
@@ -555,7 +563,8 @@ def build_cases(args, rows: list) -> list:
     """(seq, head_dim, block, rows, sweep) per case: ``--seqs`` at the given shape, plus with
     ``--extra`` head_dim 64 and block 16 at 32k, each with its dense baselines and FA4 rows so
     that its fraction of the best dense rate is measured at its own head dim."""
-    cases = [(s, args.head_dim, args.block_size, list(rows), args.sweep) for s in args.seqs]
+    sweep = args.sweep_match or args.sweep
+    cases = [(s, args.head_dim, args.block_size, list(rows), sweep) for s in args.seqs]
     if args.extra:
         cases += [
             (32768, 64, args.block_size, ["s2dense", "flex", "flex-fa4", "cudnn", "fa4"], False),
@@ -588,6 +597,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="also run head_dim 64 and block 16 cases at 32k (s2attn, flex, dense baselines)",
     )
     ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configs")
+    ap.add_argument(
+        "--sweep-match",
+        default=None,
+        metavar="TEXT",
+        help="only the sweep configs whose label contains TEXT (e.g. fused_bwd), also on the "
+        "s2dense row",
+    )
     ap.add_argument(
         "--baseline",
         default=None,
