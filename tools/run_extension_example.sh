@@ -6,10 +6,11 @@
 #      documents whose statements are queried thousands of tokens later, blended into both
 #      studies at KV_WEIGHT so that the models have a reason to learn retrieval at all,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
-#   3. configs/studies/code-125m-extend-16k.yaml: the three 16k extensions, while the 4k models
-#      are evaluated beside it (the 125M model leaves the GPU room for both),
-#   4. megatron-s2-eval-long-context on every run: retrieval (TASKS) over LENGTHS x five depths,
-#      and loss by token position on held-out code (the kv corpus left out of the blend),
+#   3. megatron-s2-eval-long-context on the 4k models (side by side on the GPU): retrieval (TASKS)
+#      over LENGTHS x five depths, and loss by token position on held-out code (the kv corpus
+#      left out of the blend),
+#   4. configs/studies/code-125m-extend-16k.yaml: the three 16k extensions, alone on the GPU (their
+#      tokens/s is a result), then the same evaluations of the three, side by side,
 #   5. one loss-by-position plot per study.
 #
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
@@ -63,23 +64,24 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
 
 "$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" || status=$?
 note "base study done (exit $status)"
-"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" &
-extension=$!
-pids=()
-for run in sweeps/code-125m-4k-base/runs/*/; do
-    # Lengths above the 4k the models were trained at: that is the "before extension" column.
-    evaluate "${run%/}" --allow-extrapolation &
-    pids+=($!)
-done
-wait "$extension" || status=$?
+evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU
+    local study=$1 pids=() pid
+    shift
+    for run in sweeps/"$study"/runs/*/; do
+        evaluate "${run%/}" "$@" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" || status=$?
+    done
+}
+# Before the extension, not beside it: the extension's tokens/s (S2 vs dense) is a result, and an
+# evaluation sharing the GPU would distort it. Lengths above the 4k the models were trained at:
+# that is the "before extension" column.
+evaluate_study code-125m-4k-base --allow-extrapolation
+"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" || status=$?
 note "extension study done (exit $status)"
-for run in sweeps/code-125m-extend-16k/runs/*/; do
-    evaluate "${run%/}" &
-    pids+=($!)
-done
-for pid in "${pids[@]}"; do
-    wait "$pid" || status=$?
-done
+evaluate_study code-125m-extend-16k
 for study in code-125m-4k-base code-125m-extend-16k; do
     "$PYTHON" "$ROOT"/tools/plot_loss_by_position.py --out "sweeps/$study/loss_by_position.png" \
         sweeps/$study/runs/*/long_context_eval/loss_by_position.json || status=$?

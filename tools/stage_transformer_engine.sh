@@ -336,7 +336,14 @@ cmd_device_wait() {  # [SECONDS]: exit 0 built, 1 failed, 3 still running after 
 }
 
 cmd_device_env() {
+  local cudnn
   echo "export PYTHONPATH=$TE_SITE:$TRAIN_SITE\${PYTHONPATH:+:\$PYTHONPATH}"
+  # TE's core library links libcudnn.so.9, which the loader found in the system's cache: on the
+  # lent machines an older cuDNN (9.14) than the one torch bundles (9.19), and torch then refused
+  # it ("cuDNN version incompatibility"). Torch's own comes first: CUDNN_HOME for TE's loader,
+  # LD_LIBRARY_PATH for the linked one.
+  cudnn=$("$PY" -c 'import nvidia.cudnn as c; print(list(c.__path__)[0])' 2>/dev/null) || true
+  [ -z "$cudnn" ] || echo "export CUDNN_HOME=$cudnn LD_LIBRARY_PATH=$cudnn/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 }
 
 cmd_device_check() {
