@@ -19,7 +19,7 @@
 # Environment: PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.3),
 # LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES
 # (64). Progress, one line per step, in STATUS (example_status.log). Measured on one H200:
-# 17 minutes in all (corpus 2, base 8, extension 5, evaluations 4 of which 2 overlap).
+# 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 set -uo pipefail
 ROOT=$(dirname "$0")/..
 PYTHON=${PYTHON:-python}
