@@ -50,15 +50,21 @@ def _hybrid_config(pattern="*-" * 4, schedule=TINY_SCHEDULE, backend="reference"
 def _hybrid(pattern="*-" * 4, schedule=TINY_SCHEDULE, backend="reference", seq=SEQ, **kw):
     from megatron_s2.hybrid import build_hybrid_model
 
+    use_te = kw.pop("use_te", False)
     cfg = _hybrid_config(pattern, schedule, backend, seq, **kw)
     return build_hybrid_model(
-        cfg, vocab_size=VOCAB, max_sequence_length=seq, position_embedding_type="learned_absolute"
+        cfg,
+        vocab_size=VOCAB,
+        max_sequence_length=seq,
+        position_embedding_type="learned_absolute",
+        use_te=use_te,
     )
 
 
 def _gpt(schedule=TINY_SCHEDULE, backend="reference", seq=SEQ, **kw):
     from megatron_s2.model import build_gpt_model
 
+    use_te = kw.pop("use_te", False)
     cfg = tiny_config(
         config_class=S2TransformerConfig,
         s2_schedule=schedule,
@@ -66,7 +72,7 @@ def _gpt(schedule=TINY_SCHEDULE, backend="reference", seq=SEQ, **kw):
         s2_seq_length=seq,
         **kw,
     )
-    return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=seq)
+    return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=seq, use_te=use_te)
 
 
 def gpt_to_hybrid_name(name: str) -> str:
@@ -344,18 +350,15 @@ def test_tensor_parallel_2_equals_gpt():
 
 
 # ---------------------------------------------------------------------------- GPU
-@needs_hybrid
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hybrid_equals_gpt_on_cuda_bf16():
-    """On a GPU: bf16, the Triton kernels on S2 layers and SDPA on dense ones, 1k tokens; the
-    hybrid twin's loss and gradients match the GPTModel's from the same weights."""
-    seq, kw = 1024, dict(bf16=True, params_dtype=torch.bfloat16)
+def _check_cuda_twin(use_te: bool, dense_kind: str) -> None:
+    """bf16 on a GPU, 1k tokens: the hybrid twin's loss and gradients match the GPTModel's from
+    the same weights, and an all-dense schedule on those weights does not."""
+    seq, kw = 1024, dict(bf16=True, params_dtype=torch.bfloat16, use_te=use_te)
     # .bfloat16() does what Megatron's Float16Module wrapper does in training: the learned
     # position embedding is a plain torch.nn.Embedding that ignores params_dtype.
     gpt = _gpt(backend="auto", seq=seq, **kw).cuda().bfloat16()
     hybrid = _hybrid(backend="auto", seq=seq, **kw).cuda().bfloat16()
-    assert [k for k, _ in _attention_layers(hybrid)] == TINY_KINDS
+    assert [k for k, _ in _attention_layers(hybrid)] == ["S2CoreAttention", dense_kind] * 2
     _copy_gpt_weights(gpt, hybrid)
     loss_g, grads_g = _loss_and_grads(gpt, "cuda", seq)
     loss_h, grads_h = _loss_and_grads(hybrid, "cuda", seq)
@@ -368,3 +371,25 @@ def test_hybrid_equals_gpt_on_cuda_bf16():
     _copy_gpt_weights(gpt, dense)
     _, grads_d = _loss_and_grads(dense, "cuda", seq)
     assert _max_relative_grad_difference(grads_d, grads_g) > 0.1
+
+
+@needs_hybrid
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_equals_gpt_on_cuda_bf16():
+    """The local flavour: the Triton kernels on S2 layers and SDPA on dense ones."""
+    _check_cuda_twin(use_te=False, dense_kind="FusedDenseAttention")
+
+
+@needs_hybrid
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_te_flavour_equals_gpt_te_spec_on_cuda_bf16():
+    """The TE flavour against the GPT TE spec: TE linears with their fused norms (the same
+    parameter names in both, layer numbers mapped as for the local flavour), the Triton kernels
+    on S2 layers and TEDotProductAttention on dense ones."""
+    from megatron_s2.specs import HAVE_TE
+
+    if not HAVE_TE:
+        pytest.skip("needs Transformer Engine")
+    _check_cuda_twin(use_te=True, dense_kind="TEDotProductAttention")

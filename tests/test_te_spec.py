@@ -69,6 +69,35 @@ def test_te_spec_parallel_layouts_match_local_spec(tmp_path):
 @pytest.mark.slow
 @needs_te
 @_gpus(1)
+def test_trainer_te_spec_resume_reproduces_uninterrupted_losses(tmp_path):
+    """With TE importable, megatron-core's optimizer is TE's FusedAdam, not the torch AdamW that
+    the trainer's resume path was written and CPU-tested for: a TE-spec run stopped at step k
+    (the SIGTERM hook saves there) and resumed in a new process trains the uninterrupted run's
+    losses and learning rates."""
+    from test_trainer import run_trainer
+
+    from megatron_s2.training.demo_corpus import ensure_demo_data
+
+    demo = str(tmp_path / "demo")
+    ensure_demo_data(demo)
+    n, k = 8, 4
+    te = (f"model.transformer_impl={TE}", f"train.train_iters={n}")
+    _, full = run_trainer(tmp_path, demo, *te, name="full")
+    proc, first = run_trainer(tmp_path, demo, *te, f"debug.sigterm_at_iter={k}", name="resumed")
+    assert "Transformer Engine layers" in proc.stdout
+    assert sorted(first) == list(range(1, k + 1))
+    proc, resumed = run_trainer(tmp_path, demo, *te, name="resumed")
+    assert "resumed from" in proc.stdout
+    assert sorted(resumed) == sorted(full) == list(range(1, n + 1))
+    for i in range(1, n + 1):
+        assert resumed[i]["loss"] == pytest.approx(full[i]["loss"], rel=2e-3), i
+        assert resumed[i]["lr"] == pytest.approx(full[i]["lr"], rel=1e-6), i
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_te
+@_gpus(1)
 def test_trainer_te_spec_with_fp8_linears_trains(tmp_path):
     """megatron-s2-train with model.transformer_impl=transformer_engine and model.fp8=hybrid:
     the start-up line names FP8, the loss is finite and falls over 30 steps of the demo corpus.
