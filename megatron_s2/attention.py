@@ -33,9 +33,8 @@ from .config import s2_backend_of, s2_settings_of
 from .context_parallel import (
     attend_local_chunks,
     check_context_parallel_length,
-    chunkwise,
     context_parallel_group,
-    dense_rank_chunks,
+    dense_causal_suffix,
 )
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
@@ -313,9 +312,7 @@ class S2CoreAttention(MegatronModule):
             chunk = check_context_parallel_length(
                 name, query.shape[0], self.cp_group.size(), self.pattern.block_size
             )
-            return attend_local_chunks(
-                query, key, value, self.cp_group, chunkwise(self._attend_at), chunk
-            )
+            return attend_local_chunks(query, key, value, self.cp_group, self._attend_at, chunk)
         sq, b, nq, hn = query.shape
         out = s2_attention(
             query.transpose(0, 1),
@@ -357,8 +354,8 @@ class FusedDenseAttention(MegatronModule):
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
     -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
     tracker, as Megatron does it), except with context parallelism, where each rank's two query
-    chunks attend the all-gathered keys at their absolute positions
-    (:func:`megatron_s2.context_parallel.dense_rank_chunks`: cuDNN on Hopper).
+    chunks attend the all-gathered keys through FlashAttention's varlen kernel (causal aligned
+    at the chunk's end; :func:`megatron_s2.context_parallel.dense_causal_suffix`).
     """
 
     def __init__(
@@ -421,7 +418,7 @@ class FusedDenseAttention(MegatronModule):
                 key,
                 value,
                 self.cp_group,
-                lambda q, k, v, starts: dense_rank_chunks(q, k, v, starts, scale),
+                lambda q, k, v, q_start: dense_causal_suffix(q, k, v, scale),
                 chunk,
             )
         sq, b, nq, hn = query.shape

@@ -35,15 +35,8 @@ __all__ = [
     "gather_sequence",
     "attend_local_chunks",
     "attend_rank_chunks",
-    "chunkwise",
     "dense_causal_suffix",
-    "dense_rank_chunks",
 ]
-
-# attend(q, k, v, starts) -> out: one CP rank's query chunks q [b, n * c, np, hn] (chunk i at
-# absolute positions starts[i] .. starts[i] + c - 1) against k, v [b, S, ng, hn] in absolute
-# order, each query causal (keys up to its own position); out [b, n * c, np, hn].
-RankAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list], torch.Tensor]
 
 
 def context_parallel_group(pg_collection=None):
@@ -114,7 +107,7 @@ def attend_local_chunks(
     key: torch.Tensor,
     value: torch.Tensor,
     group,
-    attend: RankAttend,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
     chunk: int,
 ) -> torch.Tensor:
     """Core attention of one CP rank in Megatron's ``[s, b, heads, hn]`` layout.
@@ -123,10 +116,9 @@ def attend_local_chunks(
         query: ``[2 * chunk, b, np, hn]``, this rank's two query chunks.
         key, value: ``[2 * chunk, b, ng, hn]``, this rank's K/V rows (gathered here).
         group: the context-parallel process group.
-        attend: ``attend(q, k, v, starts) -> out`` on ``[b, s, heads, hn]`` views: the rank's
-            query chunks (``q [b, 2 * chunk, np, hn]``, chunk ``i`` at absolute positions
-            ``starts[i] ..``) attend causally to the whole ``k, v`` in absolute order
-            (:data:`RankAttend`; :func:`chunkwise` makes one from a per-chunk function).
+        attend: ``attend(q, k, v, q_start) -> out`` on ``[b, s, heads, hn]`` views: causal
+            attention of the queries at absolute positions ``q_start ..`` to keys ``0 ..``
+            (the keys end where the queries end).
         chunk: tokens per chunk (:func:`check_context_parallel_length`).
     Returns:
         ``[2 * chunk, b, np * hn]``.
@@ -142,33 +134,21 @@ def attend_rank_chunks(
     value: torch.Tensor,
     rank: int,
     cp: int,
-    attend: RankAttend,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
     chunk: int,
 ) -> torch.Tensor:
     """The compute of :func:`attend_local_chunks` once K/V are whole: ``query [2 * chunk, b, np,
     hn]`` of CP rank ``rank`` of ``cp`` against ``key, value [2 * cp * chunk, b, ng, hn]`` in
     absolute order -> ``[2 * chunk, b, np * hn]`` (also what the benchmark times per rank)."""
-    starts = [rank * chunk, (2 * cp - 1 - rank) * chunk]
-    out = attend(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), starts)
+    k_abs, v_abs = key.transpose(0, 1), value.transpose(0, 1)  # [b, S, ng, hn]
+    q = query.transpose(0, 1)
+    outs = []
+    for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (index + 1) * chunk
+        q_chunk = q[:, slot * chunk : (slot + 1) * chunk]
+        outs.append(attend(q_chunk, k_abs[:, :end], v_abs[:, :end], index * chunk))
     sq, b, nq, hn = query.shape
-    return out.transpose(0, 1).reshape(sq, b, nq * hn)
-
-
-def chunkwise(
-    attend_chunk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
-) -> RankAttend:
-    """A :data:`RankAttend` that calls ``attend_chunk(q_chunk, k, v, q_start)`` once per chunk,
-    with the key prefix that ends where the chunk ends (``[b, s, heads, hn]`` views)."""
-
-    def attend(q, k, v, starts):
-        chunk = q.shape[1] // len(starts)
-        outs = [
-            attend_chunk(q[:, i * chunk : (i + 1) * chunk], k[:, : s + chunk], v[:, : s + chunk], s)
-            for i, s in enumerate(starts)
-        ]
-        return torch.cat(outs, dim=1)
-
-    return attend
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(sq, b, nq * hn)
 
 
 def _varlen_flash():
@@ -217,32 +197,6 @@ def _cudnn_part(q, k, v, causal: bool, scale: float):
     return out, lse, (seed, offset, cu_q, cu_k, max_q, max_k)
 
 
-def _cudnn_part_grads(dout, q, k, v, out, lse, causal: bool, args, scale: float):
-    """cuDNN's backward of one :func:`_cudnn_part` call, with the *merged* ``out`` and ``lse`` of
-    the rows (each part's exact share of the gradients): ``(dq, dk, dv)``."""
-    seed, offset, cu_q, cu_k, max_q, max_k = args
-    if dout.stride() != out.stride():  # cuDNN wants dO laid out as O
-        dout, out = dout.contiguous(), out.contiguous()
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse.contiguous(),
-        seed,
-        offset,
-        None,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        0.0,
-        causal,
-        scale=scale,
-    )
-
-
 class _CausalSuffixCudnn(torch.autograd.Function):
     """Bottom-right causal attention as two cuDNN calls merged by their log-sum-exp.
 
@@ -260,7 +214,11 @@ class _CausalSuffixCudnn(torch.autograd.Function):
         prefix = None
         if split:
             out_p, lse_p, prefix = _cudnn_part(q, k[:, :, :split], v[:, :, :split], False, scale)
-            out, lse = _merge(out_p, lse_p, out, lse)
+            merged = torch.logaddexp(lse_p, lse)
+            out = (
+                out_p.float() * torch.exp(lse_p - merged) + out.float() * torch.exp(lse - merged)
+            ).to(q.dtype)
+            lse = merged
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.parts = (prefix, diag)
         ctx.scale, ctx.split = scale, split
@@ -271,9 +229,28 @@ class _CausalSuffixCudnn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         prefix, diag = ctx.parts
         split = ctx.split
+        dout = dout.contiguous() if dout.stride() != out.stride() else dout
 
         def part_grads(kk, vv, causal, args):
-            return _cudnn_part_grads(dout, q, kk, vv, out, lse, causal, args, ctx.scale)
+            seed, offset, cu_q, cu_k, max_q, max_k = args
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout,
+                q,
+                kk,
+                vv,
+                out,
+                lse,
+                seed,
+                offset,
+                None,
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                0.0,
+                causal,
+                scale=ctx.scale,
+            )
 
         dq, dk, dv = part_grads(k[:, :, split:], v[:, :, split:], True, diag)
         if split:
@@ -281,86 +258,6 @@ class _CausalSuffixCudnn(torch.autograd.Function):
             dq = dq + dq_p
             dk, dv = torch.cat((dk_p, dk), dim=2), torch.cat((dv_p, dv), dim=2)
         return dq, dk, dv, None
-
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Two partial softmax results over disjoint key sets -> the result over their union."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    acc = torch.promote_types(out_a.dtype, torch.float32)  # at least fp32 for 16-bit outputs
-    out = out_a.to(acc) * torch.exp(lse_a - lse) + out_b.to(acc) * torch.exp(lse_b - lse)
-    return out.to(out_a.dtype), lse
-
-
-class _RankChunksCudnn(torch.autograd.Function):
-    """A CP rank's query chunks of dense causal attention on cuDNN, in as few calls as the
-    chunks allow: every chunk's diagonal block (its own ``c`` keys, where top-left and
-    bottom-right causal coincide) in *one* causal call with the chunks stacked on the batch
-    dimension, and each chunk's earlier keys in one non-causal call; merged by log-sum-exp. The
-    per-chunk path (:class:`_CausalSuffixCudnn` for each chunk) makes one causal call per chunk:
-    small calls whose last wave leaves SMs idle.
-
-    ``q [b, h, n * c, d]`` (chunk ``i`` at absolute ``starts[i]``), ``k, v [b, h, S, d]``.
-    The backward runs cuDNN's backward of each call with the merged outputs and log-sum-exps
-    (each call's exact share of the gradients, as in :class:`_CausalSuffixCudnn`).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, starts, scale):
-        b, chunk = q.shape[0], q.shape[2] // len(starts)
-        qs = q.split(chunk, dim=2)
-        diag_k, diag_v = (torch.cat([t[:, :, s : s + chunk] for s in starts]) for t in (k, v))
-        out_d, lse_d, diag = _cudnn_part(torch.cat(qs), diag_k, diag_v, True, scale)
-        outs, lses = list(out_d.split(b)), list(lse_d.split(b))
-        prefix = []
-        for i, s in enumerate(starts):
-            args = None
-            if s:
-                out_p, lse_p, args = _cudnn_part(qs[i], k[:, :, :s], v[:, :, :s], False, scale)
-                outs[i], lses[i] = _merge(out_p, lse_p, outs[i], lses[i])
-            prefix.append(args)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.parts = (diag, prefix)
-        ctx.starts, ctx.scale = starts, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        diag, prefix = ctx.parts
-        starts, b, n = ctx.starts, q.shape[0], len(ctx.starts)
-        chunk = q.shape[2] // n
-
-        def rows(t):  # [b, h, n * c, ...] -> the chunks stacked on the batch dimension
-            return torch.cat(t.split(chunk, dim=2))
-
-        diag_k, diag_v = (torch.cat([t[:, :, s : s + chunk] for s in starts]) for t in (k, v))
-        dq_d, dk_d, dv_d = _cudnn_part_grads(
-            rows(dout), rows(q), diag_k, diag_v, rows(out), rows(lse), True, diag, ctx.scale
-        )
-        dq = torch.cat(dq_d.split(b), dim=2)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for i, s in enumerate(starts):
-            dk[:, :, s : s + chunk] += dk_d[i * b : (i + 1) * b]
-            dv[:, :, s : s + chunk] += dv_d[i * b : (i + 1) * b]
-            if prefix[i] is None:
-                continue
-            part = slice(i * chunk, (i + 1) * chunk)
-            dq_p, dk_p, dv_p = _cudnn_part_grads(
-                dout[:, :, part],
-                q[:, :, part],
-                k[:, :, :s],
-                v[:, :, :s],
-                out[:, :, part],
-                lse[:, :, part],
-                False,
-                prefix[i],
-                ctx.scale,
-            )
-            dq[:, :, part] += dq_p
-            dk[:, :, :s] += dk_p
-            dv[:, :, :s] += dv_p
-        return dq, dk, dv, None, None
 
 
 DENSE_IMPLS = ("auto", "cudnn", "flash", "sdpa")
@@ -426,36 +323,3 @@ def dense_causal_suffix(
         qt, kt, vt, attn_mask=causal_lower_right(sq, sk), scale=scale
     )
     return out.transpose(1, 2)
-
-
-def dense_rank_chunks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    starts: list,
-    scale: float,
-    impl: str = "auto",
-) -> torch.Tensor:
-    """Dense causal attention of one CP rank's query chunks (a :data:`RankAttend`).
-
-    ``q [b, n * c, np, hn]``: ``n = len(starts)`` chunks of ``c`` tokens, chunk ``i`` at absolute
-    positions ``starts[i] .. starts[i] + c - 1``; ``k, v [b, S, ng, hn]`` positions ``0 .. S - 1``
-    (GQA groups not repeated), ``S >= starts[i] + c``. Query at position ``p`` attends keys
-    ``<= p``. Returns ``[b, n * c, np, hn]``.
-
-    On Hopper in fp16/bf16 (head_dim <= 128): cuDNN, all chunks' diagonal blocks in one causal
-    call and each chunk's earlier keys in one non-causal call (:class:`_RankChunksCudnn`);
-    elsewhere, or with ``impl`` "flash" / "sdpa", :func:`dense_causal_suffix` chunk by chunk.
-    """
-    if impl not in DENSE_IMPLS:
-        raise ValueError(f"dense_rank_chunks: impl must be one of {DENSE_IMPLS}, got {impl!r}")
-    nq, ng = q.shape[2], k.shape[2]
-    if impl == "cudnn" or (impl == "auto" and _cudnn_usable(q)):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d] views
-        if ng != nq:
-            kt = kt.repeat_interleave(nq // ng, dim=1)
-            vt = vt.repeat_interleave(nq // ng, dim=1)
-        return _RankChunksCudnn.apply(qt, kt, vt, list(starts), scale).transpose(1, 2)
-    return chunkwise(lambda qc, kc, vc, start: dense_causal_suffix(qc, kc, vc, scale, impl))(
-        q, k, v, starts
-    )

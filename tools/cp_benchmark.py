@@ -12,10 +12,9 @@ the whole K/V (what each rank computes after the all-gather; ranks 0 and N-1 bra
 balance). "per-token vs CP=1" is the rank's time per query token over CP=1's (1.00 = no
 overhead from splitting). Memory is the peak allocation of the fwd+bwd above its inputs. The
 all-gather itself is not timed here (one GPU); its volume per layer is printed: K and V of the
-whole sequence, ``(N-1)/N`` of it received by each rank. The dense rows are the module's path
-(cuDNN, the rank's diagonal blocks in one call: ``dense_rank_chunks``) and two it replaced:
-cuDNN with one causal call per chunk, and FlashAttention-2's varlen kernel with bottom-right
-causal masks.
+whole sequence, ``(N-1)/N`` of it received by each rank. The "dense, FA2 varlen" rows are the
+alternative dense path (FlashAttention-2's varlen kernel with bottom-right causal masks) that
+the cuDNN path replaced.
 """
 
 from __future__ import annotations
@@ -57,12 +56,7 @@ def _timed(fn, grads_of) -> tuple[float, float]:
 
 
 def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dict]:
-    from megatron_s2.context_parallel import (
-        attend_rank_chunks,
-        chunkwise,
-        dense_causal_suffix,
-        dense_rank_chunks,
-    )
+    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
     from s2attn import S2Pattern, s2_attention
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -73,18 +67,12 @@ def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dic
     scale = dim**-0.5
     pattern = S2Pattern(num_heads=heads, num_kv_heads=groups, **S2_SETTINGS)
 
-    @chunkwise
     def s2_at(qc, kc, vc, q_start):
         return s2_attention(qc, kc, vc, pattern, softmax_scale=scale, q_start=q_start)
 
-    def dense_at(qr, kr, vr, starts):  # FusedDenseAttention's CP path
-        return dense_rank_chunks(qr, kr, vr, starts, scale)
+    def dense_at(qc, kc, vc, q_start):
+        return dense_causal_suffix(qc, kc, vc, scale)
 
-    @chunkwise
-    def cudnn_per_chunk_at(qc, kc, vc, q_start):
-        return dense_causal_suffix(qc, kc, vc, scale, impl="cudnn")
-
-    @chunkwise
     def flash_at(qc, kc, vc, q_start):
         return dense_causal_suffix(qc, kc, vc, scale, impl="flash")
 
@@ -102,11 +90,10 @@ def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dic
     kinds = (
         ("S2", s2_full, s2_at, cps),
         ("dense", dense_full, dense_at, cps),
-        ("dense, cuDNN per chunk", None, cudnn_per_chunk_at, cps),
         ("dense, FA2 varlen", None, flash_at, cps[:1]),
     )
     for kind, full, at, kind_cps in kinds:
-        if full is not None:  # the other dense rows compare with the dense CP=1 row
+        if full is not None:  # the FA2 rows compare with the dense CP=1 row before them
             ms1, mem1 = _timed(full, (q, k, v))
             rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0))
         for cp in kind_cps:
