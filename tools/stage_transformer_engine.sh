@@ -22,6 +22,13 @@
 #   optional: bash tools/stage_transformer_engine.sh device-export  # the built wheel -> $OUT
 # Every later command in the same warm machine starts with the device-env line.
 #
+# Megatron-LM's pretrain_gpt.py with the TE spec (megatron-core 0.19's wheel ships
+# megatron.training; the launcher files at the repository's root are all that is missing):
+#   here:  tools/stage_transformer_engine.sh megatron-lm CHECKOUT   # a Megatron-LM checkout at
+#          the tag core_v0.19.0 -> .whl/te/mlm/ (pretrain_gpt.py, gpt_builders.py, model_provider.py)
+#   there, carry [".whl/te/mlm"], after device-env:
+#          bash tools/stage_transformer_engine.sh device-pretrain-gpt [ITERS]
+#
 # Why N calls: the core library wheel (transformer-engine-cu13, one 343 MB libtransformer_engine.so)
 # is 276.5 MB; xz gains only ~4% on it (CUDA fat binaries are compressed already), so it travels
 # as the original wheel split into N equal parts, one a call, each waiting in /tmp for the last
@@ -426,6 +433,51 @@ cmd_device_export() {  # the built binding wheel -> $OUT (<= 15 MiB pieces), to 
   echo ".whl/te/built with call 1: device-stash keeps it, device-install then skips the build"
 }
 
+MLM=$TE/mlm
+MLM_FILES=(pretrain_gpt.py gpt_builders.py model_provider.py)
+MLM_TAG=core_v0.19.0
+
+cmd_megatron_lm() {  # CHECKOUT: Megatron-LM's launcher files -> .whl/te/mlm/
+  local src=${1:-} f tag
+  [ -n "$src" ] && [ -f "$src/pretrain_gpt.py" ] \
+    || die "megatron-lm CHECKOUT: a Megatron-LM checkout (git checkout $MLM_TAG), got '${src}'"
+  tag=$(git -C "$src" describe --tags --exact-match 2>/dev/null || echo unknown)
+  [ "$tag" = "$MLM_TAG" ] \
+    || echo "warning: $src is at '$tag', not $MLM_TAG (the version megatron-core 0.19.2 pairs with)"
+  mkdir -p "$MLM"
+  for f in "${MLM_FILES[@]}"; do
+    cp "$src/$f" "$MLM/" || die "no $f in $src"
+  done
+  echo "$tag" > "$MLM/TAG"
+  ls -l "$MLM"
+}
+
+cmd_device_pretrain_gpt() {  # [ITERS]: Megatron-LM's own loop with the TE spec, mock data
+  local iters=${1:-200} f ds
+  for f in "${MLM_FILES[@]}"; do
+    [ -f "$MLM/$f" ] || die "no $MLM/$f: run 'megatron-lm CHECKOUT' here and carry .whl/te/mlm"
+  done
+  eval "$(cmd_device_env)"
+  # Megatron-LM's start-up runs `make -C megatron/core/datasets` to build the dataset helpers; the
+  # wheel ships them built (helpers_cpp*.so) but no Makefile, and make without one fails the run.
+  ds=$("$PY" -c 'import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))')
+  ls "$ds"/helpers_cpp*.so >/dev/null 2>&1 || die "no built dataset helpers in $ds"
+  [ -f "$ds/Makefile" ] || printf 'default:\n\t@echo "dataset helpers: prebuilt in the wheel"\n' > "$ds/Makefile"
+  export MEGATRON_S2_SCHEDULE=$REPO/configs/attention/phi3_small.yaml
+  [ -f "$MEGATRON_S2_SCHEDULE" ] || die "no $MEGATRON_S2_SCHEDULE"
+  # The 125M hybrid's shape (configs/gpt-125m-s2.yaml) at 4k; TE's default flags, plus the two
+  # attention flags every S2 spec needs (docs/megatron.md).
+  (cd "$MLM" && "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py \
+    --spec megatron_s2.specs s2_layer_spec_te \
+    --attention-dropout 0.0 --no-create-attention-mask-in-dataloader \
+    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \
+    --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope \
+    --micro-batch-size 4 --global-batch-size 32 --bf16 \
+    --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 20 --train-iters "$iters" \
+    --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
+    --log-interval 10 --eval-interval 100 --eval-iters 2 --log-throughput)
+}
+
 # ---- rehearsal here (no GPU, no compiler): each call's carry in a stand-in checkout ---------
 cmd_rehearse() {
   local py=${TE_PYTHON:-/work/venv312/bin/python} tmp n k d out
@@ -527,6 +579,8 @@ case "${1:-}" in
   device-env) cmd_device_env ;;
   device-check) cmd_device_check ;;
   device-export) cmd_device_export ;;
+  megatron-lm) cmd_megatron_lm "${2:-}" ;;
+  device-pretrain-gpt) cmd_device_pretrain_gpt "${2:-200}" ;;
   *)
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
     [ -n "${1:-}" ] && die "unknown step ${1}"
