@@ -26,7 +26,7 @@
 # megatron.training; the launcher files at the repository's root are all that is missing):
 #   here:  tools/stage_transformer_engine.sh megatron-lm CHECKOUT   # a Megatron-LM checkout at
 #          the tag core_v0.19.0 -> .whl/te/mlm/ (pretrain_gpt.py, gpt_builders.py, model_provider.py)
-#   there, carry [".whl/te/mlm"], after device-env:
+#   there, carry [".whl/te/mlm"], after the staging calls (the step sets device-env itself):
 #          bash tools/stage_transformer_engine.sh device-pretrain-gpt [ITERS]
 #
 # Why N calls: the core library wheel (transformer-engine-cu13, one 343 MB libtransformer_engine.so)
@@ -580,7 +580,7 @@ case "${1:-}" in
   device-check) cmd_device_check ;;
   device-export) cmd_device_export ;;
   megatron-lm) cmd_megatron_lm "${2:-}" ;;
-  device-pretrain-gpt) cmd_device_pretrain_gpt "${2:-200}" ;;
+  device-pretrain-gpt) cmd_device_pretrain_gpt "${2:-}" ;;
   *)
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
     [ -n "${1:-}" ] && die "unknown step ${1}"
