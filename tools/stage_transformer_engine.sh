@@ -246,6 +246,9 @@ cmd_device_install() {
   if ls "$STASH"/transformer_engine_torch-*.whl >/dev/null 2>&1; then
     echo "a built torch binding was carried: installing it, no build"
     install_binding "$(ls "$STASH"/transformer_engine_torch-*.whl | head -1)"
+    # device-wait's answer for a carried binding: nothing to wait for, installed.
+    echo ok > "$BUILD/status"
+    echo "carried: nothing was built" > "$BUILD/build.log"
     return 0
   fi
   cmd_device_build_start
@@ -469,7 +472,7 @@ cmd_device_pretrain_gpt() {  # [ITERS]: Megatron-LM's own loop with the TE spec,
   # attention flags every S2 spec needs (docs/megatron.md).
   (cd "$MLM" && "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py \
     --spec megatron_s2.specs s2_layer_spec_te \
-    --attention-dropout 0.0 --no-create-attention-mask-in-dataloader \
+    --attention-dropout 0.0 --no-create-attention-mask-in-dataloader --no-gradient-accumulation-fusion \
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 \
     --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope \
     --micro-batch-size 4 --global-batch-size 32 --bf16 \
