@@ -1,6 +1,7 @@
 """tools/run_extension_example.sh's orchestration, with a stand-in interpreter (the real steps are
 tested in test_code_corpus.py, test_demo_corpus.py, test_sweep.py, test_context_extension.py and
-test_long_context_eval.py): the key-value corpus is blended into both studies at KV_WEIGHT, the
+test_long_context_eval.py): the key-value corpus is blended into both studies at KV_WEIGHT and
+the retrieval training documents (one corpus per study) at RETRIEVAL_WEIGHT, the
 4k models are evaluated before the extension trains (not beside it: its tokens/s is a result),
 every run is evaluated once on held-out code alone, and a second run redoes nothing."""
 
@@ -43,7 +44,7 @@ FAKE = textwrap.dedent(
         overrides = ("data.demo=false data.blend=[data/code/train_valid] data.split=9,1,0 "
                      "data.tokenizer=data/code/tokenizer")
         json.dump({{"overrides": overrides}}, open(os.path.join(out, "corpus.json"), "w"))
-    elif tool == "make_demo_corpus.py":
+    elif tool in ("make_demo_corpus.py", "make_retrieval_corpus.py"):
         prefix = args[args.index("--output-prefix") + 1]
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         open(prefix + ".idx", "w").close()
@@ -66,8 +67,10 @@ FAKE = textwrap.dedent(
 )
 
 
-def _run(tmp_path, log):
-    env = dict(os.environ, PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25")
+def _run(tmp_path, log, **extra):
+    env = dict(
+        os.environ, PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25", **extra
+    )
     r = subprocess.run(
         ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
@@ -92,15 +95,31 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
         for c in calls
         if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
     }
+    # One retrieval corpus per study, trials no longer than its sequence, in the code tokenizer.
+    retrieval = {
+        c["args"][c["args"].index("--output-prefix") + 1]: c
+        for c in calls
+        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
+    }
+    assert sorted(retrieval) == [
+        "data/retrieval/retrieval_code_16k",
+        "data/retrieval/retrieval_code_4k",
+    ]
+    for prefix, c in retrieval.items():
+        assert c["args"][c["args"].index("--tokenizer") + 1] == "data/code/tokenizer"
+        max_tokens = c["args"][c["args"].index("--max-tokens") + 1]
+        assert max_tokens == {"4k": "4096", "16k": "16384"}[prefix.rsplit("_", 1)[1]]
     assert sorted(sweeps) == sorted(POINTS)
-    for c in sweeps.values():
+    for name, c in sweeps.items():
+        tag = "4k" if name == "code-125m-4k-base" else "16k"
         assert c["args"][4:] == [
             "data.demo=false",
             "data.blend=[data/code/train_valid]",
             "data.split=9,1,0",
             "data.tokenizer=data/code/tokenizer",
-            # after the corpus's own blend, so that it wins
-            "data.blend=[[0.75, data/code/train_valid], [0.25, data/kv/kv_code]]",
+            # after the corpus's own blend, so that it wins; code gets what the others leave
+            "data.blend=[[0.55, data/code/train_valid], [0.25, data/kv/kv_code], "
+            f"[0.2, data/retrieval/retrieval_code_{tag}]]",
         ]
     extension = sweeps["code-125m-extend-16k"]
     assert sweeps["code-125m-4k-base"]["end"] <= extension["start"]
@@ -130,7 +149,24 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
     log.write_text("")
     calls = _run(tmp_path, log)
     tools = [os.path.basename(c["args"][0]) for c in calls]
-    assert "build_code_corpus.py" not in tools and "make_demo_corpus.py" not in tools
+    assert not {"build_code_corpus.py", "make_demo_corpus.py", "make_retrieval_corpus.py"} & set(
+        tools
+    )
     assert not [
         c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
     ]
+
+
+def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_path):
+    """RETRIEVAL_WEIGHT=0 is run E's blend: no retrieval corpus is written or blended."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, RETRIEVAL_WEIGHT="0")
+    tools = [os.path.basename(c["args"][0]) for c in calls]
+    assert "make_retrieval_corpus.py" not in tools
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert len(sweeps) == 2
+    run_e_blend = "data.blend=[[0.75, data/code/train_valid], [0.25, data/kv/kv_code]]"
+    assert [c["args"][-1] for c in sweeps] == [run_e_blend, run_e_blend]

@@ -4,7 +4,10 @@
 #   1. the code corpus of this interpreter's own sources (tools/build_code_corpus.py) and, in its
 #      tokenizer, the key-value recall corpus (tools/make_demo_corpus.py --tokenizer): long
 #      documents whose statements are queried thousands of tokens later, blended into both
-#      studies at KV_WEIGHT so that the models have a reason to learn retrieval at all,
+#      studies at KV_WEIGHT, and the retrieval training documents (tools/make_retrieval_corpus.py:
+#      passkey and needle trials in the evaluation's formats, a training seed; up to 4k tokens
+#      for the base study, up to 16k for the extension) at RETRIEVAL_WEIGHT, so that the models
+#      learn the question-answer format and the evaluation measures how far back they find it,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
 #   3. megatron-s2-eval-long-context on the 4k models (side by side on the GPU): retrieval (TASKS)
 #      over LENGTHS x five depths, and loss by token position on held-out code (the kv corpus
@@ -16,7 +19,9 @@
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
 #
 # Resumable: run it again and the finished studies' points and evaluations are skipped.
-# Environment: PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.3),
+# Environment: PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
+# RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
+# (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
 # LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES
 # (64). Progress, one line per step, in STATUS (example_status.log). Measured on one H200:
 # 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
@@ -25,7 +30,9 @@ ROOT=$(dirname "$0")/..
 PYTHON=${PYTHON:-python}
 CORPUS=${CORPUS:-data/code}
 KV_PREFIX=${KV_PREFIX:-data/kv/kv_code}
-KV_WEIGHT=${KV_WEIGHT:-0.3}
+KV_WEIGHT=${KV_WEIGHT:-0.1}
+RETRIEVAL_PREFIX=${RETRIEVAL_PREFIX:-data/retrieval/retrieval_code}
+RETRIEVAL_WEIGHT=${RETRIEVAL_WEIGHT:-0.2}
 STATUS=${STATUS:-example_status.log}
 BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
 EXTEND=$ROOT/configs/studies/code-125m-extend-16k.yaml
@@ -43,11 +50,30 @@ if [[ ! -f "$KV_PREFIX.idx" ]]; then
         --num-docs 1000 --min-chars 8000 --max-chars 64000 --seed 1 || exit
     note "key-value corpus written to $KV_PREFIX"
 fi
+with_retrieval=$("$PYTHON" -c "import sys; print(int(float(sys.argv[1]) > 0))" "$RETRIEVAL_WEIGHT")
+if [[ $with_retrieval == 1 ]]; then
+    # One corpus per study, each of trials no longer than the study's sequence: a longer trial
+    # is cut across samples, and its answer then trains nothing.
+    for spec in 4k:4096:8000 16k:16384:2000; do
+        IFS=: read -r tag max_tokens num_docs <<< "$spec"
+        if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
+            "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
+                --output-prefix "${RETRIEVAL_PREFIX}_$tag" --max-tokens "$max_tokens" \
+                --num-docs "$num_docs" --seed 1 || exit
+            note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
+        fi
+    done
+fi
 read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['overrides'])" "$CORPUS/corpus.json")
 # After the corpus's own overrides, which name the code corpus alone.
 CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
-CODE_WEIGHT=$("$PYTHON" -c "import sys; print(round(1 - float(sys.argv[1]), 6))" "$KV_WEIGHT")
-OVERRIDES+=("data.blend=[[$CODE_WEIGHT, $CODE], [$KV_WEIGHT, $KV_PREFIX]]")
+CODE_WEIGHT=$("$PYTHON" -c "import sys; print(round(1 - float(sys.argv[1]) - float(sys.argv[2]), 6))" \
+    "$KV_WEIGHT" "$RETRIEVAL_WEIGHT")
+blend() {  # TAG: the study's data.blend override (TAG names its retrieval corpus)
+    local parts="[$CODE_WEIGHT, $CODE], [$KV_WEIGHT, $KV_PREFIX]"
+    [[ $with_retrieval == 1 ]] && parts+=", [$RETRIEVAL_WEIGHT, ${RETRIEVAL_PREFIX}_$1]"
+    echo "data.blend=[$parts]"
+}
 
 evaluate() {  # RUN [extra options]: held-out code only, for the loss by position.
     local run=$1
@@ -62,7 +88,7 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
     return $rc
 }
 
-"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" || status=$?
+"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" || status=$?
 note "base study done (exit $status)"
 evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU
     local study=$1 pids=() pid
@@ -79,7 +105,7 @@ evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side 
 # evaluation sharing the GPU would distort it. Lengths above the 4k the models were trained at:
 # that is the "before extension" column.
 evaluate_study code-125m-4k-base --allow-extrapolation
-"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" || status=$?
+"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" "$(blend 16k)" || status=$?
 note "extension study done (exit $status)"
 evaluate_study code-125m-extend-16k
 for study in code-125m-4k-base code-125m-extend-16k; do

@@ -1,0 +1,154 @@
+"""Retrieval training documents in the long-context evaluation's own formats.
+
+A model learns to look a statement up from far back only if its training data rewards it. The
+worked example's 125M models, trained on code and the key-value corpus, never did: 0% in every
+cell, the dense model included (``docs/long_context_eval.md``), so "does the S2 hybrid retrieve
+as well as its dense twin" could not be asked of them. This corpus holds whole retrieval
+documents, haystack + needle + question + answer, made by the evaluation's own
+:func:`~.long_context_eval.make_trial` under a training seed (a string, while the evaluation's
+seeds are integers: no evaluation trial is repeated here). Blended into a run
+(``data.blend``), it teaches the question-answer format; how far back a model can then find the
+answer is what the evaluation measures.
+
+Haystacks: ``passkey`` in its repeated filler sentences, as the evaluation does (the classic
+passkey training set-up); ``needle`` in the demo corpus's filler sentences, while the
+evaluation hides the needle in held-out code, a haystack these documents never show.
+
+Command line: ``tools/make_retrieval_corpus.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+
+from .long_context_eval import TASKS, haystack_stream, make_trial
+from .run_config import ConfigError
+
+__all__ = ["TRAINING_TASKS", "training_task", "write_retrieval_dataset", "main"]
+
+# Each training task, with the haystack its documents use (see the module docstring).
+TRAINING_TASKS = {
+    "passkey": TASKS["passkey"],
+    "needle": replace(TASKS["needle"], filler="kv-filler"),
+}
+
+
+def training_task(name: str):
+    """The :class:`~.long_context_eval.Task` whose documents this corpus writes for ``name``."""
+    if name not in TRAINING_TASKS:
+        raise ConfigError(f"--tasks: unknown {name!r}; known: {', '.join(TRAINING_TASKS)}")
+    return TRAINING_TASKS[name]
+
+
+def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
+    # Log-uniform: as many documents under 1k tokens as between 4k and 16k, so that a short
+    # training context still sees whole documents while a long one sees far needles.
+    return [int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) for _ in range(n)]
+
+
+def write_retrieval_dataset(
+    output_prefix: str | os.PathLike,
+    tokenizer: str,
+    *,
+    tasks: Sequence[str] = ("passkey", "needle"),
+    num_docs: int = 4000,
+    min_tokens: int = 256,
+    max_tokens: int = 16384,
+    seed: int = 0,
+) -> dict:
+    """Write ``num_docs`` retrieval documents as a Megatron indexed dataset
+    ``output_prefix.bin/.idx`` (+ ``.meta.json``), tokenized with ``tokenizer`` (``byte`` or a
+    local HF tokenizer directory, e.g. ``data/code/tokenizer``).
+
+    Document ``i`` is task ``tasks[i % len(tasks)]``, a trial of ``L`` tokens with ``L`` drawn
+    log-uniformly from ``[min_tokens, max_tokens]`` and the needle at a uniform depth, followed
+    by the question, the answer and EOD (``L + 2`` tokens). Returns ``{"documents", "tokens"}``
+    (EOD included). Raises :class:`ConfigError` for an empty or unknown task list, fewer than
+    one document or a length range the tasks do not fit in.
+    """
+    if not tasks:
+        raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
+    chosen = [training_task(t) for t in tasks]
+    if num_docs < 1:
+        raise ConfigError(f"--num-docs must be >= 1, got {num_docs}")
+    if not 1 <= min_tokens <= max_tokens:
+        raise ConfigError(
+            f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
+        )
+    from .code_corpus import _encoder, _Writer
+    from .preprocess import _import_megatron_writer
+
+    tok, _ = _encoder(tokenizer)
+    streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
+    rng = random.Random(f"retrieval-train-{seed}")
+    lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
+    dtype_cls, builder_cls = _import_megatron_writer()
+    prefix = os.fspath(output_prefix)
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    writer = _Writer(prefix, dtype_cls.optimal_dtype(tok.vocab_size), builder_cls)
+    tokens = 0
+    try:
+        for i, length in enumerate(lengths):
+            task = chosen[i % len(chosen)]
+            trial = make_trial(
+                task, tok, streams[task.name], length, rng.random(), i, seed=f"train-{seed}"
+            )
+            doc = np.append(trial.tokens, tok.eod).astype(np.int64)
+            writer.add(doc)
+            tokens += doc.size
+        stats = {"documents": num_docs, "tokens": tokens}
+        writer.finish(
+            {
+                "generator": "retrieval-train-v1",
+                "tasks": list(tasks),
+                "seed": seed,
+                "min_tokens": min_tokens,
+                "max_tokens": max_tokens,
+                "tokenizer": str(tokenizer),
+                **stats,
+            }
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    return stats
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="make_retrieval_corpus",
+        description="Write passkey/needle retrieval training documents (the long-context "
+        "evaluation's formats, a training seed) as a Megatron indexed dataset to blend in.",
+    )
+    p.add_argument("--tokenizer", required=True, help="byte, or a local HF tokenizer directory")
+    p.add_argument("--output-prefix", required=True, help="dataset prefix (.bin/.idx written)")
+    p.add_argument("--tasks", default="passkey,needle", help="comma list of passkey, needle")
+    p.add_argument("--num-docs", type=int, default=4000, help="documents (default 4000)")
+    p.add_argument("--min-tokens", type=int, default=256, help="shortest trial (default 256)")
+    p.add_argument("--max-tokens", type=int, default=16384, help="longest trial (default 16384)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        stats = write_retrieval_dataset(
+            args.output_prefix,
+            args.tokenizer,
+            tasks=[t for t in args.tasks.split(",") if t],
+            num_docs=args.num_docs,
+            min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+    except (ConfigError, OSError) as exc:
+        print(f"make_retrieval_corpus: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.output_prefix}: {stats['documents']} documents, {stats['tokens']} tokens")
+    return 0
