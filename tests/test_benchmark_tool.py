@@ -452,3 +452,19 @@ def test_kernel_timing_script_needs_a_baseline_package(tmp_path):
     assert run.returncode == 2 and "no s2attn package" in run.stderr
     run = subprocess.run(["bash", script], capture_output=True, text=True)
     assert run.returncode != 0 and "usage" in run.stderr
+
+
+def test_sweep_adds_wide_key_tiles_only_where_a_block_holds_them():
+    from s2attn.triton_attention import kernel_config
+
+    for block, wide in ((64, 0), (128, 2)):
+        pattern = S2Pattern(num_heads=4, block_size=block, local_blocks=2, vert_stride=2)
+        base = kernel_config(pattern, 128, "cuda")
+        configs = bench.sweep_configs(base, block_size=block)
+        got = [c for c in configs if c.block_n == 128]
+        assert len(got) == wide
+        assert {c.tma for c in got} == ({True, False} if wide else set())
+        assert all(c.fwd == bench.PassConfig(128, 8, 3) for c in got)
+        labels = [bench.config_label(c, base) for c in got]
+        assert all(label.startswith("s2attn bn=128") for label in labels)
+        assert bench.sweep_configs(base, "bn=128", block) == got

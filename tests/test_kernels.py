@@ -440,6 +440,28 @@ def test_kernel_config_reaches_every_launch(monkeypatch):
     assert_matches(got, fp64_reference(views, pattern, do, dl), FP32_TOL)
 
 
+@pytest.mark.timeout(180)
+def test_wide_key_tiles_of_a_128_block_pattern_match_the_reference():
+    """128-key tiles (tools/benchmark.py's ``bn=128`` sweep configs, one per pattern block of
+    128): forward, LSE and every gradient equal the fp64 reference, GQA and an odd length."""
+    c = Case("bn128", block=128, heads=4, kv_heads=2, seq_q=700, local=1, stride=2)
+    pattern = c.pattern()
+    PC = tri_mod.PassConfig
+    cfg = tri_mod.KernelConfig(block_n=128, fwd=PC(128, 4, 1), dq=PC(128, 4, 1), dkdv=PC(32, 4, 1))
+    leaves, views = make_inputs(1, c.seq_q, c.seq_q, c.heads, c.kv_heads, c.head_dim, c.dtype)
+    do, dl = upstream_grads(1, c.seq_q, c.heads, c.head_dim)
+    got = attention_with_grads(
+        lambda q, k, v: s2_attention(
+            q, k, v, pattern, return_lse=True, backend="triton", kernel_config=cfg
+        ),
+        leaves,
+        views,
+        do,
+        dl,
+    )
+    assert_matches(got, fp64_reference(views, pattern, do, dl), FP32_TOL)
+
+
 def test_kernel_config_checked():
     PC = tri_mod.PassConfig
     with pytest.raises(ValueError, match="block_m"):
