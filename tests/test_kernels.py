@@ -425,6 +425,13 @@ def test_kernel_config_reaches_every_launch(monkeypatch):
         return orig_layout(pattern_, sq, sk, qs, ks, block_m, block_n, device, with_csc)
 
     monkeypatch.setattr(tri_mod, "layout_for", layout_for)
+    _assert_config_matches_reference(c, cfg)
+    assert tiles == [(16, 16, False), (64, 16, False), (16, 16, True)]
+
+
+def _assert_config_matches_reference(c: Case, cfg) -> None:
+    """Case ``c`` through the Triton kernels with ``cfg``: out, LSE and dq/dk/dv against fp64."""
+    pattern = c.pattern()
     leaves, views = make_inputs(1, c.seq_q, c.seq_q, c.heads, c.kv_heads, c.head_dim, c.dtype)
     do, dl = upstream_grads(1, c.seq_q, c.heads, c.head_dim)
     got = attention_with_grads(
@@ -436,7 +443,6 @@ def test_kernel_config_reaches_every_launch(monkeypatch):
         do,
         dl,
     )
-    assert tiles == [(16, 16, False), (64, 16, False), (16, 16, True)]
     assert_matches(got, fp64_reference(views, pattern, do, dl), FP32_TOL)
 
 
@@ -445,21 +451,9 @@ def test_wide_key_tiles_of_a_128_block_pattern_match_the_reference():
     """128-key tiles (tools/benchmark.py's ``bn=128`` sweep configs, one per pattern block of
     128): forward, LSE and every gradient equal the fp64 reference, GQA and an odd length."""
     c = Case("bn128", block=128, heads=4, kv_heads=2, seq_q=700, local=1, stride=2)
-    pattern = c.pattern()
     PC = tri_mod.PassConfig
     cfg = tri_mod.KernelConfig(block_n=128, fwd=PC(128, 4, 1), dq=PC(128, 4, 1), dkdv=PC(32, 4, 1))
-    leaves, views = make_inputs(1, c.seq_q, c.seq_q, c.heads, c.kv_heads, c.head_dim, c.dtype)
-    do, dl = upstream_grads(1, c.seq_q, c.heads, c.head_dim)
-    got = attention_with_grads(
-        lambda q, k, v: s2_attention(
-            q, k, v, pattern, return_lse=True, backend="triton", kernel_config=cfg
-        ),
-        leaves,
-        views,
-        do,
-        dl,
-    )
-    assert_matches(got, fp64_reference(views, pattern, do, dl), FP32_TOL)
+    _assert_config_matches_reference(c, cfg)
 
 
 def test_kernel_config_checked():

@@ -42,6 +42,7 @@ CLI: ``python tools/build_code_corpus.py --out data/code``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -439,6 +440,7 @@ class _Writer:
         self.prefix = prefix
         self.tmp = f"{prefix}.tmp{os.getpid()}"
         self.builder = builder_cls(self.tmp + ".bin", dtype=dtype)
+        self.meta: dict = {}  # what writing_indexed_dataset writes beside the files
 
     def add(self, doc: np.ndarray) -> None:
         self.builder.add_document(doc, [doc.size])
@@ -460,6 +462,25 @@ class _Writer:
                 os.remove(self.tmp + ext)
             except FileNotFoundError:
                 pass
+
+
+@contextlib.contextmanager
+def writing_indexed_dataset(prefix: str, vocab_size: int):
+    """Yield a :class:`_Writer` for the Megatron indexed dataset ``prefix`` (ids in the smallest
+    dtype that holds ``vocab_size``; the parent folder made). When the block ends its files are
+    renamed into place with ``writer.meta`` as ``prefix.meta.json``; if it raises they are
+    removed and nothing appears under ``prefix``."""
+    from .preprocess import _import_megatron_writer
+
+    dtype_cls, builder_cls = _import_megatron_writer()
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    writer = _Writer(prefix, dtype_cls.optimal_dtype(vocab_size), builder_cls)
+    try:
+        yield writer
+        writer.finish(writer.meta)
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _check_exact_split(n_train: int, n_valid: int) -> str:

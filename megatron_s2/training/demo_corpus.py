@@ -219,47 +219,37 @@ def write_kv_dataset(
     (tokens with EOD)."""
     import numpy as np
 
-    from megatron_s2.training.code_corpus import _encoder, _Writer
-    from megatron_s2.training.preprocess import _import_megatron_writer
+    from megatron_s2.training.code_corpus import _encoder, writing_indexed_dataset
 
     tok, encode_batch = _encoder(tokenizer)
-    dtype_cls, builder_cls = _import_megatron_writer()
-    prefix = os.fspath(output_prefix)
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    writer = _Writer(prefix, dtype_cls.optimal_dtype(tok.vocab_size), builder_cls)
     docs = tokens = 0
     batch: list[str] = []
+    with writing_indexed_dataset(os.fspath(output_prefix), tok.vocab_size) as writer:
 
-    def flush() -> None:
-        nonlocal docs, tokens
-        for ids in encode_batch(batch):
-            doc = np.asarray(list(ids) + [tok.eod], dtype=np.int64)
-            writer.add(doc)
-            docs += 1
-            tokens += doc.size
-        batch.clear()
+        def flush() -> None:
+            nonlocal docs, tokens
+            for ids in encode_batch(batch):
+                doc = np.asarray(list(ids) + [tok.eod], dtype=np.int64)
+                writer.add(doc)
+                docs += 1
+                tokens += doc.size
+            batch.clear()
 
-    try:
         for text in generate_corpus(seed, num_docs, min_chars, max_chars):
             batch.append(text)
             if len(batch) == 256:
                 flush()
         flush()
         stats = {"documents": docs, "tokens": tokens}
-        writer.finish(
-            {
-                "generator": f"kv-recall-v{GENERATOR_VERSION}",
-                "seed": seed,
-                "num_docs": num_docs,
-                "min_chars": min_chars,
-                "max_chars": max_chars,
-                "tokenizer": str(tokenizer),
-                **stats,
-            }
-        )
-    except BaseException:
-        writer.abort()
-        raise
+        writer.meta = {
+            "generator": f"kv-recall-v{GENERATOR_VERSION}",
+            "seed": seed,
+            "num_docs": num_docs,
+            "min_chars": min_chars,
+            "max_chars": max_chars,
+            "tokenizer": str(tokenizer),
+            **stats,
+        }
     return stats
 
 

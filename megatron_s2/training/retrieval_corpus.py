@@ -84,19 +84,14 @@ def write_retrieval_dataset(
         raise ConfigError(
             f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
         )
-    from .code_corpus import _encoder, _Writer
-    from .preprocess import _import_megatron_writer
+    from .code_corpus import _encoder, writing_indexed_dataset
 
     tok, _ = _encoder(tokenizer)
     streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
     rng = random.Random(f"retrieval-train-{seed}")
     lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
-    dtype_cls, builder_cls = _import_megatron_writer()
-    prefix = os.fspath(output_prefix)
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    writer = _Writer(prefix, dtype_cls.optimal_dtype(tok.vocab_size), builder_cls)
     tokens = 0
-    try:
+    with writing_indexed_dataset(os.fspath(output_prefix), tok.vocab_size) as writer:
         for i, length in enumerate(lengths):
             task = chosen[i % len(chosen)]
             trial = make_trial(
@@ -106,20 +101,15 @@ def write_retrieval_dataset(
             writer.add(doc)
             tokens += doc.size
         stats = {"documents": num_docs, "tokens": tokens}
-        writer.finish(
-            {
-                "generator": "retrieval-train-v1",
-                "tasks": list(tasks),
-                "seed": seed,
-                "min_tokens": min_tokens,
-                "max_tokens": max_tokens,
-                "tokenizer": str(tokenizer),
-                **stats,
-            }
-        )
-    except BaseException:
-        writer.abort()
-        raise
+        writer.meta = {
+            "generator": "retrieval-train-v1",
+            "tasks": list(tasks),
+            "seed": seed,
+            "min_tokens": min_tokens,
+            "max_tokens": max_tokens,
+            "tokenizer": str(tokenizer),
+            **stats,
+        }
     return stats
 
 
