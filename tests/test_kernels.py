@@ -448,8 +448,9 @@ def _assert_config_matches_reference(c: Case, cfg) -> None:
 
 @pytest.mark.timeout(180)
 def test_wide_key_tiles_of_a_128_block_pattern_match_the_reference():
-    """128-key tiles (tools/benchmark.py's ``bn=128`` sweep configs, one per pattern block of
-    128): forward, LSE and every gradient equal the fp64 reference, GQA and an odd length."""
+    """128-key tiles (as tools/benchmark.py's ``bn=128`` sweep configs use them, one per pattern
+    block of 128): forward, LSE and every gradient equal the fp64 reference, GQA and an odd
+    length."""
     c = Case("bn128", block=128, heads=4, kv_heads=2, seq_q=700, local=1, stride=2)
     PC = tri_mod.PassConfig
     cfg = tri_mod.KernelConfig(block_n=128, fwd=PC(128, 4, 1), dq=PC(128, 4, 1), dkdv=PC(32, 4, 1))

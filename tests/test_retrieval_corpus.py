@@ -91,7 +91,7 @@ def test_one_task_only(tmp_path):
         ({"tasks": ["kv"]}, "--tasks: unknown 'kv'"),
         ({"num_docs": 0}, "--num-docs must be >= 1"),
         ({"min_tokens": 900, "max_tokens": 800}, "--min-tokens/--max-tokens"),
-        ({"min_tokens": 8, "max_tokens": 8}, "--lengths: 8 tokens leave no room"),
+        ({"min_tokens": 8, "max_tokens": 8}, "--min-tokens: 8 tokens leave no room"),
     ],
 )
 def test_bad_input_names_the_option(tmp_path, kwargs, message):

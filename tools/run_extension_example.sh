@@ -52,8 +52,8 @@ if [[ ! -f "$KV_PREFIX.idx" ]]; then
 fi
 with_retrieval=$("$PYTHON" -c "import sys; print(int(float(sys.argv[1]) > 0))" "$RETRIEVAL_WEIGHT")
 if [[ $with_retrieval == 1 ]]; then
-    # One corpus per study, each of trials no longer than the study's sequence: a longer trial
-    # is cut across samples, and its answer then trains nothing.
+    # One corpus per study, trials at most the study's sequence length (plus the answer's last
+    # token and EOD): most then fit in one sample; one cut across samples trains no answer.
     for spec in 4k:4096:8000 16k:16384:2000; do
         IFS=: read -r tag max_tokens num_docs <<< "$spec"
         if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then

@@ -469,7 +469,8 @@ cmd_device_pretrain_gpt() {  # [ITERS]: Megatron-LM's own loop with the TE spec,
   export MEGATRON_S2_SCHEDULE=$REPO/configs/attention/phi3_small.yaml
   [ -f "$MEGATRON_S2_SCHEDULE" ] || die "no $MEGATRON_S2_SCHEDULE"
   # The 125M hybrid's shape (configs/gpt-125m-s2.yaml) at 4k; TE's default flags, plus the two
-  # attention flags every S2 spec needs (docs/megatron.md).
+  # attention flags every S2 spec needs (docs/megatron.md) and --no-gradient-accumulation-fusion:
+  # without Apex the output layer's fusion (a Megatron-core ColumnParallelLinear) stops step 1.
   (cd "$MLM" && "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py \
     --spec megatron_s2.specs s2_layer_spec_te \
     --attention-dropout 0.0 --no-create-attention-mask-in-dataloader --no-gradient-accumulation-fusion \

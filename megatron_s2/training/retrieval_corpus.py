@@ -50,8 +50,8 @@ def training_task(name: str):
 
 
 def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
-    # Log-uniform: as many documents under 1k tokens as between 4k and 16k, so that a short
-    # training context still sees whole documents while a long one sees far needles.
+    # Log-uniform: with the defaults as many documents under 1k tokens as between 4k and 16k, so
+    # that a short training context still sees whole documents while a long one sees far needles.
     return [int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) for _ in range(n)]
 
 
@@ -69,11 +69,11 @@ def write_retrieval_dataset(
     ``output_prefix.bin/.idx`` (+ ``.meta.json``), tokenized with ``tokenizer`` (``byte`` or a
     local HF tokenizer directory, e.g. ``data/code/tokenizer``).
 
-    Document ``i`` is task ``tasks[i % len(tasks)]``, a trial of ``L`` tokens with ``L`` drawn
-    log-uniformly from ``[min_tokens, max_tokens]`` and the needle at a uniform depth, followed
-    by the question, the answer and EOD (``L + 2`` tokens). Returns ``{"documents", "tokens"}``
-    (EOD included). Raises :class:`ConfigError` for an empty or unknown task list, fewer than
-    one document or a length range the tasks do not fit in.
+    Document ``i`` is task ``tasks[i % len(tasks)]``: a trial at length ``L`` (haystack with the
+    needle at a uniform depth, question and answer: ``L + 1`` tokens, as the evaluation builds
+    it) and EOD, with ``L`` drawn log-uniformly from ``[min_tokens, max_tokens]``. Returns
+    ``{"documents", "tokens"}`` (EOD included). Raises :class:`ConfigError` for an empty or
+    unknown task list, fewer than one document or a length range the tasks do not fit in.
     """
     if not tasks:
         raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
@@ -90,6 +90,15 @@ def write_retrieval_dataset(
     streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
     rng = random.Random(f"retrieval-train-{seed}")
     lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
+    for task in chosen:
+        # The shortest trial must hold the needle, question and answer: say so before writing.
+        try:
+            make_trial(task, tok, streams[task.name], min_tokens, 0.5, 0, seed="check")
+        except ConfigError:
+            raise ConfigError(
+                f"--min-tokens: {min_tokens} tokens leave no room for a haystack around task "
+                f"{task.name}'s needle, question and answer; use a larger --min-tokens"
+            ) from None
     tokens = 0
     with writing_indexed_dataset(os.fspath(output_prefix), tok.vocab_size) as writer:
         for i, length in enumerate(lengths):
