@@ -52,8 +52,7 @@ class TileLayout:
     ``q_order``: query items, head by head, heaviest first within a head; ``kv_order``: (kv head,
     key tile) items likewise, each item's work summed over the query heads of its group.
     ``q_work``, ``kv_work``: those works (entries per item). Varlen launches run the orders per
-    document, restricted to the document's tiles. ``fused_order``, ``fused_turns``: the fused
-    backward's schedule (:func:`fused_backward_schedule`), built on first use.
+    document, restricted to the document's tiles.
     """
 
     block_m: int
@@ -76,8 +75,6 @@ class TileLayout:
     hi_c: torch.Tensor = None
     kv_order: torch.Tensor = None
     kv_work: torch.Tensor = None
-    fused_order: torch.Tensor = None
-    fused_turns: torch.Tensor = None
 
     @property
     def nnz(self) -> int:
@@ -286,46 +283,6 @@ def build_layout(
         lay.kv_work = i32(kv_work)
     cache[key] = lay
     return lay
-
-
-def fused_backward_schedule(lay: TileLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, turns)`` of the fused backward, whose dK/dV programs also add their dQ
-    contributions, one after another in program order, to each query tile (deterministic).
-
-    ``order``: the (kv head, key tile) items with the heads interleaved, each head's heaviest
-    first (``kv_order``'s ranks, round robin over the heads): a query tile's turns follow the
-    program order, so with the heads one after another (``kv_order``) every light column of a
-    head would wait for the head's longest column to get down to its rows, one head at a time.
-    ``turns[e]`` (int32, per CSC entry ``e``): how many programs before this entry's program in
-    ``order`` add to the same (query head, query tile). Needs the CSC lists."""
-    if lay.fused_order is None:
-        if lay.rows is None:
-            raise ValueError("fused_backward_schedule needs a layout built with_csc=True")
-        device = lay.rows.device
-        nkt, nqt = lay.num_k_tiles, lay.num_q_tiles
-        kv_heads = lay.num_heads // lay.group
-        head_major = lay.kv_order.to(torch.int64)
-        n = head_major.numel()
-        position = torch.arange(n, device=device)
-        interleave = torch.argsort((position % nkt) * kv_heads + position // nkt)
-        order = head_major[interleave]
-        rank = torch.empty_like(order)
-        rank[order] = position  # program slot of each item
-        col_ptr = lay.col_ptr.to(torch.int64)
-        column = torch.repeat_interleave(
-            torch.arange(lay.num_heads * nkt, device=device), col_ptr[1:] - col_ptr[:-1]
-        )
-        head = torch.div(column, nkt, rounding_mode="floor")
-        slot = rank[torch.div(head, lay.group, rounding_mode="floor") * nkt + column % nkt]
-        target = head * nqt + lay.rows.to(torch.int64)  # (query head, query tile)
-        by_turn = torch.argsort(target * n + slot)
-        sorted_target = target[by_turn]
-        first = torch.searchsorted(sorted_target, sorted_target)
-        turns = torch.empty_like(target)
-        turns[by_turn] = torch.arange(target.numel(), device=device) - first
-        lay.fused_order = order.to(torch.int32).contiguous()
-        lay.fused_turns = turns.to(torch.int32).contiguous()
-    return lay.fused_order, lay.fused_turns
 
 
 def layout_for(

@@ -41,14 +41,7 @@ try:
 except ImportError:  # Triton before host-side tensor descriptors: tma=True takes pointer loads
     TensorDescriptor = None
 
-from .layout import (
-    MIN_TILE,
-    fused_backward_schedule,
-    layout_for,
-    varlen_grid,
-    varlen_layout_len,
-    varlen_programs,
-)
+from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
 # Logits are kept in base 2 (exp2 is the fast path); the LSE is returned in natural log.
@@ -472,10 +465,6 @@ def _dkdv_tiles(
     tma_b,
     tma_row,
     head,
-    dq_base,
-    stride_dqas,
-    sem_base,
-    turns,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
@@ -483,7 +472,6 @@ def _dkdv_tiles(
     TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
-    FUSED: tl.constexpr,
 ):
     # With JUMP, steps from jump_at on read entry i + jump_by: two ranges of the list in one
     # loop (varlen: the query tile across the document's end, then the partial entries).
@@ -540,81 +528,8 @@ def _dkdv_tiles(
         dv += _mma(_cast(pT, do.dtype, INTERPRET), do, PRECISION, INTERPRET)
         dpT = _mma(v, tl.trans(do), PRECISION, INTERPRET)
         dsT = pT * (dpT - delta[None, :])
-        dsT_lo = _cast(dsT, q.dtype, INTERPRET)
-        dk += _mma(dsT_lo, q, PRECISION, INTERPRET)
-        if FUSED:
-            _add_dq_in_turn(
-                _mma(tl.trans(dsT_lo), k, PRECISION, INTERPRET),
-                dq_base + m64 * stride_dqas + offs_d[None, :],
-                m_idx < seq_q,
-                sem_base + qt,
-                tl.load(turns + e),
-                INTERPRET,
-            )
+        dk += _mma(_cast(dsT, q.dtype, INTERPRET), q, PRECISION, INTERPRET)
     return dk, dv
-
-
-@triton.jit
-def _spin_until(sem, turn):
-    """Wait until ``*sem == turn``, every thread with an acquire load (its later reads then see
-    what the semaphore's releaser wrote). The loop is one asm block: a Triton ``while`` here kept
-    the tile loop around it from being software-pipelined (its Q/dO loads waited for each tile;
-    tests/test_shared_memory.py checks the compiled loop)."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred ready;
-        .reg .b32 seen;
-        SPIN_${:uid}:
-        ld.global.gpu.acquire.b32 seen, [$1];
-        setp.eq.s32 ready, seen, $2;
-        @!ready bra SPIN_${:uid};
-        mov.b32 $0, seen;
-        }""",
-        constraints="=r,l,r",
-        args=[sem.to(tl.int64, bitcast=True), turn],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _cta_barrier(x):
-    """All threads of the program meet here (``bar.sync``). Written as asm because Triton's
-    software pipeliner does not pipeline a loop that holds ``tl.debug_barrier()``; ``x`` (any
-    int32 scalar) only gives the asm an operand."""
-    tl.inline_asm_elementwise(
-        asm="bar.sync 0;\n\tmov.b32 $0, $1;",
-        constraints="=r,r",
-        args=[x],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _add_dq_in_turn(dq_part, ptrs, row_ok, sem, turn, INTERPRET: tl.constexpr):
-    """Add this key tile's ``dq_part [BLOCK_M, HEAD_DIM]`` (fp32) into the query tile's dQ
-    accumulator at ``ptrs`` once the tile's semaphore ``sem`` reaches ``turn``, then pass the
-    turn on: every query tile sums its key tiles' contributions in one fixed order (the programs'
-    ticket order), so the fused backward stays deterministic. A program waits only on programs
-    with earlier tickets, which are already running: no deadlock."""
-    if INTERPRET:
-        # Programs run one after another in ticket order: the turn must already have come. A
-        # schedule that says otherwise poisons dQ (NaN), so the CPU tests catch it.
-        seen = tl.atomic_add(sem, 0, sem="acquire")
-        dq_part = tl.where(seen == turn, dq_part, float("nan"))
-    else:
-        _spin_until(sem, turn)
-    # Volatile: read after the wait, never prefetched by the pipeliner or served from this SM's
-    # L1 (the previous contributor wrote from another SM).
-    acc = tl.load(ptrs, mask=row_ok[:, None], other=0.0, volatile=True)
-    tl.store(ptrs, acc + dq_part, mask=row_ok[:, None])
-    # Every thread's store before the hand-over (one thread releases the semaphore).
-    if not INTERPRET:
-        _cta_barrier(turn)
-    tl.atomic_add(sem, 1, sem="release")
 
 
 @triton.jit
@@ -673,15 +588,6 @@ def _s2_dkdv_kernel(
     sm_scale,
     q_desc,
     do_desc,
-    DQA,
-    stride_dqab,
-    stride_dqas,
-    stride_dqah,
-    SEM,
-    stride_sem_b,
-    stride_sem_h,
-    TURNS,
-    TICKET,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -689,14 +595,8 @@ def _s2_dkdv_kernel(
     VARLEN: tl.constexpr,
     TMA: tl.constexpr,
     INTERPRET: tl.constexpr,
-    FUSED: tl.constexpr,
 ):
-    if FUSED:
-        # Tickets in the order programs really start: every program a later one waits on for a
-        # dQ turn has started before it (the launch order alone does not promise that).
-        pid = tl.atomic_add(TICKET, 1)
-    else:
-        pid = tl.program_id(0)
+    pid = tl.program_id(0)
     item, b, tok0, seq_q, seq_k = _program(
         pid, order, prog_tok, prog_len, (num_heads // group) * num_k_tiles, seq_q, seq_k, VARLEN
     )
@@ -748,8 +648,6 @@ def _s2_dkdv_kernel(
         row_off = _seq_offset(b, tok0, stride_lse_b, 1, VARLEN) + h64 * stride_lse_h
         lse_base = LSE + row_off
         delta_base = DELTA + row_off
-        dq_base = DQA + b * stride_dqab + h64 * stride_dqah
-        sem_base = SEM + b * stride_sem_b + h64 * stride_sem_h
         c = h * num_k_tiles + kt
         e0 = tl.load(col_ptr + c)
         e1 = tl.load(col_split + c)
@@ -800,10 +698,6 @@ def _s2_dkdv_kernel(
             tma_b,
             tma_row,
             h,
-            dq_base,
-            stride_dqas,
-            sem_base,
-            TURNS,
             BLOCK_M,
             HEAD_DIM,
             False,
@@ -811,7 +705,6 @@ def _s2_dkdv_kernel(
             TMA,
             PRECISION,
             INTERPRET,
-            FUSED,
         )
         # Masked: varlen's full entries of the query tile across the document's end (masked at
         # seq_q), then the partial entries, in one loop (one loop less to hold registers for:
@@ -847,10 +740,6 @@ def _s2_dkdv_kernel(
             tma_b,
             tma_row,
             h,
-            dq_base,
-            stride_dqas,
-            sem_base,
-            TURNS,
             BLOCK_M,
             HEAD_DIM,
             True,
@@ -858,7 +747,6 @@ def _s2_dkdv_kernel(
             TMA,
             PRECISION,
             INTERPRET,
-            FUSED,
         )
     dk *= sm_scale
     tl.store(
@@ -1168,56 +1056,6 @@ def _s2_dq_kernel(
     )
 
 
-@triton.jit
-def _s2_delta_kernel(
-    Out,
-    DO,
-    DLSE,
-    DELTA,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_od,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dod,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    seq_q,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-):
-    """``delta = rowsum(dO * O) - dLSE`` ``[b, h, sq]`` for the fused backward (the two-pass
-    backward's dQ programs compute it on the way)."""
-    pid = tl.program_id(0)
-    num_tiles = tl.cdiv(seq_q, BLOCK_M)
-    bh = pid // num_tiles
-    h = (bh % num_heads).to(tl.int64)
-    b = (bh // num_heads).to(tl.int64)
-    offs_m = (pid % num_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seq_q
-    m64 = offs_m[:, None].to(tl.int64)
-    o = tl.load(
-        Out + b * stride_ob + h * stride_oh + m64 * stride_os + offs_d[None, :] * stride_od,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + m64 * stride_dos + offs_d[None, :] * stride_dod,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    rows = b * stride_lse_b + h * stride_lse_h + offs_m
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + rows, mask=row_ok, other=0.0)
-    tl.store(DELTA + rows, delta, mask=row_ok)
-
-
 # ------------------------------------------------------------------------------------- launching
 # The kernels run under Triton's interpreter iff triton.jit saw TRITON_INTERPRET at import time;
 # checking the kernel object (not the environment now) keeps the flag true to what runs.
@@ -1267,10 +1105,7 @@ class KernelConfig:
     size, so a key tile never spans two pattern blocks). ``fwd``, ``dq``, ``dkdv``: the
     :class:`PassConfig` of the forward, dQ and dK/dV kernels; their ``block_m`` may merge several
     pattern blocks (Merge-Q). ``tma``: read the walked tiles through TMA tensor descriptors
-    (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run).
-    ``fused_bwd`` (experimental, not yet timed on a GPU): one backward pass, the dK/dV programs
-    also adding dQ in a fixed order per query tile (five GEMMs per tile pair instead of seven;
-    ``dq`` then goes unused; fixed-length calls only, varlen calls run the two passes). Derive
+    (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run). Derive
     variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))``.
     """
 
@@ -1279,12 +1114,10 @@ class KernelConfig:
     dq: PassConfig
     dkdv: PassConfig
     tma: bool = False
-    fused_bwd: bool = False
 
     def __post_init__(self):
-        for flag in ("tma", "fused_bwd"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if not isinstance(self.tma, bool):
+            raise TypeError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
         if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
             raise ValueError(
                 f"KernelConfig.block_n must be a power of two >= {MIN_TILE}, got {self.block_n!r}"
@@ -1683,14 +1516,9 @@ def bwd_dkdv(
     k_start: int,
     config: KernelConfig,
     varlen: Optional[Varlen] = None,
-    dq_acc: Optional[torch.Tensor] = None,
 ):
     """dK/dV pass: do like q, lse and delta ``[b, h, sq]`` fp32 (``delta`` from
-    :func:`bwd_dq` or :func:`bwd_delta`). Returns ``dk, dv`` in the layouts of k, v.
-
-    With ``dq_acc`` (fp32 ``[b, sq, h, d]``, zeros; fixed length only) the pass also adds the
-    unscaled dQ into it, each query tile's contributions in one fixed order (the fused
-    backward)."""
+    :func:`bwd_dq`). Returns ``dk, dv`` in the layouts of k, v."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     lay = _pass_layout(
@@ -1706,21 +1534,7 @@ def bwd_dkdv(
         csc=True,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    fused = dq_acc is not None
-    if fused:
-        if varlen is not None:
-            raise ValueError("bwd_dkdv: dq_acc (the fused backward) takes fixed-length calls only")
-        order, turns = fused_backward_schedule(lay)
-        grid, prog_tok, prog_len = order.numel() * b, order, order
-        sem = torch.zeros((b, hq, lay.num_q_tiles), device=q.device, dtype=torch.int32)
-        ticket = torch.zeros(1, device=q.device, dtype=torch.int32)
-        dqa_strides = dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2)
-        sem_strides = sem.stride(0), sem.stride(1)
-    else:
-        grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=True)
-        # Unread placeholders of the fused pass's arguments.
-        dq_acc = sem = turns = ticket = lse
-        dqa_strides, sem_strides = (0, 0, 0), (0, 0)
+    grid, order, prog_tok, prog_len = _programs(lay, b, varlen, kv=True)
     if grid == 0:
         return dk, dv
     tiles = _tile_descriptors(config.tma, (q, do), lay.block_m)
@@ -1760,15 +1574,6 @@ def bwd_dkdv(
         scale * LOG2E.value,
         scale,
         *tiles,
-        dq_acc,
-        dqa_strides[0],
-        dqa_strides[1],
-        dqa_strides[2],
-        sem,
-        sem_strides[0],
-        sem_strides[1],
-        turns,
-        ticket,
         BLOCK_M=lay.block_m,
         BLOCK_N=lay.block_n,
         HEAD_DIM=d,
@@ -1776,41 +1581,10 @@ def bwd_dkdv(
         VARLEN=varlen is not None,
         TMA=tiles[0] is not None,
         INTERPRET=_INTERPRETED,
-        FUSED=fused,
         num_warps=config.dkdv.num_warps,
         num_stages=config.dkdv.num_stages,
     )
     return dk, dv
-
-
-# Query rows per program of the delta pass (a streaming row reduction).
-DELTA_BLOCK_M = 64
-
-
-def bwd_delta(do, dlse, out, lse):
-    """``delta = rowsum(dO * O) - dLSE``: fp32 ``[b, h, sq]`` like ``lse``, for :func:`bwd_dkdv`
-    (do, out ``[b, sq, h, d]``; dlse like lse, contiguous, or None)."""
-    b, sq, hq, d = out.shape
-    delta = torch.empty_like(lse)
-    grid = b * hq * triton.cdiv(sq, DELTA_BLOCK_M)
-    if grid == 0:
-        return delta
-    _s2_delta_kernel[(grid,)](
-        out,
-        do,
-        dlse if dlse is not None else lse,
-        delta,
-        *_strides(out),
-        *_strides(do),
-        lse.stride(0),
-        lse.stride(1),
-        hq,
-        sq,
-        BLOCK_M=DELTA_BLOCK_M,
-        HEAD_DIM=d,
-        HAS_DLSE=dlse is not None,
-    )
-    return delta
 
 
 def bwd_dq(
@@ -1910,14 +1684,6 @@ def s2_backward(
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
-    if cfg.fused_bwd and varlen is None:
-        b, sq, hq, d = q.shape
-        dq_acc = torch.zeros((b, sq, hq, d), device=q.device, dtype=torch.float32)
-        delta = bwd_delta(do, dlse, out, lse)
-        dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args, dq_acc=dq_acc)
-        dq = torch.empty_like(q)
-        dq.copy_(dq_acc.mul_(scale))
-        return dq, dk, dv
     dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
     return dq, dk, dv

@@ -88,22 +88,6 @@ def run_case(case):
             out[("varlen " if varlen else "fixed ") + tag] = dict(
                 shared=c.metadata.shared, config=cfg, loop_waits=loop_waits(c.asm["ttgir"])
             )
-    if dt == "bf16":
-        # The experimental fused backward (KernelConfig.fused_bwd): its dK/dV pass with the dQ
-        # turns, and the delta pass it runs first.
-        import dataclasses
-
-        fused = dataclasses.replace(ta.kernel_config(p, d, "cuda", dtype), fused_bwd=True)
-        launches = capture_launches(
-            ta, p, seq=sum(lens), head_dim=d, dtype=dtype, batch=2, config=fused
-        )
-        for tag, fn, a, kw in launches:
-            if tag in ("delta", "dkdv"):
-                c = compile_sm90(fn, a, kw)
-                cfg = f"m{kw['BLOCK_M']} w{kw.get('num_warps', 4)} s{kw.get('num_stages', 3)}"
-                out["fused " + tag] = dict(
-                    shared=c.metadata.shared, config=cfg, loop_waits=loop_waits(c.asm["ttgir"])
-                )
     return name, out
 
 
@@ -155,8 +139,8 @@ def compiled(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_default_launches_fit_hopper_shared_memory(compiled, case):
     launches = compiled[case]
-    # 3 kernels, fixed length and varlen; for bf16 also the fused backward's two.
-    assert len(launches) == (8 if case.startswith("bf16") else 6), sorted(launches)
+    # 3 kernels, fixed length and varlen.
+    assert len(launches) == 6, sorted(launches)
     print(
         f"\n{case}: " + ", ".join(f"{k} {v['shared']} ({v['config']})" for k, v in launches.items())
     )
@@ -173,8 +157,6 @@ def test_tile_loops_keep_tiles_in_flight(compiled, case):
     entry in the step that uses it once gave num = 0 in the main loops of all three kernels
     (one tile in flight, its latency exposed); kernels/triton_attention.py's _list_entry."""
     for launch, info in compiled[case].items():
-        if launch == "fused delta":  # a row reduction: no tile loop
-            continue
         waits = [w for w in info["loop_waits"] if w]
         assert waits, f"{case} {launch}: no pipelined tile loop"
         starved = [w for w in waits if min(w) == 0]

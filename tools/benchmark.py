@@ -308,11 +308,6 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
         r(base, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
         stages(2),
         stages(4),
-        # The experimental fused backward (one pass, dQ added in turn), at the dK/dV tile and
-        # with more warps for the extra dQ GEMM and its accumulator.
-        r(base, fused_bwd=True),
-        r(base, fused_bwd=True, dkdv=r(base.dkdv, num_warps=8)),
-        r(base, fused_bwd=True, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
     ] + wide
 
 
@@ -320,7 +315,6 @@ def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     """``s2attn`` for the default config, else the fields that differ from it."""
     diffs = [f"bn={cfg.block_n}"] if cfg.block_n != base.block_n else []
     diffs += [f"tma={cfg.tma}"] if cfg.tma != base.tma else []
-    diffs += [f"fused_bwd={cfg.fused_bwd}"] if cfg.fused_bwd != base.fused_bwd else []
     for name in ("fwd", "dq", "dkdv"):
         got, ref = getattr(cfg, name), getattr(base, name)
         diffs += [
@@ -615,7 +609,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--sweep-match",
         default=None,
         metavar="TEXT",
-        help="only the sweep configs whose label contains TEXT (e.g. fused_bwd), also on the "
+        help="only the sweep configs whose label contains TEXT (e.g. bn=128), also on the "
         "s2dense row",
     )
     ap.add_argument(

@@ -152,7 +152,7 @@ def capture_launches(ta, pattern, *, seq, head_dim, dtype, config=None, batch=1,
         def __getitem__(self, grid):
             return lambda *a, **kw: captured.append((self.fn, a, kw))
 
-    names = ("_s2_fwd_kernel", "_s2_dq_kernel", "_s2_dkdv_kernel", "_s2_delta_kernel")
+    names = ("_s2_fwd_kernel", "_s2_dq_kernel", "_s2_dkdv_kernel")
     saved = {n: getattr(ta, n) for n in names}
     if config is None:
         config = ta.kernel_config(pattern, head_dim, "cuda", dtype)

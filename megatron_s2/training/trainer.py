@@ -517,11 +517,13 @@ class Trainer:
                 "step_time_s": speed.seconds_per_iteration,
             }
         )
+        device = mem_key.split("_")[0]  # "gpu", or "cpu" in the CPU mode: one process each
+        per = "GPU" if device == "gpu" else "process"
         self.metrics.print(
             f"iter {step.iteration:6d}/{self.cfg.train.train_iters} | loss {step.loss:.4f} | "
             f"lr {step.lr:.3e} | grad norm {step.grad_norm:.3f} | "
-            f"{speed.tokens_per_s:,.0f} tok/s | {speed.tflops_per_gpu:.2f} TFLOP/s/GPU | "
-            f"{mem_key.split('_')[0]} mem {mem:.2f} GiB"
+            f"{speed.tokens_per_s:,.0f} tok/s | {speed.tflops_per_gpu:.2f} TFLOP/s/{per} | "
+            f"{device} mem {mem:.2f} GiB"
         )
 
     def evaluate(self) -> float:
