@@ -77,6 +77,16 @@ def test_seeded_and_reproducible(tmp_path):
     assert not all(x.size == z.size and np.array_equal(x, z) for x, z in zip(da, dc))
 
 
+def test_workers_write_the_same_documents(tmp_path):
+    kw = dict(num_docs=9, min_tokens=200, max_tokens=900, seed=5)
+    one = write_retrieval_dataset(tmp_path / "one", "byte", **kw)
+    three = write_retrieval_dataset(tmp_path / "three", "byte", workers=3, **kw)
+    assert one == three
+    d1, d3 = _docs(str(tmp_path / "one")), _docs(str(tmp_path / "three"))
+    assert len(d1) == len(d3) == 9
+    assert all(np.array_equal(x, y) for x, y in zip(d1, d3))
+
+
 def test_one_task_only(tmp_path):
     write_retrieval_dataset(tmp_path / "p", "byte", tasks=["needle"], num_docs=3, max_tokens=800)
     tok = load_tokenizer("byte")
@@ -90,6 +100,7 @@ def test_one_task_only(tmp_path):
         ({"tasks": []}, "--tasks is empty"),
         ({"tasks": ["kv"]}, "--tasks: unknown 'kv'"),
         ({"num_docs": 0}, "--num-docs must be >= 1"),
+        ({"workers": 0}, "--workers must be >= 1"),
         ({"min_tokens": 900, "max_tokens": 800}, "--min-tokens/--max-tokens"),
         ({"min_tokens": 8, "max_tokens": 8}, "--min-tokens: 8 tokens leave no room"),
     ],

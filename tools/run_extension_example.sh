@@ -22,7 +22,10 @@
 # Environment: PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
-# LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES
+# RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS per study: trial lengths in tokens and document count;
+# default "4k:256:4096:8000 16k:256:16384:2000"), WORKERS (processes writing trials: nproc),
+# BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value overrides for every point of the base /
+# extension study, space-separated, e.g. BASE_OVERRIDES=train.train_iters=1000), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES
 # (64). Progress, one line per step, in STATUS (example_status.log). Measured on one H200:
 # 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 set -uo pipefail
@@ -33,6 +36,10 @@ KV_PREFIX=${KV_PREFIX:-data/kv/kv_code}
 KV_WEIGHT=${KV_WEIGHT:-0.1}
 RETRIEVAL_PREFIX=${RETRIEVAL_PREFIX:-data/retrieval/retrieval_code}
 RETRIEVAL_WEIGHT=${RETRIEVAL_WEIGHT:-0.2}
+RETRIEVAL_SPECS=${RETRIEVAL_SPECS:-4k:256:4096:8000 16k:256:16384:2000}
+WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
+read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
+read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
 STATUS=${STATUS:-example_status.log}
 BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
 EXTEND=$ROOT/configs/studies/code-125m-extend-16k.yaml
@@ -54,12 +61,13 @@ with_retrieval=$("$PYTHON" -c "import sys; print(int(float(sys.argv[1]) > 0))" "
 if [[ $with_retrieval == 1 ]]; then
     # One corpus per study, trials at most the study's sequence length (plus the answer's last
     # token and EOD): most then fit in one sample; one cut across samples trains no answer.
-    for spec in 4k:4096:8000 16k:16384:2000; do
-        IFS=: read -r tag max_tokens num_docs <<< "$spec"
+    for spec in $RETRIEVAL_SPECS; do
+        IFS=: read -r tag min_tokens max_tokens num_docs <<< "$spec"
         if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
             "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
-                --output-prefix "${RETRIEVAL_PREFIX}_$tag" --max-tokens "$max_tokens" \
-                --num-docs "$num_docs" --seed 1 || exit
+                --output-prefix "${RETRIEVAL_PREFIX}_$tag" --min-tokens "$min_tokens" \
+                --max-tokens "$max_tokens" --num-docs "$num_docs" --workers "$WORKERS" \
+                --seed 1 || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
         fi
     done
@@ -88,7 +96,8 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
     return $rc
 }
 
-"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" || status=$?
+"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" "${BASE_EXTRA[@]}" \
+    || status=$?
 note "base study done (exit $status)"
 evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU
     local study=$1 pids=() pid
@@ -105,7 +114,8 @@ evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side 
 # evaluation sharing the GPU would distort it. Lengths above the 4k the models were trained at:
 # that is the "before extension" column.
 evaluate_study code-125m-4k-base --allow-extrapolation
-"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" "$(blend 16k)" || status=$?
+"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" "$(blend 16k)" \
+    "${EXTEND_EXTRA[@]}" || status=$?
 note "extension study done (exit $status)"
 evaluate_study code-125m-extend-16k
 for study in code-125m-4k-base code-125m-extend-16k; do

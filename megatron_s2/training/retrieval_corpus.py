@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import random
 import sys
@@ -64,6 +65,7 @@ def write_retrieval_dataset(
     min_tokens: int = 256,
     max_tokens: int = 16384,
     seed: int = 0,
+    workers: int = 1,
 ) -> dict:
     """Write ``num_docs`` retrieval documents as a Megatron indexed dataset
     ``output_prefix.bin/.idx`` (+ ``.meta.json``), tokenized with ``tokenizer`` (``byte`` or a
@@ -72,14 +74,18 @@ def write_retrieval_dataset(
     Document ``i`` is task ``tasks[i % len(tasks)]``: a trial at length ``L`` (haystack with the
     needle at a uniform depth, question and answer: ``L + 1`` tokens, as the evaluation builds
     it) and EOD, with ``L`` drawn log-uniformly from ``[min_tokens, max_tokens]``. Returns
-    ``{"documents", "tokens"}`` (EOD included). Raises :class:`ConfigError` for an empty or
-    unknown task list, fewer than one document or a length range the tasks do not fit in.
+    ``{"documents", "tokens"}`` (EOD included). ``workers`` > 1 makes the trials in that many
+    processes (the documents are the same for any count). Raises :class:`ConfigError` for an
+    empty or unknown task list, fewer than one document or worker, or a length range the tasks
+    do not fit in.
     """
     if not tasks:
         raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
     chosen = [training_task(t) for t in tasks]
     if num_docs < 1:
         raise ConfigError(f"--num-docs must be >= 1, got {num_docs}")
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
     if not 1 <= min_tokens <= max_tokens:
         raise ConfigError(
             f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
@@ -88,8 +94,6 @@ def write_retrieval_dataset(
 
     tok, _ = _encoder(tokenizer)
     streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
-    rng = random.Random(f"retrieval-train-{seed}")
-    lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
     for task in chosen:
         # The shortest trial must hold the needle, question and answer: say so before writing.
         try:
@@ -99,16 +103,26 @@ def write_retrieval_dataset(
                 f"--min-tokens: {min_tokens} tokens leave no room for a haystack around task "
                 f"{task.name}'s needle, question and answer; use a larger --min-tokens"
             ) from None
+    rng = random.Random(f"retrieval-train-{seed}")
+    lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
+    # Drawn here, in document order, so that the documents do not depend on ``workers``.
+    jobs = [(i, length, rng.random()) for i, length in enumerate(lengths)]
     tokens = 0
     with writing_indexed_dataset(os.fspath(output_prefix), tok.vocab_size) as writer:
-        for i, length in enumerate(lengths):
-            task = chosen[i % len(chosen)]
-            trial = make_trial(
-                task, tok, streams[task.name], length, rng.random(), i, seed=f"train-{seed}"
-            )
-            doc = np.append(trial.tokens, tok.eod).astype(np.int64)
-            writer.add(doc)
-            tokens += doc.size
+        if workers > 1:
+            ctx = multiprocessing.get_context("spawn")
+            init = (tokenizer, list(tasks), max_tokens, seed)
+            with ctx.Pool(workers, initializer=_init_worker, initargs=init) as pool:
+                docs = pool.imap(_document, jobs, chunksize=64)
+                for doc in docs:
+                    writer.add(doc)
+                    tokens += doc.size
+        else:
+            _WORKER.update(tok=tok, tasks=chosen, streams=streams, seed=seed)
+            for job in jobs:
+                doc = _document(job)
+                writer.add(doc)
+                tokens += doc.size
         stats = {"documents": num_docs, "tokens": tokens}
         writer.meta = {
             "generator": "retrieval-train-v1",
@@ -120,6 +134,31 @@ def write_retrieval_dataset(
             **stats,
         }
     return stats
+
+
+# What _document needs, set once per process: the tokenizer and haystacks are too costly to
+# send with each document.
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer: str, tasks: list[str], max_tokens: int, seed: int) -> None:
+    from .code_corpus import _encoder
+
+    tok, _ = _encoder(tokenizer)
+    chosen = [training_task(t) for t in tasks]
+    streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
+    _WORKER.update(tok=tok, tasks=chosen, streams=streams, seed=seed)
+
+
+def _document(job: tuple[int, int, float]) -> np.ndarray:
+    """Document ``i``: its trial at ``length`` tokens and needle ``depth``, then EOD."""
+    i, length, depth = job
+    w = _WORKER
+    task = w["tasks"][i % len(w["tasks"])]
+    trial = make_trial(
+        task, w["tok"], w["streams"][task.name], length, depth, i, seed=f"train-{w['seed']}"
+    )
+    return np.append(trial.tokens, w["tok"].eod).astype(np.int64)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -135,6 +174,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--min-tokens", type=int, default=256, help="shortest trial (default 256)")
     p.add_argument("--max-tokens", type=int, default=16384, help="longest trial (default 16384)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--workers", type=int, default=1, help="processes making trials (default 1; same output)"
+    )
     args = p.parse_args(argv)
     try:
         stats = write_retrieval_dataset(
@@ -145,6 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             min_tokens=args.min_tokens,
             max_tokens=args.max_tokens,
             seed=args.seed,
+            workers=args.workers,
         )
     except (ConfigError, OSError) as exc:
         print(f"make_retrieval_corpus: error: {exc}", file=sys.stderr)
