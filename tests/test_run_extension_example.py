@@ -58,6 +58,11 @@ FAKE = textwrap.dedent(
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
         os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
         open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w").write("{{}}")
+        acc = float(os.environ.get("FAKE_ACCURACY", "0"))
+        cells = [{{"length": n, "depth": 0.5, "accuracy": acc if n <= 4096 else 0.0}}
+                 for n in (2048, 4096, 8192)]
+        json.dump({{"tasks": {{"passkey": {{"cells": cells}}}}}},
+                  open(os.path.join(run, "long_context_eval", "retrieval.json"), "w"))
     elif tool == "plot_loss_by_position.py":
         pass
     else:
@@ -170,3 +175,26 @@ def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_
     assert len(sweeps) == 2
     run_e_blend = "data.blend=[[0.75, data/code/train_valid], [0.25, data/kv/kv_code]]"
     assert [c["args"][-1] for c in sweeps] == [run_e_blend, run_e_blend]
+
+
+@pytest.mark.parametrize("accuracy, extends", [("0.0", False), ("0.3", True)])
+def test_example_script_extends_only_models_that_retrieve(tmp_path, accuracy, extends):
+    """EXTEND_MIN_ACCURACY: the extension (and its device time) only for base models whose
+    passkey accuracy up to their own 4k reaches it."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, EXTEND_MIN_ACCURACY="0.2", FAKE_ACCURACY=accuracy)
+    studies = [
+        Path(c["args"][3]).stem
+        for c in calls
+        if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
+    ]
+    status = (tmp_path / "example_status.log").read_text()
+    if extends:
+        assert studies == ["code-125m-4k-base", "code-125m-extend-16k"]
+        assert "all done (exit 0)" in status
+    else:
+        assert studies == ["code-125m-4k-base"]
+        assert "extension skipped" in status and "EXTEND_MIN_ACCURACY=0.2" in status
