@@ -112,6 +112,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
     ]
     for prefix, c in retrieval.items():
         assert c["args"][c["args"].index("--tokenizer") + 1] == "data/code/tokenizer"
+        assert c["args"][c["args"].index("--tasks") + 1] == "passkey,needle"
         max_tokens = c["args"][c["args"].index("--max-tokens") + 1]
         assert max_tokens == {"4k": "4096", "16k": "16384"}[prefix.rsplit("_", 1)[1]]
     assert sorted(sweeps) == sorted(POINTS)

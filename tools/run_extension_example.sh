@@ -23,14 +23,15 @@
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
 # RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS per study: trial lengths in tokens and document count;
-# default "4k:256:4096:8000 16k:256:16384:2000"), WORKERS (processes writing trials: nproc),
-# BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value overrides for every point of the base /
-# extension study, space-separated, e.g. BASE_OVERRIDES=train.train_iters=1000),
-# EXTEND_MIN_ACCURACY (unset: always extend; else extend only if a 4k model's passkey exact-match
-# accuracy, mean over its cells up to 4096 tokens, reaches it: an extension of models that do
-# not retrieve at their own length cannot answer the example's question), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES
-# (64). Progress, one line per step, in STATUS (example_status.log). Measured on one H200:
-# 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
+# default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle), WORKERS
+# (processes writing trials: nproc), BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value
+# overrides for every point of the base / extension study, space-separated, e.g.
+# BASE_OVERRIDES=train.train_iters=1000), EXTEND_MIN_ACCURACY (unset: always extend; else extend
+# only if a 4k model's passkey exact-match accuracy, mean over its cells up to 4096 tokens,
+# reaches it: an extension of models that do not retrieve at their own length cannot answer the
+# example's question), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
+# POSITION_SEQUENCES (64). Progress, one line per step, in STATUS (example_status.log). Measured
+# on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 set -uo pipefail
 ROOT=$(dirname "$0")/..
 PYTHON=${PYTHON:-python}
@@ -40,6 +41,7 @@ KV_WEIGHT=${KV_WEIGHT:-0.1}
 RETRIEVAL_PREFIX=${RETRIEVAL_PREFIX:-data/retrieval/retrieval_code}
 RETRIEVAL_WEIGHT=${RETRIEVAL_WEIGHT:-0.2}
 RETRIEVAL_SPECS=${RETRIEVAL_SPECS:-4k:256:4096:8000 16k:256:16384:2000}
+RETRIEVAL_TASKS=${RETRIEVAL_TASKS:-passkey,needle}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
@@ -68,9 +70,9 @@ if [[ $with_retrieval == 1 ]]; then
         IFS=: read -r tag min_tokens max_tokens num_docs <<< "$spec"
         if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
             "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
-                --output-prefix "${RETRIEVAL_PREFIX}_$tag" --min-tokens "$min_tokens" \
-                --max-tokens "$max_tokens" --num-docs "$num_docs" --workers "$WORKERS" \
-                --seed 1 || exit
+                --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
+                --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
+                --workers "$WORKERS" --seed 1 || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
         fi
     done
