@@ -20,6 +20,7 @@ Command line: ``tools/make_retrieval_corpus.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import multiprocessing
 import os
@@ -90,10 +91,11 @@ def write_retrieval_dataset(
         raise ConfigError(
             f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
         )
-    from .code_corpus import _encoder, writing_indexed_dataset
+    from .code_corpus import writing_indexed_dataset
 
-    tok, _ = _encoder(tokenizer)
-    streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
+    # This process makes the trials itself (workers == 1) or only checks and writes them.
+    _init_worker(tokenizer, list(tasks), max_tokens, seed)
+    tok, streams = _WORKER["tok"], _WORKER["streams"]
     for task in chosen:
         # The shortest trial must hold the needle, question and answer: say so before writing.
         try:
@@ -108,21 +110,19 @@ def write_retrieval_dataset(
     # Drawn here, in document order, so that the documents do not depend on ``workers``.
     jobs = [(i, length, rng.random()) for i, length in enumerate(lengths)]
     tokens = 0
-    with writing_indexed_dataset(os.fspath(output_prefix), tok.vocab_size) as writer:
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(
+            writing_indexed_dataset(os.fspath(output_prefix), tok.vocab_size)
+        )
+        docs = map(_document, jobs)
         if workers > 1:
-            ctx = multiprocessing.get_context("spawn")
             init = (tokenizer, list(tasks), max_tokens, seed)
-            with ctx.Pool(workers, initializer=_init_worker, initargs=init) as pool:
-                docs = pool.imap(_document, jobs, chunksize=64)
-                for doc in docs:
-                    writer.add(doc)
-                    tokens += doc.size
-        else:
-            _WORKER.update(tok=tok, tasks=chosen, streams=streams, seed=seed)
-            for job in jobs:
-                doc = _document(job)
-                writer.add(doc)
-                tokens += doc.size
+            ctx = multiprocessing.get_context("spawn")
+            pool = stack.enter_context(ctx.Pool(workers, _init_worker, init))
+            docs = pool.imap(_document, jobs, chunksize=64)
+        for doc in docs:
+            writer.add(doc)
+            tokens += doc.size
         stats = {"documents": num_docs, "tokens": tokens}
         writer.meta = {
             "generator": "retrieval-train-v1",
