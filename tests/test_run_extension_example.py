@@ -36,7 +36,8 @@ FAKE = textwrap.dedent(
     points = {points!r}
     def log():
         with open(os.environ["FAKE_LOG"], "a") as f:
-            f.write(json.dumps({{"args": args, "start": start, "end": time.time()}}) + "\\n")
+            f.write(json.dumps({{"args": args, "start": start, "end": time.time(),
+                                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
     tool = os.path.basename(args[0]) if args else ""
     if tool == "build_code_corpus.py":
         out = args[args.index("--out") + 1]
@@ -199,3 +200,26 @@ def test_example_script_extends_only_models_that_retrieve(tmp_path, accuracy, ex
     else:
         assert studies == ["code-125m-4k-base"]
         assert "extension skipped" in status and "EXTEND_MIN_ACCURACY=0.2" in status
+
+
+def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
+    """DEVICES=0,1: both studies get the sweep's --devices (a point per GPU) and the evaluations
+    of a study go round the GPUs, one process each."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, DEVICES="0,1")
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert len(sweeps) == 2
+    for c in sweeps:
+        assert c["args"][-2:] == ["--devices", "0,1"]
+    for study, points in POINTS.items():
+        gpus = [
+            c["gpus"]
+            for c in calls
+            if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
+            and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
+        ]
+        assert len(gpus) == len(points)
+        assert sorted(gpus) == sorted(["0", "1", "0"][: len(points)])

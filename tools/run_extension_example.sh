@@ -29,7 +29,8 @@
 # BASE_OVERRIDES=train.train_iters=1000), EXTEND_MIN_ACCURACY (unset: always extend; else extend
 # only if a 4k model's passkey exact-match accuracy, mean over its cells up to 4096 tokens,
 # reaches it: an extension of models that do not retrieve at their own length cannot answer the
-# example's question), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
+# example's question), DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as
+# there are ids, one GPU each, through the sweep's --devices; default one after another), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
 # POSITION_SEQUENCES (64). Progress, one line per step, in STATUS (example_status.log). Measured
 # on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 set -uo pipefail
@@ -45,6 +46,8 @@ RETRIEVAL_TASKS=${RETRIEVAL_TASKS:-passkey,needle}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
+SWEEP_DEVICES=()
+[[ -n "${DEVICES:-}" ]] && SWEEP_DEVICES=(--devices "$DEVICES")
 STATUS=${STATUS:-example_status.log}
 BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
 EXTEND=$ROOT/configs/studies/code-125m-extend-16k.yaml
@@ -102,14 +105,21 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
 }
 
 "$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" "${BASE_EXTRA[@]}" \
+    "${SWEEP_DEVICES[@]}" \
     || status=$?
 note "base study done (exit $status)"
-evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU
-    local study=$1 pids=() pid
+evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU(s)
+    local study=$1 pids=() pid ids=() i=0
     shift
+    [[ -n "${DEVICES:-}" ]] && IFS=, read -r -a ids <<< "$DEVICES"
     for run in sweeps/"$study"/runs/*/; do
-        evaluate "${run%/}" "$@" &
+        if (( ${#ids[@]} )); then
+            CUDA_VISIBLE_DEVICES=${ids[i % ${#ids[@]}]} evaluate "${run%/}" "$@" &
+        else
+            evaluate "${run%/}" "$@" &
+        fi
         pids+=($!)
+        i=$((i + 1))
     done
     for pid in "${pids[@]}"; do
         wait "$pid" || status=$?
@@ -142,7 +152,7 @@ sys.exit(best < float(sys.argv[1]))' "$EXTEND_MIN_ACCURACY" \
     fi
 fi
 "$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" "$(blend 16k)" \
-    "${EXTEND_EXTRA[@]}" || status=$?
+    "${EXTEND_EXTRA[@]}" "${SWEEP_DEVICES[@]}" || status=$?
 note "extension study done (exit $status)"
 evaluate_study code-125m-extend-16k
 for study in code-125m-4k-base code-125m-extend-16k; do
