@@ -23,6 +23,13 @@ SCRIPT = REPO / "tools" / "run_extension_example.sh"
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
     "code-125m-extend-16k": ["dense", "hybrid-DS", "dense-to-hybrid"],
+    "code-125m-extend-16k-remedies": [
+        "hybrid-DS-long",
+        "dense",
+        "hybrid-DS",
+        "hybrid-DS-local32",
+        "hybrid-DS-to-DDS",
+    ],
 }
 
 # Logs each call with its start and end; plays the corpus builders, the sweeps (their runs'
@@ -116,7 +123,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
         assert c["args"][c["args"].index("--tasks") + 1] == "passkey,needle"
         max_tokens = c["args"][c["args"].index("--max-tokens") + 1]
         assert max_tokens == {"4k": "4096", "16k": "16384"}[prefix.rsplit("_", 1)[1]]
-    assert sorted(sweeps) == sorted(POINTS)
+    assert sorted(sweeps) == ["code-125m-4k-base", "code-125m-extend-16k"]
     for name, c in sweeps.items():
         tag = "4k" if name == "code-125m-4k-base" else "16k"
         assert c["args"][4:] == [
@@ -135,7 +142,12 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
         c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
     ]
     evals = {Path(c["args"][c["args"].index("--checkpoint") + 1]).parent: c for c in eval_calls}
-    expected = {Path("sweeps") / s / "runs" / p for s, ps in POINTS.items() for p in ps}
+    expected = {
+        Path("sweeps") / s / "runs" / p
+        for s, ps in POINTS.items()
+        if not s.endswith("remedies")
+        for p in ps
+    }
     assert set(evals) == expected and len(eval_calls) == len(expected)  # each run once
     for run, c in evals.items():
         assert c["args"][-1] == "data.blend=[data/code/train_valid]"  # held-out code only
@@ -214,7 +226,8 @@ def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
     assert len(sweeps) == 2
     for c in sweeps:
         assert c["args"][-2:] == ["--devices", "0,1"]
-    for study, points in POINTS.items():
+    for study in ("code-125m-4k-base", "code-125m-extend-16k"):
+        points = POINTS[study]
         gpus = [
             c["gpus"]
             for c in calls
@@ -223,3 +236,30 @@ def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
         ]
         assert len(gpus) == len(points)
         assert sorted(gpus) == sorted(["0", "1", "0"][: len(points)])
+
+
+def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
+    """EXTEND_STUDIES: each extension study from the same 4k models, one after another, each
+    evaluated after its own training and plotted."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    studies = ["code-125m-extend-16k", "code-125m-extend-16k-remedies"]
+    calls = _run(tmp_path, log, EXTEND_STUDIES=" ".join(studies))
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert [Path(c["args"][3]).stem for c in sweeps] == ["code-125m-4k-base", *studies]
+    assert all(Path(c["args"][3]).is_file() for c in sweeps)  # the studies exist
+    for sweep, study in zip(sweeps[1:], studies):
+        evals = [
+            c
+            for c in calls
+            if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
+            and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
+        ]
+        assert len(evals) == len(POINTS[study])
+        assert all(c["start"] >= sweep["end"] for c in evals)
+    plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
+    assert sorted(c["args"][c["args"].index("--out") + 1] for c in plots) == sorted(
+        f"sweeps/{s}/loss_by_position.png" for s in ["code-125m-4k-base", *studies]
+    )

@@ -406,6 +406,7 @@ def test_example_study_loads():
         ("code-125m-stride-window", 7),
         ("code-125m-4k-base", 2),
         ("code-125m-extend-16k", 3),
+        ("code-125m-extend-16k-remedies", 5),
     ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
@@ -425,5 +426,6 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
         p.config.train.train_iters * p.config.train.global_batch_size * p.config.model.seq_length
         for p in study.points
     }
-    assert len(tokens) == 1  # every point at equal tokens
+    # every point at equal tokens, but for the remedies' longer extension (a remedy of its own)
+    assert len(tokens) == (2 if name.endswith("remedies") else 1)
     assert {p.config.data.split for p in study.points} == {"100,3,0"}

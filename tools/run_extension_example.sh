@@ -12,8 +12,9 @@
 #   3. megatron-s2-eval-long-context on the 4k models (side by side on the GPU): retrieval (TASKS)
 #      over LENGTHS x five depths, and loss by token position on held-out code (the kv corpus
 #      left out of the blend),
-#   4. configs/studies/code-125m-extend-16k.yaml: the three 16k extensions, alone on the GPU (their
-#      tokens/s is a result), then the same evaluations of the three, side by side,
+#   4. configs/studies/code-125m-extend-16k.yaml (or the EXTEND_STUDIES): the three 16k
+#      extensions, alone on the GPU (their tokens/s is a result), then the same evaluations of
+#      the three, side by side,
 #   5. one loss-by-position plot per study.
 #
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
@@ -26,7 +27,10 @@
 # default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle), WORKERS
 # (processes writing trials: nproc), BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value
 # overrides for every point of the base / extension study, space-separated, e.g.
-# BASE_OVERRIDES=train.train_iters=1000), EXTEND_MIN_ACCURACY (unset: always extend; else extend
+# BASE_OVERRIDES=train.train_iters=1000), EXTEND_STUDIES (the extension studies, names in
+# configs/studies/, space-separated, run one after another; default code-125m-extend-16k;
+# code-125m-extend-16k-remedies tries what closes the hybrid's retrieval gap), EXTEND_MIN_ACCURACY
+# (unset: always extend; else extend
 # only if a 4k model's passkey exact-match accuracy, mean over its cells up to 4096 tokens,
 # reaches it: an extension of models that do not retrieve at their own length cannot answer the
 # example's question), DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as
@@ -50,7 +54,8 @@ SWEEP_DEVICES=()
 [[ -n "${DEVICES:-}" ]] && SWEEP_DEVICES=(--devices "$DEVICES")
 STATUS=${STATUS:-example_status.log}
 BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
-EXTEND=$ROOT/configs/studies/code-125m-extend-16k.yaml
+# Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models.
+read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
 status=0
 note() { echo "$(date +%T) $*" | tee -a "$STATUS"; }
 
@@ -151,13 +156,15 @@ sys.exit(best < float(sys.argv[1]))' "$EXTEND_MIN_ACCURACY" \
         exit "$status"
     fi
 fi
-"$PYTHON" -m megatron_s2.training.sweep run "$EXTEND" "${OVERRIDES[@]}" "$(blend 16k)" \
-    "${EXTEND_EXTRA[@]}" "${SWEEP_DEVICES[@]}" || status=$?
-note "extension study done (exit $status)"
-evaluate_study code-125m-extend-16k
-for study in code-125m-4k-base code-125m-extend-16k; do
+for study in "${EXTEND_NAMES[@]}"; do
+    "$PYTHON" -m megatron_s2.training.sweep run "$ROOT/configs/studies/$study.yaml" "${OVERRIDES[@]}" \
+        "$(blend 16k)" "${EXTEND_EXTRA[@]}" "${SWEEP_DEVICES[@]}" || status=$?
+    note "extension study $study done (exit $status)"
+    evaluate_study "$study"
+done
+for study in code-125m-4k-base "${EXTEND_NAMES[@]}"; do
     "$PYTHON" "$ROOT"/tools/plot_loss_by_position.py --out "sweeps/$study/loss_by_position.png" \
         sweeps/$study/runs/*/long_context_eval/loss_by_position.json || status=$?
 done
-note "all done (exit $status): sweeps/code-125m-4k-base, sweeps/code-125m-extend-16k"
+note "all done (exit $status): sweeps/code-125m-4k-base $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")"
 exit "$status"
