@@ -20,6 +20,13 @@ pytestmark = pytest.mark.version_independent
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "run_extension_example.sh"
+# Its environment settings (the header lists them), which the tests set themselves.
+SCRIPT_KNOBS = {
+    "PYTHON", "CORPUS", "KV_PREFIX", "KV_WEIGHT", "RETRIEVAL_PREFIX", "RETRIEVAL_WEIGHT",
+    "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
+    "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
+    "POSITION_SEQUENCES", "STATUS",
+}  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
     "code-125m-extend-16k": ["dense", "hybrid-DS", "dense-to-hybrid"],
@@ -28,7 +35,7 @@ POINTS = {
         "dense",
         "hybrid-DS",
         "hybrid-DS-local32",
-        "hybrid-DS-to-DDS",
+        "hybrid-DS-more-dense",
     ],
 }
 
@@ -81,9 +88,9 @@ FAKE = textwrap.dedent(
 
 
 def _run(tmp_path, log, **extra):
-    env = dict(
-        os.environ, PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25", **extra
-    )
+    # The script's own knobs come from the test alone, not from the caller's environment.
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
+    env.update(PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25", **extra)
     r = subprocess.run(
         ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
@@ -221,7 +228,7 @@ def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
     fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
     fake.chmod(0o755)
     log = tmp_path / "calls.jsonl"
-    calls = _run(tmp_path, log, DEVICES="0,1")
+    calls = _run(tmp_path, log, DEVICES="0, 1")  # spaces as a user may type them
     sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
     assert len(sweeps) == 2
     for c in sweeps:
@@ -263,3 +270,19 @@ def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
     assert sorted(c["args"][c["args"].index("--out") + 1] for c in plots) == sorted(
         f"sweeps/{s}/loss_by_position.png" for s in ["code-125m-4k-base", *studies]
     )
+
+
+def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
+    env.update(PYTHON=str(fake), FAKE_LOG=str(log), EXTEND_STUDIES="code-125m-extend-16k-remedis")
+    r = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert "no study code-125m-extend-16k-remedis" in r.stdout
+    assert "code-125m-extend-16k-remedies" in r.stdout  # the studies there are, listed
+    assert not log.exists()  # nothing ran

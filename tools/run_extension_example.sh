@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The worked context-extension example end to end on one GPU (docs/long_context_eval.md,
-# "Worked example"):
+# The worked context-extension example end to end on one GPU, or on several of one machine
+# with DEVICES (docs/long_context_eval.md, "Worked example"):
 #   1. the code corpus of this interpreter's own sources (tools/build_code_corpus.py) and, in its
 #      tokenizer, the key-value recall corpus (tools/make_demo_corpus.py --tokenizer): long
 #      documents whose statements are queried thousands of tokens later, blended into both
@@ -9,12 +9,12 @@
 #      for the base study, up to 16k for the extension) at RETRIEVAL_WEIGHT, so that the models
 #      learn the question-answer format and the evaluation measures how far back they find it,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
-#   3. megatron-s2-eval-long-context on the 4k models (side by side on the GPU): retrieval (TASKS)
-#      over LENGTHS x five depths, and loss by token position on held-out code (the kv corpus
-#      left out of the blend),
-#   4. configs/studies/code-125m-extend-16k.yaml (or the EXTEND_STUDIES): the three 16k
-#      extensions, alone on the GPU (their tokens/s is a result), then the same evaluations of
-#      the three, side by side,
+#   3. megatron-s2-eval-long-context on the 4k models (side by side on the GPU, or one per GPU
+#      with DEVICES): retrieval (TASKS) over LENGTHS x five depths, and loss by token position on
+#      held-out code (the kv corpus left out of the blend),
+#   4. each extension study (EXTEND_STUDIES; default configs/studies/code-125m-extend-16k.yaml,
+#      the three 16k extensions): its points, each alone on its GPU (their tokens/s is a
+#      result), then the same evaluations of its runs, side by side,
 #   5. one loss-by-position plot per study.
 #
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
@@ -50,14 +50,25 @@ RETRIEVAL_TASKS=${RETRIEVAL_TASKS:-passkey,needle}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
+DEVICES=${DEVICES:-}
+DEVICES=${DEVICES// /}  # "0, 1" as "0,1": the ids become CUDA_VISIBLE_DEVICES as they are
 SWEEP_DEVICES=()
-[[ -n "${DEVICES:-}" ]] && SWEEP_DEVICES=(--devices "$DEVICES")
+[[ -n "$DEVICES" ]] && SWEEP_DEVICES=(--devices "$DEVICES")
 STATUS=${STATUS:-example_status.log}
 BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
 # Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models.
 read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
 status=0
 note() { echo "$(date +%T) $*" | tee -a "$STATUS"; }
+# Before any work: a misspelt study would otherwise stop the script after the base study.
+(( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }
+for study in "${EXTEND_NAMES[@]}"; do
+    if [[ ! -f "$ROOT/configs/studies/$study.yaml" ]]; then
+        note "EXTEND_STUDIES: no study $study (configs/studies/$study.yaml); there are:" \
+            "$(cd "$ROOT/configs/studies" && ls -- *.yaml | sed 's/[.]yaml$//' | paste -sd' ' -)"
+        exit 2
+    fi
+done
 
 if [[ ! -f "$CORPUS/corpus.json" ]]; then
     "$PYTHON" "$ROOT"/tools/build_code_corpus.py --out "$CORPUS" || exit
@@ -116,7 +127,7 @@ note "base study done (exit $status)"
 evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU(s)
     local study=$1 pids=() pid ids=() i=0
     shift
-    [[ -n "${DEVICES:-}" ]] && IFS=, read -r -a ids <<< "$DEVICES"
+    [[ -n "$DEVICES" ]] && IFS=, read -r -a ids <<< "$DEVICES"
     for run in sweeps/"$study"/runs/*/; do
         if (( ${#ids[@]} )); then
             CUDA_VISIBLE_DEVICES=${ids[i % ${#ids[@]}]} evaluate "${run%/}" "$@" &
