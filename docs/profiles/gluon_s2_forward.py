@@ -304,6 +304,11 @@ def gluon_s2_forward(q, k, v, pattern, scale):
         problems.append(f"block_size {bn}: 64 or 128")
     if hq % hkv:
         problems.append(f"query heads {hq}: a multiple of the KV heads {hkv}")
+    elif (hq, hq // hkv) != (pattern.local_num_heads, pattern.group_size):
+        problems.append(
+            f"heads {hq}/{hkv}: the pattern's {pattern.local_num_heads} query heads in groups of "
+            f"{pattern.group_size}"
+        )
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         problems.append("q, k, v contiguous [b, s, h, d]")
     if problems:
