@@ -472,9 +472,12 @@ def _check_and_time():
         )
     if not ok:
         sys.exit("gluon_s2_forward: mismatch")
+    # Issue 13's shapes: 128k tokens a call, 32 query heads, head_dim 128, block 64, window 16.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     for s in (32768, 131072):
-        bsz, hq, hkv, d = 131072 // s, 32, 32, 128
-        for vs, name in ((8, "S2"), (1, "dense causal")):
+        bsz, hq, d = 131072 // s, 32, 128
+        for hkv, vs, name in ((32, 8, "S2"), (8, 8, "S2, GQA 32/8"), (32, 1, "dense causal")):
             pattern = s2attn.S2Pattern(
                 num_heads=hq, num_kv_heads=hkv, block_size=64, local_blocks=16, vert_stride=vs
             )
@@ -491,6 +494,12 @@ def _check_and_time():
                 f"seq {s} {name}: gluon {g:.2f} ms ({flops / g / 1e9:.0f} TF/s), "
                 f"triton {t:.2f} ms ({flops / t / 1e9:.0f} TF/s)"
             )
+        # The dense rate to aim at: cuDNN's causal forward, as SDPA runs it ([b, h, s, d]).
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            c = do_bench(functools.partial(sdpa, qt, kt, vt, is_causal=True), warmup=25, rep=200)
+        print(f"seq {s} dense causal: cuDNN {c:.2f} ms ({flops / c / 1e9:.0f} TF/s)")
 
 
 def _compile_only(out_dir="out"):
