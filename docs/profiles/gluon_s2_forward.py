@@ -24,7 +24,7 @@ On a GPU it compares the output and LSE with ``s2attn``'s Triton forward and a f
 PyTorch reference (fresh random inputs, the real softmax scale), then times both kernels with
 ``triton.testing.do_bench`` and prints effective TFLOP/s over attended pairs. Without one it
 compiles for sm_90 (Triton 3.6, ``GPUTarget("cuda", 90, 32)``) and prints the HGMMA count,
-registers and shared memory, as ``gluon_sm90_compile_probe.py`` does.
+registers and shared memory (the recipe of the skeleton it grew from, commit a0f550f).
 """
 
 import argparse
