@@ -74,7 +74,8 @@ FAKE = textwrap.dedent(
         os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
         open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w").write("{{}}")
         acc = float(os.environ.get("FAKE_ACCURACY", "0"))
-        cells = [{{"length": n, "depth": 0.5, "accuracy": acc if n <= 4096 else 0.0}}
+        cells = [{{"length": n, "depth": 0.5, "accuracy": acc if n <= 4096 else 0.0,
+                   "token_accuracy": 0.0, "log_likelihood": -11.5, "trials": 10}}
                  for n in (2048, 4096, 8192)]
         json.dump({{"tasks": {{"passkey": {{"cells": cells}}}}}},
                   open(os.path.join(run, "long_context_eval", "retrieval.json"), "w"))
@@ -168,6 +169,9 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
         assert (tmp_path / run / "long_context_eval.log").exists()
     plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
     assert len(plots) == 2
+    # the real tools/compare_retrieval.py, on the stand-in evaluations
+    summary = (tmp_path / "sweeps" / "code-125m-extend-16k" / "retrieval_summary.md").read_text()
+    assert "| dense-to-hybrid | 0% (-11.5) | 0% (-11.5) | 0% (-11.5) |" in summary
     assert "all done (exit 0)" in (tmp_path / "example_status.log").read_text()
 
     # Again: the corpora exist and every run has its evaluation; the sweeps are asked again

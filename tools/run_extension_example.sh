@@ -15,7 +15,8 @@
 #   4. each extension study (EXTEND_STUDIES; default configs/studies/code-125m-extend-16k.yaml,
 #      the three 16k extensions): its points, each alone on its GPU (their tokens/s is a
 #      result), then the same evaluations of its runs, side by side,
-#   5. one loss-by-position plot per study.
+#   5. per study, one loss-by-position plot and retrieval_summary.md (tools/compare_retrieval.py:
+#      its runs side by side).
 #
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
 #
@@ -176,6 +177,9 @@ done
 for study in code-125m-4k-base "${EXTEND_NAMES[@]}"; do
     "$PYTHON" "$ROOT"/tools/plot_loss_by_position.py --out "sweeps/$study/loss_by_position.png" \
         sweeps/$study/runs/*/long_context_eval/loss_by_position.json || status=$?
+    # The study's runs side by side: retrieval per length, by depth at 8k, loss by position.
+    "$PYTHON" "$ROOT"/tools/compare_retrieval.py --depth-table 8192 sweeps/"$study"/runs/*/ \
+        > "sweeps/$study/retrieval_summary.md" || status=$?
 done
 note "all done (exit $status): sweeps/code-125m-4k-base $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")"
 exit "$status"
