@@ -26,11 +26,14 @@ format would carry it across, but in megatron-core 0.16.1 it cannot be loaded in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import shutil
+import signal
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -377,6 +380,28 @@ def _save_failed(root: str, path: str, error: BaseException) -> str:
     )
 
 
+@contextlib.contextmanager
+def sigint_blocked_for_children():
+    """SIGINT blocked in this (main) thread while the block runs.
+
+    A terminal's Ctrl-C reaches the whole process group. megatron-core 0.19's checkpoint writer
+    starts helper processes during a save, and one caught in its start-up by that SIGINT died
+    and failed the save that the Ctrl-C asked for (found in CI). A child inherits the signal
+    mask of the thread that starts it, so helpers started in here ignore it; this process still
+    gets the SIGINT, as soon as the block ends (or at once through another thread).
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -415,7 +440,8 @@ def save_checkpoint(
         sd["optimizer_format"] = OPTIMIZER_FORMAT
         sd["config"] = config
         sd.update(extra or {})
-        dist_checkpointing.save(sd, path)
+        with sigint_blocked_for_children():
+            dist_checkpointing.save(sd, path)
         _barrier()
         if _is_rank0():
             tmp = os.path.join(root, TRACKER + ".tmp")
