@@ -38,16 +38,21 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
-def test_children_started_during_a_save_survive_ctrl_c_and_the_parent_still_sees_it():
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+def _run_parent(script: str) -> subprocess.CompletedProcess:
+    """``script`` in its own session (process group), from the checkout's root."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=60,
         start_new_session=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
+def test_children_started_during_a_save_survive_ctrl_c_and_the_parent_still_sees_it():
+    r = _run_parent(SCRIPT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "child done" in r.stdout  # not killed by the group's SIGINT
     assert "child exit 0" in r.stdout
@@ -58,13 +63,6 @@ def test_children_started_during_a_save_survive_ctrl_c_and_the_parent_still_sees
 def test_without_the_block_the_child_dies():
     """The control: the same SIGINT kills a child started outside the block."""
     script = SCRIPT.replace("with sigint_blocked_for_children():", "if True:")
-    r = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    r = _run_parent(script)
     assert "child done" not in r.stdout
     assert "child exit 1" in r.stdout or "child exit -2" in r.stdout, r.stdout + r.stderr[-1000:]
