@@ -41,6 +41,7 @@ try:
 except ImportError:  # Triton before host-side tensor descriptors: tma=True takes pointer loads
     TensorDescriptor = None
 
+from . import gluon_forward
 from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
@@ -1105,8 +1106,11 @@ class KernelConfig:
     size, so a key tile never spans two pattern blocks). ``fwd``, ``dq``, ``dkdv``: the
     :class:`PassConfig` of the forward, dQ and dK/dV kernels; their ``block_m`` may merge several
     pattern blocks (Merge-Q). ``tma``: read the walked tiles through TMA tensor descriptors
-    (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run). Derive
-    variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))``.
+    (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run).
+    ``gluon_fwd``: run the forward through the warp-specialized Gluon kernel
+    (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
+    others. Derive variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64,
+    4, 3))`` or ``replace(cfg, gluon_fwd=False)``.
     """
 
     block_n: int
@@ -1114,10 +1118,12 @@ class KernelConfig:
     dq: PassConfig
     dkdv: PassConfig
     tma: bool = False
+    gluon_fwd: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.tma, bool):
-            raise TypeError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
+        for name in ("tma", "gluon_fwd"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
             raise ValueError(
                 f"KernelConfig.block_n must be a power of two >= {MIN_TILE}, got {self.block_n!r}"
@@ -1183,9 +1189,10 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
         dkdv = dataclasses.replace(dkdv, num_stages=GPU_BWD_WIDE_STAGES)
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
+    gluon = gluon_forward.enabled_by_default(head_dim, pattern.block_size, device, dtype)
     if head_dim in TMA_HEAD_DIMS and (dtype is None or dtype in TMA_DTYPES):
-        return KernelConfig(block_n, fwd=GPU_FWD_TMA, dq=dq, dkdv=dkdv, tma=True)
-    return KernelConfig(block_n, fwd=GPU_FWD, dq=dq, dkdv=dkdv)
+        return KernelConfig(block_n, GPU_FWD_TMA, dq, dkdv, tma=True, gluon_fwd=gluon)
+    return KernelConfig(block_n, GPU_FWD, dq, dkdv, gluon_fwd=gluon)
 
 
 # Hopper's TMA: the global address and every stride but the innermost (which must be 1) are
@@ -1452,6 +1459,14 @@ def s2_forward(
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
+    if cfg.gluon_fwd and not gluon_forward.unsupported_reason(
+        q, k, v, pattern, q_start, k_start, varlen
+    ):
+        lay = layout_for(pattern, sq, sk, 0, 0, gluon_forward.TILE_M, pattern.block_size, q.device)
+        # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
+        # tiles, which the Gluon kernel does not take.
+        if lay.block_m == gluon_forward.TILE_M:
+            return gluon_forward.s2_forward_gluon(q, k, v, pattern, scale, lay)
     lay = _pass_layout(
         pattern, sq, sk, q_start, k_start, cfg.fwd.block_m, cfg.block_n, q.device, varlen
     )

@@ -468,3 +468,18 @@ def test_sweep_adds_wide_key_tiles_only_where_a_block_holds_them():
         labels = [bench.config_label(c, base) for c in got]
         assert all(label.startswith("s2attn bn=128") for label in labels)
         assert bench.sweep_configs(base, "bn=128", block) == got
+
+
+def test_sweep_times_the_tl_forward_when_the_default_takes_gluon():
+    import dataclasses
+
+    from s2attn.triton_attention import kernel_config
+
+    pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=2)
+    base = dataclasses.replace(kernel_config(pattern, 128, "cuda"), gluon_fwd=True)
+    configs = bench.sweep_configs(base, block_size=64)
+    assert configs[0] == dataclasses.replace(base, gluon_fwd=False)
+    assert bench.config_label(configs[0], base) == "s2attn gluon_fwd=False"
+    assert all(c.gluon_fwd for c in configs[1:])
+    off = dataclasses.replace(base, gluon_fwd=False)
+    assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 1  # nothing to add

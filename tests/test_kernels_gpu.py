@@ -321,6 +321,17 @@ def test_varlen_bf16_no_worse_than_dense_bf16_per_document():
     assert_matches(ours, ref, 3e-2, names=("out", "dq", "dk", "dv"))
 
 
+def _tl_forward_config(pattern, head_dim):
+    """The default config with the ``tl`` forward: packed documents take it (the Gluon forward
+    runs fixed-length calls only), so the varlen overhead is measured against the same kernel."""
+    import dataclasses
+
+    from s2attn.triton_attention import kernel_config
+
+    cfg = kernel_config(pattern, head_dim, DEV, torch.bfloat16)
+    return dataclasses.replace(cfg, gluon_fwd=False)
+
+
 @pytest.mark.timeout(600)
 def test_varlen_throughput_equal_documents_as_batch():
     """4 documents of 8k packed run as fast as the fixed-length kernel on a batch of 4 x 8k (the
@@ -339,8 +350,9 @@ def test_varlen_throughput_equal_documents_as_batch():
     grad = torch.randn_like(q)
     var = lambda: s2_attention_varlen(q, k, v, cu, S, p, check_cu_seqlens=False)
     var_checked = lambda: s2_attention_varlen(q, k, v, cu, S, p)
+    tl_cfg = _tl_forward_config(p, D)
     fixed = lambda: s2_attention(
-        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p
+        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p, kernel_config=tl_cfg
     ).view(N * S, H, D)
     with torch.no_grad():
         assert torch.equal(var(), fixed())
@@ -383,7 +395,10 @@ def test_varlen_throughput_mixed_documents_vs_fixed_per_length():
         ]
         for n, c in VARLEN_MIXED_DOCS.items()
     ]
-    fixed_runs = [lambda b=b: s2_attention(b[0], b[1], b[2], p) for b in batches]
+    tl_cfg = _tl_forward_config(p, D)
+    fixed_runs = [
+        lambda b=b: s2_attention(b[0], b[1], b[2], p, kernel_config=tl_cfg) for b in batches
+    ]
     fixed_steps = [_fwd_bwd(run, b[:3], b[3].detach()) for run, b in zip(fixed_runs, batches)]
 
     def fixed_fwd():
@@ -415,3 +430,131 @@ def test_varlen_cu_seqlens_on_another_device_rejected():
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens must be on q's device"):
         s2_attention_varlen(q, q, q, cu, 23, p)
+
+
+# ------------------------------------------------------------------ the Gluon forward (sm_90)
+def _gluon_or_skip():
+    import s2attn.gluon_forward as gf
+
+    if gf.gluon is None or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward needs an sm_90 GPU and a Triton with Gluon")
+    return gf
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "batch,seq,heads,kv_heads,head_dim,block,local,stride",
+    [
+        (2, 1024, 4, 4, 64, 64, 4, 4),
+        (1, 2048, 8, 2, 128, 64, 4, 8),  # GQA
+        (1, 1536, 4, 4, 128, 128, 2, 4),  # 128-token blocks
+        (1, 2048, 4, 4, 128, 64, 16, 1),  # dense causal
+        (3, 1024, 8, 8, 128, 64, 4, 8),  # three batch rows
+    ],
+)
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_gluon_forward_matches_tl_kernel_and_reference(
+    batch, seq, heads, kv_heads, head_dim, block, local, stride, layout
+):
+    """Output and LSE of the Gluon kernel against the fp32 reference, no further off than the
+    ``tl`` forward on the same inputs; ``[s, b, h, d]`` storage (Megatron's) read in place and
+    written back in that layout."""
+    import dataclasses
+
+    from s2attn import triton_attention as ta
+
+    gf = _gluon_or_skip()
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=1,
+    )
+    g = torch.Generator(device=DEV).manual_seed(seq + heads)
+
+    def mk(h):
+        shape = (batch, seq, h, head_dim) if layout == "bshd" else (seq, batch, h, head_dim)
+        x = torch.randn(*shape, device=DEV, generator=g).to(torch.bfloat16)
+        return x if layout == "bshd" else x.transpose(0, 1)
+
+    q, k, v = mk(heads), mk(kv_heads), mk(kv_heads)
+    scale = head_dim**-0.5
+    out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale)
+    assert out.stride() == q.stride()
+    cfg = dataclasses.replace(ta.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False)
+    tl_out, tl_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
+    ref_out, ref_lse = s2_attention_reference(
+        q.float(), k.float(), v.float(), pattern, scale, return_lse=True
+    )
+    err, tl_err = norm_err(out, ref_out), norm_err(tl_out, ref_out)
+    assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+    assert (lse - tl_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.timeout(300)
+def test_gluon_forward_reads_fused_qkv_slices_in_place():
+    """Megatron's q, k, v as slices of one fused projection ``[s, b, groups, (per_group + 2) *
+    d]``: the same bits as the contiguous copies."""
+    gf = _gluon_or_skip()
+    s, b, groups, per_group, d = 2048, 2, 2, 4, 128
+    pattern = S2Pattern(
+        num_heads=groups * per_group,
+        num_kv_heads=groups,
+        block_size=64,
+        local_blocks=4,
+        vert_stride=8,
+    )
+    g = torch.Generator(device=DEV).manual_seed(7)
+    mixed = torch.randn(s, b, groups, (per_group + 2) * d, device=DEV, generator=g)
+    mixed = mixed.to(torch.bfloat16)
+    q = mixed[..., : per_group * d].reshape(s, b, groups * per_group, d).transpose(0, 1)
+    k = mixed[..., per_group * d : (per_group + 1) * d].transpose(0, 1)
+    v = mixed[..., (per_group + 1) * d :].transpose(0, 1)
+    assert gf.tma_view(k) is not None and gf.tma_view(v) is not None
+    out, lse = gf.s2_forward_gluon(q, k, v, pattern, d**-0.5)
+    c_out, c_lse = gf.s2_forward_gluon(
+        q.contiguous(), k.contiguous(), v.contiguous(), pattern, d**-0.5
+    )
+    assert torch.equal(out, c_out) and torch.equal(lse, c_lse)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_default_path_takes_gluon_forward_and_gradients_hold(kv_heads, monkeypatch):
+    """On an H100 with a checked Triton, ``s2_attention``'s forward runs the Gluon kernel (the
+    backward the ``tl`` kernels from its out and LSE); out and every gradient are as close to
+    the fp32 reference as with the ``tl`` forward."""
+    import s2attn.triton_attention as ta
+
+    gf = _gluon_or_skip()
+    if not gf.triton_checked():
+        pytest.skip(f"Triton {gf.triton.__version__}: the default takes the tl forward")
+    pattern = S2Pattern(
+        num_heads=8, num_kv_heads=kv_heads, block_size=64, local_blocks=4, vert_stride=4
+    )
+    calls = []
+    real = gf.s2_forward_gluon
+    monkeypatch.setattr(gf, "s2_forward_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    leaves, do = _inputs(2, 2048, 8, kv_heads, 128, seed=11)
+    f32 = _fp32(leaves)
+    ref = attention_with_grads(
+        lambda q, k, v: s2_attention_reference(q, k, v, pattern), f32, f32, do, return_lse=False
+    )
+
+    def ours():
+        run = lambda q, k, v: s2_attention(q, k, v, pattern)
+        return attention_with_grads(run, leaves, leaves, do, return_lse=False)
+
+    got = ours()
+    assert calls, "the default forward did not take the Gluon kernel"
+    monkeypatch.setenv(gf.ENV_SWITCH, "0")
+    n = len(calls)
+    tl = ours()
+    assert len(calls) == n, "S2ATTN_GLUON_FORWARD=0 still took the Gluon kernel"
+    for name in ("out", "dq", "dk", "dv"):
+        e, e_tl = norm_err(got[name], ref[name]), norm_err(tl[name], ref[name])
+        assert e <= 1.1 * e_tl + 1e-4, (name, e, e_tl)
+    assert ta.kernel_config(pattern, 128, DEV, torch.bfloat16).gluon_fwd is False  # switch off

@@ -299,22 +299,30 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
             dkdv=r(base.dkdv, num_stages=n),
         )
 
-    return [
-        r(base, tma=not base.tma),
-        r(base, fwd=PassConfig(128, 4, base.fwd.num_stages)),
-        r(base, fwd=PassConfig(128, 8, base.fwd.num_stages)),
-        r(base, dq=PassConfig(64, 4, base.dq.num_stages)),
-        r(base, dkdv=r(base.dkdv, block_m=64)),
-        r(base, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
-        stages(2),
-        stages(4),
-    ] + wide
+    # With the Gluon forward on, the fwd PassConfig variants below only change the calls it
+    # does not take; the tl forward itself is one variant.
+    gluon_off = [r(base, gluon_fwd=False)] if base.gluon_fwd else []
+    return (
+        gluon_off
+        + [
+            r(base, tma=not base.tma),
+            r(base, fwd=PassConfig(128, 4, base.fwd.num_stages)),
+            r(base, fwd=PassConfig(128, 8, base.fwd.num_stages)),
+            r(base, dq=PassConfig(64, 4, base.dq.num_stages)),
+            r(base, dkdv=r(base.dkdv, block_m=64)),
+            r(base, dkdv=PassConfig(64, 8, base.dkdv.num_stages)),
+            stages(2),
+            stages(4),
+        ]
+        + wide
+    )
 
 
 def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     """``s2attn`` for the default config, else the fields that differ from it."""
     diffs = [f"bn={cfg.block_n}"] if cfg.block_n != base.block_n else []
     diffs += [f"tma={cfg.tma}"] if cfg.tma != base.tma else []
+    diffs += [f"gluon_fwd={cfg.gluon_fwd}"] if cfg.gluon_fwd != base.gluon_fwd else []
     for name in ("fwd", "dq", "dkdv"):
         got, ref = getattr(cfg, name), getattr(base, name)
         diffs += [

@@ -1,0 +1,535 @@
+"""The S2 forward for Hopper (sm_90) in Triton's Gluon dialect, FlashAttention-3-shaped.
+
+It runs the same tile lists as ``triton_attention._s2_fwd_kernel`` (``layout_for`` with 128-row
+query tiles: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``, the heaviest-first ``q_order``)
+through the producer/consumer schedule that plain ``triton.language`` does not express on sm_90:
+
+* one loader warp walks the item's key-tile list and TMA-loads each K and V tile into a
+  ``NUM_STAGES`` ring of shared-memory buffers, each guarded by a ``ready`` mbarrier (the TMA
+  landed) and an ``empty`` one (both consumers are done with it);
+* two consumer warpgroups each own 64 rows of the 128-row query tile and run ``S = Q K^T``
+  (async wgmma from shared memory), the online softmax in registers and ``O += P V`` (wgmma with
+  P in registers); full entries skip the mask, partial ones apply the causal bound and the
+  entry's ``[lo, hi)`` query range;
+* the epilogue writes the LSE (natural log, ``-inf`` for rows that attend nothing) and the
+  output through shared memory and a TMA store.
+
+:func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
+(``q_start = k_start = 0``, equal lengths, no packed documents), bf16/fp16, ``s`` a multiple of
+128, head_dim 64 or 128, block 64 or 128, on an sm_90 GPU. ``triton_attention.s2_forward`` calls
+it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl`` kernel
+otherwise; the backward is the ``tl`` kernels' either way (they read only ``out`` and ``lse``).
+
+Tensors reach the kernel as 2-D TMA views ``[rows, columns]`` whose rows are tokens: the batch
+is either in the rows (``[b, s, h, d]`` contiguous: ``[b * s, h * d]``) or in the columns
+(Megatron's ``[s, b, h, d]`` seen as ``[b, s, h, d]``: ``[s, b * h * d]``), so both layouts run
+without a copy; a head's tile is at row ``b * row_b + token`` and column ``b * col_b + head *
+col_h``. Gluon kernels do not run under ``TRITON_INTERPRET=1``: the CPU tests check this
+schedule through :func:`emulate_forward` (float64, same arrays and order) and compile the kernel
+for sm_90; the GPU tests compare it with the ``tl`` kernel and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # Triton < 3.5 has no Gluon for Hopper: the tl forward runs
+    gluon = None
+
+from .layout import layout_for
+
+WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M extent of 4 warps
+NUM_CONSUMERS = 2  # warpgroups sharing each K/V tile; the query tile is their rows together
+TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m
+NUM_STAGES = 2  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 bf16 is 128 KiB
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+# Triton versions whose Gluon forward has been checked on an H100 (tests/test_kernels_gpu.py);
+# on others it runs only when S2ATTN_GLUON_FORWARD=1 asks for it.
+CHECKED_TRITON = ("3.6",)
+ENV_SWITCH = "S2ATTN_GLUON_FORWARD"  # "0": never, "1": on any Triton with Gluon, unset: checked
+LN2 = math.log(2.0)
+INT32_LIMIT = 2**31
+
+if gluon is not None:
+    # Register budgets after warp specialization: the consumers hold S, P and O in registers,
+    # the loader only addresses (setmaxnreg moves the rest to the consumers).
+    CONSUMER_REGS = gl.constexpr(240)
+    LOADER_REGS = gl.constexpr(24)
+    # Triton 3.7 renamed the TMA copies; the old names raise there.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+def triton_checked() -> bool:
+    """Whether the installed Triton is one the Gluon forward was checked with on a GPU."""
+    return any(triton.__version__.startswith(v + ".") for v in CHECKED_TRITON)
+
+
+def enabled_by_default(head_dim: int, block_size: int, device, dtype=None) -> bool:
+    """The default of ``KernelConfig.gluon_fwd``: Gluon importable, an sm_90 ``device``, a
+    checked Triton (or ``S2ATTN_GLUON_FORWARD=1``; ``=0`` turns it off), a supported head dim,
+    block size and dtype (None: a 16-bit one)."""
+    switch = os.environ.get(ENV_SWITCH, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{ENV_SWITCH}={switch!r}: use 0 (off), 1 (on) or leave it unset")
+    if gluon is None or switch == "0" or (switch == "" and not triton_checked()):
+        return False
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    shapes_ok = head_dim in HEAD_DIMS and block_size in BLOCK_SIZES
+    return shapes_ok and (dtype is None or dtype in DTYPES)
+
+
+def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> Optional[str]:
+    """Why this call cannot take the Gluon forward (None: it can). q ``[b, sq, hq, d]``, k/v
+    ``[b, sk, hkv, d]``; the pattern and head counts are already validated by the caller."""
+    if gluon is None:
+        return "this Triton has no Gluon Hopper API"
+    if varlen is not None:
+        return "packed documents (varlen)"
+    if q_start or k_start or q.shape[1] != k.shape[1]:
+        return "not self-attention from position 0 (q_start, k_start, equal lengths)"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}: bf16 or fp16"
+    if q.shape[1] % TILE_M:
+        return f"sequence length {q.shape[1]}: not a multiple of {TILE_M}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}: not one of {HEAD_DIMS}"
+    if pattern.block_size not in BLOCK_SIZES:
+        return f"block_size {pattern.block_size}: not one of {BLOCK_SIZES}"
+    if q.shape[0] * q.shape[2] * q.shape[1] >= INT32_LIMIT:
+        return "the LSE has 2^31 elements or more (the kernel's offsets are 32-bit)"
+    return None
+
+
+# ------------------------------------------------------------------------------------- kernel
+if gluon is not None:
+
+    @gluon.jit
+    def _item_of_program(order, n_items, num_q_tiles):
+        """(batch row, head, query tile, layout item) of this program: every batch row runs
+        through ``order`` (heaviest items first), as in the ``tl`` kernel."""
+        pid = gl.program_id(0)
+        item = gl.load(order + pid % n_items)
+        return pid // n_items, item // num_q_tiles, item % num_q_tiles, item
+
+    @gluon.jit
+    def _loader(
+        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
+        order, n_items, num_q_tiles, group, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
+        kv_col_h,
+    ):  # fmt: skip
+        BM: gl.constexpr = q_smem.type.shape[1]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
+        q_row = b * q_row_b + qt * 2 * BM
+        q_col = b * q_col_b + h * q_col_h
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+        _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
+        e0 = gl.load(row_ptr + item)
+        e2 = gl.load(row_ptr + item + 1)
+        kv_row = b * kv_row_b
+        kv_col = b * kv_col_b + (h // group) * kv_col_h
+        for e in range(e0, e2):
+            i = e - e0
+            stage = i % STAGES
+            # A stage is free once both consumers released its previous use; the first pass
+            # waits on the phase before the barrier's first, which counts as completed.
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            kt = gl.load(cols + e)
+            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row + kt * BN, kv_col], ready.index(stage), k_bufs.index(stage))
+            _tma_load(v_desc, [kv_row + kt * BN, kv_col], ready.index(stage), v_bufs.index(stage))
+
+    @gluon.jit
+    def _consume_tiles(
+        q, k_bufs, v_bufs, ready, empty, acc, m_i, l_i, q_abs, offs_n, cols, los, his, e_begin,
+        e_end, e0, qk_scale, MASKED: gl.constexpr,
+    ):  # fmt: skip
+        """Entries ``e_begin .. e_end`` of the item's list (ring position counted from ``e0``)."""
+        BM: gl.constexpr = q.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        for e in range(e_begin, e_end):
+            i = e - e0
+            stage = i % STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            s_tok = warpgroup_mma(
+                q,
+                k_bufs.index(stage).permute((1, 0)),
+                gl.zeros([BM, BN], gl.float32, s_layout),
+                use_acc=False,
+                is_async=True,
+            )
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
+            if MASKED:
+                kt = gl.load(cols + e)
+                lo = gl.load(los + e)
+                hi = gl.load(his + e)
+                n_abs = kt * BN + offs_n
+                ok = (n_abs[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo)
+                ok = ok & (q_abs[:, None] < hi)
+                s = gl.where(ok, s, -float("inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            # A row with nothing allowed yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
+            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+            p = gl.exp2(s - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+            o_tok = warpgroup_mma(p_op, v_bufs.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            mbarrier.arrive(empty.index(stage), count=1)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _consumer(
+        q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b, stride_lse_h,
+        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale,
+        WG: gl.constexpr,
+    ):  # fmt: skip
+        # Sizes from the shared-memory types: constexprs passed to a worker arrive as tensors.
+        BM: gl.constexpr = q_smem.type.shape[1]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
+        e0 = gl.load(row_ptr + item)
+        e1 = gl.load(row_split + item)
+        e2 = gl.load(row_ptr + item + 1)
+        q_abs = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BM], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BM, D], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+        q = q_smem.index(WG)
+        acc, m_i, l_i = _consume_tiles(
+            q, k_bufs, v_bufs, ready, empty, acc, m_i, l_i, q_abs, offs_n, cols, los, his,
+            e0, e1, e0, qk_scale, False,
+        )  # fmt: skip
+        acc, m_i, l_i = _consume_tiles(
+            q, k_bufs, v_bufs, ready, empty, acc, m_i, l_i, q_abs, offs_n, cols, los, his,
+            e1, e2, e0, qk_scale, True,
+        )  # fmt: skip
+        nothing = l_i == 0.0
+        l_safe = gl.where(nothing, 1.0, l_i)
+        lse = gl.where(nothing, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_abs, lse)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        o_smem.index(WG).store(out.to(o_smem.dtype))
+        fence_async_shared()
+
+    # The three partitions take one argument list (the kernel's, with the shared-memory buffers
+    # and barriers); each uses what it needs.
+    @gluon.jit
+    def _consumer0(
+        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
+        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
+        num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+    ):  # fmt: skip
+        _consumer(
+            q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
+            stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
+            qk_scale, 0,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _consumer1(
+        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
+        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
+        num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+    ):  # fmt: skip
+        _consumer(
+            q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
+            stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
+            qk_scale, 1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _loader_worker(
+        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
+        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
+        num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+    ):  # fmt: skip
+        _loader(
+            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
+            order, n_items, num_q_tiles, group, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
+            kv_col_h,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _s2_fwd_gluon_kernel(
+        q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
+        cols, los, his, order, n_items, num_q_tiles, group, qk_scale,
+        q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b, o_col_h,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """One program per (batch row, layout item): a 128-row query tile of one head."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(
+            q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
+        )
+        k_bufs = gl.allocate_shared_memory(
+            k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout
+        )
+        v_bufs = gl.allocate_shared_memory(
+            v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout
+        )
+        o_smem = gl.allocate_shared_memory(
+            o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
+        )
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+        fence_async_shared()
+        args = (
+            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
+            stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
+            num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+        )  # fmt: skip
+        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps)
+        # and the loader (1 warp), with their register budgets.
+        gl.warp_specialize(
+            [(_consumer0, args), (_consumer1, args), (_loader_worker, args)],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
+        b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
+        row = b * o_row_b + qt * 2 * BM
+        col = b * o_col_b + h * o_col_h
+        _tma_store(o_desc, [row, col], o_smem.index(0))
+        _tma_store(o_desc, [row + BM, col], o_smem.index(1))
+        tma.store_wait(0)
+
+
+# ------------------------------------------------------------------------------------ wrapper
+class TmaView(NamedTuple):
+    """A ``[b, s, h, d]`` tensor as the kernel reads it: ``matrix`` a 2-D ``[rows, columns]``
+    view (unit column stride) where token ``t`` of batch row ``i``, head ``j`` starts at row
+    ``i * row_b + t``, column ``i * col_b + j * col_h``."""
+
+    matrix: torch.Tensor
+    row_b: int
+    col_b: int
+    col_h: int
+
+
+# Hopper's TMA: the base address and the row stride are multiples of 16 bytes.
+TMA_ALIGN_BYTES = 16
+
+
+def tma_view(t: torch.Tensor) -> Optional[TmaView]:
+    """The :class:`TmaView` of ``[b, s, h, d]`` tensor ``t`` without a copy, or None when its
+    strides allow none: the batch in the rows (``t.stride(0) == s * t.stride(1)``, e.g. a
+    contiguous ``[b, s, h, d]``) or in the columns (a token's row holds every batch row's heads,
+    e.g. a contiguous ``[s, b, h, d]`` transposed, or a slice of a fused QKV projection)."""
+    b, s, h, d = t.shape
+    sb, ss, sh, sd = t.stride()
+    size = t.element_size()
+    if sd != 1 or ss * size % TMA_ALIGN_BYTES or t.data_ptr() % TMA_ALIGN_BYTES:
+        return None
+    heads_width = (h - 1) * sh + d
+    if (b == 1 or sb == s * ss) and heads_width <= ss:
+        return TmaView(t.as_strided((b * s, heads_width), (ss, 1)), s, 0, sh)
+    width = (b - 1) * sb + heads_width
+    if 0 <= sb and width <= ss:
+        return TmaView(t.as_strided((s, width), (ss, 1)), 0, sb, sh)
+    return None
+
+
+def _gl_dtype(dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _descriptor(view: TmaView, rows: int, head_dim: int):
+    block = [rows, head_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(view.matrix.dtype))
+    return TensorDescriptor.from_tensor(view.matrix, block, layout)
+
+
+def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None):
+    """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, s, hkv, d]`` (bf16 or
+    fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
+    ``scale`` the softmax scale; ``lay`` the pattern's layout at 128-row query tiles (built when
+    None). Returns ``out`` like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32
+    (natural log), as ``triton_attention.s2_forward`` does. The caller checks
+    :func:`unsupported_reason` first."""
+    b, s, hq, d = q.shape
+    bn = pattern.block_size
+    if lay is None:
+        lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+    if lay.block_m != TILE_M or lay.block_n != bn:
+        raise ValueError(
+            f"s2_forward_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
+            f"{TILE_M} x {bn}"
+        )
+    out = torch.empty_like(q)  # q's layout where q is dense (Megatron's [s, b, h, d] too)
+    lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
+    ov = tma_view(out)
+    if ov is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ov = tma_view(out)
+    qv = tma_view(q) or tma_view(q.contiguous())
+    kv_, vv = tma_view(k), tma_view(v)
+    # One set of coordinates serves K and V; where their layouts differ both are copied.
+    if kv_ is None or vv is None or kv_[1:] != vv[1:]:
+        kv_, vv = tma_view(k.contiguous()), tma_view(v.contiguous())
+    n_items = lay.q_order.numel()
+    if n_items == 0:
+        return out, lse
+    _s2_fwd_gluon_kernel[(n_items * b,)](
+        _descriptor(qv, WG_ROWS, d),
+        _descriptor(kv_, bn, d),
+        _descriptor(vv, bn, d),
+        _descriptor(ov, WG_ROWS, d),
+        lse,
+        lse.stride(0),
+        lse.stride(1),
+        lay.row_ptr,
+        lay.row_split,
+        lay.cols,
+        lay.lo,
+        lay.hi,
+        lay.q_order,
+        n_items,
+        lay.num_q_tiles,
+        lay.group,
+        scale / LN2,
+        *qv[1:],
+        *kv_[1:],
+        *ov[1:],
+        STAGES=NUM_STAGES,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
+    """Compile the kernel for an H100 (sm_90a) without a GPU, bf16 tiles; the cubin goes to
+    ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` (bytes a
+    thread spills), ``shared_bytes``, ``registers`` (the default partition's). Needs
+    ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``."""
+    import re
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
+
+    types = {"q_desc": desc(WG_ROWS), "k_desc": desc(block), "v_desc": desc(block)}
+    types.update(o_desc=desc(WG_ROWS), LSE="*fp32", qk_scale="fp32", STAGES="constexpr")
+    types.update({n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")})
+    sig = {n: types.get(n, "i32") for n in _s2_fwd_gluon_kernel.arg_names}
+    src = GluonASTSource(_s2_fwd_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    cubin = os.path.join(out_dir, f"s2_fwd_gluon_d{head_dim}_n{block}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True)
+    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
+    local = [int(x) for x in re.findall(r"LOCAL:(\d+)", usage)]
+    regs = [int(x) for x in re.findall(r"REG:(\d+)", usage)]
+    return {
+        "hgmma": sass.stdout.count("HGMMA"),
+        "local_memory": max(local, default=0),
+        "shared_bytes": compiled.metadata.shared,
+        "registers": max(regs, default=0),
+    }
+
+
+# ------------------------------------------------------------------------------ CPU emulation
+def emulate_forward(q, k, v, pattern, scale: float):
+    """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
+    order, warpgroup split of each 128-row tile, full/partial entry split, masks and base-2
+    online softmax, so that its index logic is checked where no GPU is. Shapes as
+    :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
+    b, s, hq, d = q.shape
+    bn = pattern.block_size
+    lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+    qk_scale = scale / LN2
+    out = torch.zeros(b, s, hq, d, dtype=torch.float64)
+    lse = torch.empty(b, hq, s, dtype=torch.float64)
+    row_ptr, row_split = lay.row_ptr.tolist(), lay.row_split.tolist()
+    cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
+    n_items = lay.q_order.numel()
+    order = lay.q_order.tolist()
+    offs_n = torch.arange(bn)
+    for pid in range(n_items * b):
+        item = order[pid % n_items]
+        bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
+        kvh = h // lay.group
+        e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
+        for wg in range(NUM_CONSUMERS):
+            q_abs = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
+            qq = q[bb, q_abs, h].double()
+            m_i = torch.full((WG_ROWS,), -math.inf, dtype=torch.float64)
+            l_i = torch.zeros(WG_ROWS, dtype=torch.float64)
+            acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
+            for e in range(e0, e2):
+                keys = cols[e] * bn + offs_n
+                sc = (qq @ k[bb, keys, kvh].double().T) * qk_scale
+                if e >= e1:
+                    ok = (
+                        (keys[None, :] <= q_abs[:, None])
+                        & (q_abs[:, None] >= los[e])
+                        & (q_abs[:, None] < his[e])
+                    )
+                    sc = sc.masked_fill(~ok, -math.inf)
+                m_new = torch.maximum(m_i, sc.max(1).values)
+                m_use = torch.where(m_new == -math.inf, 0.0, m_new)
+                p = torch.exp2(sc - m_use[:, None])
+                alpha = torch.exp2(m_i - m_use)
+                l_i = l_i * alpha + p.sum(1)
+                acc = acc * alpha[:, None] + p @ v[bb, keys, kvh].double()
+                m_i = m_new
+            nothing = l_i == 0
+            l_safe = torch.where(nothing, 1.0, l_i)
+            lse[bb, h, q_abs] = torch.where(nothing, -math.inf, (m_i + torch.log2(l_safe)) * LN2)
+            out[bb, q_abs, h] = acc / l_safe[:, None]
+    return out, lse

@@ -1,0 +1,187 @@
+"""The Gluon S2 forward (``s2attn.gluon_forward``) without a GPU.
+
+Gluon kernels do not run under the Triton interpreter, so the CPU checks are: the kernel's
+schedule emulated in float64 against the reference (tile lists, program order, warpgroup
+split, masks, online softmax), the TMA views' address arithmetic for every layout the wrapper
+takes, when the forward is chosen, and a compile of the kernel for sm_90 with the installed
+Triton. tests/test_kernels_gpu.py runs the kernel itself on an H100.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import s2attn.gluon_forward as gf
+from s2attn import S2Pattern, s2_attention_reference
+from s2attn.triton_attention import kernel_config
+
+pytestmark = pytest.mark.version_independent
+
+needs_gluon = pytest.mark.skipif(gf.gluon is None, reason="this Triton has no Gluon Hopper API")
+
+
+@pytest.mark.parametrize(
+    "batch,seq,heads,kv_heads,head_dim,block,local,stride,offset",
+    [
+        (2, 512, 4, 4, 16, 64, 2, 4, 0),  # MHA, two batch rows
+        (1, 1024, 8, 2, 16, 64, 4, 8, 0),  # GQA 8/2
+        (1, 768, 4, 4, 16, 128, 2, 2, 0),  # 128-token blocks: one block a query tile
+        (1, 512, 2, 2, 16, 64, 16, 1, 0),  # dense causal
+        (1, 640, 4, 2, 16, 64, 2, 4, 3),  # a TP rank's heads (phase from head 3)
+    ],
+)
+def test_emulated_schedule_matches_reference(
+    batch, seq, heads, kv_heads, head_dim, block, local, stride, offset
+):
+    g = torch.Generator().manual_seed(seq + heads + offset)
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=offset,
+    )
+    q, k, v = (
+        torch.randn(batch, seq, h, head_dim, dtype=torch.float64, generator=g)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    scale = head_dim**-0.5
+    out, lse = gf.emulate_forward(q, k, v, pattern, scale)
+    ref, ref_lse = s2_attention_reference(q, k, v, pattern, scale, return_lse=True)
+    assert (out - ref).abs().max().item() < 1e-10
+    assert (lse - ref_lse.double()).abs().max().item() < 1e-5  # the reference's LSE is fp32
+
+
+def _read_through(view: gf.TmaView, t: torch.Tensor) -> torch.Tensor:
+    """``t`` rebuilt from the view's matrix with the kernel's coordinates."""
+    b, s, h, d = t.shape
+    got = torch.empty_like(t)
+    for i in range(b):
+        for j in range(h):
+            col = i * view.col_b + j * view.col_h
+            got[i, :, j] = view.matrix[i * view.row_b : i * view.row_b + s, col : col + d]
+    return got
+
+
+def _fused_qkv_value(s, b, groups, per_group, d):
+    """Megatron's value: a slice of the fused QKV projection ``[s, b, groups, (per_group + 2)
+    * d]``, seen as ``[b, s, groups, d]``."""
+    mixed = torch.randn(s, b, groups, (per_group + 2) * d, dtype=torch.bfloat16)
+    return mixed[..., (per_group + 1) * d :].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "name,make,batch_in",
+    [
+        ("bshd", lambda: torch.randn(2, 256, 4, 64, dtype=torch.bfloat16), "rows"),
+        ("sbhd", lambda: torch.randn(256, 3, 4, 64, dtype=torch.bfloat16).transpose(0, 1), "cols"),
+        ("fused-qkv", lambda: _fused_qkv_value(256, 2, 2, 4, 64), "cols"),
+        ("one-row", lambda: torch.randn(1, 256, 4, 128, dtype=torch.float16), "rows"),
+    ],
+)
+def test_tma_view_addresses_every_token_and_head(name, make, batch_in):
+    t = make()
+    view = gf.tma_view(t)
+    assert view is not None, name
+    assert (view.row_b == 0) == (batch_in == "cols")
+    assert view.matrix.stride(1) == 1 and view.matrix.data_ptr() == t.data_ptr()
+    torch.testing.assert_close(_read_through(view, t), t, rtol=0, atol=0)
+
+
+def test_tma_view_refuses_what_it_cannot_address():
+    # head_dim not innermost
+    assert gf.tma_view(torch.randn(1, 256, 64, 4, dtype=torch.bfloat16).transpose(2, 3)) is None
+    # heads of a token spread over more than a row: [b, h, s, d] seen as [b, s, h, d]
+    assert gf.tma_view(torch.randn(2, 4, 256, 64, dtype=torch.bfloat16).transpose(1, 2)) is None
+    # a row stride that is not a multiple of 16 bytes
+    odd = torch.randn(1, 256, 1, 65, dtype=torch.bfloat16)[..., :64]
+    assert gf.tma_view(odd) is None
+
+
+def test_not_chosen_off_sm90_or_by_the_switch(monkeypatch):
+    pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=4)
+    assert kernel_config(pattern, 128, "cpu").gluon_fwd is False
+    monkeypatch.setenv(gf.ENV_SWITCH, "yes")
+    with pytest.raises(ValueError, match="S2ATTN_GLUON_FORWARD='yes'"):
+        gf.enabled_by_default(128, 64, "cuda")
+    if gf.gluon is None:
+        return
+    for cap, switch, head_dim, block, dtype, want in [
+        ((9, 0), "1", 128, 64, torch.bfloat16, True),
+        ((9, 0), "1", 64, 128, None, True),
+        ((9, 0), "0", 128, 64, torch.bfloat16, False),
+        ((9, 0), "", 128, 64, torch.bfloat16, gf.triton_checked()),
+        ((8, 0), "1", 128, 64, torch.bfloat16, False),  # A100: no wgmma
+        ((10, 0), "1", 128, 64, torch.bfloat16, False),  # Blackwell: another MMA
+        ((9, 0), "1", 256, 64, torch.bfloat16, False),
+        ((9, 0), "1", 128, 16, torch.bfloat16, False),
+        ((9, 0), "1", 128, 64, torch.float32, False),
+    ]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        monkeypatch.setenv(gf.ENV_SWITCH, switch)
+        got = gf.enabled_by_default(head_dim, block, "cuda", dtype)
+        assert got is want, (cap, switch, head_dim, block, dtype)
+
+
+def test_calls_it_does_not_take_say_why():
+    pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=4)
+    q = torch.randn(1, 256, 4, 64, dtype=torch.bfloat16)
+    why = lambda **kw: gf.unsupported_reason(
+        kw.get("q", q), kw.get("k", q), q, pattern, kw.get("qs", 0), 0, kw.get("varlen")
+    )
+    if gf.gluon is None:
+        assert "Gluon" in why()
+        return
+    assert "varlen" in why(varlen=object())
+    assert "self-attention" in why(qs=128)
+    assert "self-attention" in why(k=q[:, :128])
+    assert "sm_90" in why()  # a CPU tensor
+
+
+def _cuda_tool(name):
+    path = Path(gf.triton.__file__).parent / "backends/nvidia/bin" / name
+    return str(path) if path.exists() else shutil.which(name)
+
+
+# Run in a fresh interpreter: under TRITON_INTERPRET=1 (set by conftest for the tl kernels)
+# triton.language's own jit helpers, which Gluon code calls, would be interpreted objects.
+_COMPILE = """
+import json, sys
+import s2attn.gluon_forward as gf
+print(json.dumps(gf.compile_for_sm90(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))
+"""
+
+
+@needs_gluon
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 128)])
+def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
+    """The installed Triton builds the kernel for the H100: a Gluon API change shows here, not
+    first on a user's GPU. wgmma (HGMMA in SASS) for both MMAs, no local memory."""
+    if _cuda_tool("cuobjdump") is None:
+        pytest.skip("no cuobjdump next to Triton's ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(head_dim), str(block), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    # Per key tile: S = Q K^T in head_dim/16 k-steps, O += P V in block/16, of 64-row wgmma;
+    # the loop is compiled twice (unmasked and masked entries).
+    assert got["hgmma"] >= 2 * (head_dim + block) // 16
+    assert got["local_memory"] == 0  # no register spills
+    assert got["shared_bytes"] <= 227 * 1024
