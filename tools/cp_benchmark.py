@@ -4,6 +4,7 @@ design next to the single-GPU (CP=1) layer, for S2 and dense layers.
 
     python tools/cp_benchmark.py                          # 1.3B- and 7B-shaped heads, 32k + 128k
     python tools/cp_benchmark.py --seqs 32768 --cp 2 4 --heads 32/8
+    python tools/cp_benchmark.py --seqs 32768 --cp 2 --profile dense   # where the time goes
 
 Each row times one layer's core attention, forward + backward (``triton.testing.do_bench``,
 median): CP=1 attends the whole sequence as today's modules do (S2: ``s2_attention``; dense:
@@ -34,9 +35,8 @@ sys.path.insert(0, REPO)
 S2_SETTINGS = dict(block_size=64, local_blocks=16, vert_stride=8, head_offset=0)
 
 
-def _timed(fn, grads_of) -> tuple[float, float]:
-    """(median ms, peak MiB above the live allocation) of ``fn().backward``."""
-    import triton.testing
+def _step(fn, grads_of):
+    """One forward + backward of ``fn`` (gradients of ``grads_of`` cleared first)."""
 
     def step():
         for t in grads_of:
@@ -44,6 +44,14 @@ def _timed(fn, grads_of) -> tuple[float, float]:
         out = fn()
         out.backward(torch.ones_like(out))
 
+    return step
+
+
+def _timed(fn, grads_of) -> tuple[float, float]:
+    """(median ms, peak MiB above the live allocation) of ``fn().backward``."""
+    import triton.testing
+
+    step = _step(fn, grads_of)
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -55,7 +63,50 @@ def _timed(fn, grads_of) -> tuple[float, float]:
     return ms, peak
 
 
-def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dict]:
+# Kernel-name fragments of the --profile breakdown's groups, first match wins (lower case).
+PROFILE_GROUPS = (
+    ("cuDNN/flash attention backward", ("bprop", "bwd", "backward", "dgrad")),
+    ("cuDNN/flash attention forward", ("fprop", "fwd", "forward", "flash", "cudnn", "sdpa")),
+    ("S2 Triton kernels", ("_s2_", "s2_fwd")),
+    ("copies and concatenation", ("copy", "cat", "memcpy", "memset", "fill")),
+    ("LSE merge and other elementwise", ("elementwise", "vectorized", "reduce", "exp", "log")),
+)
+
+
+def profile_breakdown(step_fn, steps: int = 3) -> list[tuple[str, float]]:
+    """``(group, ms per step)`` of the GPU kernels ``step_fn`` launches, over ``steps`` profiled
+    steps (torch.profiler), grouped by :data:`PROFILE_GROUPS`, largest first, with the
+    unmatched kernels as "other"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    return group_kernel_times(prof.key_averages(), steps)
+
+
+def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
+    """``(group, ms per step)``, largest first, of profiler ``events`` (``key`` the kernel
+    name, self device time in microseconds) over ``steps`` steps."""
+    totals: dict[str, float] = {}
+    for ev in events:
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = ev.self_cuda_time_total
+        if us <= 0:
+            continue
+        name = ev.key.lower()
+        group = next((g for g, keys in PROFILE_GROUPS if any(k in name for k in keys)), "other")
+        totals[group] = totals.get(group, 0.0) + us / 1000 / steps
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def run(
+    seq: int, heads: int, groups: int, dim: int, cps: list[int], profile_kinds=()
+) -> list[dict]:
     from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
     from s2attn import S2Pattern, s2_attention
 
@@ -93,9 +144,13 @@ def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dic
         ("dense, FA2 varlen", None, flash_at, cps[:1]),
     )
     for kind, full, at, kind_cps in kinds:
+        profiled = kind.split(",")[0] in profile_kinds
         if full is not None:  # the FA2 rows compare with the dense CP=1 row before them
             ms1, mem1 = _timed(full, (q, k, v))
-            rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0))
+            prof = profile_breakdown(_step(full, (q, k, v))) if profiled else None
+            rows.append(
+                dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0, prof=prof)
+            )
         for cp in kind_cps:
             chunk = seq // (2 * cp)
             for rank in sorted({0, cp - 1}):
@@ -110,8 +165,19 @@ def run(seq: int, heads: int, groups: int, dim: int, cps: list[int]) -> list[dic
                 ms, mem = _timed(local, (rows_q, k, v))
                 rel = (ms / (2 * chunk)) / (ms1 / seq)
                 kv = kv_mib * (cp - 1) / cp
+                prof = profile_breakdown(_step(local, (rows_q, k, v))) if profiled else None
                 rows.append(
-                    dict(kind=kind, seq=seq, cp=cp, rank=rank, ms=ms, mem=mem, rel=rel, kv=kv)
+                    dict(
+                        kind=kind,
+                        seq=seq,
+                        cp=cp,
+                        rank=rank,
+                        ms=ms,
+                        mem=mem,
+                        rel=rel,
+                        kv=kv,
+                        prof=prof,
+                    )
                 )
     return rows
 
@@ -122,6 +188,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     ap.add_argument(
         "--heads", nargs="+", default=["16/16", "32/8"], help="query/KV heads, head_dim 128"
+    )
+    ap.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        choices=["S2", "dense"],
+        help="also print each row's GPU time by kernel group (torch.profiler): S2 and/or dense",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,11 +212,23 @@ def main(argv=None) -> int:
     for spec in args.heads:
         heads, groups = (int(x) for x in spec.split("/"))
         for seq in args.seqs:
-            for r in run(seq, heads, groups, 128, args.cp):
+            rows = run(seq, heads, groups, 128, args.cp, args.profile)
+            for r in rows:
                 print(
                     f"| {spec} | {seq} | {r['kind']} | {r['cp']} | {r['rank']} | {r['ms']:.2f} | "
                     f"{r['rel']:.2f} | {r['mem']:.0f} | {r['kv']:.0f} |"
                 )
+            for r in rows:
+                if r["prof"]:
+                    # Per query token, as the table's ratio: ms per step over the rank's rows.
+                    n = seq if r["cp"] == 1 else seq // r["cp"]
+                    parts = ", ".join(f"{g} {ms:.2f} ms" for g, ms in r["prof"])
+                    total = sum(ms for _, ms in r["prof"])
+                    print(
+                        f"#   profile {spec} {seq} {r['kind']} CP={r['cp']} rank {r['rank']}: "
+                        f"{total:.2f} ms GPU a step ({1e6 * total / n:.1f} ns a query token): "
+                        f"{parts}"
+                    )
             torch.cuda.empty_cache()
     return 0
 
