@@ -34,7 +34,7 @@ from .context_parallel import (
     attend_local_chunks,
     check_context_parallel_length,
     context_parallel_group,
-    dense_causal_suffix,
+    dense_local_chunks,
 )
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
@@ -354,8 +354,9 @@ class FusedDenseAttention(MegatronModule):
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
     -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
     tracker, as Megatron does it), except with context parallelism, where each rank's two query
-    chunks attend the all-gathered keys through FlashAttention's varlen kernel (causal aligned
-    at the chunk's end; :func:`megatron_s2.context_parallel.dense_causal_suffix`).
+    chunks attend the all-gathered keys causally aligned at each chunk's end (cuDNN on Hopper,
+    FlashAttention's varlen kernel on other GPUs; :func:`megatron_s2.context_parallel.
+    dense_rank_chunks`).
     """
 
     def __init__(
@@ -413,14 +414,7 @@ class FusedDenseAttention(MegatronModule):
         if self.cp_group is not None:
             chunk = check_context_parallel_length(name, query.shape[0], self.cp_group.size())
             scale = self.softmax_scale
-            return attend_local_chunks(
-                query,
-                key,
-                value,
-                self.cp_group,
-                lambda q, k, v, q_start: dense_causal_suffix(q, k, v, scale),
-                chunk,
-            )
+            return dense_local_chunks(query, key, value, self.cp_group, chunk, scale)
         sq, b, nq, hn = query.shape
         # SDPA wants [b, h, s, d]; the permutes are views.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

@@ -35,6 +35,8 @@ __all__ = [
     "gather_sequence",
     "attend_local_chunks",
     "attend_rank_chunks",
+    "dense_local_chunks",
+    "dense_rank_chunks",
     "dense_causal_suffix",
 ]
 
@@ -123,9 +125,23 @@ def attend_local_chunks(
     Returns:
         ``[2 * chunk, b, np * hn]``.
     """
+    key, value = _gather_kv(key, value, group)
+    return attend_rank_chunks(query, key, value, group.rank(), group.size(), attend, chunk)
+
+
+def dense_local_chunks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, chunk: int, scale: float
+) -> torch.Tensor:
+    """:func:`attend_local_chunks` for a dense causal layer (:func:`dense_rank_chunks`): same
+    shapes, ``scale`` the softmax scale."""
+    key, value = _gather_kv(key, value, group)
+    return dense_rank_chunks(query, key, value, group.rank(), group.size(), chunk, scale)
+
+
+def _gather_kv(key, value, group):
     # One collective for K and V: they travel stacked.
     kv = gather_sequence(torch.stack((key, value), dim=1), group)  # [S, 2, b, ng, hn]
-    return attend_rank_chunks(query, kv[:, 0], kv[:, 1], group.rank(), group.size(), attend, chunk)
+    return kv[:, 0], kv[:, 1]
 
 
 def attend_rank_chunks(
@@ -197,6 +213,29 @@ def _cudnn_part(q, k, v, causal: bool, scale: float):
     return out, lse, (seed, offset, cu_q, cu_k, max_q, max_k)
 
 
+def _cudnn_part_grads(dout, q, k, v, out, lse, causal: bool, args, scale: float):
+    """cuDNN's backward of one :func:`_cudnn_part` call given the *merged* ``out`` and ``lse``
+    of all parts (each part then gets its exact share): ``(dq, dk, dv)``."""
+    seed, offset, cu_q, cu_k, max_q, max_k = args
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, causal,
+        scale=scale,
+    )  # fmt: skip
+
+
+def _merge_parts(out_a, lse_a, out_b, lse_b, dest=None):
+    """Attention over the union of two parts' disjoint keys from each part's output and LSE
+    ``[b, h, sq, 1]``: ``(out, lse)``, the output in fp32 math (or wider), written into
+    ``dest`` (any strides) when given, else a new tensor in ``out_b``'s dtype."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    acc = torch.promote_types(out_b.dtype, torch.float32)  # fp32 for 16-bit parts
+    mixed = out_a.to(acc) * torch.exp(lse_a - lse)
+    mixed.addcmul_(out_b.to(acc), torch.exp(lse_b - lse))
+    if dest is None:
+        return mixed.to(out_b.dtype), lse
+    return dest.copy_(mixed), lse
+
+
 class _CausalSuffixCudnn(torch.autograd.Function):
     """Bottom-right causal attention as two cuDNN calls merged by their log-sum-exp.
 
@@ -214,11 +253,7 @@ class _CausalSuffixCudnn(torch.autograd.Function):
         prefix = None
         if split:
             out_p, lse_p, prefix = _cudnn_part(q, k[:, :, :split], v[:, :, :split], False, scale)
-            merged = torch.logaddexp(lse_p, lse)
-            out = (
-                out_p.float() * torch.exp(lse_p - merged) + out.float() * torch.exp(lse - merged)
-            ).to(q.dtype)
-            lse = merged
+            out, lse = _merge_parts(out_p, lse_p, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.parts = (prefix, diag)
         ctx.scale, ctx.split = scale, split
@@ -232,25 +267,7 @@ class _CausalSuffixCudnn(torch.autograd.Function):
         dout = dout.contiguous() if dout.stride() != out.stride() else dout
 
         def part_grads(kk, vv, causal, args):
-            seed, offset, cu_q, cu_k, max_q, max_k = args
-            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout,
-                q,
-                kk,
-                vv,
-                out,
-                lse,
-                seed,
-                offset,
-                None,
-                cu_q,
-                cu_k,
-                max_q,
-                max_k,
-                0.0,
-                causal,
-                scale=ctx.scale,
-            )
+            return _cudnn_part_grads(dout, q, kk, vv, out, lse, causal, args, ctx.scale)
 
         dq, dk, dv = part_grads(k[:, :, split:], v[:, :, split:], True, diag)
         if split:
@@ -258,6 +275,127 @@ class _CausalSuffixCudnn(torch.autograd.Function):
             dq = dq + dq_p
             dk, dv = torch.cat((dk_p, dk), dim=2), torch.cat((dv_p, dv), dim=2)
         return dq, dk, dv, None
+
+
+class _RankChunksCudnn(torch.autograd.Function):
+    """A CP rank's two query chunks against the whole K/V, dense and causal, on cuDNN (not yet
+    the default: :func:`dense_rank_chunks`): each
+    chunk as :class:`_CausalSuffixCudnn` computes it (its own keys causally, the keys before
+    them in full, merged by LSE), with the bookkeeping done once for both chunks: GQA heads
+    repeated once, outputs and dQ written in place in Megatron's layout, and dK/dV built in one
+    K-sized buffer (the later chunk's parts fill it, the earlier chunk's add in) rather than
+    concatenated per chunk and zero-padded by autograd's slicing (``docs/context_parallel.md``:
+    those copies were 9-12% of a rank's time at 32k).
+
+    ``query [2 * chunk, b, np, hn]``, ``key, value [S, b, ng, hn]`` in absolute order ->
+    ``[2 * chunk, b, np * hn]``.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, rank, cp, chunk, scale):
+        rep = query.shape[2] // key.shape[2]
+        if rep > 1:  # cuDNN's call takes equal head counts
+            key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+        out = torch.empty_like(query)
+        qt, kt, vt, ot = (x.permute(1, 2, 0, 3) for x in (query, key, value, out))  # [b, h, s, d]
+        parts = []
+        for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
+            rows = slice(slot * chunk, (slot + 1) * chunk)
+            split, end = index * chunk, (index + 1) * chunk
+            q_c = qt[:, :, rows]
+            out_d, lse, diag = _cudnn_part(
+                q_c, kt[:, :, split:end], vt[:, :, split:end], True, scale
+            )
+            prefix = None
+            if split:
+                out_p, lse_p, prefix = _cudnn_part(
+                    q_c, kt[:, :, :split], vt[:, :, :split], False, scale
+                )
+                _, lse = _merge_parts(out_p, lse_p, out_d, lse, dest=ot[:, :, rows])
+            else:
+                ot[:, :, rows].copy_(out_d)
+            parts.append((rows, split, end, lse, diag, prefix))
+        ctx.save_for_backward(query, key, value, out)
+        ctx.parts, ctx.scale, ctx.rep = parts, scale, rep
+        return out.view(out.shape[0], out.shape[1], -1)
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, out = ctx.saved_tensors
+        dout = dout.contiguous().view(out.shape)
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        qt, kt, vt, ot, dot, dqt, dkt, dvt = (
+            x.permute(1, 2, 0, 3) for x in (query, key, value, out, dout, dq, dk, dv)
+        )
+        # The later chunk (second part) sees every key the earlier one sees: its parts fill the
+        # K-sized buffers, then the earlier chunk's are added into them.
+        fill = True
+        for rows, split, end, lse, diag, prefix in reversed(ctx.parts):
+            q_c, o_c, do_c = qt[:, :, rows], ot[:, :, rows], dot[:, :, rows]
+
+            def grads(lo, hi, causal, args, q_c=q_c, o_c=o_c, do_c=do_c, lse=lse):
+                kk, vv = kt[:, :, lo:hi], vt[:, :, lo:hi]
+                return _cudnn_part_grads(do_c, q_c, kk, vv, o_c, lse, causal, args, ctx.scale)
+
+            dq_d, dk_d, dv_d = grads(split, end, True, diag)
+            if prefix is None:
+                dqt[:, :, rows].copy_(dq_d)
+                dk_p = dv_p = None
+            else:
+                dq_p, dk_p, dv_p = grads(0, split, False, prefix)
+                torch.add(dq_d, dq_p, out=dqt[:, :, rows])
+            for buf, d_diag, d_prefix in ((dkt, dk_d, dk_p), (dvt, dv_d, dv_p)):
+                if fill:
+                    if d_prefix is not None:
+                        buf[:, :, :split].copy_(d_prefix)
+                    buf[:, :, split:end].copy_(d_diag)
+                    buf[:, :, end:].zero_()
+                else:
+                    if d_prefix is not None:
+                        buf[:, :, :split].add_(d_prefix)
+                    buf[:, :, split:end].add_(d_diag)
+            fill = False
+        if ctx.rep > 1:  # repeat_interleave put group g's copies at heads g * rep ..
+            s_len, b, _, hn = dk.shape
+            dk = dk.view(s_len, b, -1, ctx.rep, hn).sum(3)
+            dv = dv.view(s_len, b, -1, ctx.rep, hn).sum(3)
+        return dq, dk, dv, None, None, None, None
+
+
+def dense_rank_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rank: int,
+    cp: int,
+    chunk: int,
+    scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Dense causal attention of CP rank ``rank``'s two query chunks once K/V are whole:
+    ``query [2 * chunk, b, np, hn]``, ``key, value [2 * cp * chunk, b, ng, hn]`` in absolute
+    order -> ``[2 * chunk, b, np * hn]``. ``impl`` "auto" and "per-chunk":
+    :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk (cuDNN on Hopper, the
+    path measured on GPUs); "cudnn": the rank-level :class:`_RankChunksCudnn` (fp16/bf16 on
+    Hopper), whose bookkeeping is checked on the CPU but which has not run on a GPU yet: it
+    becomes "auto" once ``pytest -m gpu tests/test_context_parallel.py`` and
+    ``tools/cp_benchmark.py`` ("dense, rank-level" rows) show it correct and faster."""
+    if impl not in ("auto", "cudnn", "per-chunk"):
+        raise ValueError(
+            f"dense_rank_chunks: impl must be 'auto', 'cudnn' or 'per-chunk', got {impl!r}"
+        )
+    if impl == "cudnn":
+        if query.is_cuda and not _cudnn_usable(query):
+            raise ValueError(
+                "dense_rank_chunks: impl='cudnn' needs fp16/bf16, head_dim <= 128 and a "
+                "multiple of 8, on an sm_90+ GPU with cuDNN"
+            )
+        return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale)
+
+    def attend(q, k, v, q_start):
+        return dense_causal_suffix(q, k, v, scale)
+
+    return attend_rank_chunks(query, key, value, rank, cp, attend, chunk)
 
 
 DENSE_IMPLS = ("auto", "cudnn", "flash", "sdpa")

@@ -122,10 +122,14 @@ def test_config_rejects_cp_size_the_sequence_cannot_serve():
 @pytest.mark.parametrize("heads, groups", [(16, 16), (32, 8)])
 def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
     """bf16 on CUDA, 8k tokens split for CP=2 and CP=4: every rank's chunks (S2: the kernels at
-    q_start; dense: cuDNN parts merged by LSE, and FlashAttention varlen) equal the whole-sequence
-    layer's rows, forward and dq; dk/dv summed over the ranks equal the whole layer's (what the
-    reduce-scatter of the gather's backward computes)."""
-    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+    q_start; dense: cuDNN parts merged by LSE, rank-level and per chunk, and FlashAttention
+    varlen) equal the whole-sequence layer's rows, forward and dq; dk/dv summed over the ranks
+    equal the whole layer's (what the reduce-scatter of the gather's backward computes)."""
+    from megatron_s2.context_parallel import (
+        attend_rank_chunks,
+        dense_causal_suffix,
+        dense_rank_chunks,
+    )
     from s2attn import S2Pattern, s2_attention
 
     dev, seq, dim = torch.device("cuda"), 8192, 128
@@ -148,10 +152,20 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
         )
         return out.permute(2, 0, 1, 3).reshape(seq, 1, -1)
 
+    def per_chunk(at):
+        return lambda rows, k, v, rank, cp, chunk: attend_rank_chunks(
+            rows, k, v, rank, cp, at, chunk
+        )
+
     attend = {
-        "s2": lambda a, b, c, start: s2_attention(a, b, c, pattern, q_start=start),
-        "cudnn": lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="cudnn"),
-        "flash": lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="flash"),
+        "s2": per_chunk(lambda a, b, c, start: s2_attention(a, b, c, pattern, q_start=start)),
+        "cudnn": lambda *args: dense_rank_chunks(*args, scale, impl="cudnn"),
+        "cudnn per chunk": per_chunk(
+            lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="cudnn")
+        ),
+        "flash": per_chunk(
+            lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="flash")
+        ),
     }
 
     def rel(a, b):
@@ -166,9 +180,75 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
             kc, vc = (t.detach().clone().requires_grad_() for t in kv)
             for rank in range(cp):
                 rows = _local_rows(q, rank, cp).clone().requires_grad_()
-                out = attend_rank_chunks(rows, kc, vc, rank, cp, attend[kind], seq // (2 * cp))
+                out = attend[kind](rows, kc, vc, rank, cp, seq // (2 * cp))
                 out.backward(_local_rows(dout, rank, cp))
                 assert rel(out, _local_rows(ref.detach(), rank, cp)) < 2e-2, (kind, cp, rank)
                 assert rel(rows.grad, _local_rows(qq.grad, rank, cp)) < 2e-2, (kind, cp, rank)
             assert rel(kc.grad, k.grad) < 2e-2, (kind, cp, "dk")
             assert rel(vc.grad, v.grad) < 2e-2, (kind, cp, "dv")
+
+
+def _scores(q, k, causal: bool, scale: float):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:  # top-left, as cuDNN's is_causal
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def _fake_cudnn_part(q, k, v, causal, scale):
+    """cuDNN's fused attention call in float64 math: (out, lse [b, h, sq, 1], args)."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.exp(s - lse) @ v, lse, ("args", causal, k.shape[2])
+
+
+def _fake_cudnn_part_grads(dout, q, k, v, out, lse, causal, args, scale):
+    """cuDNN's backward of one call given the merged out/lse: FlashAttention's formulas."""
+    assert args == ("args", causal, k.shape[2])  # the call's own saved arguments
+    p = torch.exp(_scores(q, k, causal, scale) - lse)
+    dp = dout @ v.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout
+
+
+@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
+def test_rank_chunks_cudnn_bookkeeping_matches_whole_sequence(monkeypatch, heads, groups):
+    """The rank-level cuDNN function's bookkeeping (GQA heads repeated once, each chunk's own
+    keys causally and earlier keys in full, LSE merges written in place, dK/dV of both chunks
+    in one K-sized buffer, repeated heads summed back) on the CPU, with the cuDNN calls played
+    by float64 math: every rank's output and dq equal the whole causal layer's rows, and dk/dv
+    summed over the ranks equal its dk/dv, for CP 2 and 4, MHA and GQA."""
+    import megatron_s2.context_parallel as cpmod
+
+    monkeypatch.setattr(cpmod, "_cudnn_part", _fake_cudnn_part)
+    monkeypatch.setattr(cpmod, "_cudnn_part_grads", _fake_cudnn_part_grads)
+    dim, scale = 8, 8**-0.5
+    q, k, v, _ = (t.double() for t in _inputs(5, heads, groups, dim))
+    dout = torch.randn(SEQ, BATCH, heads, dim, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    qt, kt, vt = (t.permute(1, 2, 0, 3) for t in leaves)
+    rep = heads // groups
+    kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    whole = torch.softmax(_scores(qt, kt, True, scale), dim=-1) @ vt
+    whole = whole.permute(2, 0, 1, 3)
+    whole.backward(dout)
+    for cp in (2, 4):
+        kc, vc = (t.clone().requires_grad_(True) for t in (k, v))
+        for rank in range(cp):
+            rows = _local_rows(q, rank, cp).clone().requires_grad_(True)
+            chunk = SEQ // (2 * cp)
+            out = cpmod.dense_rank_chunks(rows, kc, vc, rank, cp, chunk, scale, impl="cudnn")
+            out.backward(_local_rows(dout, rank, cp).reshape(out.shape))
+            want = _local_rows(whole.detach(), rank, cp).reshape(out.shape)
+            torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(rows.grad, _local_rows(leaves[0].grad, rank, cp))
+        torch.testing.assert_close(kc.grad, leaves[1].grad)
+        torch.testing.assert_close(vc.grad, leaves[2].grad)
+
+
+def test_dense_rank_chunks_rejects_unknown_impl():
+    from megatron_s2.context_parallel import dense_rank_chunks
+
+    q = torch.zeros(4, 1, 2, 8)
+    with pytest.raises(ValueError, match="impl must be 'auto', 'cudnn' or 'per-chunk'"):
+        dense_rank_chunks(q, q, q, 0, 2, 2, 1.0, impl="fast")

@@ -10,10 +10,12 @@ Each row times one layer's core attention, forward + backward (``triton.testing.
 median): CP=1 attends the whole sequence as today's modules do (S2: ``s2_attention``; dense:
 ``FusedDenseAttention``'s SDPA); CP=N attends one rank's two load-balanced query chunks against
 the whole K/V (what each rank computes after the all-gather; ranks 0 and N-1 bracket the
-balance). "per-token vs CP=1" is the rank's time per query token over CP=1's (1.00 = no
-overhead from splitting). Memory is the peak allocation of the fwd+bwd above its inputs. The
-all-gather itself is not timed here (one GPU); its volume per layer is printed: K and V of the
-whole sequence, ``(N-1)/N`` of it received by each rank. The "dense, FA2 varlen" rows are the
+balance; dense: the module's path, two cuDNN calls a chunk, and "dense, rank-level cuDNN" the
+one function for both chunks that is to replace it). "per-token vs CP=1" is the rank's time
+per query token over CP=1's (1.00 = no overhead from splitting). Memory is the peak
+allocation of the fwd+bwd above its inputs. The all-gather itself is not timed here (one GPU);
+its volume per layer is printed: K and V of the whole sequence, ``(N-1)/N`` of it received by
+each rank. The "dense, FA2 varlen" rows are the
 alternative dense path (FlashAttention-2's varlen kernel with bottom-right causal masks) that
 the cuDNN path replaced.
 """
@@ -107,7 +109,11 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
 def run(
     seq: int, heads: int, groups: int, dim: int, cps: list[int], profile_kinds=()
 ) -> list[dict]:
-    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+    from megatron_s2.context_parallel import (
+        attend_rank_chunks,
+        dense_causal_suffix,
+        dense_rank_chunks,
+    )
     from s2attn import S2Pattern, s2_attention
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -138,10 +144,18 @@ def run(
 
     rows = []
     kv_mib = 2 * seq * groups * dim * 2 / 2**20
+
+    def per_chunk(at):
+        return lambda rows_q, rank, cp, chunk: attend_rank_chunks(rows_q, k, v, rank, cp, at, chunk)
+
+    def dense_rank(rows_q, rank, cp, chunk):  # not yet the module's path
+        return dense_rank_chunks(rows_q, k, v, rank, cp, chunk, scale, impl="cudnn")
+
     kinds = (
-        ("S2", s2_full, s2_at, cps),
-        ("dense", dense_full, dense_at, cps),
-        ("dense, FA2 varlen", None, flash_at, cps[:1]),
+        ("S2", s2_full, per_chunk(s2_at), cps),
+        ("dense", dense_full, per_chunk(dense_at), cps),
+        ("dense, rank-level cuDNN", None, dense_rank, cps),
+        ("dense, FA2 varlen", None, per_chunk(flash_at), cps[:1]),
     )
     for kind, full, at, kind_cps in kinds:
         profiled = kind.split(",")[0] in profile_kinds
@@ -160,7 +174,7 @@ def run(
                 rows_q.requires_grad_()
 
                 def local(rows_q=rows_q, rank=rank, cp=cp, chunk=chunk, at=at):
-                    return attend_rank_chunks(rows_q, k, v, rank, cp, at, chunk)
+                    return at(rows_q, rank, cp, chunk)
 
                 ms, mem = _timed(local, (rows_q, k, v))
                 rel = (ms / (2 * chunk)) / (ms1 / seq)
