@@ -451,10 +451,6 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` (bytes a
     thread spills), ``shared_bytes``, ``registers`` (the default partition's). Needs
     ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``."""
-    import re
-    import subprocess
-
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows):
@@ -466,8 +462,19 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     types.update({n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")})
     sig = {n: types.get(n, "i32") for n in _s2_fwd_gluon_kernel.arg_names}
     src = GluonASTSource(_s2_fwd_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
+    return compile_source_for_sm90(src, os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"))
+
+
+def compile_source_for_sm90(src, stem: str) -> dict:
+    """Compile a Gluon kernel source for sm_90a (4 warps), write ``stem.cubin`` and return
+    :func:`compile_for_sm90`'s statistics of it."""
+    import re
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    cubin = os.path.join(out_dir, f"s2_fwd_gluon_d{head_dim}_n{block}.cubin")
+    cubin = stem + ".cubin"
     with open(cubin, "wb") as f:
         f.write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")

@@ -41,7 +41,7 @@ try:
 except ImportError:  # Triton before host-side tensor descriptors: tma=True takes pointer loads
     TensorDescriptor = None
 
-from . import gluon_forward
+from . import gluon_dkdv, gluon_forward
 from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
@@ -1109,8 +1109,9 @@ class KernelConfig:
     (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run).
     ``gluon_fwd``: run the forward through the warp-specialized Gluon kernel
     (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
-    others. Derive variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64,
-    4, 3))`` or ``replace(cfg, gluon_fwd=False)``.
+    others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; off
+    by default until it has run on a GPU). Derive variants with ``dataclasses.replace``, e.g.
+    ``replace(cfg, dq=PassConfig(64, 4, 3))`` or ``replace(cfg, gluon_fwd=False)``.
     """
 
     block_n: int
@@ -1119,9 +1120,10 @@ class KernelConfig:
     dkdv: PassConfig
     tma: bool = False
     gluon_fwd: bool = False
+    gluon_dkdv: bool = False
 
     def __post_init__(self):
-        for name in ("tma", "gluon_fwd"):
+        for name in ("tma", "gluon_fwd", "gluon_dkdv"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
@@ -1700,6 +1702,16 @@ def s2_backward(
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
     dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
+    if (
+        cfg.gluon_dkdv
+        and pattern.block_size == gluon_dkdv.BLOCK_N
+        and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
+    ):
+        sq, bn = q.shape[1], pattern.block_size
+        lay = layout_for(pattern, sq, sq, 0, 0, gluon_dkdv.TILE_M, bn, q.device, with_csc=True)
+        if lay.block_m == gluon_dkdv.TILE_M:  # not a user mask that forced smaller tiles
+            dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, lay)
+            return dq, dk, dv
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
     return dq, dk, dv
 

@@ -470,7 +470,7 @@ def test_sweep_adds_wide_key_tiles_only_where_a_block_holds_them():
         assert bench.sweep_configs(base, "bn=128", block) == got
 
 
-def test_sweep_times_the_tl_forward_when_the_default_takes_gluon():
+def test_sweep_times_the_tl_forward_and_the_gluon_dkdv_pass_where_gluon_runs():
     import dataclasses
 
     from s2attn.triton_attention import kernel_config
@@ -480,6 +480,9 @@ def test_sweep_times_the_tl_forward_when_the_default_takes_gluon():
     configs = bench.sweep_configs(base, block_size=64)
     assert configs[0] == dataclasses.replace(base, gluon_fwd=False)
     assert bench.config_label(configs[0], base) == "s2attn gluon_fwd=False"
+    assert configs[1] == dataclasses.replace(base, gluon_dkdv=True)
+    assert bench.config_label(configs[1], base) == "s2attn gluon_dkdv=True"
     assert all(c.gluon_fwd for c in configs[1:])
+    assert not bench.sweep_configs(base, "gluon_dkdv", block_size=128)  # block 64 only
     off = dataclasses.replace(base, gluon_fwd=False)
-    assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 1  # nothing to add
+    assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 2  # nothing to add

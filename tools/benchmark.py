@@ -302,6 +302,9 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
     # With the Gluon forward on, the fwd PassConfig variants below only change the calls it
     # does not take; the tl forward itself is one variant.
     gluon_off = [r(base, gluon_fwd=False)] if base.gluon_fwd else []
+    # The Gluon dK/dV pass (not a default yet) where the Gluon forward runs: sm_90, block 64.
+    if base.gluon_fwd and not base.gluon_dkdv and block_size == 64:
+        gluon_off.append(r(base, gluon_dkdv=True))
     return (
         gluon_off
         + [
@@ -323,6 +326,7 @@ def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     diffs = [f"bn={cfg.block_n}"] if cfg.block_n != base.block_n else []
     diffs += [f"tma={cfg.tma}"] if cfg.tma != base.tma else []
     diffs += [f"gluon_fwd={cfg.gluon_fwd}"] if cfg.gluon_fwd != base.gluon_fwd else []
+    diffs += [f"gluon_dkdv={cfg.gluon_dkdv}"] if cfg.gluon_dkdv != base.gluon_dkdv else []
     for name in ("fwd", "dq", "dkdv"):
         got, ref = getattr(cfg, name), getattr(base, name)
         diffs += [

@@ -1,0 +1,443 @@
+"""The S2 dK/dV pass for Hopper (sm_90) in Triton's Gluon dialect, the forward's schedule
+(``gluon_forward.py``) turned around: keys are the program's rows.
+
+Each (batch row, KV head, 64-key tile) item walks the tile's column lists
+(``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``) for
+every query head of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does. A program runs
+two items (consecutive in the heaviest-first ``kv_order``) in two independent pipelines, so that
+two warpgroups share each SM's tensor cores, as FlashAttention-3's backward has them:
+
+* a loader warp TMA-loads its item's K and V once, then each listed query tile's Q and dO
+  (``TILE_M`` rows) into its ``NUM_STAGES`` ring, guarded by ``ready``/``empty`` mbarriers;
+* a consumer warpgroup keeps dK and dV in registers and per query tile runs ``S^T = K Q^T`` and
+  ``dP^T = V dO^T`` (async wgmma from shared memory, both in flight), ``P^T = exp2(S^T -
+  lse)`` (masked on partial entries), ``dV += P^T dO``, ``dS^T = P^T (dP^T - delta)``, ``dK +=
+  dS^T Q`` (P^T and dS^T as register operands);
+* it then writes dK (times the softmax scale) and dV through K's and V's shared-memory buffers
+  and a TMA store.
+
+No atomics: each program owns its keys' dK/dV (the deterministic backward stays). It takes what
+:func:`gluon_forward.unsupported_reason` accepts with ``block_size`` 64, and needs ``delta``
+(``rowsum(dO * O)``, from the ``tl`` dQ pass). Not the default (``KernelConfig.gluon_dkdv``):
+it is checked on the CPU (:func:`emulate_dkdv`, an sm_90 compile) and has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import gluon_forward as gf
+from .layout import layout_for
+
+gluon, gl = gf.gluon, (gf.gl if gf.gluon is not None else None)
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_N = 64  # keys per item (the pattern block): one wgmma M extent per warpgroup
+TILE_M = 64  # query rows per listed tile (the CSC layout's block_m)
+NUM_STAGES = 2  # Q/dO ring depth: 2 x (Q + dO) tiles of 64 x 128 bf16 is 64 KiB
+LOG2E = 1.0 / math.log(2.0)
+
+
+if gluon is not None:
+    CONSUMER_REGS = gl.constexpr(240)
+    LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _item_of(order, n_items, num_k_tiles, WG: gl.constexpr):
+        """(batch row, KV head, key tile, valid) of pipeline ``WG`` of this program: programs
+        take consecutive pairs of ``order`` (heaviest first, so a pair's work is alike)."""
+        pid = gl.program_id(0)
+        n_pairs = (n_items + 1) // 2
+        idx = (pid % n_pairs) * 2 + WG
+        valid = idx < n_items
+        item = gl.load(order + gl.minimum(idx, n_items - 1))
+        return pid // n_pairs, item // num_k_tiles, item % num_k_tiles, valid
+
+    @gluon.jit
+    def _loader(
+        q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
+        col_ptr, rows, order, n_items, num_k_tiles, group, views, WG: gl.constexpr,
+    ):  # fmt: skip
+        BM: gl.constexpr = q_bufs.type.shape[1]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
+        q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
+        b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
+        if valid:
+            kv_row = b * kv_row_b + kt * BN
+            kv_col = b * kv_col_b + kvh * kv_col_h
+            bar = kv_bar.index(WG)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            gf._tma_load(k_desc, [kv_row, kv_col], bar, k_smem.index(WG))
+            gf._tma_load(v_desc, [kv_row, kv_col], bar, v_smem.index(WG))
+            i = 0
+            for g in range(group):
+                h = kvh * group + g
+                c = h * num_k_tiles + kt
+                e0 = gl.load(col_ptr + c)
+                e2 = gl.load(col_ptr + c + 1)
+                col = b * q_col_b + h * q_col_h
+                for e in range(e0, e2):
+                    slot = WG * STAGES + i % STAGES
+                    mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                    row = b * q_row_b + gl.load(rows + e) * BM
+                    mbarrier.expect(
+                        ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                    )
+                    gf._tma_load(q_desc, [row, col], ready.index(slot), q_bufs.index(slot))
+                    gf._tma_load(do_desc, [row, col], ready.index(slot), do_bufs.index(slot))
+                    i += 1
+
+    @gluon.jit
+    def _tiles(
+        k, v, q_bufs, do_bufs, ready, empty, dk, dv, lse_base, delta_base, rows, los, his,
+        e_begin, e_end, i0, k_abs, offs_m, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr,
+    ):  # fmt: skip
+        """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV."""
+        BM: gl.constexpr = q_bufs.type.shape[1]
+        BN: gl.constexpr = k.type.shape[0]
+        STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+        )
+        acc_layout: gl.constexpr = dk.type.layout
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        i = i0
+        for e in range(e_begin, e_end):
+            slot = WG * STAGES + i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            q = q_bufs.index(slot)
+            do = do_bufs.index(slot)
+            m_idx = gl.load(rows + e) * BM + offs_m
+            lse = gl.load(lse_base + m_idx)
+            delta = gl.load(delta_base + m_idx)
+            # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
+            lse = gl.where(lse == -float("inf"), 0.0, lse)
+            st_tok = warpgroup_mma(
+                k, q.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            dpt_tok = warpgroup_mma(
+                v, do.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
+            st = st * qk_scale - (lse * 1.4426950408889634)[None, :]
+            if MASKED:
+                lo = gl.load(los + e)
+                hi = gl.load(his + e)
+                ok = (k_abs[:, None] <= m_idx[None, :]) & (m_idx[None, :] >= lo)
+                ok = ok & (m_idx[None, :] < hi)
+                st = gl.where(ok, st, -float("inf"))
+            pt = gl.exp2(st)
+            dv_tok = warpgroup_mma(
+                gl.convert_layout(pt.to(q.dtype), op_layout), do, dv, is_async=True
+            )
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok,))
+            dst = pt * (dpt - delta[None, :])
+            dk_tok = warpgroup_mma(
+                gl.convert_layout(dst.to(q.dtype), op_layout), q, dk, is_async=True
+            )
+            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok,))
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
+            mbarrier.arrive(empty.index(slot), count=1)
+            i += 1
+        return dk, dv, i
+
+    @gluon.jit
+    def _consumer(
+        dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
+        stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
+        num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h,
+        WG: gl.constexpr,
+    ):  # fmt: skip
+        BM: gl.constexpr = q_bufs.type.shape[1]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        D: gl.constexpr = k_smem.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
+        if valid:
+            k_abs = kt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+            offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+            dk = gl.zeros([BN, D], gl.float32, acc_layout)
+            dv = gl.zeros([BN, D], gl.float32, acc_layout)
+            k = k_smem.index(WG)
+            v = v_smem.index(WG)
+            mbarrier.wait(kv_bar.index(WG), 0)
+            i = 0
+            for g in range(group):
+                h = kvh * group + g
+                c = h * num_k_tiles + kt
+                e0 = gl.load(col_ptr + c)
+                e1 = gl.load(col_split + c)
+                e2 = gl.load(col_ptr + c + 1)
+                row_off = b * stride_lse_b + h * stride_lse_h
+                dk, dv, i = _tiles(
+                    k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
+                    DELTA + row_off, rows, los, his, e0, e1, i, k_abs, offs_m, qk_scale, WG,
+                    False,
+                )  # fmt: skip
+                dk, dv, i = _tiles(
+                    k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
+                    DELTA + row_off, rows, los, his, e1, e2, i, k_abs, offs_m, qk_scale, WG,
+                    True,
+                )  # fmt: skip
+            # K and V are read for the last time above (every MMA waited): their buffers take
+            # dK and dV on the way out.
+            k.store((dk * sm_scale).to(k.dtype))
+            v.store(dv.to(v.dtype))
+            fence_async_shared()
+            row = b * dkv_row_b + kt * BN
+            col = b * dkv_col_b + kvh * dkv_col_h
+            gf._tma_store(dk_desc, [row, col], k)
+            gf._tma_store(dv_desc, [row, col], v)
+            tma.store_wait(0)
+
+    # The partitions take one argument list; each uses what it needs.
+    @gluon.jit
+    def _consumer0(
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
+        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
+        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
+        dkv_row_b, dkv_col_b, dkv_col_h,
+    ):  # fmt: skip
+        _consumer(
+            dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE,
+            DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order,
+            n_items, num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h, 0,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _consumer1(
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
+        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
+        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
+        dkv_row_b, dkv_col_b, dkv_col_h,
+    ):  # fmt: skip
+        _consumer(
+            dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE,
+            DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order,
+            n_items, num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h, 1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _loader0(
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
+        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
+        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
+        dkv_row_b, dkv_col_b, dkv_col_h,
+    ):  # fmt: skip
+        _loader(
+            q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
+            empty, col_ptr, rows, order, n_items, num_k_tiles, group, views, 0,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _loader1(
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
+        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
+        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
+        dkv_row_b, dkv_col_b, dkv_col_h,
+    ):  # fmt: skip
+        _loader(
+            q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
+            empty, col_ptr, rows, order, n_items, num_k_tiles, group, views, 1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _s2_dkdv_gluon_kernel(
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b,
+        stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
+        qk_scale, sm_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, dkv_row_b,
+        dkv_col_b, dkv_col_h, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """One program per pair of (batch row, KV head, key tile) items: two independent
+        pipelines (a loader warp and a consumer warpgroup each), one item each."""
+        q_bufs = gl.allocate_shared_memory(
+            q_desc.dtype, [2 * STAGES] + q_desc.block_type.shape, q_desc.layout
+        )
+        do_bufs = gl.allocate_shared_memory(
+            do_desc.dtype, [2 * STAGES] + do_desc.block_type.shape, do_desc.layout
+        )
+        k_smem = gl.allocate_shared_memory(
+            k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout
+        )
+        v_smem = gl.allocate_shared_memory(
+            v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout
+        )
+        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(kv_bar.index(s), count=1)
+        for s in gl.static_range(2 * STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        fence_async_shared()
+        views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
+        args = (
+            q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
+            kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
+            rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
+            dkv_row_b, dkv_col_b, dkv_col_h,
+        )  # fmt: skip
+        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
+        # two loaders, with their register budgets.
+        gl.warp_specialize(
+            [(_consumer0, args), (_consumer1, args), (_loader0, args), (_loader1, args)],
+            [4, 1, 1],
+            [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+        )
+
+
+def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None):
+    """The dK/dV pass through the Gluon kernel: ``do`` and ``q [b, s, hq, d]``, ``k, v [b, s,
+    hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
+    cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous. ``lay``: the
+    pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). Returns
+    ``dk, dv`` like k and v. The caller checks :func:`gluon_forward.unsupported_reason`."""
+    b, s, hq, d = q.shape
+    bn = pattern.block_size
+    if bn != BLOCK_N:
+        raise ValueError(f"s2_dkdv_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
+    if lay is None:
+        lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device, with_csc=True)
+    if lay.block_m != TILE_M or lay.block_n != bn or lay.col_ptr is None:
+        raise ValueError(
+            f"s2_dkdv_gluon: needs a CSC layout of {TILE_M} x {bn} tiles, got "
+            f"{lay.block_m} x {lay.block_n}"
+        )
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense
+    views = {n: gf.tma_view(t) for n, t in (("q", q), ("do", do), ("k", k), ("v", v))}
+    # One set of coordinates serves Q and dO, one K and V: where a pair differs, copy both.
+    for a, b_, ta, tb in (("q", "do", q, do), ("k", "v", k, v)):
+        if views[a] is None or views[b_] is None or views[a][1:] != views[b_][1:]:
+            views[a], views[b_] = gf.tma_view(ta.contiguous()), gf.tma_view(tb.contiguous())
+    views["dk"], views["dv"] = gf.tma_view(dk), gf.tma_view(dv)
+    if views["dk"] is None or views["dv"] is None or views["dk"][1:] != views["dv"][1:]:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        views["dk"], views["dv"] = gf.tma_view(dk), gf.tma_view(dv)
+    n_items = lay.kv_order.numel()
+    if n_items == 0:
+        return dk.zero_(), dv.zero_()
+    n_pairs = (n_items + 1) // 2
+
+    def desc(name, rows):
+        view = views[name]
+        block = [rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gf._gl_dtype(view.matrix.dtype))
+        return gf.TensorDescriptor.from_tensor(view.matrix, block, layout)
+
+    _s2_dkdv_gluon_kernel[(n_pairs * b,)](
+        desc("q", TILE_M),
+        desc("do", TILE_M),
+        desc("k", bn),
+        desc("v", bn),
+        desc("dk", bn),
+        desc("dv", bn),
+        lse,
+        delta,
+        lse.stride(0),
+        lse.stride(1),
+        lay.col_ptr,
+        lay.col_split,
+        lay.rows,
+        lay.lo_c,
+        lay.hi_c,
+        lay.kv_order,
+        n_items,
+        lay.num_k_tiles,
+        lay.group,
+        scale * LOG2E,
+        scale,
+        *views["q"][1:],
+        *views["k"][1:],
+        *views["dk"][1:],
+        STAGES=NUM_STAGES,
+        num_warps=4,
+    )
+    return dk, dv
+
+
+def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
+    """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
+
+    types = {"q_desc": desc(TILE_M), "do_desc": desc(TILE_M)}
+    types.update({n: desc(block) for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
+    types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32", STAGES="constexpr")
+    types.update({n: "*i32" for n in ("col_ptr", "col_split", "rows", "los", "his", "order")})
+    sig = {n: types.get(n, "i32") for n in _s2_dkdv_gluon_kernel.arg_names}
+    src = GluonASTSource(_s2_dkdv_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
+    return gf.compile_source_for_sm90(src, os.path.join(out_dir, f"dkdv_d{head_dim}_n{block}"))
+
+
+def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float):
+    """The kernel's schedule in float64 PyTorch on any device: same CSC arrays, programs of two
+    items, head loop, full/partial entries and masks. Shapes as :func:`s2_dkdv_gluon`; returns
+    ``(dk, dv)`` in float64."""
+    b, s, hq, d = q.shape
+    bn = pattern.block_size
+    lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device, with_csc=True)
+    qk_scale = scale * LOG2E
+    dk = torch.zeros(k.shape, dtype=torch.float64)
+    dv = torch.zeros(v.shape, dtype=torch.float64)
+    col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()
+    rows, los, his = lay.rows.tolist(), lay.lo_c.tolist(), lay.hi_c.tolist()
+    order = lay.kv_order.tolist()
+    n_items = len(order)
+    n_pairs = (n_items + 1) // 2
+    offs_m = torch.arange(TILE_M)
+    for pid in range(n_pairs * b):
+        for wg in range(2):
+            idx = (pid % n_pairs) * 2 + wg
+            if idx >= n_items:
+                continue
+            item = order[idx]
+            bb, kvh, kt = pid // n_pairs, item // lay.num_k_tiles, item % lay.num_k_tiles
+            k_abs = kt * bn + torch.arange(bn)
+            kk, vv = k[bb, k_abs, kvh].double(), v[bb, k_abs, kvh].double()
+            acc_k = torch.zeros(bn, d, dtype=torch.float64)
+            acc_v = torch.zeros(bn, d, dtype=torch.float64)
+            for g in range(lay.group):
+                h = kvh * lay.group + g
+                c = h * lay.num_k_tiles + kt
+                for e in range(col_ptr[c], col_ptr[c + 1]):
+                    m_idx = rows[e] * TILE_M + offs_m
+                    qq, dd = q[bb, m_idx, h].double(), do[bb, m_idx, h].double()
+                    row_lse = lse[bb, h, m_idx].double()
+                    row_lse = torch.where(row_lse == -math.inf, 0.0, row_lse)
+                    st = (kk @ qq.T) * qk_scale - row_lse[None, :] * LOG2E
+                    if e >= col_split[c]:
+                        ok = (
+                            (k_abs[:, None] <= m_idx[None, :])
+                            & (m_idx[None, :] >= los[e])
+                            & (m_idx[None, :] < his[e])
+                        )
+                        st = st.masked_fill(~ok, -math.inf)
+                    pt = torch.exp2(st)
+                    acc_v += pt @ dd
+                    acc_k += (pt * (vv @ dd.T - delta[bb, h, m_idx].double()[None, :])) @ qq
+            dk[bb, k_abs, kvh] = acc_k * scale
+            dv[bb, k_abs, kvh] = acc_v
+    return dk, dv
