@@ -339,10 +339,7 @@ def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None):
     n_pairs = (n_items + 1) // 2
 
     def desc(name, rows):
-        view = views[name]
-        block = [rows, d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gf._gl_dtype(view.matrix.dtype))
-        return gf.TensorDescriptor.from_tensor(view.matrix, block, layout)
+        return gf._descriptor(views[name], rows, d)
 
     _s2_dkdv_gluon_kernel[(n_pairs * b,)](
         desc("q", TILE_M),
