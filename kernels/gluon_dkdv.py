@@ -53,7 +53,7 @@ if gluon is not None:
     LOADER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _item_of(order, n_items, num_k_tiles, WG: gl.constexpr):
+    def _item_of(order, n_items, num_k_tiles, WG):
         """(batch row, KV head, key tile, valid) of pipeline ``WG`` of this program: programs
         take consecutive pairs of ``order`` (heaviest first, so a pair's work is alike)."""
         pid = gl.program_id(0)
@@ -66,7 +66,7 @@ if gluon is not None:
     @gluon.jit
     def _loader(
         q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
-        col_ptr, rows, order, n_items, num_k_tiles, group, views, WG: gl.constexpr,
+        col_ptr, rows, order, n_items, num_k_tiles, group, views, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -101,7 +101,7 @@ if gluon is not None:
     @gluon.jit
     def _tiles(
         k, v, q_bufs, do_bufs, ready, empty, dk, dv, lse_base, delta_base, rows, los, his,
-        e_begin, e_end, i0, k_abs, offs_m, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr,
+        e_begin, e_end, i0, k_abs, offs_m, qk_scale, WG, MASKED: gl.constexpr,
     ):  # fmt: skip
         """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV."""
         BM: gl.constexpr = q_bufs.type.shape[1]
@@ -158,8 +158,7 @@ if gluon is not None:
     def _consumer(
         dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
         stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-        num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h,
-        WG: gl.constexpr,
+        num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -208,57 +207,6 @@ if gluon is not None:
             gf._tma_store(dv_desc, [row, col], v)
             tma.store_wait(0)
 
-    # The partitions take one argument list; each uses what it needs.
-    @gluon.jit
-    def _consumer0(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
-        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
-        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
-        dkv_row_b, dkv_col_b, dkv_col_h,
-    ):  # fmt: skip
-        _consumer(
-            dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE,
-            DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order,
-            n_items, num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h, 0,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _consumer1(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
-        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
-        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
-        dkv_row_b, dkv_col_b, dkv_col_h,
-    ):  # fmt: skip
-        _consumer(
-            dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE,
-            DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order,
-            n_items, num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h, 1,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _loader0(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
-        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
-        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
-        dkv_row_b, dkv_col_b, dkv_col_h,
-    ):  # fmt: skip
-        _loader(
-            q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
-            empty, col_ptr, rows, order, n_items, num_k_tiles, group, views, 0,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _loader1(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
-        kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
-        rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
-        dkv_row_b, dkv_col_b, dkv_col_h,
-    ):  # fmt: skip
-        _loader(
-            q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
-            empty, col_ptr, rows, order, n_items, num_k_tiles, group, views, 1,
-        )  # fmt: skip
-
     @gluon.jit
     def _s2_dkdv_gluon_kernel(
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b,
@@ -290,16 +238,25 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
         views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
-        args = (
-            q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem,
-            kv_bar, ready, empty, LSE, DELTA, stride_lse_b, stride_lse_h, col_ptr, col_split,
-            rows, los, his, order, n_items, num_k_tiles, group, qk_scale, sm_scale, views,
-            dkv_row_b, dkv_col_b, dkv_col_h,
+        loader_args = (
+            q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
+            empty, col_ptr, rows, order, n_items, num_k_tiles, group, views,
+        )  # fmt: skip
+        consumer_args = (
+            dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
+            stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
+            num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
-        # two loaders, with their register budgets.
+        # two loaders, with their register budgets. The pipeline index (last argument) reaches
+        # a partition as a run-time value: it only selects buffers, barriers and the item.
         gl.warp_specialize(
-            [(_consumer0, args), (_consumer1, args), (_loader0, args), (_loader1, args)],
+            [
+                (_consumer, consumer_args + (gl.to_tensor(0),)),
+                (_consumer, consumer_args + (gl.to_tensor(1),)),
+                (_loader, loader_args + (gl.to_tensor(0),)),
+                (_loader, loader_args + (gl.to_tensor(1),)),
+            ],
             [4, 1, 1],
             [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
         )
