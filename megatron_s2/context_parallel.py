@@ -279,13 +279,13 @@ class _CausalSuffixCudnn(torch.autograd.Function):
 
 class _RankChunksCudnn(torch.autograd.Function):
     """A CP rank's two query chunks against the whole K/V, dense and causal, on cuDNN (not yet
-    the default: :func:`dense_rank_chunks`): each
-    chunk as :class:`_CausalSuffixCudnn` computes it (its own keys causally, the keys before
-    them in full, merged by LSE), with the bookkeeping done once for both chunks: GQA heads
-    repeated once, outputs and dQ written in place in Megatron's layout, and dK/dV built in one
-    K-sized buffer (the later chunk's parts fill it, the earlier chunk's add in) rather than
-    concatenated per chunk and zero-padded by autograd's slicing (``docs/context_parallel.md``:
-    those copies were 9-12% of a rank's time at 32k).
+    the default: :func:`dense_rank_chunks`): each chunk as :class:`_CausalSuffixCudnn` computes
+    it (its own keys causally, the keys before them in full, merged by LSE), with the
+    bookkeeping done once for both chunks: GQA heads repeated once, outputs and dQ written in
+    place in Megatron's layout, and dK/dV built in one K-sized buffer (the later chunk's parts
+    fill it, the earlier chunk's add in) rather than concatenated per chunk and zero-padded by
+    autograd's slicing (``docs/context_parallel.md``: those copies were 9-12% of a rank's time
+    at 32k).
 
     ``query [2 * chunk, b, np, hn]``, ``key, value [S, b, ng, hn]`` in absolute order ->
     ``[2 * chunk, b, np * hn]``.

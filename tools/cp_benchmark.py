@@ -15,9 +15,8 @@ one function for both chunks that is to replace it). "per-token vs CP=1" is the 
 per query token over CP=1's (1.00 = no overhead from splitting). Memory is the peak
 allocation of the fwd+bwd above its inputs. The all-gather itself is not timed here (one GPU);
 its volume per layer is printed: K and V of the whole sequence, ``(N-1)/N`` of it received by
-each rank. The "dense, FA2 varlen" rows are the
-alternative dense path (FlashAttention-2's varlen kernel with bottom-right causal masks) that
-the cuDNN path replaced.
+each rank. The "dense, FA2 varlen" rows are the alternative dense path (FlashAttention-2's
+varlen kernel with bottom-right causal masks) that the cuDNN path replaced.
 """
 
 from __future__ import annotations
