@@ -1104,14 +1104,15 @@ class KernelConfig:
 
     ``block_n``: key tile of every pass (a power of two >= 16 that divides the pattern's block
     size, so a key tile never spans two pattern blocks). ``fwd``, ``dq``, ``dkdv``: the
-    :class:`PassConfig` of the forward, dQ and dK/dV kernels; their ``block_m`` may merge several
-    pattern blocks (Merge-Q). ``tma``: read the walked tiles through TMA tensor descriptors
-    (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads run).
-    ``gluon_fwd``: run the forward through the warp-specialized Gluon kernel
+    :class:`PassConfig` of the forward, dQ and dK/dV kernels; their ``block_m`` may merge
+    several pattern blocks (Merge-Q). ``tma``: read the walked tiles through TMA tensor
+    descriptors (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads
+    run). ``gluon_fwd``: run the forward through the warp-specialized Gluon kernel
     (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
-    others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; off
-    by default until it has run on a GPU). Derive variants with ``dataclasses.replace``, e.g.
-    ``replace(cfg, dq=PassConfig(64, 4, 3))`` or ``replace(cfg, gluon_fwd=False)``.
+    others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; on
+    wherever ``gluon_fwd`` is on by default and the block is 64). Derive variants with
+    ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or ``replace(cfg,
+    gluon_fwd=False)``.
     """
 
     block_n: int
@@ -1192,9 +1193,13 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     gluon = gluon_forward.enabled_by_default(head_dim, pattern.block_size, device, dtype)
+    # The Gluon dK/dV pass takes the Gluon forward's calls at block 64 only.
+    gluon_bwd = gluon and pattern.block_size == gluon_dkdv.BLOCK_N
     if head_dim in TMA_HEAD_DIMS and (dtype is None or dtype in TMA_DTYPES):
-        return KernelConfig(block_n, GPU_FWD_TMA, dq, dkdv, tma=True, gluon_fwd=gluon)
-    return KernelConfig(block_n, GPU_FWD, dq, dkdv, gluon_fwd=gluon)
+        fwd, tma = GPU_FWD_TMA, True
+    else:
+        fwd, tma = GPU_FWD, False
+    return KernelConfig(block_n, fwd, dq, dkdv, tma=tma, gluon_fwd=gluon, gluon_dkdv=gluon_bwd)
 
 
 # Hopper's TMA: the global address and every stride but the innermost (which must be 1) are

@@ -278,14 +278,14 @@ class _CausalSuffixCudnn(torch.autograd.Function):
 
 
 class _RankChunksCudnn(torch.autograd.Function):
-    """A CP rank's two query chunks against the whole K/V, dense and causal, on cuDNN (not yet
-    the default: :func:`dense_rank_chunks`): each chunk as :class:`_CausalSuffixCudnn` computes
-    it (its own keys causally, the keys before them in full, merged by LSE), with the
-    bookkeeping done once for both chunks: GQA heads repeated once, outputs and dQ written in
-    place in Megatron's layout, and dK/dV built in one K-sized buffer (the later chunk's parts
-    fill it, the earlier chunk's add in) rather than concatenated per chunk and zero-padded by
-    autograd's slicing (``docs/context_parallel.md``: those copies were 9-12% of a rank's time
-    at 32k).
+    """A CP rank's two query chunks against the whole K/V, dense and causal, on cuDNN (the
+    default of :func:`dense_rank_chunks` where cuDNN runs): each chunk as
+    :class:`_CausalSuffixCudnn` computes it (its own keys causally, the keys before them in
+    full, merged by LSE), with the bookkeeping done once for both chunks: GQA heads repeated
+    once, outputs and dQ written in place in Megatron's layout, and dK/dV built in one K-sized
+    buffer (the later chunk's parts fill it, the earlier chunk's add in) rather than
+    concatenated per chunk and zero-padded by autograd's slicing (``docs/context_parallel.md``:
+    those copies were 9-12% of a rank's time at 32k).
 
     ``query [2 * chunk, b, np, hn]``, ``key, value [S, b, ng, hn]`` in absolute order ->
     ``[2 * chunk, b, np * hn]``.
@@ -374,22 +374,22 @@ def dense_rank_chunks(
 ) -> torch.Tensor:
     """Dense causal attention of CP rank ``rank``'s two query chunks once K/V are whole:
     ``query [2 * chunk, b, np, hn]``, ``key, value [2 * cp * chunk, b, ng, hn]`` in absolute
-    order -> ``[2 * chunk, b, np * hn]``. ``impl`` "auto" and "per-chunk":
-    :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk (cuDNN on Hopper, the
-    path measured on GPUs); "cudnn": the rank-level :class:`_RankChunksCudnn` (fp16/bf16 on
-    Hopper), whose bookkeeping is checked on the CPU but which has not run on a GPU yet: it
-    becomes "auto" once ``pytest -m gpu tests/test_context_parallel.py`` and
-    ``tools/cp_benchmark.py`` ("dense, rank-level" rows) show it correct and faster."""
+    order -> ``[2 * chunk, b, np * hn]``. ``impl`` "cudnn": the rank-level
+    :class:`_RankChunksCudnn` (fp16/bf16, head_dim <= 128, sm_90+ with cuDNN); "per-chunk":
+    :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk; "auto" (default):
+    "cudnn" where it runs, else "per-chunk". On an H200 the rank-level path took 2-16% less
+    time a rank at 32k and 1-7% at 128k, with a 6-36% higher transient peak inside the call
+    (its K-sized gradient buffers; ``docs/context_parallel.md``)."""
     if impl not in ("auto", "cudnn", "per-chunk"):
         raise ValueError(
             f"dense_rank_chunks: impl must be 'auto', 'cudnn' or 'per-chunk', got {impl!r}"
         )
-    if impl == "cudnn":
-        if query.is_cuda and not _cudnn_usable(query):
-            raise ValueError(
-                "dense_rank_chunks: impl='cudnn' needs fp16/bf16, head_dim <= 128 and a "
-                "multiple of 8, on an sm_90+ GPU with cuDNN"
-            )
+    if impl == "cudnn" and query.is_cuda and not _cudnn_usable(query):
+        raise ValueError(
+            "dense_rank_chunks: impl='cudnn' needs fp16/bf16, head_dim <= 128 and a "
+            "multiple of 8, on an sm_90+ GPU with cuDNN"
+        )
+    if impl == "cudnn" or (impl == "auto" and query.is_cuda and _cudnn_usable(query)):
         return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale)
 
     def attend(q, k, v, q_start):

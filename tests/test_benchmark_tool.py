@@ -476,13 +476,15 @@ def test_sweep_times_the_tl_forward_and_the_gluon_dkdv_pass_where_gluon_runs():
     from s2attn.triton_attention import kernel_config
 
     pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=2)
-    base = dataclasses.replace(kernel_config(pattern, 128, "cuda"), gluon_fwd=True)
-    configs = bench.sweep_configs(base, block_size=64)
-    assert configs[0] == dataclasses.replace(base, gluon_fwd=False)
-    assert bench.config_label(configs[0], base) == "s2attn gluon_fwd=False"
-    assert configs[1] == dataclasses.replace(base, gluon_dkdv=True)
-    assert bench.config_label(configs[1], base) == "s2attn gluon_dkdv=True"
-    assert all(c.gluon_fwd for c in configs[1:])
-    assert not bench.sweep_configs(base, "gluon_dkdv", block_size=128)  # block 64 only
+    plain = kernel_config(pattern, 128, "cuda")  # no GPU here: both Gluon flags off
+    for dkdv in (True, False):  # the sm_90 default, or a user's config with it off
+        base = dataclasses.replace(plain, gluon_fwd=True, gluon_dkdv=dkdv)
+        configs = bench.sweep_configs(base, block_size=64)
+        assert configs[0] == dataclasses.replace(base, gluon_fwd=False)
+        assert bench.config_label(configs[0], base) == "s2attn gluon_fwd=False"
+        assert configs[1] == dataclasses.replace(base, gluon_dkdv=not dkdv)
+        assert bench.config_label(configs[1], base) == f"s2attn gluon_dkdv={not dkdv}"
+        assert all(c.gluon_fwd for c in configs[1:])
+        assert not bench.sweep_configs(base, "gluon_dkdv", block_size=128)  # block 64 only
     off = dataclasses.replace(base, gluon_fwd=False)
     assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 2  # nothing to add

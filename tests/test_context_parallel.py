@@ -188,6 +188,26 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
             assert rel(vc.grad, v.grad) < 2e-2, (kind, cp, "dv")
 
 
+@pytest.mark.gpu
+def test_gpu_dense_rank_chunks_default_is_rank_level_cudnn(monkeypatch):
+    """``impl="auto"`` takes the rank-level cuDNN Function for bf16 on a Hopper GPU (measured
+    faster than per-chunk calls: docs/context_parallel.md) and the per-chunk path for fp32."""
+    from megatron_s2 import context_parallel as cpmod
+
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("cuDNN attention path needs sm_90+")
+    calls = []
+    real = cpmod._RankChunksCudnn.apply
+    monkeypatch.setattr(cpmod._RankChunksCudnn, "apply", lambda *a: calls.append(1) or real(*a))
+    for dtype, expected in ((torch.bfloat16, 1), (torch.float32, 0)):
+        q = torch.randn(512, 1, 4, 64, device=dev, dtype=dtype)
+        kv = torch.randn(1024, 1, 2, 64, device=dev, dtype=dtype)
+        calls.clear()
+        out = cpmod.dense_rank_chunks(q, kv, kv, 1, 2, 256, 0.125)
+        assert out.shape == (512, 1, 256) and len(calls) == expected, dtype
+
+
 def _scores(q, k, causal: bool, scale: float):
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:  # top-left, as cuDNN's is_causal

@@ -523,10 +523,11 @@ def test_gluon_forward_reads_fused_qkv_slices_in_place():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_default_path_takes_gluon_forward_and_gradients_hold(kv_heads, monkeypatch):
-    """On an H100 with a checked Triton, ``s2_attention``'s forward runs the Gluon kernel (the
-    backward the ``tl`` kernels from its out and LSE); out and every gradient are as close to
-    the fp32 reference as with the ``tl`` forward."""
+def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypatch):
+    """On an H100/H200 with a checked Triton, ``s2_attention`` at block 64 runs the Gluon
+    forward and the Gluon dK/dV pass (dQ stays on the ``tl`` kernel); out and every gradient are
+    as close to the fp32 reference as with the ``tl`` kernels (``S2ATTN_GLUON_FORWARD=0``)."""
+    import s2attn.gluon_dkdv as gd
     import s2attn.triton_attention as ta
 
     gf = _gluon_or_skip()
@@ -535,9 +536,19 @@ def test_default_path_takes_gluon_forward_and_gradients_hold(kv_heads, monkeypat
     pattern = S2Pattern(
         num_heads=8, num_kv_heads=kv_heads, block_size=64, local_blocks=4, vert_stride=4
     )
-    calls = []
-    real = gf.s2_forward_gluon
-    monkeypatch.setattr(gf, "s2_forward_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = {"fwd": 0, "dkdv": 0}
+
+    def counted(mod, name, key):
+        real = getattr(mod, name)
+
+        def run(*a, **kw):
+            calls[key] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, run)
+
+    counted(gf, "s2_forward_gluon", "fwd")
+    counted(gd, "s2_dkdv_gluon", "dkdv")
     leaves, do = _inputs(2, 2048, 8, kv_heads, 128, seed=11)
     f32 = _fp32(leaves)
     ref = attention_with_grads(
@@ -549,30 +560,36 @@ def test_default_path_takes_gluon_forward_and_gradients_hold(kv_heads, monkeypat
         return attention_with_grads(run, leaves, leaves, do, return_lse=False)
 
     got = ours()
-    assert calls, "the default forward did not take the Gluon kernel"
+    assert calls["fwd"], "the default forward did not take the Gluon kernel"
+    assert calls["dkdv"], "the default backward did not take the Gluon dK/dV pass"
     monkeypatch.setenv(gf.ENV_SWITCH, "0")
-    n = len(calls)
+    seen = dict(calls)
     tl = ours()
-    assert len(calls) == n, "S2ATTN_GLUON_FORWARD=0 still took the Gluon kernel"
+    assert calls == seen, "S2ATTN_GLUON_FORWARD=0 still took a Gluon kernel"
     for name in ("out", "dq", "dk", "dv"):
         e, e_tl = norm_err(got[name], ref[name]), norm_err(tl[name], ref[name])
         assert e <= 1.1 * e_tl + 1e-4, (name, e, e_tl)
-    assert ta.kernel_config(pattern, 128, DEV, torch.bfloat16).gluon_fwd is False  # switch off
+    off = ta.kernel_config(pattern, 128, DEV, torch.bfloat16)  # switch off
+    assert off.gluon_fwd is False and off.gluon_dkdv is False
+    monkeypatch.delenv(gf.ENV_SWITCH)
+    wide = S2Pattern(num_heads=8, num_kv_heads=kv_heads, block_size=128, local_blocks=2)
+    assert ta.kernel_config(wide, 128, DEV, torch.bfloat16).gluon_dkdv is False  # block 64 only
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "batch,seq,heads,kv_heads,head_dim,local,stride",
+    "batch,seq,heads,kv_heads,head_dim,local,stride,dtype",
     [
-        (2, 1024, 4, 4, 64, 4, 4),
-        (1, 2048, 8, 2, 128, 4, 8),  # GQA
-        (1, 2048, 4, 4, 128, 16, 1),  # dense causal
-        (1, 1152, 2, 1, 128, 2, 4),  # 18 key tiles x 1 KV head: pairs of items
+        (2, 1024, 4, 4, 64, 4, 4, torch.bfloat16),
+        (1, 2048, 8, 2, 128, 4, 8, torch.bfloat16),  # GQA
+        (1, 2048, 4, 4, 128, 16, 1, torch.bfloat16),  # dense causal
+        (1, 1152, 2, 1, 128, 2, 4, torch.bfloat16),  # 18 key tiles x 1 KV head: pairs of items
+        (1, 1024, 4, 2, 128, 4, 4, torch.float16),
     ],
 )
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
 def test_gluon_dkdv_matches_tl_pass_and_reference(
-    batch, seq, heads, kv_heads, head_dim, local, stride, layout
+    batch, seq, heads, kv_heads, head_dim, local, stride, dtype, layout
 ):
     """dK and dV of the Gluon pass against the fp32 reference's, no further off than the ``tl``
     pass on the same inputs (out, LSE and delta from the ``tl`` kernels)."""
@@ -594,7 +611,7 @@ def test_gluon_dkdv_matches_tl_pass_and_reference(
 
     def mk(h):
         shape = (batch, seq, h, head_dim) if layout == "bshd" else (seq, batch, h, head_dim)
-        x = torch.randn(*shape, device=DEV, generator=g).to(torch.bfloat16)
+        x = torch.randn(*shape, device=DEV, generator=g).to(dtype)
         return x if layout == "bshd" else x.transpose(0, 1)
 
     q, k, v, do = mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)

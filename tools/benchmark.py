@@ -302,9 +302,9 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
     # With the Gluon forward on, the fwd PassConfig variants below only change the calls it
     # does not take; the tl forward itself is one variant.
     gluon_off = [r(base, gluon_fwd=False)] if base.gluon_fwd else []
-    # The Gluon dK/dV pass (not a default yet) where the Gluon forward runs: sm_90, block 64.
-    if base.gluon_fwd and not base.gluon_dkdv and block_size == 64:
-        gluon_off.append(r(base, gluon_dkdv=True))
+    # The Gluon dK/dV pass toggled where it can run (with the Gluon forward: sm_90, block 64).
+    if base.gluon_fwd and block_size == 64:
+        gluon_off.append(r(base, gluon_dkdv=not base.gluon_dkdv))
     return (
         gluon_off
         + [
