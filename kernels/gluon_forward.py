@@ -61,8 +61,9 @@ NUM_STAGES = 2  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 bf16 is 128 KiB
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
-# Triton versions whose Gluon forward has been checked on an H100 (tests/test_kernels_gpu.py);
-# on others it runs only when S2ATTN_GLUON_FORWARD=1 asks for it.
+# Triton versions whose Gluon kernels have been checked on an H100/H200 (tests/test_kernels_gpu.py);
+# on others they run only when S2ATTN_GLUON_FORWARD=1 asks for it (the switch also governs the
+# Gluon dK/dV pass, which kernel_config turns on with the forward).
 CHECKED_TRITON = ("3.6",)
 ENV_SWITCH = "S2ATTN_GLUON_FORWARD"  # "0": never, "1": on any Triton with Gluon, unset: checked
 LN2 = math.log(2.0)
