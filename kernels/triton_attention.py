@@ -41,7 +41,7 @@ try:
 except ImportError:  # Triton before host-side tensor descriptors: tma=True takes pointer loads
     TensorDescriptor = None
 
-from . import gluon_dkdv, gluon_forward
+from . import gluon_dkdv, gluon_dq, gluon_forward
 from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
@@ -1110,9 +1110,10 @@ class KernelConfig:
     run). ``gluon_fwd``: run the forward through the warp-specialized Gluon kernel
     (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
     others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; on
-    wherever ``gluon_fwd`` is on by default and the block is 64). Derive variants with
-    ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or ``replace(cfg,
-    gluon_fwd=False)``.
+    wherever ``gluon_fwd`` is on by default and the block is 64). ``gluon_dq``: the same for
+    the dQ pass (``gluon_dq.py``: sm_90, block 64; opt-in until it has run on a GPU). Derive
+    variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or
+    ``replace(cfg, gluon_fwd=False)``.
     """
 
     block_n: int
@@ -1122,9 +1123,10 @@ class KernelConfig:
     tma: bool = False
     gluon_fwd: bool = False
     gluon_dkdv: bool = False
+    gluon_dq: bool = False
 
     def __post_init__(self):
-        for name in ("tma", "gluon_fwd", "gluon_dkdv"):
+        for name in ("tma", "gluon_fwd", "gluon_dkdv", "gluon_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_pow2(self.block_n) or self.block_n < MIN_TILE:
@@ -1706,15 +1708,22 @@ def s2_backward(
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
-    dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
-    if (
-        cfg.gluon_dkdv
-        and pattern.block_size == gluon_dkdv.BLOCK_N
+    # The Gluon passes take block-64 self-attention calls that the Gluon forward would take.
+    gluon_ok = (cfg.gluon_dq or cfg.gluon_dkdv) and (
+        pattern.block_size == gluon_dkdv.BLOCK_N
         and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
-    ):
-        sq, bn = q.shape[1], pattern.block_size
+    )
+    sq, bn = q.shape[1], pattern.block_size
+    dq = None
+    if gluon_ok and cfg.gluon_dq:
+        lay = layout_for(pattern, sq, sq, 0, 0, gluon_dq.TILE_M, bn, q.device)
+        if lay.block_m == gluon_dq.TILE_M:  # not a user mask that forced smaller tiles
+            dq, delta = gluon_dq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale, lay)
+    if dq is None:
+        dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
+    if gluon_ok and cfg.gluon_dkdv:
         lay = layout_for(pattern, sq, sq, 0, 0, gluon_dkdv.TILE_M, bn, q.device, with_csc=True)
-        if lay.block_m == gluon_dkdv.TILE_M:  # not a user mask that forced smaller tiles
+        if lay.block_m == gluon_dkdv.TILE_M:
             dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, lay)
             return dq, dk, dv
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)

@@ -470,21 +470,26 @@ def test_sweep_adds_wide_key_tiles_only_where_a_block_holds_them():
         assert bench.sweep_configs(base, "bn=128", block) == got
 
 
-def test_sweep_times_the_tl_forward_and_the_gluon_dkdv_pass_where_gluon_runs():
+def test_sweep_times_the_tl_forward_and_the_gluon_backward_passes_where_gluon_runs():
     import dataclasses
 
     from s2attn.triton_attention import kernel_config
 
     pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=2)
-    plain = kernel_config(pattern, 128, "cuda")  # no GPU here: both Gluon flags off
-    for dkdv in (True, False):  # the sm_90 default, or a user's config with it off
-        base = dataclasses.replace(plain, gluon_fwd=True, gluon_dkdv=dkdv)
+    plain = kernel_config(pattern, 128, "cuda")  # no GPU here: the Gluon flags off
+    for dkdv, dq in ((True, False), (False, False), (True, True)):
+        base = dataclasses.replace(plain, gluon_fwd=True, gluon_dkdv=dkdv, gluon_dq=dq)
         configs = bench.sweep_configs(base, block_size=64)
+        labels = [bench.config_label(c, base) for c in configs]
         assert configs[0] == dataclasses.replace(base, gluon_fwd=False)
-        assert bench.config_label(configs[0], base) == "s2attn gluon_fwd=False"
+        assert labels[0] == "s2attn gluon_fwd=False"
         assert configs[1] == dataclasses.replace(base, gluon_dkdv=not dkdv)
-        assert bench.config_label(configs[1], base) == f"s2attn gluon_dkdv={not dkdv}"
+        assert labels[1] == f"s2attn gluon_dkdv={not dkdv}"
+        assert configs[2] == dataclasses.replace(base, gluon_dq=not dq)
+        assert labels[2] == f"s2attn gluon_dq={not dq}"
+        both = f"s2attn gluon_dkdv={not dkdv},gluon_dq={not dq}"
+        assert (both in labels) == (dkdv == dq)  # both at once where they agree
         assert all(c.gluon_fwd for c in configs[1:])
-        assert not bench.sweep_configs(base, "gluon_dkdv", block_size=128)  # block 64 only
+        assert not bench.sweep_configs(base, "gluon_d", block_size=128)  # block 64 only
     off = dataclasses.replace(base, gluon_fwd=False)
-    assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 2  # nothing to add
+    assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 4  # nothing to add

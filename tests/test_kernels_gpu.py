@@ -663,3 +663,101 @@ def test_gluon_dkdv_config_flag_runs_it_in_the_autograd_path(monkeypatch):
             norm_err(results[False][name], ref[name]),
         )
         assert e <= 1.1 * e_tl + 1e-4, (name, e, e_tl)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "batch,seq,heads,kv_heads,head_dim,local,stride,dtype,with_dlse",
+    [
+        (2, 1024, 4, 4, 64, 4, 4, torch.bfloat16, False),
+        (1, 2048, 8, 2, 128, 4, 8, torch.bfloat16, True),  # GQA, an LSE gradient
+        (1, 2048, 4, 4, 128, 16, 1, torch.bfloat16, False),  # dense causal
+        (1, 1152, 2, 1, 128, 2, 4, torch.float16, True),  # 9 query tiles
+    ],
+)
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_gluon_dq_matches_tl_pass_and_reference(
+    batch, seq, heads, kv_heads, head_dim, local, stride, dtype, with_dlse, layout
+):
+    """dQ of the Gluon pass against the fp32 reference's, no further off than the ``tl`` pass
+    on the same inputs (out and LSE from the ``tl`` forward); its delta equals the ``tl``
+    pass's (the dK/dV pass reads it)."""
+    import dataclasses
+
+    import s2attn.gluon_dq as gq
+    from s2attn import triton_attention as ta
+
+    _gluon_or_skip()
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=64,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=1,
+    )
+    g = torch.Generator(device=DEV).manual_seed(seq + heads + 9)
+
+    def mk(h):
+        shape = (batch, seq, h, head_dim) if layout == "bshd" else (seq, batch, h, head_dim)
+        x = torch.randn(*shape, device=DEV, generator=g).to(dtype)
+        return x if layout == "bshd" else x.transpose(0, 1)
+
+    q, k, v, do = mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
+    scale = head_dim**-0.5
+    cfg = dataclasses.replace(
+        ta.kernel_config(pattern, head_dim, DEV, q.dtype),
+        gluon_fwd=False,
+        gluon_dkdv=False,
+        gluon_dq=False,
+    )
+    out, lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
+    dlse = torch.randn(lse.shape, device=DEV, generator=g) if with_dlse else None
+    dq, delta = gq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale)
+    tl_dq, tl_delta = ta.bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
+    torch.testing.assert_close(delta, tl_delta, rtol=1e-4, atol=1e-4)
+    f32 = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+    ref, ref_lse = s2_attention_reference(*f32, pattern, scale, return_lse=True)
+    loss = (ref * do.float()).sum() + ((ref_lse * dlse).sum() if with_dlse else 0.0)
+    (ref_dq,) = torch.autograd.grad(loss, f32[:1])
+    e, e_tl = norm_err(dq, ref_dq), norm_err(tl_dq, ref_dq)
+    assert e <= 1.1 * e_tl + 1e-4, (e, e_tl)
+
+
+@pytest.mark.timeout(300)
+def test_gluon_dq_config_flag_runs_it_in_the_autograd_path(monkeypatch):
+    """``KernelConfig.gluon_dq`` sends the backward's dQ pass to the Gluon kernel (next to the
+    Gluon dK/dV pass, which reads its delta); every gradient, the LSE's included, as close to
+    the fp32 reference as with the ``tl`` pass."""
+    import dataclasses
+
+    import s2attn.gluon_dq as gq
+    from s2attn.triton_attention import kernel_config
+
+    _gluon_or_skip()
+    pattern = S2Pattern(num_heads=8, num_kv_heads=2, block_size=64, local_blocks=4, vert_stride=4)
+    calls = []
+    real = gq.s2_dq_gluon
+    monkeypatch.setattr(gq, "s2_dq_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    leaves, do = _inputs(2, 2048, 8, 2, 128, seed=17)
+    dlse = torch.randn(2, 8, 2048, device=DEV, dtype=torch.float64)
+    f32 = _fp32(leaves)
+    ref = attention_with_grads(
+        lambda q, k, v: s2_attention_reference(q, k, v, pattern, return_lse=True),
+        f32, f32, do, dlse,
+    )  # fmt: skip
+    base = dataclasses.replace(kernel_config(pattern, 128, DEV, torch.bfloat16), gluon_dkdv=True)
+    results = {}
+    for on in (False, True):
+        cfg = dataclasses.replace(base, gluon_dq=on)
+        run = lambda q, k, v, cfg=cfg: s2_attention(
+            q, k, v, pattern, return_lse=True, kernel_config=cfg
+        )
+        results[on] = attention_with_grads(run, leaves, leaves, do, dlse)
+    assert len(calls) == 1
+    for name in ("dq", "dk", "dv"):
+        e, e_tl = (
+            norm_err(results[True][name], ref[name]),
+            norm_err(results[False][name], ref[name]),
+        )
+        assert e <= 1.1 * e_tl + 1e-4, (name, e, e_tl)

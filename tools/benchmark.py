@@ -302,9 +302,13 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
     # With the Gluon forward on, the fwd PassConfig variants below only change the calls it
     # does not take; the tl forward itself is one variant.
     gluon_off = [r(base, gluon_fwd=False)] if base.gluon_fwd else []
-    # The Gluon dK/dV pass toggled where it can run (with the Gluon forward: sm_90, block 64).
+    # The Gluon backward passes toggled where they can run (with the Gluon forward: sm_90,
+    # block 64): dK/dV, dQ, and both at once.
     if base.gluon_fwd and block_size == 64:
         gluon_off.append(r(base, gluon_dkdv=not base.gluon_dkdv))
+        gluon_off.append(r(base, gluon_dq=not base.gluon_dq))
+        if base.gluon_dkdv == base.gluon_dq:
+            gluon_off.append(r(base, gluon_dkdv=not base.gluon_dkdv, gluon_dq=not base.gluon_dq))
     return (
         gluon_off
         + [
@@ -327,6 +331,7 @@ def config_label(cfg: KernelConfig, base: KernelConfig) -> str:
     diffs += [f"tma={cfg.tma}"] if cfg.tma != base.tma else []
     diffs += [f"gluon_fwd={cfg.gluon_fwd}"] if cfg.gluon_fwd != base.gluon_fwd else []
     diffs += [f"gluon_dkdv={cfg.gluon_dkdv}"] if cfg.gluon_dkdv != base.gluon_dkdv else []
+    diffs += [f"gluon_dq={cfg.gluon_dq}"] if cfg.gluon_dq != base.gluon_dq else []
     for name in ("fwd", "dq", "dkdv"):
         got, ref = getattr(cfg, name), getattr(base, name)
         diffs += [

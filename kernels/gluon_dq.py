@@ -1,0 +1,389 @@
+"""The S2 dQ pass for Hopper (sm_90) in Triton's Gluon dialect: the forward's schedule
+(``gluon_forward.py``) with the backward's row math.
+
+Each (batch row, head, 128-row query tile) item walks the tile's row list (the forward's
+layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
+
+* a loader warp TMA-loads the tile's Q, dO and O rows once, then each listed key tile's K and V
+  into a ``NUM_STAGES`` ring shared by both consumers, guarded by ``ready``/``empty`` mbarriers;
+* two consumer warpgroups, 64 query rows each, first form ``delta = rowsum(dO * O) - dLSE``
+  from the shared-memory tiles (written out for the dK/dV pass), then per key tile run ``S = Q
+  K^T`` and ``dP = dO V^T`` (async wgmma, both in flight), ``P = exp2(S - lse)`` (masked on
+  partial entries), ``dS = P (dP - delta)`` and ``dQ += dS K`` (dS as a register operand);
+* each then writes dQ (times the softmax scale) through its O buffer, free once delta is
+  formed, and the program stores both halves by TMA.
+
+It takes what :func:`gluon_forward.unsupported_reason` accepts with ``block_size`` 64. Opt-in
+(``KernelConfig.gluon_dq``) until it has run on a GPU: checked on the CPU (:func:`emulate_dq`,
+an sm_90 compile).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import gluon_forward as gf
+from .layout import layout_for
+
+gluon, gl = gf.gluon, (gf.gl if gf.gluon is not None else None)
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_N = 64  # keys per listed tile (the pattern block)
+WG_ROWS = gf.WG_ROWS  # query rows per consumer warpgroup
+TILE_M = gf.TILE_M  # the layout's block_m: both warpgroups' rows
+NUM_STAGES = 2  # K/V ring depth: 2 x (K + V) tiles of 64 x 128 bf16 is 64 KiB
+LOG2E = 1.0 / math.log(2.0)
+
+
+if gluon is not None:
+    CONSUMER_REGS = gl.constexpr(240)
+    LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _loader(
+        q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
+        row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, views,
+    ):  # fmt: skip
+        BM: gl.constexpr = q_smem.type.shape[1]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h = views
+        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
+        q_row = b * q_row_b + qt * 2 * BM
+        q_col = b * q_col_b + h * q_col_h
+        o_row = b * o_row_b + qt * 2 * BM
+        o_col = b * o_col_b + h * o_col_h
+        mbarrier.expect(
+            row_bar,
+            2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes),
+        )
+        for half in gl.static_range(2):
+            gf._tma_load(q_desc, [q_row + half * BM, q_col], row_bar, q_smem.index(half))
+            gf._tma_load(do_desc, [o_row + half * BM, o_col], row_bar, do_smem.index(half))
+            gf._tma_load(o_desc, [o_row + half * BM, o_col], row_bar, o_smem.index(half))
+        e0 = gl.load(row_ptr + item)
+        e2 = gl.load(row_ptr + item + 1)
+        kv_row = b * kv_row_b
+        kv_col = b * kv_col_b + (h // group) * kv_col_h
+        for e in range(e0, e2):
+            i = e - e0
+            stage = i % STAGES
+            # Free once both consumers released its previous use (the first pass waits on the
+            # phase before the barrier's first, which counts as completed).
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            kt = gl.load(cols + e)
+            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            gf._tma_load(
+                k_desc, [kv_row + kt * BN, kv_col], ready.index(stage), k_bufs.index(stage)
+            )
+            gf._tma_load(
+                v_desc, [kv_row + kt * BN, kv_col], ready.index(stage), v_bufs.index(stage)
+            )
+
+    @gluon.jit
+    def _tiles(
+        q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
+        e_begin, e_end, e0, qk_scale, MASKED: gl.constexpr,
+    ):  # fmt: skip
+        """Entries ``e_begin .. e_end`` of the item's list (ring position counted from ``e0``):
+        accumulate dQ (unscaled)."""
+        BM: gl.constexpr = q.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        acc_layout: gl.constexpr = dq.type.layout
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        for e in range(e_begin, e_end):
+            i = e - e0
+            stage = i % STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            k = k_bufs.index(stage)
+            s_tok = warpgroup_mma(
+                q, k.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            dp_tok = warpgroup_mma(
+                do, v_bufs.index(stage).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            s = s * qk_scale - lse2[:, None]
+            if MASKED:
+                kt = gl.load(cols + e)
+                lo = gl.load(los + e)
+                hi = gl.load(his + e)
+                n_abs = kt * BN + offs_n
+                ok = (n_abs[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo)
+                ok = ok & (q_abs[:, None] < hi)
+                s = gl.where(ok, s, -float("inf"))
+            p = gl.exp2(s)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+            ds = p * (dp - delta[:, None])
+            dq_tok = warpgroup_mma(
+                gl.convert_layout(ds.to(q.dtype), op_layout), k, dq, is_async=True
+            )
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
+            mbarrier.arrive(empty.index(stage), count=1)
+        return dq
+
+    @gluon.jit
+    def _consumer(
+        q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
+        stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
+        n_items, num_q_tiles, qk_scale, sm_scale, WG,
+    ):  # fmt: skip
+        BM: gl.constexpr = q_smem.type.shape[1]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
+        e0 = gl.load(row_ptr + item)
+        e1 = gl.load(row_split + item)
+        e2 = gl.load(row_ptr + item + 1)
+        row_off = b * stride_lse_b + h * stride_lse_h
+        first = qt * 2 * BM + WG * BM
+        q_abs = first + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        mbarrier.wait(row_bar, 0)
+        q = q_smem.index(WG)
+        do = do_smem.index(WG)
+        o = o_smem.index(WG)
+        # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE), in fp32.
+        rows_acc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        delta = gl.sum(do.load(acc_layout).to(gl.float32) * o.load(acc_layout).to(gl.float32), 1)
+        if has_dlse != 0:
+            delta -= gl.load(DLSE + row_off + rows_acc)
+        gl.store(DELTA + row_off + rows_acc, delta)
+        delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
+        lse = gl.load(LSE + row_off + q_abs)
+        # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
+        lse2 = gl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
+        dq = gl.zeros([BM, D], gl.float32, acc_layout)
+        dq = _tiles(
+            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
+            e0, e1, e0, qk_scale, False,
+        )  # fmt: skip
+        dq = _tiles(
+            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
+            e1, e2, e0, qk_scale, True,
+        )  # fmt: skip
+        # O was last read for delta: its buffer takes dQ on the way out.
+        o.store((dq * sm_scale).to(o.dtype))
+        fence_async_shared()
+
+    @gluon.jit
+    def _s2_dq_gluon_kernel(
+        q_desc, do_desc, o_desc, k_desc, v_desc, dq_desc, LSE, DLSE, DELTA, stride_lse_b,
+        stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
+        group, qk_scale, sm_scale, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h,
+        kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """One program per (batch row, layout item): a 128-row query tile of one head."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(
+            q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
+        )
+        do_smem = gl.allocate_shared_memory(
+            do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout
+        )
+        o_smem = gl.allocate_shared_memory(
+            o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
+        )
+        k_bufs = gl.allocate_shared_memory(
+            k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout
+        )
+        v_bufs = gl.allocate_shared_memory(
+            v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout
+        )
+        row_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(row_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+        fence_async_shared()
+        views = (q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h)
+        loader_args = (
+            q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
+            row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, views,
+        )  # fmt: skip
+        consumer_args = (
+            q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
+            stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
+            n_items, num_q_tiles, qk_scale, sm_scale,
+        )  # fmt: skip
+        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
+        # loader. The warpgroup index reaches a partition as a run-time value: it only selects
+        # the buffers and rows.
+        gl.warp_specialize(
+            [
+                (_consumer, consumer_args + (gl.to_tensor(0),)),
+                (_consumer, consumer_args + (gl.to_tensor(1),)),
+                (_loader, loader_args),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
+        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
+        row = b * q_row_b + qt * 2 * BM
+        col = b * q_col_b + h * q_col_h
+        # dQ shares Q's coordinates (the wrapper makes it so).
+        gf._tma_store(dq_desc, [row, col], o_smem.index(0))
+        gf._tma_store(dq_desc, [row + BM, col], o_smem.index(1))
+        tma.store_wait(0)
+
+
+def _paired_views(a: torch.Tensor, b: torch.Tensor):
+    """TMA views of two like-shaped tensors with one set of coordinates, copying both where
+    their strides differ or cannot be read in place. Returns ``(a, b, view_a, view_b)``."""
+    va, vb = gf.tma_view(a), gf.tma_view(b)
+    if va is None or vb is None or va[1:] != vb[1:]:
+        a, b = a.contiguous(), b.contiguous()
+        va, vb = gf.tma_view(a), gf.tma_view(b)
+    return a, b, va, vb
+
+
+def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
+    """The dQ pass through the Gluon kernel: ``do``, ``out`` and ``q [b, s, hq, d]``, ``k, v [b,
+    s, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
+    cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None.
+    ``lay``: the pattern's layout at ``TILE_M`` x ``block_size`` tiles (the forward's; built
+    when None). Returns ``dq`` like q and ``delta [b, hq, s]`` fp32 (``rowsum(dO * O) - dLSE``,
+    for the dK/dV pass), as ``triton_attention.bwd_dq`` does. The caller checks
+    :func:`gluon_forward.unsupported_reason`."""
+    b, s, hq, d = q.shape
+    bn = pattern.block_size
+    if bn != BLOCK_N:
+        raise ValueError(f"s2_dq_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
+    if lay is None:
+        lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+    if lay.block_m != TILE_M or lay.block_n != bn:
+        raise ValueError(
+            f"s2_dq_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
+            f"{TILE_M} x {bn}"
+        )
+    dq = torch.empty_like(q)  # q's layout where q is dense
+    q_, dq, qv, dqv = _paired_views(q, dq)
+    do_, out_, dov, ov = _paired_views(do, out)
+    k_, v_, kv_, vv = _paired_views(k, v)
+    delta = torch.empty_like(lse)
+    n_items = lay.q_order.numel()
+    if n_items == 0:
+        return dq.zero_(), delta.copy_(-dlse if dlse is not None else torch.zeros_like(lse))
+
+    def desc(view, rows):
+        return gf._descriptor(view, rows, d)
+
+    _s2_dq_gluon_kernel[(n_items * b,)](
+        desc(qv, WG_ROWS),
+        desc(dov, WG_ROWS),
+        desc(ov, WG_ROWS),
+        desc(kv_, bn),
+        desc(vv, bn),
+        desc(dqv, WG_ROWS),
+        lse,
+        dlse if dlse is not None else lse,
+        delta,
+        lse.stride(0),
+        lse.stride(1),
+        int(dlse is not None),
+        lay.row_ptr,
+        lay.row_split,
+        lay.cols,
+        lay.lo,
+        lay.hi,
+        lay.q_order,
+        n_items,
+        lay.num_q_tiles,
+        lay.group,
+        scale * LOG2E,
+        scale,
+        *qv[1:],
+        *ov[1:],
+        *kv_[1:],
+        STAGES=NUM_STAGES,
+        num_warps=4,
+    )
+    return dq, delta
+
+
+def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
+    """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
+
+    types = {n: desc(WG_ROWS) for n in ("q_desc", "do_desc", "o_desc", "dq_desc")}
+    types.update({n: desc(block) for n in ("k_desc", "v_desc")})
+    types.update(LSE="*fp32", DLSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
+    types.update(STAGES="constexpr")
+    types.update({n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")})
+    sig = {n: types.get(n, "i32") for n in _s2_dq_gluon_kernel.arg_names}
+    src = GluonASTSource(_s2_dq_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
+    return gf.compile_source_for_sm90(src, os.path.join(out_dir, f"dq_d{head_dim}_n{block}"))
+
+
+def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float):
+    """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
+    order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes as
+    :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
+    b, s, hq, d = q.shape
+    bn = pattern.block_size
+    lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+    qk_scale = scale * LOG2E
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    delta = torch.zeros(lse.shape, dtype=torch.float64)
+    row_ptr, row_split = lay.row_ptr.tolist(), lay.row_split.tolist()
+    cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
+    order = lay.q_order.tolist()
+    n_items = len(order)
+    offs_n = torch.arange(bn)
+    for pid in range(n_items * b):
+        item = order[pid % n_items]
+        bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
+        kvh = h // lay.group
+        for wg in range(2):
+            q_abs = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
+            qq, dd = q[bb, q_abs, h].double(), do[bb, q_abs, h].double()
+            row_delta = (dd * out[bb, q_abs, h].double()).sum(-1)
+            if dlse is not None:
+                row_delta = row_delta - dlse[bb, h, q_abs].double()
+            delta[bb, h, q_abs] = row_delta
+            row_lse = lse[bb, h, q_abs].double()
+            lse2 = torch.where(row_lse == -math.inf, 0.0, row_lse * LOG2E)
+            acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
+            for e in range(row_ptr[item], row_ptr[item + 1]):
+                n_abs = cols[e] * bn + offs_n
+                kk, vv = k[bb, n_abs, kvh].double(), v[bb, n_abs, kvh].double()
+                sc = (qq @ kk.T) * qk_scale - lse2[:, None]
+                if e >= row_split[item]:
+                    ok = (
+                        (n_abs[None, :] <= q_abs[:, None])
+                        & (q_abs[:, None] >= los[e])
+                        & (q_abs[:, None] < his[e])
+                    )
+                    sc = sc.masked_fill(~ok, -math.inf)
+                p = torch.exp2(sc)
+                acc += (p * (dd @ vv.T - row_delta[:, None])) @ kk
+            dq[bb, q_abs, h] = acc * scale
+    return dq, delta

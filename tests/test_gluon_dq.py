@@ -1,0 +1,103 @@
+"""The Gluon dQ pass (``s2attn.gluon_dq``) without a GPU: its schedule emulated in float64
+against the reference's gradients, and a compile for sm_90 with the installed Triton (the
+kernel itself has not run on a GPU yet; tests/test_kernels_gpu.py has its device checks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import s2attn.gluon_dq as gq
+from s2attn import S2Pattern, s2_attention_reference
+
+pytestmark = pytest.mark.version_independent
+
+
+@pytest.mark.parametrize(
+    "batch,seq,heads,kv_heads,local,stride,offset,with_dlse",
+    [
+        (2, 512, 4, 4, 2, 4, 0, False),  # MHA, two batch rows
+        (1, 1024, 8, 2, 4, 8, 0, True),  # GQA 8/2, an LSE gradient
+        (1, 512, 2, 2, 16, 1, 0, False),  # dense causal
+        (1, 640, 4, 2, 2, 4, 3, True),  # a TP rank's heads; 5 query tiles
+    ],
+)
+def test_emulated_schedule_matches_reference_gradients(
+    batch, seq, heads, kv_heads, local, stride, offset, with_dlse
+):
+    d = 16
+    g = torch.Generator().manual_seed(seq + heads + offset)
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=64,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=offset,
+    )
+    q, k, v = (
+        torch.randn(batch, seq, h, d, dtype=torch.float64, generator=g).requires_grad_(True)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    do = torch.randn(batch, seq, heads, d, dtype=torch.float64, generator=g)
+    scale = d**-0.5
+    # The reference's LSE is fp32: the float64 LSE (and its gradient path) comes from the
+    # masked scores directly.
+    from conftest import token_mask
+
+    rep = heads // kv_heads
+    sc = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(rep, 2)) * scale
+    sc = sc.masked_fill(~token_mask(pattern, seq, seq)[None], float("-inf"))
+    lse = torch.logsumexp(sc, dim=-1)  # [b, h, s]
+    out = torch.einsum(
+        "bhqk,bkhd->bqhd", torch.exp(sc - lse[..., None]), v.repeat_interleave(rep, 2)
+    )
+    ref_out = s2_attention_reference(q, k, v, pattern, scale)
+    assert (out - ref_out).abs().max() < 1e-9  # the same attention
+    dlse = torch.randn(lse.shape, dtype=torch.float64, generator=g) if with_dlse else None
+    grads = [do] + ([dlse] if with_dlse else [])
+    outs = [out] + ([lse] if with_dlse else [])
+    (dq_ref,) = torch.autograd.grad(outs, (q,), grads)
+    dq, delta = gq.emulate_dq(
+        do, dlse, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), pattern, scale
+    )
+    torch.testing.assert_close(dq, dq_ref, rtol=1e-9, atol=1e-9)
+    want = (do * out.detach()).sum(-1).transpose(1, 2) - (dlse if with_dlse else 0)
+    torch.testing.assert_close(delta, want, rtol=1e-12, atol=1e-12)
+
+
+_COMPILE = """
+import json, sys
+import s2attn.gluon_dq as gq
+print(json.dumps(gq.compile_for_sm90(int(sys.argv[1]), 64, sys.argv[2])))
+"""
+
+
+@pytest.mark.skipif(gq.gluon is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, tmp_path):
+    """Fresh interpreter: TRITON_INTERPRET=1 (conftest) would make Gluon's helpers interpreted."""
+    tool = os.path.join(os.path.dirname(gq.gf.triton.__file__), "backends/nvidia/bin/cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("no cuobjdump next to Triton's ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(head_dim), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    # Per key tile: S and dP in head_dim/16 k-steps, dQ in 64/16; the loop is compiled for
+    # full and for partial entries, in each of the two consumer warpgroups.
+    assert got["hgmma"] >= 2 * 2 * (2 * head_dim // 16 + 64 // 16)
+    assert got["local_memory"] == 0
+    assert got["shared_bytes"] <= 227 * 1024
