@@ -18,7 +18,7 @@ two warpgroups share each SM's tensor cores, as FlashAttention-3's backward has 
 
 No atomics: each program owns its keys' dK/dV (the deterministic backward stays). It takes what
 :func:`gluon_forward.unsupported_reason` accepts with ``block_size`` 64, and needs ``delta``
-(``rowsum(dO * O)``, from the ``tl`` dQ pass). The default at block 64 wherever the Gluon forward
+(``rowsum(dO * O) - dLSE``, from the dQ pass). The default at block 64 wherever the Gluon forward
 is (``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on the CPU
 (:func:`emulate_dkdv`, an sm_90 compile) and on an H200 (``tests/test_kernels_gpu.py``), 3-5%
 faster fwd+bwd than the ``tl`` pass at 32k-128k (``docs/benchmarks.md``).

@@ -1111,7 +1111,7 @@ class KernelConfig:
     (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
     others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; on
     wherever ``gluon_fwd`` is on by default and the block is 64). ``gluon_dq``: the same for
-    the dQ pass (``gluon_dq.py``: sm_90, block 64; opt-in until it has run on a GPU). Derive
+    the dQ pass (``gluon_dq.py``: sm_90, block 64; on where ``gluon_dkdv`` is). Derive
     variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or
     ``replace(cfg, gluon_fwd=False)``.
     """
@@ -1195,13 +1195,15 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     gluon = gluon_forward.enabled_by_default(head_dim, pattern.block_size, device, dtype)
-    # The Gluon dK/dV pass takes the Gluon forward's calls at block 64 only.
+    # The Gluon backward passes take the Gluon forward's calls at block 64 only.
     gluon_bwd = gluon and pattern.block_size == gluon_dkdv.BLOCK_N
     if head_dim in TMA_HEAD_DIMS and (dtype is None or dtype in TMA_DTYPES):
         fwd, tma = GPU_FWD_TMA, True
     else:
         fwd, tma = GPU_FWD, False
-    return KernelConfig(block_n, fwd, dq, dkdv, tma=tma, gluon_fwd=gluon, gluon_dkdv=gluon_bwd)
+    return KernelConfig(
+        block_n, fwd, dq, dkdv, tma=tma, gluon_fwd=gluon, gluon_dkdv=gluon_bwd, gluon_dq=gluon_bwd
+    )
 
 
 # Hopper's TMA: the global address and every stride but the innermost (which must be 1) are

@@ -1,6 +1,6 @@
 """The Gluon dQ pass (``s2attn.gluon_dq``) without a GPU: its schedule emulated in float64
-against the reference's gradients, and a compile for sm_90 with the installed Triton (the
-kernel itself has not run on a GPU yet; tests/test_kernels_gpu.py has its device checks)."""
+against the reference's gradients, and a compile for sm_90 with the installed Triton
+(tests/test_kernels_gpu.py has its device checks)."""
 
 from __future__ import annotations
 

@@ -525,9 +525,10 @@ def test_gluon_forward_reads_fused_qkv_slices_in_place():
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypatch):
     """On an H100/H200 with a checked Triton, ``s2_attention`` at block 64 runs the Gluon
-    forward and the Gluon dK/dV pass (dQ stays on the ``tl`` kernel); out and every gradient are
-    as close to the fp32 reference as with the ``tl`` kernels (``S2ATTN_GLUON_FORWARD=0``)."""
+    forward, dQ and dK/dV kernels; out and every gradient are as close to the fp32 reference as
+    with the ``tl`` kernels (``S2ATTN_GLUON_FORWARD=0``)."""
     import s2attn.gluon_dkdv as gd
+    import s2attn.gluon_dq as gq
     import s2attn.triton_attention as ta
 
     gf = _gluon_or_skip()
@@ -536,7 +537,7 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     pattern = S2Pattern(
         num_heads=8, num_kv_heads=kv_heads, block_size=64, local_blocks=4, vert_stride=4
     )
-    calls = {"fwd": 0, "dkdv": 0}
+    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
 
     def counted(mod, name, key):
         real = getattr(mod, name)
@@ -549,6 +550,7 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
 
     counted(gf, "s2_forward_gluon", "fwd")
     counted(gd, "s2_dkdv_gluon", "dkdv")
+    counted(gq, "s2_dq_gluon", "dq")
     leaves, do = _inputs(2, 2048, 8, kv_heads, 128, seed=11)
     f32 = _fp32(leaves)
     ref = attention_with_grads(
@@ -562,6 +564,7 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     got = ours()
     assert calls["fwd"], "the default forward did not take the Gluon kernel"
     assert calls["dkdv"], "the default backward did not take the Gluon dK/dV pass"
+    assert calls["dq"], "the default backward did not take the Gluon dQ pass"
     monkeypatch.setenv(gf.ENV_SWITCH, "0")
     seen = dict(calls)
     tl = ours()
@@ -570,10 +573,11 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
         e, e_tl = norm_err(got[name], ref[name]), norm_err(tl[name], ref[name])
         assert e <= 1.1 * e_tl + 1e-4, (name, e, e_tl)
     off = ta.kernel_config(pattern, 128, DEV, torch.bfloat16)  # switch off
-    assert off.gluon_fwd is False and off.gluon_dkdv is False
+    assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
     monkeypatch.delenv(gf.ENV_SWITCH)
     wide = S2Pattern(num_heads=8, num_kv_heads=kv_heads, block_size=128, local_blocks=2)
-    assert ta.kernel_config(wide, 128, DEV, torch.bfloat16).gluon_dkdv is False  # block 64 only
+    wide_cfg = ta.kernel_config(wide, 128, DEV, torch.bfloat16)
+    assert not (wide_cfg.gluon_dkdv or wide_cfg.gluon_dq)  # block 64 only
 
 
 @pytest.mark.timeout(300)
