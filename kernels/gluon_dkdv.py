@@ -333,19 +333,18 @@ def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None):
 
 def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
-
-    types = {"q_desc": desc(TILE_M), "do_desc": desc(TILE_M)}
-    types.update({n: desc(block) for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
-    types.update(LSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32", STAGES="constexpr")
+    tiles = {"q_desc": TILE_M, "do_desc": TILE_M}
+    tiles.update({n: block for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
+    types = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
     types.update({n: "*i32" for n in ("col_ptr", "col_split", "rows", "los", "his", "order")})
-    sig = {n: types.get(n, "i32") for n in _s2_dkdv_gluon_kernel.arg_names}
-    src = GluonASTSource(_s2_dkdv_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
-    return gf.compile_source_for_sm90(src, os.path.join(out_dir, f"dkdv_d{head_dim}_n{block}"))
+    return gf.compile_kernel_for_sm90(
+        _s2_dkdv_gluon_kernel,
+        head_dim,
+        tiles,
+        types,
+        NUM_STAGES,
+        os.path.join(out_dir, f"dkdv_d{head_dim}_n{block}"),
+    )
 
 
 def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float):

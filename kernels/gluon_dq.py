@@ -16,8 +16,8 @@ layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
 It takes what :func:`gluon_forward.unsupported_reason` accepts with ``block_size`` 64, and is
 the default wherever the Gluon dK/dV pass is (``KernelConfig.gluon_dq``; ``S2ATTN_GLUON_FORWARD=0``
 turns all three Gluon kernels off): checked on the CPU (:func:`emulate_dq`, an sm_90 compile) and
-on an H200 (``tests/test_kernels_gpu.py``), fwd+bwd 1-4% faster than with the ``tl`` dQ pass
-(``docs/benchmarks.md``).
+on an H200 (``tests/test_kernels_gpu.py``), fwd+bwd up to 4% faster than with the ``tl`` dQ
+pass, never slower (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -57,8 +57,6 @@ if gluon is not None:
         row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, views,
     ):  # fmt: skip
         BM: gl.constexpr = q_smem.type.shape[1]
-        BN: gl.constexpr = k_bufs.type.shape[1]
-        STAGES: gl.constexpr = k_bufs.type.shape[0]
         q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h = views
         b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
         q_row = b * q_row_b + qt * 2 * BM
@@ -75,22 +73,10 @@ if gluon is not None:
             gf._tma_load(o_desc, [o_row + half * BM, o_col], row_bar, o_smem.index(half))
         e0 = gl.load(row_ptr + item)
         e2 = gl.load(row_ptr + item + 1)
-        kv_row = b * kv_row_b
         kv_col = b * kv_col_b + (h // group) * kv_col_h
-        for e in range(e0, e2):
-            i = e - e0
-            stage = i % STAGES
-            # Free once both consumers released its previous use (the first pass waits on the
-            # phase before the barrier's first, which counts as completed).
-            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-            kt = gl.load(cols + e)
-            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            gf._tma_load(
-                k_desc, [kv_row + kt * BN, kv_col], ready.index(stage), k_bufs.index(stage)
-            )
-            gf._tma_load(
-                v_desc, [kv_row + kt * BN, kv_col], ready.index(stage), v_bufs.index(stage)
-            )
+        gf._load_kv_ring(
+            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col
+        )
 
     @gluon.jit
     def _tiles(
@@ -123,13 +109,7 @@ if gluon is not None:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             s = s * qk_scale - lse2[:, None]
             if MASKED:
-                kt = gl.load(cols + e)
-                lo = gl.load(los + e)
-                hi = gl.load(his + e)
-                n_abs = kt * BN + offs_n
-                ok = (n_abs[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo)
-                ok = ok & (q_abs[:, None] < hi)
-                s = gl.where(ok, s, -float("inf"))
+                s = gf._mask_rows(s, e, cols, los, his, q_abs, offs_n)
             p = gl.exp2(s)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
             ds = p * (dp - delta[:, None])
@@ -329,20 +309,17 @@ def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
 
 def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
-
-    types = {n: desc(WG_ROWS) for n in ("q_desc", "do_desc", "o_desc", "dq_desc")}
-    types.update({n: desc(block) for n in ("k_desc", "v_desc")})
-    types.update(LSE="*fp32", DLSE="*fp32", DELTA="*fp32", qk_scale="fp32", sm_scale="fp32")
-    types.update(STAGES="constexpr")
-    types.update({n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")})
-    sig = {n: types.get(n, "i32") for n in _s2_dq_gluon_kernel.arg_names}
-    src = GluonASTSource(_s2_dq_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
-    return gf.compile_source_for_sm90(src, os.path.join(out_dir, f"dq_d{head_dim}_n{block}"))
+    tiles = {n: WG_ROWS for n in ("q_desc", "do_desc", "o_desc", "dq_desc")}
+    types = {n: "*fp32" for n in ("LSE", "DLSE", "DELTA")}
+    types.update(qk_scale="fp32", sm_scale="fp32", **gf.ROW_LIST_TYPES)
+    return gf.compile_kernel_for_sm90(
+        _s2_dq_gluon_kernel,
+        head_dim,
+        {**tiles, "k_desc": block, "v_desc": block},
+        types,
+        NUM_STAGES,
+        os.path.join(out_dir, f"dq_d{head_dim}_n{block}"),
+    )
 
 
 def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float):

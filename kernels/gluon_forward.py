@@ -144,8 +144,6 @@ if gluon is not None:
         kv_col_h,
     ):  # fmt: skip
         BM: gl.constexpr = q_smem.type.shape[1]
-        BN: gl.constexpr = k_bufs.type.shape[1]
-        STAGES: gl.constexpr = k_bufs.type.shape[0]
         b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
         q_row = b * q_row_b + qt * 2 * BM
         q_col = b * q_col_b + h * q_col_h
@@ -154,8 +152,19 @@ if gluon is not None:
         _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
         e0 = gl.load(row_ptr + item)
         e2 = gl.load(row_ptr + item + 1)
-        kv_row = b * kv_row_b
         kv_col = b * kv_col_b + (h // group) * kv_col_h
+        _load_kv_ring(
+            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col
+        )
+
+    @gluon.jit
+    def _load_kv_ring(
+        k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, kv_row, kv_col
+    ):  # fmt: skip
+        """TMA-load the K and V tiles of row-list entries ``e0 .. e2`` into the ``STAGES`` ring
+        that both consumer warpgroups read (the forward's and the dQ pass's loader)."""
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
         for e in range(e0, e2):
             i = e - e0
             stage = i % STAGES
@@ -166,6 +175,18 @@ if gluon is not None:
             mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [kv_row + kt * BN, kv_col], ready.index(stage), k_bufs.index(stage))
             _tma_load(v_desc, [kv_row + kt * BN, kv_col], ready.index(stage), v_bufs.index(stage))
+
+    @gluon.jit
+    def _mask_rows(s, e, cols, los, his, q_abs, offs_n):
+        """Scores ``s [rows, BN]`` of a partial row-list entry ``e`` with the disallowed pairs
+        at -inf: causal, and query rows outside the entry's ``[lo, hi)``."""
+        BN: gl.constexpr = s.type.shape[1]
+        n_abs = gl.load(cols + e) * BN + offs_n
+        lo = gl.load(los + e)
+        hi = gl.load(his + e)
+        ok = (n_abs[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo)
+        ok = ok & (q_abs[:, None] < hi)
+        return gl.where(ok, s, -float("inf"))
 
     @gluon.jit
     def _consume_tiles(
@@ -194,13 +215,7 @@ if gluon is not None:
             )
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
             if MASKED:
-                kt = gl.load(cols + e)
-                lo = gl.load(los + e)
-                hi = gl.load(his + e)
-                n_abs = kt * BN + offs_n
-                ok = (n_abs[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo)
-                ok = ok & (q_abs[:, None] < hi)
-                s = gl.where(ok, s, -float("inf"))
+                s = _mask_rows(s, e, cols, los, his, q_abs, offs_n)
             m_new = gl.maximum(m_i, gl.max(s, 1))
             # A row with nothing allowed yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
             m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -452,28 +467,38 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` (bytes a
     thread spills), ``shared_bytes``, ``registers`` (the default partition's). Needs
     ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``."""
+    return compile_kernel_for_sm90(
+        _s2_fwd_gluon_kernel,
+        head_dim,
+        {"q_desc": WG_ROWS, "k_desc": block, "v_desc": block, "o_desc": WG_ROWS},
+        {"LSE": "*fp32", "qk_scale": "fp32", **ROW_LIST_TYPES},
+        NUM_STAGES,
+        os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"),
+    )
+
+
+# The layout arrays a row-list kernel takes (int32 pointers).
+ROW_LIST_TYPES = {n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")}
+
+
+def compile_kernel_for_sm90(kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem):
+    """Compile Gluon ``kernel`` for sm_90a (4 warps) without a GPU and write ``stem.cubin``:
+    ``tiles`` maps each TMA descriptor argument to its tile rows (bf16 ``[rows, head_dim]``),
+    ``types`` the other arguments that are not ``i32``, ``stages`` the ``STAGES`` constexpr.
+    Returns :func:`compile_for_sm90`'s statistics."""
+    import re
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows):
         lay = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
 
-    types = {"q_desc": desc(WG_ROWS), "k_desc": desc(block), "v_desc": desc(block)}
-    types.update(o_desc=desc(WG_ROWS), LSE="*fp32", qk_scale="fp32", STAGES="constexpr")
-    types.update({n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")})
-    sig = {n: types.get(n, "i32") for n in _s2_fwd_gluon_kernel.arg_names}
-    src = GluonASTSource(_s2_fwd_gluon_kernel, signature=sig, constexprs={"STAGES": NUM_STAGES})
-    return compile_source_for_sm90(src, os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"))
-
-
-def compile_source_for_sm90(src, stem: str) -> dict:
-    """Compile a Gluon kernel source for sm_90a (4 warps), write ``stem.cubin`` and return
-    :func:`compile_for_sm90`'s statistics of it."""
-    import re
-    import subprocess
-
-    from triton.backends.compiler import GPUTarget
-
+    sig = {n: types.get(n, "i32") for n in kernel.arg_names}
+    sig.update({n: desc(rows) for n, rows in tiles.items()}, STAGES="constexpr")
+    src = GluonASTSource(kernel, signature=sig, constexprs={"STAGES": stages})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     cubin = stem + ".cubin"
     with open(cubin, "wb") as f:

@@ -183,3 +183,38 @@ def tile_loads(request, monkeypatch):
         monkeypatch.setattr(ta, "kernel_config", with_tma)
         monkeypatch.setattr(ta, "TensorDescriptor", counted)
     yield built if request.param else None
+
+
+# Run in a fresh interpreter: under TRITON_INTERPRET=1 (set above for the tl kernels)
+# triton.language's own jit helpers, which Gluon code calls, would be interpreted objects.
+_SM90_COMPILE = """
+import importlib, json, sys
+mod = importlib.import_module(sys.argv[1])
+print(json.dumps(mod.compile_for_sm90(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+"""
+
+
+def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path) -> dict:
+    """``module.compile_for_sm90(head_dim, block, tmp_path)`` (a Gluon kernel module of
+    s2attn) in a fresh interpreter without TRITON_INTERPRET: its statistics (``hgmma``,
+    ``local_memory``, ``shared_bytes``, ``registers``). Skips where Triton ships no
+    ``cuobjdump``."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("no cuobjdump next to Triton's ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE, module, str(head_dim), str(block), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

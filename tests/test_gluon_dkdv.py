@@ -4,13 +4,9 @@ against the reference's gradients, and a compile for sm_90 with the installed Tr
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import sm90_compile_stats, token_mask
 
 import s2attn.gluon_dkdv as gd
 from s2attn import S2Pattern, s2_attention_reference
@@ -52,8 +48,6 @@ def test_emulated_schedule_matches_reference_gradients(
     delta = (do * out.detach()).sum(-1).transpose(1, 2)  # [b, h, s]
     # The reference's LSE is fp32: recompute it in float64 for an exact comparison.
     sc = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(heads // kv_heads, 2)) * scale
-    from conftest import token_mask
-
     mask = token_mask(pattern, seq, seq)[None]
     lse64 = torch.logsumexp(sc.masked_fill(~mask, float("-inf")), dim=-1)
     assert (lse64 - lse.double()).abs().max() < 1e-4  # the same rows
@@ -62,31 +56,11 @@ def test_emulated_schedule_matches_reference_gradients(
     torch.testing.assert_close(dv, dv_ref, rtol=1e-9, atol=1e-9)
 
 
-_COMPILE = """
-import json, sys
-import s2attn.gluon_dkdv as gd
-print(json.dumps(gd.compile_for_sm90(int(sys.argv[1]), 64, sys.argv[2])))
-"""
-
-
 @pytest.mark.skipif(gd.gluon is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, tmp_path):
-    """Fresh interpreter: TRITON_INTERPRET=1 (conftest) would make Gluon's helpers interpreted."""
-    tool = os.path.join(os.path.dirname(gd.gf.triton.__file__), "backends/nvidia/bin/cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("no cuobjdump next to Triton's ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(head_dim), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = sm90_compile_stats("s2attn.gluon_dkdv", head_dim, 64, tmp_path)
     # Per query tile: S^T and dP^T in head_dim/16 k-steps, dV and dK in 64/16; the loop is
     # compiled for full and for partial entries, in each of the two pipelines.
     assert got["hgmma"] >= 2 * 2 * (2 * head_dim // 16 + 2 * 64 // 16)

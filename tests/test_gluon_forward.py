@@ -9,15 +9,9 @@ Triton. tests/test_kernels_gpu.py runs the kernel itself on an H100.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import sm90_compile_stats
 
 import s2attn.gluon_forward as gf
 from s2attn import S2Pattern, s2_attention_reference
@@ -148,38 +142,13 @@ def test_calls_it_does_not_take_say_why():
     assert "sm_90" in why()  # a CPU tensor
 
 
-def _cuda_tool(name):
-    path = Path(gf.triton.__file__).parent / "backends/nvidia/bin" / name
-    return str(path) if path.exists() else shutil.which(name)
-
-
-# Run in a fresh interpreter: under TRITON_INTERPRET=1 (set by conftest for the tl kernels)
-# triton.language's own jit helpers, which Gluon code calls, would be interpreted objects.
-_COMPILE = """
-import json, sys
-import s2attn.gluon_forward as gf
-print(json.dumps(gf.compile_for_sm90(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))
-"""
-
-
 @needs_gluon
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 128)])
 def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     """The installed Triton builds the kernel for the H100: a Gluon API change shows here, not
     first on a user's GPU. wgmma (HGMMA in SASS) for both MMAs, no local memory."""
-    if _cuda_tool("cuobjdump") is None:
-        pytest.skip("no cuobjdump next to Triton's ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(head_dim), str(block), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = sm90_compile_stats("s2attn.gluon_forward", head_dim, block, tmp_path)
     # Per key tile: S = Q K^T in head_dim/16 k-steps, O += P V in block/16, of 64-row wgmma;
     # the loop is compiled twice (unmasked and masked entries).
     assert got["hgmma"] >= 2 * (head_dim + block) // 16

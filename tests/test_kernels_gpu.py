@@ -580,6 +580,41 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     assert not (wide_cfg.gluon_dkdv or wide_cfg.gluon_dq)  # block 64 only
 
 
+def _gluon_bwd_case(batch, seq, heads, kv_heads, head_dim, local, stride, dtype, layout, seed):
+    """Inputs of a Gluon backward-pass test in ``layout`` ("bshd", or "sbhd" seen as bshd) and
+    the ``tl`` forward's out and LSE on them: ``(pattern, q, k, v, do, scale, cfg, out, lse)``,
+    ``cfg`` the default config with every Gluon kernel off."""
+    import dataclasses
+
+    from s2attn import triton_attention as ta
+
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=64,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=1,
+    )
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def mk(h):
+        shape = (batch, seq, h, head_dim) if layout == "bshd" else (seq, batch, h, head_dim)
+        x = torch.randn(*shape, device=DEV, generator=g).to(dtype)
+        return x if layout == "bshd" else x.transpose(0, 1)
+
+    q, k, v, do = mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
+    scale = head_dim**-0.5
+    cfg = dataclasses.replace(
+        ta.kernel_config(pattern, head_dim, DEV, q.dtype),
+        gluon_fwd=False,
+        gluon_dkdv=False,
+        gluon_dq=False,
+    )
+    out, lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
+    return pattern, q, k, v, do, scale, cfg, out, lse
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "batch,seq,heads,kv_heads,head_dim,local,stride,dtype",
@@ -597,33 +632,13 @@ def test_gluon_dkdv_matches_tl_pass_and_reference(
 ):
     """dK and dV of the Gluon pass against the fp32 reference's, no further off than the ``tl``
     pass on the same inputs (out, LSE and delta from the ``tl`` kernels)."""
-    import dataclasses
-
     import s2attn.gluon_dkdv as gd
     from s2attn import triton_attention as ta
 
     _gluon_or_skip()
-    pattern = S2Pattern(
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        block_size=64,
-        local_blocks=local,
-        vert_stride=stride,
-        head_offset=1,
+    pattern, q, k, v, do, scale, cfg, out, lse = _gluon_bwd_case(
+        batch, seq, heads, kv_heads, head_dim, local, stride, dtype, layout, seq + heads + 5
     )
-    g = torch.Generator(device=DEV).manual_seed(seq + heads + 5)
-
-    def mk(h):
-        shape = (batch, seq, h, head_dim) if layout == "bshd" else (seq, batch, h, head_dim)
-        x = torch.randn(*shape, device=DEV, generator=g).to(dtype)
-        return x if layout == "bshd" else x.transpose(0, 1)
-
-    q, k, v, do = mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
-    scale = head_dim**-0.5
-    cfg = dataclasses.replace(
-        ta.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False, gluon_dkdv=False
-    )
-    out, lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
     _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
     dk, dv = gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale)
     tl_dk, tl_dv = ta.bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, 0, 0, cfg)
@@ -686,37 +701,14 @@ def test_gluon_dq_matches_tl_pass_and_reference(
     """dQ of the Gluon pass against the fp32 reference's, no further off than the ``tl`` pass
     on the same inputs (out and LSE from the ``tl`` forward); its delta equals the ``tl``
     pass's (the dK/dV pass reads it)."""
-    import dataclasses
-
     import s2attn.gluon_dq as gq
     from s2attn import triton_attention as ta
 
     _gluon_or_skip()
-    pattern = S2Pattern(
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        block_size=64,
-        local_blocks=local,
-        vert_stride=stride,
-        head_offset=1,
+    pattern, q, k, v, do, scale, cfg, out, lse = _gluon_bwd_case(
+        batch, seq, heads, kv_heads, head_dim, local, stride, dtype, layout, seq + heads + 9
     )
-    g = torch.Generator(device=DEV).manual_seed(seq + heads + 9)
-
-    def mk(h):
-        shape = (batch, seq, h, head_dim) if layout == "bshd" else (seq, batch, h, head_dim)
-        x = torch.randn(*shape, device=DEV, generator=g).to(dtype)
-        return x if layout == "bshd" else x.transpose(0, 1)
-
-    q, k, v, do = mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
-    scale = head_dim**-0.5
-    cfg = dataclasses.replace(
-        ta.kernel_config(pattern, head_dim, DEV, q.dtype),
-        gluon_fwd=False,
-        gluon_dkdv=False,
-        gluon_dq=False,
-    )
-    out, lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
-    dlse = torch.randn(lse.shape, device=DEV, generator=g) if with_dlse else None
+    dlse = torch.randn(lse.shape, device=DEV, dtype=torch.float32) if with_dlse else None
     dq, delta = gq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale)
     tl_dq, tl_delta = ta.bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
     torch.testing.assert_close(delta, tl_delta, rtol=1e-4, atol=1e-4)
