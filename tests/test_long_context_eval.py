@@ -329,3 +329,83 @@ def test_parallel_layouts_give_the_single_process_scores(run_dir, evaluated, lay
     ref_bins = json.loads((single / "loss_by_position.json").read_text())["bins"]
     got_bins = json.loads((out / "loss_by_position.json").read_text())["bins"]
     assert [b["loss"] for b in got_bins] == pytest.approx([b["loss"] for b in ref_bins], rel=1e-5)
+
+
+# ---- the attention probe ----
+def test_needle_weights_reproduce_the_reference_attention():
+    """The probe's weights for one row, times V, give the reference S2 attention's output at
+    that row (so mask, causality, GQA and scale are the kernels'); without the pattern they do
+    not."""
+    import torch
+
+    from megatron_s2.training.attention_probe import needle_weights
+    from s2attn import S2Pattern, s2_attention_reference
+
+    g = torch.Generator().manual_seed(7)
+    pattern = S2Pattern(num_heads=4, num_kv_heads=2, block_size=16, local_blocks=2, vert_stride=3)
+    s, d, scale = 160, 8, 0.3
+    q, k, v = (torch.randn(1, s, h, d, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    ref = s2_attention_reference(q, k, v, pattern, scale)[0]  # [s, h, d]
+    for row in (5, 47, 159):
+        w = needle_weights(q[0], k[0], row, scale, pattern)
+        out = torch.einsum("hk,khd->hd", w, v[0, : row + 1].repeat_interleave(2, dim=1))
+        torch.testing.assert_close(out, ref[row], rtol=1e-10, atol=1e-10)
+        assert torch.allclose(w.sum(-1), torch.ones(4, dtype=torch.float64))
+    dense = needle_weights(q[0], k[0], 159, scale)
+    out = torch.einsum("hk,khd->hd", dense, v[0].repeat_interleave(2, dim=1))
+    assert (out - ref[159]).abs().max() > 1e-3  # the S2 mask matters at this row
+
+
+def test_attention_probe_on_the_tiny_run(run_dir):
+    """The CLI's probe on the trained hybrid: a row per layer, S2 and dense kinds as the
+    schedule sets them, masses in [0, 1], and weights that reproduce every layer's output."""
+    out = run_dir / "probe"
+    proc = subprocess.run(
+        [
+            *EVAL,
+            "--checkpoint",
+            str(run_dir / "checkpoints"),
+            "--output-dir",
+            str(out),
+            "--tasks",
+            "passkey",
+            "--lengths",
+            "128",
+            "--depths",
+            "0,1",
+            "--trials",
+            "2",
+            "--skip-position",
+            "--attention-probe",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=run_dir,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads((out / "attention_probe.json").read_text())
+    saved = json.loads((out / "retrieval.json").read_text())
+    assert found["max_output_error"] < 1e-4, found["max_output_error"]
+    assert found["depths"] == [0.0, 1.0] and found["trials"] == 2
+    kinds = [layer["kind"] for layer in found["layers"]]
+    assert [layer["layer"] for layer in found["layers"]] == list(range(len(kinds)))
+    assert set(kinds) == {"S2", "dense"}, kinds  # the demo's hybrid schedule
+    for layer in found["layers"]:
+        for top, mean in zip(layer["top_head"], layer["mean_head"]):
+            assert 0.0 <= mean <= top <= 1.0 + 1e-9, layer
+    assert saved["tasks"]["passkey"]["trials"]  # the retrieval evaluation ran alongside
+    table = (out / "attention_probe.md").read_text()
+    assert table.count("\n| ") == len(kinds) + 1 and "attention on the needle" in table
+    assert "| layer | kind | depth 0 | depth 1 |" in proc.stdout
+
+
+def test_attention_probe_needs_one_process(run_dir, capsys):
+    ckpt = ["--checkpoint", str(run_dir / "checkpoints"), "--lengths", "128"]
+    err = _fails(capsys, *ckpt, "--attention-probe", "128", "parallel.context_parallel_size=2")
+    assert "--attention-probe runs in one process" in err
+    assert "parallel.context_parallel_size=2" in err
+    err = _fails(capsys, *ckpt, "--attention-probe", "1024")
+    assert "--attention-probe: 1024 exceeds model.seq_length=128" in err

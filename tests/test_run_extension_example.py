@@ -25,7 +25,7 @@ SCRIPT_KNOBS = {
     "PYTHON", "CORPUS", "KV_PREFIX", "KV_WEIGHT", "RETRIEVAL_PREFIX", "RETRIEVAL_WEIGHT",
     "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
-    "POSITION_SEQUENCES", "STATUS",
+    "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -159,6 +159,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
     assert set(evals) == expected and len(eval_calls) == len(expected)  # each run once
     for run, c in evals.items():
         assert c["args"][-1] == "data.blend=[data/code/train_valid]"  # held-out code only
+        assert "--attention-probe" not in c["args"]  # only with PROBE_LENGTH
         before_extension = run.parts[1] == "code-125m-4k-base"
         assert ("--allow-extrapolation" in c["args"]) == before_extension
         if before_extension:
@@ -290,3 +291,15 @@ def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_p
     assert "no study code-125m-extend-16k-remedis" in r.stdout
     assert "code-125m-extend-16k-remedies" in r.stdout  # the studies there are, listed
     assert not log.exists()  # nothing ran
+
+
+def test_example_script_probes_attention_when_asked(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    calls = _run(tmp_path, tmp_path / "calls.jsonl", PROBE_LENGTH="8192")
+    evals = [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]]
+    assert evals
+    for c in evals:
+        at = c["args"].index("--attention-probe")
+        assert c["args"][at + 1] == "8192"

@@ -36,7 +36,9 @@
 # reaches it: an extension of models that do not retrieve at their own length cannot answer the
 # example's question), DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as
 # there are ids, one GPU each, through the sweep's --devices; default one after another), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
-# POSITION_SEQUENCES (64). Progress, one line per step, in STATUS (example_status.log). Measured
+# POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a length: every evaluation also runs
+# --attention-probe at it, which layers look at the needle). Progress, one line per step, in
+# STATUS (example_status.log). Measured
 # on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 set -uo pipefail
 ROOT=$(dirname "$0")/..
@@ -114,7 +116,8 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
     [[ -f "$run/long_context_eval/loss_by_position.json" ]] && return 0
     "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
         --lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}" \
-        --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" "$@" \
+        --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" \
+        ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \
         "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
     local rc=$?
     note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"

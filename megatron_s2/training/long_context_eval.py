@@ -51,6 +51,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .attention_probe import check_probe_layout, probe_needle_attention, probe_table
 from .run_config import ConfigError, RunConfig, apply_overrides, load_config
 
 __all__ = [
@@ -891,6 +892,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concat-docs", action="store_true", help="loss by position on concatenated documents"
     )
+    p.add_argument(
+        "--attention-probe",
+        type=int,
+        metavar="LENGTH",
+        help="also measure, per layer and head, the attention on the needle of the first task's "
+        "prompts at LENGTH tokens (one process; docs/long_context_eval.md)",
+    )
     p.add_argument("--skip-retrieval", action="store_true")
     p.add_argument("--skip-position", action="store_true")
     p.add_argument("--micro-batch-size", type=int, default=1)
@@ -931,7 +939,14 @@ def run(args) -> dict:
     check_lengths(
         cfg, [pos_length], allow_extrapolation=args.allow_extrapolation, what="--position-length"
     )
-    em = load_eval_model(cfg, args.checkpoint, max_length=max(lengths + [pos_length]))
+    probe = [args.attention_probe] if args.attention_probe is not None else []
+    if probe:
+        check_probe_layout(cfg)
+        check_grid(tasks, depths, args.trials)
+        check_lengths(
+            cfg, probe, allow_extrapolation=args.allow_extrapolation, what="--attention-probe"
+        )
+    em = load_eval_model(cfg, args.checkpoint, max_length=max(lengths + [pos_length] + probe))
     out_dir = args.output_dir or os.path.join(em.cfg.run_dir, "long_context_eval")
     say = print if em.rank0 else (lambda *a, **k: None)
     say(
@@ -986,6 +1001,25 @@ def run(args) -> dict:
                     else:
                         json.dump(content, f, indent=1)
                 files.append(path)
+    if probe:
+        found = probe_needle_attention(
+            em, tasks[0], probe[0], depths, args.trials, seed=args.seed, documents=documents
+        )
+        found.update(checkpoint=em.checkpoint, iteration=em.iteration)
+        result["attention_probe"] = found
+        text = (
+            f"## {tasks[0]} at {probe[0]} tokens: attention on the needle from the position "
+            "predicting the answer, strongest head (mean over heads)\n\n" + probe_table(found)
+        )
+        say(text, flush=True)
+        for name, content in (("attention_probe.md", text), ("attention_probe.json", found)):
+            path = os.path.join(out_dir, name)
+            with open(path, "w") as f:
+                if isinstance(content, str):
+                    f.write(content)
+                else:
+                    json.dump(content, f, indent=1)
+            files.append(path)
     if not args.skip_position:
         position = evaluate_loss_by_position(
             em,

@@ -1,0 +1,206 @@
+"""Where a trained model looks when it retrieves: per layer and head, the share of attention
+that the position predicting a retrieval answer puts on the needle.
+
+A retrieval head (an induction-style head that copies the needle's value) puts most of its
+attention on the needle; a layer whose heads cannot reach the needle (an S2 layer whose local
+window and stripes miss it) puts none there. Run on a hybrid and on its dense twin, this shows
+in which layers each model retrieves, e.g. whether a hybrid's retrieval heads sit in its S2
+layers (``docs/long_context_eval.md``, run J).
+
+The attention weights are recomputed from each core attention's own query and key (after
+RoPE, as the layer received them) for the one query row that predicts the answer's first token,
+with the layer's softmax scale and, for S2 layers, its pattern; the weights are checked against
+the layer's output at that row (``sum_k w_k v_k``), so a mask or scale that differs from what
+the kernel did shows as ``max_output_error``. One process (TP = PP = CP = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .run_config import ConfigError
+
+PROBE = "--attention-probe"
+
+
+def check_probe_layout(cfg) -> None:
+    """The probe reads whole heads and sequences in one process: raise :class:`ConfigError`
+    naming ``--attention-probe`` for any model or context parallelism."""
+    par = cfg.parallel
+    sizes = {
+        "tensor_model_parallel_size": par.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+        "context_parallel_size": par.context_parallel_size,
+    }
+    split = {k: v for k, v in sizes.items() if v != 1}
+    if split:
+        raise ConfigError(
+            f"{PROBE} runs in one process with whole heads and sequences; the run has "
+            + ", ".join(f"parallel.{k}={v}" for k, v in split.items())
+            + " (set them to 1 for the probe: the weights load at any layout)"
+        )
+
+
+def core_attention_layers(model) -> list[tuple[int, torch.nn.Module]]:
+    """``(layer index, core attention module)`` of every transformer layer of ``model`` (one
+    chunk), 0-based in depth order."""
+    found = []
+    for name, module in model.named_modules():
+        if name.endswith("self_attention.core_attention"):
+            parts = name.split(".")
+            found.append((int(parts[parts.index("layers") + 1]), module))
+    return sorted(found, key=lambda t: t[0])
+
+
+def needle_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    row: int,
+    scale: float,
+    pattern=None,
+) -> torch.Tensor:
+    """Attention weights of query row ``row`` over keys ``0 .. row``: query ``[s, np, hn]``, key
+    ``[s, ng, hn]`` (one sequence, Megatron's order) -> ``[np, row + 1]`` float64, causal, and
+    restricted to ``pattern``'s blocks (an :class:`s2attn.S2Pattern` for this rank's heads) when
+    given."""
+    q = query[row].double()  # [np, hn]
+    k = key[: row + 1].double().repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scores = torch.einsum("hd,khd->hk", q, k) * scale
+    if pattern is not None:
+        b = pattern.block_size
+        blocks = pattern.block_mask(1, row // b + 1, row // b, 0)[:, 0]  # [np, key blocks]
+        allowed = blocks[:, torch.arange(row + 1) // b]
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class _Capture:
+    """The probe's hooks on every core attention for one forward pass of one sequence: query
+    row ``row``'s attention mass on the key positions ``span``, per layer and head."""
+
+    def __init__(self, layers: list, row: int, span: slice):
+        self.layers, self.row, self.span = layers, row, span
+        self.mass = {}  # layer -> [np] needle mass
+        self.output_error = 0.0
+        self.handles = []
+
+    def __enter__(self):
+        for index, module in self.layers:
+            self.handles.append(
+                module.register_forward_hook(self._hook(index, module), with_kwargs=True)
+            )
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _hook(self, index, module):
+        def hook(mod, args, kwargs, output):
+            query, key, value = (
+                args[i] if len(args) > i else kwargs[n]
+                for i, n in enumerate(("query", "key", "value"))
+            )
+            if query.dim() != 4 or query.shape[1] != 1:
+                raise ValueError(f"{PROBE}: expects one [s, 1, heads, dim] sequence a pass")
+            q, k, v = query[:, 0], key[:, 0], value[:, 0]
+            scale = getattr(module, "softmax_scale", None) or q.shape[-1] ** -0.5
+            w = needle_weights(q, k, self.row, scale, getattr(module, "pattern", None))
+            self.mass[index] = w[:, self.span].sum(-1).cpu()
+            # The weights must reproduce what the layer computed at this row.
+            rep = q.shape[1] // k.shape[1]
+            vv = v[: self.row + 1].double().repeat_interleave(rep, dim=1)  # [row + 1, np, hn]
+            mine = torch.einsum("hk,khd->hd", w, vv)
+            got = output[0] if isinstance(output, tuple) else output
+            got = got[self.row, 0].double().view(q.shape[1], -1)
+            err = float((mine - got).abs().max() / got.abs().max().clamp_min(1e-30))
+            self.output_error = max(self.output_error, err)
+
+        return hook
+
+
+def probe_needle_attention(
+    em,
+    task_name: str,
+    length: int,
+    depths: Sequence[float],
+    trials: int,
+    *,
+    seed: int = 0,
+    documents: Optional[list] = None,
+) -> dict:
+    """Per layer and depth, the needle's share of attention at the position that predicts the
+    answer's first token, over ``trials`` prompts of ``task_name`` at ``length`` tokens (the
+    retrieval evaluation's own prompts). ``em``: a one-process
+    :class:`~megatron_s2.training.long_context_eval.EvalModel`.
+
+    Returns ``{"layers": [{"layer", "kind", "mean_head", "top_head"}], ...}`` where
+    ``mean_head[d]`` is the mass averaged over heads and trials at depth ``depths[d]`` and
+    ``top_head[d]`` the strongest head's mass averaged over trials (a retrieval head: near 1);
+    ``max_output_error`` is the largest relative error of the weights' output against the
+    layers' own.
+    """
+    from .long_context_eval import (
+        TASKS,
+        haystack_stream,
+        heldout_documents,
+        make_trial,
+        score_sequences,
+    )
+
+    check_probe_layout(em.cfg)
+    task = TASKS[task_name]
+    if task.filler == "corpus" and documents is None:
+        documents = heldout_documents(em.cfg)
+    tok = em.tokenizer
+    stream = haystack_stream(task, tok, documents or [], 2 * length + 2)
+    layers = core_attention_layers(em.model[0])
+    mean = np.zeros((len(layers), len(depths)))
+    top = np.zeros((len(layers), len(depths)))
+    error = 0.0
+    for di, depth in enumerate(depths):
+        for i in range(trials):
+            trial = make_trial(task, tok, stream, length, depth, i, seed=seed)
+            fill = {"key": trial.key, "value": trial.value}
+            needle = len(tok.encode(task.needle.format(**fill)))
+            span = slice(trial.needle_at, trial.needle_at + needle)
+            with _Capture(layers, trial.answer_at - 1, span) as cap:
+                score_sequences(em, trial.tokens[None])
+            for li, (index, _) in enumerate(layers):
+                mass = cap.mass[index]
+                mean[li, di] += float(mass.mean()) / trials
+                top[li, di] += float(mass.max()) / trials
+            error = max(error, cap.output_error)
+    return {
+        "task": task_name,
+        "length": length,
+        "depths": list(depths),
+        "trials": trials,
+        "seed": seed,
+        "max_output_error": error,
+        "layers": [
+            {
+                "layer": index,
+                "kind": "S2" if getattr(module, "pattern", None) is not None else "dense",
+                "mean_head": mean[li].tolist(),
+                "top_head": top[li].tolist(),
+            }
+            for li, (index, module) in enumerate(layers)
+        ],
+    }
+
+
+def probe_table(result: dict) -> str:
+    """Markdown: a row per layer, the strongest head's needle mass (mean over heads in
+    brackets) at each depth."""
+    head = "| layer | kind | " + " | ".join(f"depth {d:g}" for d in result["depths"]) + " |"
+    rows = [head, "|---|---|" + "---|" * len(result["depths"])]
+    for layer in result["layers"]:
+        cells = [f"{t:.2f} ({m:.2f})" for t, m in zip(layer["top_head"], layer["mean_head"])]
+        rows.append(f"| {layer['layer']} | {layer['kind']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
