@@ -218,3 +218,36 @@ def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path) -> dict
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def float64_s2_case(batch, seq, heads, kv_heads, local, stride, offset, head_dim=16):
+    """A block-64 S2 case in float64 for the Gluon passes' emulations: ``(pattern, q, k, v,
+    do, scale, out, lse)`` with q/k/v ``[b, s, h, d]`` leaves that require grad, and ``out``
+    and ``lse [b, h, s]`` computed from the masked scores in float64 (differentiable; checked
+    against the reference's output)."""
+    from s2attn import S2Pattern, s2_attention_reference
+
+    g = torch.Generator().manual_seed(seq + heads + offset)
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=64,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=offset,
+    )
+    q, k, v = (
+        torch.randn(batch, seq, h, head_dim, dtype=torch.float64, generator=g).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
+    do = torch.randn(batch, seq, heads, head_dim, dtype=torch.float64, generator=g)
+    scale = head_dim**-0.5
+    # The reference's LSE is fp32: out and LSE come from the masked scores in float64.
+    rep = heads // kv_heads
+    sc = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(rep, 2)) * scale
+    sc = sc.masked_fill(~token_mask(pattern, seq, seq)[None], float("-inf"))
+    lse = torch.logsumexp(sc, dim=-1)
+    p = torch.exp(sc - lse[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(rep, 2))
+    assert (out - s2_attention_reference(q, k, v, pattern, scale)).abs().max() < 1e-9
+    return pattern, q, k, v, do, scale, out, lse

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import sm90_compile_stats, token_mask
+from conftest import float64_s2_case, sm90_compile_stats
 
 import s2attn.gluon_dkdv as gd
-from s2attn import S2Pattern, s2_attention_reference
 
 pytestmark = pytest.mark.version_independent
 
@@ -27,31 +26,14 @@ pytestmark = pytest.mark.version_independent
 def test_emulated_schedule_matches_reference_gradients(
     batch, seq, heads, kv_heads, local, stride, offset
 ):
-    d = 16
-    g = torch.Generator().manual_seed(seq + heads + offset)
-    pattern = S2Pattern(
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        block_size=64,
-        local_blocks=local,
-        vert_stride=stride,
-        head_offset=offset,
+    pattern, q, k, v, do, scale, out, lse = float64_s2_case(
+        batch, seq, heads, kv_heads, local, stride, offset
     )
-    q, k, v = (
-        torch.randn(batch, seq, h, d, dtype=torch.float64, generator=g).requires_grad_(True)
-        for h in (heads, kv_heads, kv_heads)
-    )
-    do = torch.randn(batch, seq, heads, d, dtype=torch.float64, generator=g)
-    scale = d**-0.5
-    out, lse = s2_attention_reference(q, k, v, pattern, scale, return_lse=True)
     dk_ref, dv_ref = torch.autograd.grad(out, (k, v), do)
     delta = (do * out.detach()).sum(-1).transpose(1, 2)  # [b, h, s]
-    # The reference's LSE is fp32: recompute it in float64 for an exact comparison.
-    sc = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(heads // kv_heads, 2)) * scale
-    mask = token_mask(pattern, seq, seq)[None]
-    lse64 = torch.logsumexp(sc.masked_fill(~mask, float("-inf")), dim=-1)
-    assert (lse64 - lse.double()).abs().max() < 1e-4  # the same rows
-    dk, dv = gd.emulate_dkdv(do, q.detach(), k.detach(), v.detach(), lse64, delta, pattern, scale)
+    dk, dv = gd.emulate_dkdv(
+        do, q.detach(), k.detach(), v.detach(), lse.detach(), delta, pattern, scale
+    )
     torch.testing.assert_close(dk, dk_ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(dv, dv_ref, rtol=1e-9, atol=1e-9)
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import sm90_compile_stats, token_mask
+from conftest import float64_s2_case, sm90_compile_stats
 
 import s2attn.gluon_dq as gq
-from s2attn import S2Pattern, s2_attention_reference
 
 pytestmark = pytest.mark.version_independent
 
@@ -26,33 +25,10 @@ pytestmark = pytest.mark.version_independent
 def test_emulated_schedule_matches_reference_gradients(
     batch, seq, heads, kv_heads, local, stride, offset, with_dlse
 ):
-    d = 16
-    g = torch.Generator().manual_seed(seq + heads + offset)
-    pattern = S2Pattern(
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        block_size=64,
-        local_blocks=local,
-        vert_stride=stride,
-        head_offset=offset,
+    pattern, q, k, v, do, scale, out, lse = float64_s2_case(
+        batch, seq, heads, kv_heads, local, stride, offset
     )
-    q, k, v = (
-        torch.randn(batch, seq, h, d, dtype=torch.float64, generator=g).requires_grad_(True)
-        for h in (heads, kv_heads, kv_heads)
-    )
-    do = torch.randn(batch, seq, heads, d, dtype=torch.float64, generator=g)
-    scale = d**-0.5
-    # The reference's LSE is fp32: the float64 LSE (and its gradient path) comes from the
-    # masked scores directly.
-    rep = heads // kv_heads
-    sc = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(rep, 2)) * scale
-    sc = sc.masked_fill(~token_mask(pattern, seq, seq)[None], float("-inf"))
-    lse = torch.logsumexp(sc, dim=-1)  # [b, h, s]
-    out = torch.einsum(
-        "bhqk,bkhd->bqhd", torch.exp(sc - lse[..., None]), v.repeat_interleave(rep, 2)
-    )
-    ref_out = s2_attention_reference(q, k, v, pattern, scale)
-    assert (out - ref_out).abs().max() < 1e-9  # the same attention
+    g = torch.Generator().manual_seed(seq)
     dlse = torch.randn(lse.shape, dtype=torch.float64, generator=g) if with_dlse else None
     grads = [do] + ([dlse] if with_dlse else [])
     outs = [out] + ([lse] if with_dlse else [])

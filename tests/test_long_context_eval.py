@@ -39,6 +39,22 @@ GRID = [
 ]
 
 
+def _eval_cli(run_dir, out, *args, launcher=(sys.executable,)):
+    """The evaluation CLI on the run's checkpoint, writing to ``out``; asserts success and
+    returns its stdout."""
+    proc = subprocess.run(
+        [*launcher, *EVAL[1:], "--checkpoint", str(run_dir / "checkpoints"), "--output-dir",
+         str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=run_dir,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, demo_dir):  # noqa: F811
     """A tiny S2 hybrid (seq_length 128, 16-token blocks) trained 3 steps, checkpointed."""
@@ -51,16 +67,7 @@ def run_dir(tmp_path_factory, demo_dir):  # noqa: F811
 def evaluated(run_dir):
     """The evaluation CLI on the run's checkpoint (its stored config): stdout and outputs."""
     out = run_dir / "eval"
-    proc = subprocess.run(
-        [*EVAL, "--checkpoint", str(run_dir / "checkpoints"), "--output-dir", str(out), *GRID],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=run_dir,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout, out
+    return _eval_cli(run_dir, out, *GRID), out
 
 
 def test_grid_table_and_files(evaluated):
@@ -290,31 +297,11 @@ def test_parallel_layouts_give_the_single_process_scores(run_dir, evaluated, lay
     _, single = evaluated
     out = run_dir / f"eval_{shown.replace(' ', '')}"
     grid = ["--tasks", "kv", "--lengths", "128,256", "--allow-extrapolation", "--depths", "0.5"]
-    proc = subprocess.run(
-        [
-            *TWO_PROCESSES,
-            *EVAL[1:],
-            "--checkpoint",
-            str(run_dir / "checkpoints"),
-            "--output-dir",
-            str(out),
-            *grid,
-            "--trials",
-            "2",
-            "--bins",
-            "8",
-            "--position-sequences",
-            "4",
-            *layout,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=run_dir,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert shown in proc.stdout
+    stdout = _eval_cli(
+        run_dir, out, *grid, "--trials", "2", "--bins", "8", "--position-sequences", "4",
+        *layout, launcher=TWO_PROCESSES,
+    )  # fmt: skip
+    assert shown in stdout
     ref = json.loads((single / "retrieval.json").read_text())["tasks"]["kv"]["trials"]
     got = json.loads((out / "retrieval.json").read_text())["tasks"]["kv"]["trials"]
     assert len(got) == 4
@@ -360,32 +347,10 @@ def test_attention_probe_on_the_tiny_run(run_dir):
     """The CLI's probe on the trained hybrid: a row per layer, S2 and dense kinds as the
     schedule sets them, masses in [0, 1], and weights that reproduce every layer's output."""
     out = run_dir / "probe"
-    proc = subprocess.run(
-        [
-            *EVAL,
-            "--checkpoint",
-            str(run_dir / "checkpoints"),
-            "--output-dir",
-            str(out),
-            "--tasks",
-            "passkey",
-            "--lengths",
-            "128",
-            "--depths",
-            "0,1",
-            "--trials",
-            "2",
-            "--skip-position",
-            "--attention-probe",
-            "128",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=run_dir,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = _eval_cli(
+        run_dir, out, "--tasks", "passkey", "--lengths", "128", "--depths", "0,1", "--trials", "2",
+        "--skip-position", "--attention-probe", "128",
+    )  # fmt: skip
     found = json.loads((out / "attention_probe.json").read_text())
     saved = json.loads((out / "retrieval.json").read_text())
     assert found["max_output_error"] < 1e-4, found["max_output_error"]
@@ -399,7 +364,7 @@ def test_attention_probe_on_the_tiny_run(run_dir):
     assert saved["tasks"]["passkey"]["trials"]  # the retrieval evaluation ran alongside
     table = (out / "attention_probe.md").read_text()
     assert table.count("\n| ") == len(kinds) + 1 and "attention on the needle" in table
-    assert "| layer | kind | depth 0 | depth 1 |" in proc.stdout
+    assert "| layer | kind | depth 0 | depth 1 |" in stdout
 
 
 def test_attention_probe_needs_one_process(run_dir, capsys):

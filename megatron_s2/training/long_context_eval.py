@@ -920,6 +920,17 @@ def _config_from_args(args) -> RunConfig:
     return RunConfig.from_dict(apply_overrides(saved, args.overrides))
 
 
+def _write(out_dir: str, name: str, content) -> str:
+    """Write ``content`` (text, or a JSON-able object) to ``out_dir/name``; returns the path."""
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        if isinstance(content, str):
+            f.write(content)
+        else:
+            json.dump(content, f, indent=1)
+    return path
+
+
 def run(args) -> dict:
     """The evaluation the parsed ``args`` ask for (collective); writes its files on rank 0 and
     returns ``{"retrieval": ..., "loss_by_position": ..., "files": [...]}``."""
@@ -993,14 +1004,8 @@ def run(args) -> dict:
                 files.append(plot_retrieval(retrieval, task, png, f"{task} ({cfg.name})"))
             text = "\n".join(md)
             say(text, flush=True)
-            for name, content in (("retrieval.md", text), ("retrieval.json", retrieval)):
-                path = os.path.join(out_dir, name)
-                with open(path, "w") as f:
-                    if isinstance(content, str):
-                        f.write(content)
-                    else:
-                        json.dump(content, f, indent=1)
-                files.append(path)
+            files += [_write(out_dir, "retrieval.md", text)]
+            files += [_write(out_dir, "retrieval.json", retrieval)]
     if probe:
         found = probe_needle_attention(
             em, tasks[0], probe[0], depths, args.trials, seed=args.seed, documents=documents
@@ -1012,14 +1017,8 @@ def run(args) -> dict:
             "predicting the answer, strongest head (mean over heads)\n\n" + probe_table(found)
         )
         say(text, flush=True)
-        for name, content in (("attention_probe.md", text), ("attention_probe.json", found)):
-            path = os.path.join(out_dir, name)
-            with open(path, "w") as f:
-                if isinstance(content, str):
-                    f.write(content)
-                else:
-                    json.dump(content, f, indent=1)
-            files.append(path)
+        files += [_write(out_dir, "attention_probe.md", text)]
+        files += [_write(out_dir, "attention_probe.json", found)]
     if not args.skip_position:
         position = evaluate_loss_by_position(
             em,
@@ -1033,10 +1032,8 @@ def run(args) -> dict:
         position.update(checkpoint=em.checkpoint, iteration=em.iteration)
         result["loss_by_position"] = position
         if em.rank0:
-            path = os.path.join(out_dir, "loss_by_position.json")
-            with open(path, "w") as f:
-                json.dump(position, f, indent=1)
-            files += [path, os.path.join(out_dir, "loss_by_position.png")]
+            files += [_write(out_dir, "loss_by_position.json", position)]
+            files += [os.path.join(out_dir, "loss_by_position.png")]
             plot_loss_by_position(position, files[-1])
             first, last = position["bins"][0], position["bins"][-1]
             say(
