@@ -36,6 +36,9 @@ GRID = [
     "4",
     "--micro-batch-size",
     "2",
+    # The probe on the first task's prompts, in the same run (test_attention_probe_*).
+    "--attention-probe",
+    "128",
 ]
 
 
@@ -343,28 +346,25 @@ def test_needle_weights_reproduce_the_reference_attention():
     assert (out - ref[159]).abs().max() > 1e-3  # the S2 mask matters at this row
 
 
-def test_attention_probe_on_the_tiny_run(run_dir):
+def test_attention_probe_on_the_tiny_run(evaluated):
     """The CLI's probe on the trained hybrid: a row per layer, S2 and dense kinds as the
     schedule sets them, masses in [0, 1], and weights that reproduce every layer's output."""
-    out = run_dir / "probe"
-    stdout = _eval_cli(
-        run_dir, out, "--tasks", "passkey", "--lengths", "128", "--depths", "0,1", "--trials", "2",
-        "--skip-position", "--attention-probe", "128",
-    )  # fmt: skip
+    stdout, out = evaluated
     found = json.loads((out / "attention_probe.json").read_text())
     saved = json.loads((out / "retrieval.json").read_text())
     assert found["max_output_error"] < 1e-4, found["max_output_error"]
-    assert found["depths"] == [0.0, 1.0] and found["trials"] == 2
+    assert found["task"] == "kv" and found["length"] == 128
+    assert found["depths"] == [0.0, 0.5, 1.0] and found["trials"] == 2
     kinds = [layer["kind"] for layer in found["layers"]]
     assert [layer["layer"] for layer in found["layers"]] == list(range(len(kinds)))
     assert set(kinds) == {"S2", "dense"}, kinds  # the demo's hybrid schedule
     for layer in found["layers"]:
         for top, mean in zip(layer["top_head"], layer["mean_head"]):
             assert 0.0 <= mean <= top <= 1.0 + 1e-9, layer
-    assert saved["tasks"]["passkey"]["trials"]  # the retrieval evaluation ran alongside
+    assert saved["tasks"]["kv"]["trials"]  # the retrieval evaluation ran alongside
     table = (out / "attention_probe.md").read_text()
     assert table.count("\n| ") == len(kinds) + 1 and "attention on the needle" in table
-    assert "| layer | kind | depth 0 | depth 1 |" in stdout
+    assert "| layer | kind | depth 0 | depth 0.5 | depth 1 |" in stdout
 
 
 def test_attention_probe_needs_one_process(run_dir, capsys):
