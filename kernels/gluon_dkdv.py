@@ -282,11 +282,10 @@ def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None):
             f"{lay.block_m} x {lay.block_n}"
         )
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense
-    views = {n: gf.tma_view(t) for n, t in (("q", q), ("do", do), ("k", k), ("v", v))}
-    # One set of coordinates serves Q and dO, one K and V: where a pair differs, copy both.
-    for a, b_, ta, tb in (("q", "do", q, do), ("k", "v", k, v)):
-        if views[a] is None or views[b_] is None or views[a][1:] != views[b_][1:]:
-            views[a], views[b_] = gf.tma_view(ta.contiguous()), gf.tma_view(tb.contiguous())
+    views = {}
+    # One set of coordinates serves Q and dO, one K and V.
+    *_, views["q"], views["do"] = gf.paired_tma_views(q, do)
+    *_, views["k"], views["v"] = gf.paired_tma_views(k, v)
     views["dk"], views["dv"] = gf.tma_view(dk), gf.tma_view(dv)
     if views["dk"] is None or views["dv"] is None or views["dk"][1:] != views["dv"][1:]:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)

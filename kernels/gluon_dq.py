@@ -233,16 +233,6 @@ if gluon is not None:
         tma.store_wait(0)
 
 
-def _paired_views(a: torch.Tensor, b: torch.Tensor):
-    """TMA views of two like-shaped tensors with one set of coordinates, copying both where
-    their strides differ or cannot be read in place. Returns ``(a, b, view_a, view_b)``."""
-    va, vb = gf.tma_view(a), gf.tma_view(b)
-    if va is None or vb is None or va[1:] != vb[1:]:
-        a, b = a.contiguous(), b.contiguous()
-        va, vb = gf.tma_view(a), gf.tma_view(b)
-    return a, b, va, vb
-
-
 def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
     """The dQ pass through the Gluon kernel: ``do``, ``out`` and ``q [b, s, hq, d]``, ``k, v [b,
     s, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
@@ -262,10 +252,11 @@ def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
             f"s2_dq_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
             f"{TILE_M} x {bn}"
         )
-    dq = torch.empty_like(q)  # q's layout where q is dense
-    q_, dq, qv, dqv = _paired_views(q, dq)
-    do_, out_, dov, ov = _paired_views(do, out)
-    k_, v_, kv_, vv = _paired_views(k, v)
+    # dQ is written at Q's coordinates (q's layout where q is dense), dO and O share theirs,
+    # K and V theirs.
+    _, dq, qv, dqv = gf.paired_tma_views(q, torch.empty_like(q), b_is_output=True)
+    *_, dov, ov = gf.paired_tma_views(do, out)
+    *_, kv_, vv = gf.paired_tma_views(k, v)
     delta = torch.empty_like(lse)
     n_items = lay.q_order.numel()
     if n_items == 0:

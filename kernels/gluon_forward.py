@@ -395,6 +395,19 @@ def tma_view(t: torch.Tensor) -> Optional[TmaView]:
     return None
 
 
+def paired_tma_views(a: torch.Tensor, b: torch.Tensor, b_is_output: bool = False):
+    """TMA views of two like-shaped ``[b, s, h, d]`` tensors that a kernel addresses with one
+    set of coordinates: where their strides differ, or one cannot be read in place, ``a`` is
+    copied dense and so is ``b`` (or, with ``b_is_output``, ``b`` is allocated dense: the
+    kernel writes it). Returns ``(a, b, view_a, view_b)``."""
+    va, vb = tma_view(a), tma_view(b)
+    if va is None or vb is None or va[1:] != vb[1:]:
+        a = a.contiguous()
+        b = torch.empty_like(a) if b_is_output else b.contiguous()
+        va, vb = tma_view(a), tma_view(b)
+    return a, b, va, vb
+
+
 def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -428,10 +441,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         ov = tma_view(out)
     qv = tma_view(q) or tma_view(q.contiguous())
-    kv_, vv = tma_view(k), tma_view(v)
-    # One set of coordinates serves K and V; where their layouts differ both are copied.
-    if kv_ is None or vv is None or kv_[1:] != vv[1:]:
-        kv_, vv = tma_view(k.contiguous()), tma_view(v.contiguous())
+    _, _, kv_, vv = paired_tma_views(k, v)  # one set of coordinates serves K and V
     n_items = lay.q_order.numel()
     if n_items == 0:
         return out, lse

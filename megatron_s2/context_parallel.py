@@ -384,12 +384,13 @@ def dense_rank_chunks(
         raise ValueError(
             f"dense_rank_chunks: impl must be 'auto', 'cudnn' or 'per-chunk', got {impl!r}"
         )
-    if impl == "cudnn" and query.is_cuda and not _cudnn_usable(query):
+    usable = _cudnn_usable(query)
+    if impl == "cudnn" and query.is_cuda and not usable:
         raise ValueError(
             "dense_rank_chunks: impl='cudnn' needs fp16/bf16, head_dim <= 128 and a "
             "multiple of 8, on an sm_90+ GPU with cuDNN"
         )
-    if impl == "cudnn" or (impl == "auto" and query.is_cuda and _cudnn_usable(query)):
+    if impl == "cudnn" or (impl == "auto" and usable):
         return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale)
 
     def attend(q, k, v, q_start):

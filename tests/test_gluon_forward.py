@@ -91,6 +91,20 @@ def test_tma_view_addresses_every_token_and_head(name, make, batch_in):
     torch.testing.assert_close(_read_through(view, t), t, rtol=0, atol=0)
 
 
+def test_paired_views_share_coordinates_or_make_both_dense():
+    bshd = torch.randn(2, 256, 4, 64, dtype=torch.bfloat16)
+    sbhd = torch.randn(256, 2, 4, 64, dtype=torch.bfloat16).transpose(0, 1)
+    a, b, va, vb = gf.paired_tma_views(bshd, bshd.clone())
+    assert a is bshd and va[1:] == vb[1:]  # already alike: no copy
+    a, b, va, vb = gf.paired_tma_views(bshd, sbhd)  # two layouts: both dense copies
+    assert a.is_contiguous() and b.is_contiguous() and va[1:] == vb[1:]
+    assert torch.equal(b, sbhd)
+    fresh = torch.empty(2, 256, 4, 64, dtype=torch.bfloat16)
+    a, out, va, vo = gf.paired_tma_views(sbhd, fresh, b_is_output=True)
+    assert out is not fresh and out.is_contiguous() and va[1:] == vo[1:]
+    assert torch.equal(a, sbhd)
+
+
 def test_tma_view_refuses_what_it_cannot_address():
     # head_dim not innermost
     assert gf.tma_view(torch.randn(1, 256, 64, 4, dtype=torch.bfloat16).transpose(2, 3)) is None

@@ -944,16 +944,15 @@ def run(args) -> dict:
         tasks = default_tasks(cfg)
     else:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not args.skip_retrieval:
+    probe = [args.attention_probe] if args.attention_probe is not None else []
+    if not args.skip_retrieval or probe:
         check_grid(tasks, depths, args.trials)
     pos_length = args.position_length or max(lengths)
     check_lengths(
         cfg, [pos_length], allow_extrapolation=args.allow_extrapolation, what="--position-length"
     )
-    probe = [args.attention_probe] if args.attention_probe is not None else []
     if probe:
         check_probe_layout(cfg)
-        check_grid(tasks, depths, args.trials)
         check_lengths(
             cfg, probe, allow_extrapolation=args.allow_extrapolation, what="--attention-probe"
         )
