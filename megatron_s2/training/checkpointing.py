@@ -380,26 +380,48 @@ def _save_failed(root: str, path: str, error: BaseException) -> str:
     )
 
 
-@contextlib.contextmanager
-def sigint_blocked_for_children():
-    """SIGINT blocked in this (main) thread while the block runs.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    A terminal's Ctrl-C reaches the whole process group. megatron-core 0.19's checkpoint writer
-    starts helper processes during a save, and one caught in its start-up by that SIGINT died
-    and failed the save that the Ctrl-C asked for (found in CI). A child inherits the signal
-    mask of the thread that starts it, so helpers started in here ignore it; this process still
-    gets the SIGINT, as soon as the block ends (or at once through another thread).
+
+@contextlib.contextmanager
+def helpers_ignore_stop_signals():
+    """Processes that multiprocessing spawns in this block ignore SIGINT and SIGTERM for life.
+
+    A terminal's Ctrl-C reaches the whole process group, and Slurm's SIGTERM every process of a
+    job step. megatron-core's checkpoint writer spawns a helper (a ``multiprocessing`` Manager
+    for its results queue) at a process's first save; a stop signal caught while that helper
+    imports killed it, and the save the signal asked for failed (found in CI, EOFError). The
+    trainer's own handlers turn these signals into a graceful stop, so the helpers must not act
+    on them. Blocking the signal would not do: a spawned interpreter starts with an empty signal
+    mask. An ignored disposition does survive exec, so for just the fork/exec of each spawn
+    (milliseconds; a signal landing in them is lost) this process ignores both signals. Outside
+    the main thread handlers cannot change: no-op. Forked children need nothing: they inherit
+    the trainer's handlers.
     """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "pthread_sigmask"
-    ):
+    from multiprocessing import util
+
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    spawn = util.spawnv_passfds
+
+    def spawn_ignoring_stop_signals(path, args, passfds):
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        # None: a handler not set from Python, which could not be put back afterwards.
+        settable = [s for s, h in previous.items() if h is not None]
+        for s in settable:
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            return spawn(path, args, passfds)
+        finally:
+            for s in settable:
+                signal.signal(s, previous[s])
+
+    util.spawnv_passfds = spawn_ignoring_stop_signals
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        util.spawnv_passfds = spawn
 
 
 def save_checkpoint(
@@ -440,7 +462,7 @@ def save_checkpoint(
         sd["optimizer_format"] = OPTIMIZER_FORMAT
         sd["config"] = config
         sd.update(extra or {})
-        with sigint_blocked_for_children():
+        with helpers_ignore_stop_signals():
             dist_checkpointing.save(sd, path)
         _barrier()
         if _is_rank0():
