@@ -115,14 +115,19 @@ if gluon is not None:
         acc_layout: gl.constexpr = dk.type.layout
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         i = i0
+        # The query tile's index is read one entry ahead and its rows' LSE and delta before the
+        # wait for its Q/dO: the chain rows -> LSE was two global round trips that stalled
+        # every step ahead of its MMAs (Nsight Compute: long-scoreboard stalls on top).
+        row = gl.load(rows + e_begin, mask=e_begin < e_end, other=0)
         for e in range(e_begin, e_end):
             slot = WG * STAGES + i % STAGES
+            m_idx = row * BM + offs_m
+            lse = gl.load(lse_base + m_idx)
+            delta = gl.load(delta_base + m_idx)
+            row = gl.load(rows + e + 1, mask=e + 1 < e_end, other=0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_bufs.index(slot)
             do = do_bufs.index(slot)
-            m_idx = gl.load(rows + e) * BM + offs_m
-            lse = gl.load(lse_base + m_idx)
-            delta = gl.load(delta_base + m_idx)
             # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
             lse = gl.where(lse == -float("inf"), 0.0, lse)
             st_tok = warpgroup_mma(

@@ -321,15 +321,16 @@ def test_varlen_bf16_no_worse_than_dense_bf16_per_document():
     assert_matches(ours, ref, 3e-2, names=("out", "dq", "dk", "dv"))
 
 
-def _tl_forward_config(pattern, head_dim):
-    """The default config with the ``tl`` forward: packed documents take it (the Gluon forward
-    runs fixed-length calls only), so the varlen overhead is measured against the same kernel."""
+def _tl_config(pattern, head_dim):
+    """The default config with the ``tl`` kernels in all three passes: packed documents take
+    them (the Gluon passes run fixed-length calls only), so the varlen overhead is measured
+    against the same kernels."""
     import dataclasses
 
     from s2attn.triton_attention import kernel_config
 
     cfg = kernel_config(pattern, head_dim, DEV, torch.bfloat16)
-    return dataclasses.replace(cfg, gluon_fwd=False)
+    return dataclasses.replace(cfg, gluon_fwd=False, gluon_dq=False, gluon_dkdv=False)
 
 
 @pytest.mark.timeout(600)
@@ -350,7 +351,7 @@ def test_varlen_throughput_equal_documents_as_batch():
     grad = torch.randn_like(q)
     var = lambda: s2_attention_varlen(q, k, v, cu, S, p, check_cu_seqlens=False)
     var_checked = lambda: s2_attention_varlen(q, k, v, cu, S, p)
-    tl_cfg = _tl_forward_config(p, D)
+    tl_cfg = _tl_config(p, D)
     fixed = lambda: s2_attention(
         q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p, kernel_config=tl_cfg
     ).view(N * S, H, D)
@@ -395,7 +396,7 @@ def test_varlen_throughput_mixed_documents_vs_fixed_per_length():
         ]
         for n, c in VARLEN_MIXED_DOCS.items()
     ]
-    tl_cfg = _tl_forward_config(p, D)
+    tl_cfg = _tl_config(p, D)
     fixed_runs = [
         lambda b=b: s2_attention(b[0], b[1], b[2], p, kernel_config=tl_cfg) for b in batches
     ]
