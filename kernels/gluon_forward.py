@@ -5,12 +5,13 @@ query tiles: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``, the heaviest-fir
 through the producer/consumer schedule that plain ``triton.language`` does not express on sm_90:
 
 * one loader warp walks the item's key-tile list and TMA-loads each K and V tile into a
-  ``NUM_STAGES`` ring of shared-memory buffers, each guarded by a ``ready`` mbarrier (the TMA
+  ``ring_stages`` ring of shared-memory buffers, each guarded by a ``ready`` mbarrier (the TMA
   landed) and an ``empty`` one (both consumers are done with it);
 * two consumer warpgroups each own 64 rows of the 128-row query tile and run ``S = Q K^T``
   (async wgmma from shared memory), the online softmax in registers and ``O += P V`` (wgmma with
-  P in registers); full entries skip the mask, partial ones apply the causal bound and the
-  entry's ``[lo, hi)`` query range;
+  P in registers), software-pipelined so that a tile's softmax runs under the previous tile's
+  ``P V``; full entries skip the mask, partial ones apply the causal bound and the entry's
+  ``[lo, hi)`` query range;
 * the epilogue writes the LSE (natural log, ``-inf`` for rows that attend nothing) and the
   output through shared memory and a TMA store.
 
@@ -18,7 +19,8 @@ through the producer/consumer schedule that plain ``triton.language`` does not e
 (``q_start = k_start = 0``, equal lengths, no packed documents), bf16/fp16, ``s`` a multiple of
 128, head_dim 64 or 128, block 64 or 128, on an sm_90 GPU. ``triton_attention.s2_forward`` calls
 it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl`` kernel
-otherwise; the backward is the ``tl`` kernels' either way (they read only ``out`` and ``lse``).
+otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes) reads only
+``out`` and ``lse``.
 
 Tensors reach the kernel as 2-D TMA views ``[rows, columns]`` whose rows are tokens: the batch
 is either in the rows (``[b, s, h, d]`` contiguous: ``[b * s, h * d]``) or in the columns
@@ -31,6 +33,7 @@ for sm_90; the GPU tests compare it with the ``tl`` kernel and the reference.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple, Optional
@@ -57,7 +60,11 @@ from .layout import layout_for
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M extent of 4 warps
 NUM_CONSUMERS = 2  # warpgroups sharing each K/V tile; the query tile is their rows together
 TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m
-NUM_STAGES = 2  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 bf16 is 128 KiB
+# K/V ring depth: 3 stages where they fit next to the Q and O tiles (block 64 at d 128 is
+# 3 x 32 + 64 KiB), else 2. The pipelined consumer holds a stage a step longer (see
+# _consume_row_list): with 2 stages the loader had half a step to land the next tile.
+MAX_STAGES = 3
+SHARED_BUDGET_BYTES = 200 * 1024  # of the H100's 227 KiB a block may take
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -189,11 +196,30 @@ if gluon is not None:
         return gl.where(ok, s, -float("inf"))
 
     @gluon.jit
-    def _consume_tiles(
-        q, k_bufs, v_bufs, ready, empty, acc, m_i, l_i, q_abs, offs_n, cols, los, his, e_begin,
-        e_end, e0, qk_scale, MASKED: gl.constexpr,
+    def _softmax_step(s, m_i, l_i):
+        """Online softmax of scores ``s [rows, BN]`` (log2 units) against the running max
+        ``m_i`` and sum ``l_i``: returns ``p``, the new ``m_i`` and ``l_i``, and ``alpha``, the
+        factor that takes what was accumulated at the old max to the new one."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # A row with nothing allowed yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def _consume_row_list(
+        q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his, e0, e1, e2,
+        qk_scale,
     ):  # fmt: skip
-        """Entries ``e_begin .. e_end`` of the item's list (ring position counted from ``e0``)."""
+        """The item's row-list entries ``e0 .. e2`` (from ``e1`` on partial: masked); returns
+        the unnormalised output, the row max and the row sum.
+
+        Software-pipelined as FlashAttention-3's intra-warpgroup overlap: step ``j`` issues
+        ``S_j = Q K_j^T`` and then ``O += P_{j-1} V_{j-1}``, and the softmax of ``S_j`` runs
+        while the tensor cores do the latter. A stage is released once its ``V`` was used,
+        a step after its ``K``: the ring is a stage deeper for that (:func:`ring_stages`).
+        """
         BM: gl.constexpr = q.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -202,32 +228,43 @@ if gluon is not None:
         )
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        for e in range(e_begin, e_end):
+        m_i = gl.full([BM], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+        # Step 0 alone: nothing is accumulated yet to overlap its scores with. Every query tile
+        # attends its own diagonal block, so the list is never empty.
+        mbarrier.wait(ready.index(0), 0)
+        s_tok = warpgroup_mma(
+            q, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+            use_acc=False, is_async=True,
+        )  # fmt: skip
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
+        if e0 >= e1:
+            s = _mask_rows(s, e0, cols, los, his, q_abs, offs_n)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        for e in range(e0 + 1, e2):
             i = e - e0
             stage = i % STAGES
+            prev = (i - 1) % STAGES
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             s_tok = warpgroup_mma(
-                q,
-                k_bufs.index(stage).permute((1, 0)),
-                gl.zeros([BM, BN], gl.float32, s_layout),
-                use_acc=False,
-                is_async=True,
-            )
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
-            if MASKED:
+                q, k_bufs.index(stage).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            o_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
+            if e >= e1:
                 s = _mask_rows(s, e, cols, los, his, q_abs, offs_n)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            # A row with nothing allowed yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
-            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-            p = gl.exp2(s - m_use[:, None])
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, 1)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            mbarrier.arrive(empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, v_bufs.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-            mbarrier.arrive(empty.index(stage), count=1)
-            m_i = m_new
+        last = (e2 - 1 - e0) % STAGES
+        o_tok = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        mbarrier.arrive(empty.index(last), count=1)
         return acc, m_i, l_i
 
     @gluon.jit
@@ -252,18 +289,11 @@ if gluon is not None:
         e2 = gl.load(row_ptr + item + 1)
         q_abs = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([BM], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BM, D], gl.float32, o_layout)
         mbarrier.wait(q_bar, 0)
-        q = q_smem.index(WG)
-        acc, m_i, l_i = _consume_tiles(
-            q, k_bufs, v_bufs, ready, empty, acc, m_i, l_i, q_abs, offs_n, cols, los, his,
-            e0, e1, e0, qk_scale, False,
-        )  # fmt: skip
-        acc, m_i, l_i = _consume_tiles(
-            q, k_bufs, v_bufs, ready, empty, acc, m_i, l_i, q_abs, offs_n, cols, los, his,
-            e1, e2, e0, qk_scale, True,
+        acc, m_i, l_i = _consume_row_list(
+            q_smem.index(WG), k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
+            e0, e1, e2, qk_scale,
         )  # fmt: skip
         nothing = l_i == 0.0
         l_safe = gl.where(nothing, 1.0, l_i)
@@ -408,6 +438,20 @@ def paired_tma_views(a: torch.Tensor, b: torch.Tensor, b_is_output: bool = False
     return a, b, va, vb
 
 
+def ring_stages(block: int, head_dim: int, element_bytes: int = 2) -> int:
+    """K/V ring depth of the forward for key tiles of ``block`` rows (16-bit elements)."""
+    tile = block * head_dim * element_bytes
+    fixed = 2 * NUM_CONSUMERS * WG_ROWS * head_dim * element_bytes  # Q and O tiles
+    fits = (SHARED_BUDGET_BYTES - fixed) // (2 * tile)
+    return max(2, min(MAX_STAGES, fits))
+
+
+@functools.cache
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device``: the grid of a persistent kernel."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -466,7 +510,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None):
         *qv[1:],
         *kv_[1:],
         *ov[1:],
-        STAGES=NUM_STAGES,
+        STAGES=ring_stages(bn, d),
         num_warps=4,
     )
     return out, lse
@@ -482,7 +526,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
         head_dim,
         {"q_desc": WG_ROWS, "k_desc": block, "v_desc": block, "o_desc": WG_ROWS},
         {"LSE": "*fp32", "qk_scale": "fp32", **ROW_LIST_TYPES},
-        NUM_STAGES,
+        ring_stages(block, head_dim),
         os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"),
     )
 
