@@ -33,7 +33,6 @@ for sm_90; the GPU tests compare it with the ``tl`` kernel and the reference.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import NamedTuple, Optional
@@ -444,12 +443,6 @@ def ring_stages(block: int, head_dim: int, element_bytes: int = 2) -> int:
     fixed = 2 * NUM_CONSUMERS * WG_ROWS * head_dim * element_bytes  # Q and O tiles
     fits = (SHARED_BUDGET_BYTES - fixed) // (2 * tile)
     return max(2, min(MAX_STAGES, fits))
-
-
-@functools.cache
-def sm_count(device) -> int:
-    """Streaming multiprocessors of ``device``: the grid of a persistent kernel."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gl_dtype(dtype):
