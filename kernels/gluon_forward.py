@@ -269,9 +269,10 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b, stride_lse_h,
-        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale,
-        WG: gl.constexpr,
+        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale, WG,
     ):  # fmt: skip
+        """Consumer warpgroup ``WG`` (0 or 1, a run-time value: it only selects the rows and
+        buffers): its 64 rows of the item's query tile."""
         # Sizes from the shared-memory types: constexprs passed to a worker arrive as tensors.
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -302,44 +303,6 @@ if gluon is not None:
         o_smem.index(WG).store(out.to(o_smem.dtype))
         fence_async_shared()
 
-    # The three partitions take one argument list (the kernel's, with the shared-memory buffers
-    # and barriers); each uses what it needs.
-    @gluon.jit
-    def _consumer0(
-        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
-        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
-        num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
-    ):  # fmt: skip
-        _consumer(
-            q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
-            stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-            qk_scale, 0,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _consumer1(
-        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
-        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
-        num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
-    ):  # fmt: skip
-        _consumer(
-            q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
-            stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-            qk_scale, 1,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _loader_worker(
-        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
-        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
-        num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
-    ):  # fmt: skip
-        _loader(
-            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
-            order, n_items, num_q_tiles, group, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
-            kv_col_h,
-        )  # fmt: skip
-
     @gluon.jit
     def _s2_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
@@ -369,15 +332,24 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
         fence_async_shared()
-        args = (
-            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE,
-            stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items,
-            num_q_tiles, group, qk_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+        consumer_args = (
+            q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
+            stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
+            qk_scale,
+        )  # fmt: skip
+        loader_args = (
+            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
+            order, n_items, num_q_tiles, group, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
+            kv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps)
         # and the loader (1 warp), with their register budgets.
         gl.warp_specialize(
-            [(_consumer0, args), (_consumer1, args), (_loader_worker, args)],
+            [
+                (_consumer, consumer_args + (gl.to_tensor(0),)),
+                (_consumer, consumer_args + (gl.to_tensor(1),)),
+                (_loader, loader_args),
+            ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
         )
