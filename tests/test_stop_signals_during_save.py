@@ -54,7 +54,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run_parent(script: str) -> subprocess.CompletedProcess:
-    """``script`` as a file (spawn re-imports the main module) in its own session."""
+    """``script`` run with ``python -c`` in its own session (process group), from the
+    checkout's root."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return subprocess.run(
         [sys.executable, "-c", script],
