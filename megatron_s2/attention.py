@@ -5,9 +5,10 @@ All three have the constructor and forward contract of Megatron's ``DotProductAt
 * :class:`S2CoreAttention` -- S2 block-sparse attention for one layer. Its pattern is the layer's
   full-model pattern (chosen by the **global** layer number) restricted to this TP rank's
   **global** head range, so every rank computes exactly its rows of the full model.
-* :class:`FusedDenseAttention` -- dense causal attention on PyTorch's fused SDPA kernels (the
-  dense layers of the local spec; Megatron's local ``DotProductAttention`` materializes the
-  ``[b, h, s, s]`` scores, which does not fit at long context).
+* :class:`FusedDenseAttention` -- dense causal attention on PyTorch's fused SDPA kernels, or
+  FlashAttention-4 where it is installed (the dense layers of the local spec; Megatron's local
+  ``DotProductAttention`` materializes the ``[b, h, s, s]`` scores, which does not fit at long
+  context).
 * :class:`ScheduledCoreAttention` -- returns one of the two (or the TE spec's dense attention)
   for each layer from the attention schedule, so one layer spec serves a whole hybrid model
   (``pretrain_gpt.py --spec megatron_s2.specs s2_layer_spec``).
@@ -29,13 +30,14 @@ from megatron.core.transformer.module import MegatronModule
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 
-from .config import s2_backend_of, s2_settings_of
+from .config import dense_backend_of, s2_backend_of, s2_settings_of
 from .context_parallel import (
     attend_local_chunks,
     check_context_parallel_length,
     context_parallel_group,
     dense_local_chunks,
 )
+from .flash_attention4 import check_dense_backend, fa4_causal, use_fa4
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 
@@ -349,7 +351,9 @@ _SDPA_HAS_GQA = _sdpa_has_gqa()
 
 class FusedDenseAttention(MegatronModule):
     """Dense causal attention with ``DotProductAttention``'s contract, on fused SDPA kernels
-    (flash / cuDNN / memory-efficient on GPU: O(s) memory).
+    (flash / cuDNN / memory-efficient on GPU: O(s) memory), or on FlashAttention-4 where the
+    config's ``dense_backend`` ("auto" by default) finds it installed and able to run the call
+    (:mod:`megatron_s2.flash_attention4`).
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
     -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
@@ -382,13 +386,23 @@ class FusedDenseAttention(MegatronModule):
         )
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
+        self.dense_backend = dense_backend_of(config)
+        check_dense_backend(
+            f"{type(self).__name__} (layer {layer_number}): dense_backend",
+            self.dense_backend,
+            self.dropout_p,
+        )
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
         self.cp_group = _context_parallel(
             type(self).__name__, config, layer_number, pg_collection, self.dropout_p
         )
         self._dense_patterns = {}
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_number}, dense causal (SDPA), dropout={self.dropout_p}"
+        return (
+            f"layer={self.layer_number}, dense causal (backend {self.dense_backend}), "
+            f"dropout={self.dropout_p}"
+        )
 
     def forward(
         self,
@@ -413,9 +427,17 @@ class FusedDenseAttention(MegatronModule):
             return self._forward_packed(name, query, key, value, packed_seq_params)
         if self.cp_group is not None:
             chunk = check_context_parallel_length(name, query.shape[0], self.cp_group.size())
-            scale = self.softmax_scale
-            return dense_local_chunks(query, key, value, self.cp_group, chunk, scale)
+            scale, backend = self.softmax_scale, self.dense_backend
+            return dense_local_chunks(
+                query, key, value, self.cp_group, chunk, scale, backend, self.deterministic
+            )
         sq, b, nq, hn = query.shape
+        p = self.dropout_p if self.training else 0.0
+        if use_fa4(self.dense_backend, query, p):
+            # [s, b, h, d] -> [b, s, h, d] views (FA4's layout; GQA groups as they are).
+            q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+            out = fa4_causal(q, k, v, self.softmax_scale, self.deterministic)
+            return out.transpose(0, 1).reshape(sq, b, nq * hn)
         # SDPA wants [b, h, s, d]; the permutes are views.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         ng = k.shape[1]
@@ -426,7 +448,6 @@ class FusedDenseAttention(MegatronModule):
             else:
                 k = k.repeat_interleave(nq // ng, dim=1)
                 v = v.repeat_interleave(nq // ng, dim=1)
-        p = self.dropout_p if self.training else 0.0
 
         def attend():
             return F.scaled_dot_product_attention(

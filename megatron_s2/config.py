@@ -20,9 +20,16 @@ from megatron.core.transformer import TransformerConfig
 
 from s2attn.attention import BACKENDS
 
+from .flash_attention4 import check_dense_backend
 from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 
-__all__ = ["S2TransformerConfig", "S2Settings", "s2_settings_of", "s2_backend_of"]
+__all__ = [
+    "S2TransformerConfig",
+    "S2Settings",
+    "s2_settings_of",
+    "s2_backend_of",
+    "dense_backend_of",
+]
 
 ScheduleLike = Union[AttentionSchedule, dict, str, os.PathLike]
 
@@ -42,6 +49,9 @@ class S2TransformerConfig(TransformerConfig):
             checked at a length where every stripe phase shows).
         s2_backend: ``s2attn.s2_attention`` backend: "auto" (Triton on CUDA), "triton",
             "reference" (PyTorch).
+        dense_backend: the dense layers' kernel (local spec): "auto" (FlashAttention-4 where
+            the optional ``flash-attn-4`` package runs the call, else SDPA/cuDNN), "sdpa", or
+            "fa4" (required; :mod:`megatron_s2.flash_attention4`).
 
     ``attention_dropout`` defaults to 0.0 here (Megatron's default is 0.1): S2 layers have no
     attention dropout and refuse a non-zero value.
@@ -52,6 +62,7 @@ class S2TransformerConfig(TransformerConfig):
     s2_num_query_groups: Optional[int] = None
     s2_seq_length: Optional[int] = None
     s2_backend: str = "auto"
+    dense_backend: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,6 +78,9 @@ class S2TransformerConfig(TransformerConfig):
             raise ValueError(
                 f"S2TransformerConfig.s2_backend must be one of {BACKENDS}, got {self.s2_backend!r}"
             )
+        check_dense_backend(
+            "S2TransformerConfig.dense_backend", self.dense_backend, self.attention_dropout
+        )
         if self.s2_seq_length is not None and self.s2_seq_length < 1:
             raise ValueError(
                 f"S2TransformerConfig.s2_seq_length must be >= 1, got {self.s2_seq_length}"
@@ -148,3 +162,9 @@ def s2_settings_of(config) -> S2Settings:
 def s2_backend_of(config) -> str:
     """The ``s2_attention`` backend of a model config ("auto" for a plain ``TransformerConfig``)."""
     return config.s2_backend if isinstance(config, S2TransformerConfig) else "auto"
+
+
+def dense_backend_of(config) -> str:
+    """The dense layers' backend of a model config (:data:`megatron_s2.flash_attention4.
+    DENSE_BACKENDS`; "auto" for a plain ``TransformerConfig``)."""
+    return config.dense_backend if isinstance(config, S2TransformerConfig) else "auto"

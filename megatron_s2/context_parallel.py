@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_s2.flash_attention4 import fa4_causal, fa4_unusable_reason
+
 __all__ = [
     "context_parallel_group",
     "batch_on_this_cp_rank",
@@ -130,12 +132,27 @@ def attend_local_chunks(
 
 
 def dense_local_chunks(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, chunk: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    chunk: int,
+    scale: float,
+    backend: str = "auto",
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """:func:`attend_local_chunks` for a dense causal layer (:func:`dense_rank_chunks`): same
-    shapes, ``scale`` the softmax scale."""
+    shapes, ``scale`` the softmax scale, ``backend`` the layer's dense backend
+    (:data:`megatron_s2.flash_attention4.DENSE_BACKENDS`: "auto", "sdpa" never takes FA4, "fa4"
+    always), ``deterministic`` FA4's deterministic backward."""
     key, value = _gather_kv(key, value, group)
-    return dense_rank_chunks(query, key, value, group.rank(), group.size(), chunk, scale)
+    if backend == "sdpa":  # today's kernels only: no FA4 even where it is installed
+        impl = "cudnn" if _cudnn_usable(query) else "per-chunk"
+    else:
+        impl = backend  # "auto" or "fa4", as dense_rank_chunks reads them
+    return dense_rank_chunks(
+        query, key, value, group.rank(), group.size(), chunk, scale, impl, deterministic
+    )
 
 
 def _gather_kv(key, value, group):
@@ -362,6 +379,9 @@ class _RankChunksCudnn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+RANK_IMPLS = ("auto", "fa4", "cudnn", "per-chunk")
+
+
 def dense_rank_chunks(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -371,19 +391,31 @@ def dense_rank_chunks(
     chunk: int,
     scale: float,
     impl: str = "auto",
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Dense causal attention of CP rank ``rank``'s two query chunks once K/V are whole:
     ``query [2 * chunk, b, np, hn]``, ``key, value [2 * cp * chunk, b, ng, hn]`` in absolute
-    order -> ``[2 * chunk, b, np * hn]``. ``impl`` "cudnn": the rank-level
+    order -> ``[2 * chunk, b, np * hn]``.
+
+    ``impl`` "fa4": one FlashAttention-4 call a chunk (its causal mask aligns at the bottom
+    right; :mod:`megatron_s2.flash_attention4`); "cudnn": the rank-level
     :class:`_RankChunksCudnn` (fp16/bf16, head_dim <= 128, sm_90+ with cuDNN); "per-chunk":
     :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk; "auto" (default):
-    "cudnn" where it runs, else "per-chunk". On an H200 the rank-level path took 2-16% less
-    time a rank at 32k and 1-7% at 128k, with a 6-36% higher transient peak inside the call
-    (its K-sized gradient buffers; ``docs/context_parallel.md``)."""
-    if impl not in ("auto", "cudnn", "per-chunk"):
-        raise ValueError(
-            f"dense_rank_chunks: impl must be 'auto', 'cudnn' or 'per-chunk', got {impl!r}"
-        )
+    the first of them that runs here. On an H200 the rank-level cuDNN path took 2-16% less
+    time a rank than per-chunk cuDNN calls at 32k and 1-7% at 128k, with a 6-36% higher
+    transient peak inside the call (its K-sized gradient buffers; ``docs/context_parallel.md``,
+    which also has the FA4 rows). ``deterministic`` applies to FA4's backward (cuDNN's is)."""
+    if impl not in RANK_IMPLS:
+        raise ValueError(f"dense_rank_chunks: impl must be one of {RANK_IMPLS}, got {impl!r}")
+    fa4_reason = fa4_unusable_reason(query) if impl in ("auto", "fa4") else impl
+    if impl == "fa4" and fa4_reason:
+        raise ValueError(f"dense_rank_chunks: impl='fa4': {fa4_reason}")
+    if fa4_reason is None:
+
+        def attend_fa4(q, k, v, q_start):
+            return fa4_causal(q, k, v, scale, deterministic)
+
+        return attend_rank_chunks(query, key, value, rank, cp, attend_fa4, chunk)
     usable = _cudnn_usable(query)
     if impl == "cudnn" and query.is_cuda and not usable:
         raise ValueError(
@@ -399,7 +431,7 @@ def dense_rank_chunks(
     return attend_rank_chunks(query, key, value, rank, cp, attend, chunk)
 
 
-DENSE_IMPLS = ("auto", "cudnn", "flash", "sdpa")
+DENSE_IMPLS = ("auto", "fa4", "cudnn", "flash", "sdpa")
 
 
 def dense_causal_suffix(
@@ -415,10 +447,13 @@ def dense_causal_suffix(
     layer, as two calls merged by their log-sum-exp (:class:`_CausalSuffixCudnn`). Other CUDA
     GPUs: FlashAttention's varlen kernel, which aligns causal masks at the bottom right itself.
     Elsewhere (CPU, fp32): SDPA with PyTorch's lower-right causal bias. ``impl`` forces one of
-    them (tests, benchmarks): "cudnn", "flash", "sdpa"; default "auto".
+    them (tests, benchmarks): "cudnn", "flash", "sdpa", or "fa4" (FlashAttention-4, one call:
+    never picked by "auto" here; :func:`dense_rank_chunks` picks it); default "auto".
     """
     if impl not in DENSE_IMPLS:
         raise ValueError(f"dense_causal_suffix: impl must be one of {DENSE_IMPLS}, got {impl!r}")
+    if impl == "fa4":
+        return fa4_causal(q, k, v, scale)
     b, sq, nq, hn = q.shape
     sk, ng = k.shape[1], k.shape[2]
     auto = impl == "auto"

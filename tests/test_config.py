@@ -139,6 +139,14 @@ def test_override_null_and_int_to_float():
             "model.transformer_impl=te",
             "model.transformer_impl must be one of ['local', 'transformer_engine'], got 'te'",
         ),
+        (
+            "model.dense_attention=flash",
+            "model.dense_attention must be one of ['auto', 'sdpa', 'fa4'], got 'flash'",
+        ),
+        (
+            ["model.dense_attention=fa4", "model.transformer_impl=transformer_engine"],
+            "model.dense_attention=fa4 applies to model.transformer_impl=local",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(override, message):
@@ -231,6 +239,26 @@ def test_transformer_engine_impl_is_refused_where_it_cannot_run(monkeypatch):
         check_transformer_impl(cfg.model.transformer_impl, gpu=True)
     monkeypatch.setattr(megatron_s2.specs, "HAVE_TE", True)
     check_transformer_impl(cfg.model.transformer_impl, gpu=True)
+
+
+def test_dense_attention_fa4_is_refused_where_it_cannot_run(monkeypatch):
+    """model.dense_attention=fa4: a config error before any GPU work in CPU mode and where
+    FlashAttention-4 does not import; "auto" and "sdpa" always pass (auto falls back to SDPA)."""
+    import megatron_s2.training.parallel as par
+
+    cfg = load_config(None, ["model.dense_attention=fa4"])
+    cfg.validate()  # the value itself is valid
+    for ok in ("auto", "sdpa"):
+        par.check_dense_attention(
+            load_config(None, [f"model.dense_attention={ok}"]).model, gpu=False
+        )
+    with pytest.raises(ConfigError, match="dense_attention=fa4 needs a CUDA GPU"):
+        par.check_dense_attention(cfg.model, gpu=False)
+    monkeypatch.setattr(par, "fa4_import_error", lambda: "flash_attn.cute does not import (x)")
+    with pytest.raises(ConfigError, match="pip install flash-attn-4"):
+        par.check_dense_attention(cfg.model, gpu=True)
+    monkeypatch.setattr(par, "fa4_import_error", lambda: None)
+    par.check_dense_attention(cfg.model, gpu=True)
 
 
 def test_transformer_impl_change_is_refused_on_resume():

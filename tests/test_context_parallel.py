@@ -124,12 +124,14 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
     """bf16 on CUDA, 8k tokens split for CP=2 and CP=4: every rank's chunks (S2: the kernels at
     q_start; dense: cuDNN parts merged by LSE, rank-level and per chunk, and FlashAttention
     varlen) equal the whole-sequence layer's rows, forward and dq; dk/dv summed over the ranks
-    equal the whole layer's (what the reduce-scatter of the gather's backward computes)."""
+    equal the whole layer's (what the reduce-scatter of the gather's backward computes). Also
+    FlashAttention-4, one call a chunk, where it is installed."""
     from megatron_s2.context_parallel import (
         attend_rank_chunks,
         dense_causal_suffix,
         dense_rank_chunks,
     )
+    from megatron_s2.flash_attention4 import fa4_unusable_reason
     from s2attn import S2Pattern, s2_attention
 
     dev, seq, dim = torch.device("cuda"), 8192, 128
@@ -167,6 +169,8 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
             lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="flash")
         ),
     }
+    if fa4_unusable_reason(q) is None:  # FlashAttention-4 installed: one call a chunk
+        attend["fa4"] = lambda *args: dense_rank_chunks(*args, scale, impl="fa4")
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
@@ -189,23 +193,69 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
 
 
 @pytest.mark.gpu
-def test_gpu_dense_rank_chunks_default_is_rank_level_cudnn(monkeypatch):
-    """``impl="auto"`` takes the rank-level cuDNN Function for bf16 on a Hopper GPU (measured
-    faster than per-chunk calls: docs/context_parallel.md) and the per-chunk path for fp32."""
+def test_gpu_dense_rank_chunks_default_order(monkeypatch):
+    """``impl="auto"`` takes FlashAttention-4 for bf16 where it is installed (one call a chunk,
+    measured faster: docs/context_parallel.md), else the rank-level cuDNN Function on a Hopper
+    GPU (faster than per-chunk calls), and the per-chunk path for fp32 (neither runs it)."""
     from megatron_s2 import context_parallel as cpmod
+    from megatron_s2.flash_attention4 import fa4_import_error
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev) < (9, 0):
-        pytest.skip("cuDNN attention path needs sm_90+")
+        pytest.skip("cuDNN/FA4 attention paths need sm_90+")
+    fa4 = fa4_import_error() is None
     calls = []
-    real = cpmod._RankChunksCudnn.apply
-    monkeypatch.setattr(cpmod._RankChunksCudnn, "apply", lambda *a: calls.append(1) or real(*a))
-    for dtype, expected in ((torch.bfloat16, 1), (torch.float32, 0)):
+    real_cudnn, real_fa4 = cpmod._RankChunksCudnn.apply, cpmod.fa4_causal
+    monkeypatch.setattr(
+        cpmod._RankChunksCudnn, "apply", lambda *a: calls.append("cudnn") or real_cudnn(*a)
+    )
+    monkeypatch.setattr(cpmod, "fa4_causal", lambda *a: calls.append("fa4") or real_fa4(*a))
+    bf16 = ["fa4", "fa4"] if fa4 else ["cudnn"]
+    for dtype, expected in ((torch.bfloat16, bf16), (torch.float32, [])):
         q = torch.randn(512, 1, 4, 64, device=dev, dtype=dtype)
         kv = torch.randn(1024, 1, 2, 64, device=dev, dtype=dtype)
         calls.clear()
         out = cpmod.dense_rank_chunks(q, kv, kv, 1, 2, 256, 0.125)
-        assert out.shape == (512, 1, 256) and len(calls) == expected, dtype
+        assert out.shape == (512, 1, 256) and calls == expected, dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, groups", [(8, 8), (8, 2)])
+def test_gpu_fa4_dense_layer_matches_sdpa(heads, groups):
+    """Where FlashAttention-4 is installed, the dense layer's CP=1 path on it ("auto") equals
+    SDPA's ("sdpa") in bf16 to within a dense bf16 kernel's error of the fp32 result, outputs
+    and gradients, MHA and GQA, at an odd length."""
+    from megatron_s2.flash_attention4 import fa4_causal, fa4_import_error
+
+    if fa4_import_error() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs FlashAttention-4 (tools/stage_flash_attn4.sh) on sm_90+")
+    dev, seq, dim = torch.device("cuda"), 3000, 128
+    g = torch.Generator(device=dev).manual_seed(5)
+    q = torch.randn(1, seq, heads, dim, device=dev, generator=g)
+    k, v = (torch.randn(1, seq, groups, dim, device=dev, generator=g) for _ in range(2))
+    dout = torch.randn(1, seq, heads, dim, device=dev, generator=g)
+    scale = dim**-0.5
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout.to(dtype))
+        return [out.float()] + [t.grad.float() for t in leaves]
+
+    def sdpa(a, b, c):
+        qt, kt, vt = (x.transpose(1, 2) for x in (a, b, c))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+    exact = run(sdpa, torch.float32)
+    got_fa4 = run(lambda a, b, c: fa4_causal(a, b, c, scale), torch.bfloat16)
+    got_sdpa = run(sdpa, torch.bfloat16)
+    for name, ref, a, b in zip(("out", "dq", "dk", "dv"), exact, got_fa4, got_sdpa):
+        err_fa4 = float((a - ref).abs().max() / ref.abs().max())
+        err_sdpa = float((b - ref).abs().max() / ref.abs().max())
+        assert err_fa4 < 2 * err_sdpa + 1e-3, (name, err_fa4, err_sdpa)
 
 
 def _scores(q, k, causal: bool, scale: float):
@@ -270,5 +320,5 @@ def test_dense_rank_chunks_rejects_unknown_impl():
     from megatron_s2.context_parallel import dense_rank_chunks
 
     q = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(ValueError, match="impl must be 'auto', 'cudnn' or 'per-chunk'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fa4', 'cudnn'"):
         dense_rank_chunks(q, q, q, 0, 2, 2, 1.0, impl="fast")

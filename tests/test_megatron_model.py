@@ -224,6 +224,30 @@ def test_unsupported_configurations_fail_at_construction(cls, cfg_kw, ctor_kw, m
         cls(**kw)
 
 
+def test_dense_backend_on_cpu(monkeypatch):
+    """The dense layer's backend: "auto" and "sdpa" run SDPA on the CPU (FlashAttention-4 has no
+    CPU kernels); "fa4" is refused at construction where FA4 does not import, and at forward
+    where it cannot run the call (CPU tensors), naming why."""
+    import megatron_s2.attention as att
+    import megatron_s2.flash_attention4 as fa4mod
+
+    q, k, v = _qkv()
+    for backend in ("auto", "sdpa"):
+        cfg = tiny_config(config_class=S2TransformerConfig, s2_schedule={}, dense_backend=backend)
+        mod = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+        assert f"backend {backend}" in repr(mod)
+        torch.testing.assert_close(mod(q, k, v, None), _naive_causal(q, k, v, 16**-0.5))
+    monkeypatch.setattr(fa4mod, "fa4_import_error", lambda: "flash_attn.cute does not import")
+    with pytest.raises(ValueError, match="needs FlashAttention-4.*pip install flash-attn-4"):
+        tiny_config(config_class=S2TransformerConfig, s2_schedule={}, dense_backend="fa4")
+    monkeypatch.setattr(fa4mod, "fa4_import_error", lambda: None)
+    cfg = tiny_config(config_class=S2TransformerConfig, s2_schedule={}, dense_backend="fa4")
+    mod = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+    with pytest.raises(ValueError, match="dense_backend='fa4': FlashAttention-4 needs CUDA"):
+        mod(q, k, v, None)
+    assert not att.use_fa4("sdpa", q) and not att.use_fa4("auto", q)
+
+
 def test_s2_rejects_dropout_dense_accepts_it():
     cfg = tiny_config(attention_dropout=0.1)
     pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
@@ -491,6 +515,14 @@ def test_s2_transformer_config_declares_validates_and_survives_copies():
     [
         ({"s2_schedule": None}, "s2_schedule is required"),
         ({"s2_schedule": {}, "s2_backend": "cuda"}, r"s2_backend must be one of"),
+        (
+            {"s2_schedule": {}, "dense_backend": "flash"},
+            r"dense_backend must be one of \('auto', 'sdpa', 'fa4'\)",
+        ),
+        (
+            {"s2_schedule": {}, "dense_backend": "fa4", "attention_dropout": 0.1},
+            r"dense_backend='fa4': FlashAttention-4 has no attention dropout",
+        ),
         ({"s2_schedule": {"s2": {"vert_stride": 0}}}, r"attention\.s2\.vert_stride"),
         (
             {

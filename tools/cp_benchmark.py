@@ -7,16 +7,16 @@ design next to the single-GPU (CP=1) layer, for S2 and dense layers.
     python tools/cp_benchmark.py --seqs 32768 --cp 2 --profile dense   # where the time goes
 
 Each row times one layer's core attention, forward + backward (``triton.testing.do_bench``,
-median): CP=1 attends the whole sequence as today's modules do (S2: ``s2_attention``; dense:
-``FusedDenseAttention``'s SDPA); CP=N attends one rank's two load-balanced query chunks against
-the whole K/V (what each rank computes after the all-gather; ranks 0 and N-1 bracket the
-balance; dense: the module's path, two cuDNN calls a chunk, and "dense, rank-level cuDNN" the
-one function for both chunks that is to replace it). "per-token vs CP=1" is the rank's time
-per query token over CP=1's (1.00 = no overhead from splitting). Memory is the peak
-allocation of the fwd+bwd above its inputs. The all-gather itself is not timed here (one GPU);
-its volume per layer is printed: K and V of the whole sequence, ``(N-1)/N`` of it received by
-each rank. The "dense, FA2 varlen" rows are the alternative dense path (FlashAttention-2's
-varlen kernel with bottom-right causal masks) that the cuDNN path replaced.
+median): CP=1 attends the whole sequence as the modules do (S2: ``s2_attention``; dense:
+``FusedDenseAttention``'s SDPA, and FlashAttention-4 where it is installed); CP=N attends one
+rank's two load-balanced query chunks against the whole K/V (what each rank computes after the
+all-gather; ranks 0 and N-1 bracket the balance; dense: the rank-level cuDNN function, or one
+FA4 call a chunk). "per-token vs CP=1" is the rank's time per query token over its kind's CP=1
+row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1" compares every dense
+row with today's dense layer on SDPA. Memory is the peak allocation of the fwd+bwd above its
+inputs. The all-gather itself is not timed here (one GPU); its volume per layer is printed: K
+and V of the whole sequence, ``(N-1)/N`` of it received by each rank. ``--kinds dense-per-chunk
+dense-fa2`` add the earlier dense paths (two cuDNN calls a chunk; FlashAttention-2's varlen).
 """
 
 from __future__ import annotations
@@ -105,14 +105,33 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
+KINDS = ("S2", "dense", "dense-fa4", "dense-per-chunk", "dense-fa2")
+DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
+
+
 def run(
-    seq: int, heads: int, groups: int, dim: int, cps: list[int], profile_kinds=()
+    seq: int,
+    heads: int,
+    groups: int,
+    dim: int,
+    cps: list[int],
+    profile_kinds=(),
+    kinds=DEFAULT_KINDS,
 ) -> list[dict]:
+    """Time the ``kinds`` of one head shape at ``seq`` tokens: a CP=1 row (where the kind has
+    one) and ranks 0 and N-1 of each CP size in ``cps``. Kinds: "S2"; "dense" (SDPA at CP=1,
+    the rank-level cuDNN function under CP: the module's path with ``dense_attention=sdpa``);
+    "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk: the module's path with
+    "auto" where FA4 is installed; skipped with a note where it is not); "dense-per-chunk"
+    (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
+    earlier paths. ``rel`` is per token against the kind's CP=1 row (the per-chunk and FA2 rows:
+    SDPA's), ``rel_sdpa`` against dense SDPA at CP=1 (today's dense layer; dense kinds only)."""
     from megatron_s2.context_parallel import (
         attend_rank_chunks,
         dense_causal_suffix,
         dense_rank_chunks,
     )
+    from megatron_s2.flash_attention4 import fa4_causal, fa4_unusable_reason
     from s2attn import S2Pattern, s2_attention
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -126,44 +145,67 @@ def run(
     def s2_at(qc, kc, vc, q_start):
         return s2_attention(qc, kc, vc, pattern, softmax_scale=scale, q_start=q_start)
 
-    def dense_at(qc, kc, vc, q_start):
-        return dense_causal_suffix(qc, kc, vc, scale)
-
-    def flash_at(qc, kc, vc, q_start):
-        return dense_causal_suffix(qc, kc, vc, scale, impl="flash")
+    def suffix(impl):
+        return lambda qc, kc, vc, q_start: dense_causal_suffix(qc, kc, vc, scale, impl=impl)
 
     def s2_full():
         return s2_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), pattern)
 
-    def dense_full():  # FusedDenseAttention's CP=1 path
+    def dense_full():  # FusedDenseAttention's CP=1 path with dense_attention=sdpa
         qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
         return F.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale, enable_gqa=groups != heads
         )
 
-    rows = []
-    kv_mib = 2 * seq * groups * dim * 2 / 2**20
+    def fa4_full():  # its CP=1 path where FA4 runs
+        return fa4_causal(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
 
     def per_chunk(at):
         return lambda rows_q, rank, cp, chunk: attend_rank_chunks(rows_q, k, v, rank, cp, at, chunk)
 
-    def dense_rank(rows_q, rank, cp, chunk):  # not yet the module's path
-        return dense_rank_chunks(rows_q, k, v, rank, cp, chunk, scale, impl="cudnn")
+    def rank_level(impl):
+        return lambda rows_q, rank, cp, chunk: dense_rank_chunks(
+            rows_q, k, v, rank, cp, chunk, scale, impl=impl
+        )
 
-    kinds = (
-        ("S2", s2_full, per_chunk(s2_at), cps),
-        ("dense", dense_full, per_chunk(dense_at), cps),
-        ("dense, rank-level cuDNN", None, dense_rank, cps),
-        ("dense, FA2 varlen", None, per_chunk(flash_at), cps[:1]),
-    )
-    for kind, full, at, kind_cps in kinds:
-        profiled = kind.split(",")[0] in profile_kinds
-        if full is not None:  # the FA2 rows compare with the dense CP=1 row before them
+    table = {
+        "S2": ("S2", s2_full, per_chunk(s2_at), cps),
+        "dense": ("dense, SDPA / rank-level cuDNN", dense_full, rank_level("cudnn"), cps),
+        "dense-fa4": ("dense, FA4", fa4_full, rank_level("fa4"), cps),
+        "dense-per-chunk": ("dense, cuDNN per chunk", None, per_chunk(suffix("cudnn")), cps),
+        "dense-fa2": ("dense, FA2 varlen", None, per_chunk(suffix("flash")), cps[:1]),
+    }
+    rows = []
+    kv_mib = 2 * seq * groups * dim * 2 / 2**20
+    sdpa_ms = None
+    if any(kind.startswith("dense") for kind in kinds):
+        sdpa_ms, _ = _timed(dense_full, (q, k, v))
+    for name in kinds:
+        kind, full, at, kind_cps = table[name]
+        if name == "dense-fa4" and fa4_unusable_reason(q):
+            print(f"# {kind}: skipped ({fa4_unusable_reason(q)})")
+            continue
+        profiled = name.split("-")[0] in profile_kinds
+        dense = name.startswith("dense")
+        if full is not None:
             ms1, mem1 = _timed(full, (q, k, v))
             prof = profile_breakdown(_step(full, (q, k, v))) if profiled else None
             rows.append(
-                dict(kind=kind, seq=seq, cp=1, rank="-", ms=ms1, mem=mem1, rel=1.0, kv=0, prof=prof)
+                dict(
+                    kind=kind,
+                    seq=seq,
+                    cp=1,
+                    rank="-",
+                    ms=ms1,
+                    mem=mem1,
+                    rel=1.0,
+                    rel_sdpa=ms1 / sdpa_ms if dense else None,
+                    kv=0,
+                    prof=prof,
+                )
             )
+        elif dense:  # the earlier dense paths compare with SDPA's CP=1 row
+            ms1 = sdpa_ms
         for cp in kind_cps:
             chunk = seq // (2 * cp)
             for rank in sorted({0, cp - 1}):
@@ -176,8 +218,7 @@ def run(
                     return at(rows_q, rank, cp, chunk)
 
                 ms, mem = _timed(local, (rows_q, k, v))
-                rel = (ms / (2 * chunk)) / (ms1 / seq)
-                kv = kv_mib * (cp - 1) / cp
+                per_token = ms / (2 * chunk)
                 prof = profile_breakdown(_step(local, (rows_q, k, v))) if profiled else None
                 rows.append(
                     dict(
@@ -187,8 +228,9 @@ def run(
                         rank=rank,
                         ms=ms,
                         mem=mem,
-                        rel=rel,
-                        kv=kv,
+                        rel=per_token / (ms1 / seq),
+                        rel_sdpa=per_token / (sdpa_ms / seq) if dense else None,
+                        kv=kv_mib * (cp - 1) / cp,
                         prof=prof,
                     )
                 )
@@ -209,6 +251,13 @@ def main(argv=None) -> int:
         choices=["S2", "dense"],
         help="also print each row's GPU time by kernel group (torch.profiler): S2 and/or dense",
     )
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(DEFAULT_KINDS),
+        choices=KINDS,
+        help="attention paths to time (default: S2, dense SDPA/cuDNN, dense FA4 where installed)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("cp_benchmark needs a CUDA GPU", file=sys.stderr)
@@ -219,17 +268,18 @@ def main(argv=None) -> int:
     )
     print(
         "| heads | seq | layer | CP | rank | fwd+bwd ms | per-token vs CP=1 | "
-        "peak MiB | K/V received MiB |"
+        "per-token vs dense SDPA CP=1 | peak MiB | K/V received MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.heads:
         heads, groups = (int(x) for x in spec.split("/"))
         for seq in args.seqs:
-            rows = run(seq, heads, groups, 128, args.cp, args.profile)
+            rows = run(seq, heads, groups, 128, args.cp, args.profile, args.kinds)
             for r in rows:
+                vs_sdpa = "-" if r["rel_sdpa"] is None else f"{r['rel_sdpa']:.2f}"
                 print(
                     f"| {spec} | {seq} | {r['kind']} | {r['cp']} | {r['rank']} | {r['ms']:.2f} | "
-                    f"{r['rel']:.2f} | {r['mem']:.0f} | {r['kv']:.0f} |"
+                    f"{r['rel']:.2f} | {vs_sdpa} | {r['mem']:.0f} | {r['kv']:.0f} |"
                 )
             for r in rows:
                 if r["prof"]:

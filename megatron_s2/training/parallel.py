@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..flash_attention4 import fa4_import_error
 from .run_config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "rope_scaling_kwargs",
     "fp8_kwargs",
     "check_transformer_impl",
+    "check_dense_attention",
     "check_fp8",
     "build_model_chunks",
     "wrap_model_chunks",
@@ -182,6 +184,7 @@ def transformer_config(
         s2_schedule=schedule,
         s2_seq_length=model.seq_length,
         s2_backend=backend,
+        dense_backend=model.dense_attention,
         **recompute,
         **fp8_kwargs(model),
     )
@@ -235,6 +238,25 @@ def check_transformer_impl(impl: str, *, gpu: bool) -> None:
             "model.transformer_impl=transformer_engine: Transformer Engine is not installed here "
             "(or failed to import with this torch); install it (tools/stage_transformer_engine.sh "
             "on the lent GPU machines, docs/megatron.md) or use model.transformer_impl=local"
+        )
+
+
+def check_dense_attention(model: ModelConfig, *, gpu: bool) -> None:
+    """Refuse ``model.dense_attention=fa4`` where FlashAttention-4 cannot run (CPU mode, or the
+    package does not import), before any process group or GPU work."""
+    if model.dense_attention != "fa4":
+        return
+    if not gpu:
+        raise ConfigError(
+            "model.dense_attention=fa4 needs a CUDA GPU (FlashAttention-4 has no CPU kernels); "
+            "CPU mode runs model.dense_attention=auto"
+        )
+    missing = fa4_import_error()
+    if missing:
+        raise ConfigError(
+            f"model.dense_attention=fa4: {missing}; install it with `pip install flash-attn-4` "
+            f"(tools/stage_flash_attn4.sh on the lent GPU machines) or use "
+            f"model.dense_attention=auto"
         )
 
 

@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import yaml
 
+from ..flash_attention4 import DENSE_BACKENDS
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -82,6 +84,11 @@ class ModelConfig:
     # attention) or "transformer_engine" (TE linears with fused norms, TEDotProductAttention on
     # dense layers; S2 layers keep our core attention). TE needs a CUDA GPU and TE installed.
     transformer_impl: str = "local"
+    # Kernel of the dense layers' attention with transformer_impl=local: "auto" (FlashAttention-4
+    # where the optional flash-attn-4 package is installed and runs the call, else PyTorch's
+    # SDPA/cuDNN), "sdpa", or "fa4" (required). Under context parallelism FA4 attends each
+    # query chunk in one call (docs/context_parallel.md).
+    dense_attention: str = "auto"
     # FP8 GEMMs in the TE linears (Megatron's --fp8-format): null (bf16), "hybrid" (e4m3
     # forward, e5m2 gradients) or "e4m3". Attention stays bf16: S2 layers are our kernels, and
     # TE's dense attention gets fp8_dot_product_attention=False. Needs transformer_engine, bf16
@@ -312,6 +319,12 @@ class RunConfig:
                 f"{m.rope_scaling}, got {m.rope_scaling_factor}"
             )
         _one_of("model.transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS)
+        _one_of("model.dense_attention", m.dense_attention, DENSE_BACKENDS)
+        if m.dense_attention == "fa4" and m.transformer_impl != "local":
+            raise ConfigError(
+                "model.dense_attention=fa4 applies to model.transformer_impl=local (the TE spec's "
+                "dense layers run Transformer Engine's attention); set model.dense_attention=auto"
+            )
         _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
         if m.fp8 is not None:
             self._validate_fp8()

@@ -121,6 +121,7 @@ class Trainer:
         cfg.validate(world_size=env.world_size)
         parallel.check_fp8(cfg.model, gpu=self.gpu, bf16=self.bf16)
         parallel.check_transformer_impl(cfg.model.transformer_impl, gpu=self.gpu)
+        parallel.check_dense_attention(cfg.model, gpu=self.gpu)
         parallel.init_process_group(env, gpu=self.gpu)
         parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
