@@ -103,9 +103,10 @@ if gluon is not None:
     @gluon.jit
     def _tiles(
         k, v, q_bufs, do_bufs, ready, empty, dk, dv, lse_base, delta_base, rows, los, his,
-        e_begin, e_end, i0, k_abs, offs_m, qk_scale, WG, MASKED: gl.constexpr,
+        e_begin, e_end, i0, k_abs, offs_m, qk_scale, q_start, WG, MASKED: gl.constexpr,
     ):  # fmt: skip
-        """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV."""
+        """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV. Query
+        rows are local (Q, dO, LSE, delta), at absolute positions from ``q_start`` (masks)."""
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k.type.shape[0]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
@@ -143,8 +144,9 @@ if gluon is not None:
             if MASKED:
                 lo = gl.load(los + e)
                 hi = gl.load(his + e)
-                ok = (k_abs[:, None] <= m_idx[None, :]) & (m_idx[None, :] >= lo)
-                ok = ok & (m_idx[None, :] < hi)
+                m_abs = q_start + m_idx
+                ok = (k_abs[:, None] <= m_abs[None, :]) & (m_abs[None, :] >= lo)
+                ok = ok & (m_abs[None, :] < hi)
                 st = gl.where(ok, st, -float("inf"))
             pt = gl.exp2(st)
             dv_tok = warpgroup_mma(
@@ -165,7 +167,7 @@ if gluon is not None:
     def _consumer(
         dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
         stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-        num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h, WG,
+        num_k_tiles, group, qk_scale, sm_scale, q_start, dkv_row_b, dkv_col_b, dkv_col_h, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -195,13 +197,13 @@ if gluon is not None:
                 row_off = b * stride_lse_b + h * stride_lse_h
                 dk, dv, i = _tiles(
                     k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
-                    DELTA + row_off, rows, los, his, e0, e1, i, k_abs, offs_m, qk_scale, WG,
-                    False,
+                    DELTA + row_off, rows, los, his, e0, e1, i, k_abs, offs_m, qk_scale, q_start,
+                    WG, False,
                 )  # fmt: skip
                 dk, dv, i = _tiles(
                     k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
-                    DELTA + row_off, rows, los, his, e1, e2, i, k_abs, offs_m, qk_scale, WG,
-                    True,
+                    DELTA + row_off, rows, los, his, e1, e2, i, k_abs, offs_m, qk_scale, q_start,
+                    WG, True,
                 )  # fmt: skip
             # K and V are read for the last time above (every MMA waited): their buffers take
             # dK and dV on the way out.
@@ -218,8 +220,8 @@ if gluon is not None:
     def _s2_dkdv_gluon_kernel(
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b,
         stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
-        qk_scale, sm_scale, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, dkv_row_b,
-        dkv_col_b, dkv_col_h, STAGES: gl.constexpr,
+        qk_scale, sm_scale, q_start, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+        dkv_row_b, dkv_col_b, dkv_col_h, STAGES: gl.constexpr,
     ):  # fmt: skip
         """One program per pair of (batch row, KV head, key tile) items: two independent
         pipelines (a loader warp and a consumer warpgroup each), one item each."""
@@ -252,7 +254,7 @@ if gluon is not None:
         consumer_args = (
             dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
             stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-            num_k_tiles, group, qk_scale, sm_scale, dkv_row_b, dkv_col_b, dkv_col_h,
+            num_k_tiles, group, qk_scale, sm_scale, q_start, dkv_row_b, dkv_col_b, dkv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # two loaders, with their register budgets. The pipeline index (last argument) reaches
@@ -269,18 +271,20 @@ if gluon is not None:
         )
 
 
-def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None):
-    """The dK/dV pass through the Gluon kernel: ``do`` and ``q [b, s, hq, d]``, ``k, v [b, s,
+def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0):
+    """The dK/dV pass through the Gluon kernel: ``do`` and ``q [b, s, hq, d]``, ``k, v [b, sk,
     hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
-    cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous. ``lay``: the
+    cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous; the queries are
+    positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`). ``lay``: the
     pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). Returns
-    ``dk, dv`` like k and v. The caller checks :func:`gluon_forward.unsupported_reason`."""
+    ``dk, dv`` like k and v (zero on keys no query attends). The caller checks
+    :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
     if bn != BLOCK_N:
         raise ValueError(f"s2_dkdv_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
     if lay is None:
-        lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device, with_csc=True)
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     if lay.block_m != TILE_M or lay.block_n != bn or lay.col_ptr is None:
         raise ValueError(
             f"s2_dkdv_gluon: needs a CSC layout of {TILE_M} x {bn} tiles, got "
@@ -326,6 +330,7 @@ def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None):
         lay.group,
         scale * LOG2E,
         scale,
+        q_start,
         *views["q"][1:],
         *views["k"][1:],
         *views["dk"][1:],
@@ -351,13 +356,13 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     )
 
 
-def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float):
+def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0):
     """The kernel's schedule in float64 PyTorch on any device: same CSC arrays, programs of two
-    items, head loop, full/partial entries and masks. Shapes as :func:`s2_dkdv_gluon`; returns
-    ``(dk, dv)`` in float64."""
+    items, head loop, full/partial entries and masks. Shapes and ``q_start`` as
+    :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
-    lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device, with_csc=True)
+    lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     qk_scale = scale * LOG2E
     dk = torch.zeros(k.shape, dtype=torch.float64)
     dv = torch.zeros(v.shape, dtype=torch.float64)
@@ -388,10 +393,11 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float):
                     row_lse = torch.where(row_lse == -math.inf, 0.0, row_lse)
                     st = (kk @ qq.T) * qk_scale - row_lse[None, :] * LOG2E
                     if e >= col_split[c]:
+                        m_abs = q_start + m_idx
                         ok = (
-                            (k_abs[:, None] <= m_idx[None, :])
-                            & (m_idx[None, :] >= los[e])
-                            & (m_idx[None, :] < his[e])
+                            (k_abs[:, None] <= m_abs[None, :])
+                            & (m_abs[None, :] >= los[e])
+                            & (m_abs[None, :] < his[e])
                         )
                         st = st.masked_fill(~ok, -math.inf)
                     pt = torch.exp2(st)

@@ -124,7 +124,7 @@ if gluon is not None:
     def _consumer(
         q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
         stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
-        n_items, num_q_tiles, qk_scale, sm_scale, WG,
+        n_items, num_q_tiles, qk_scale, sm_scale, q_start, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -141,7 +141,9 @@ if gluon is not None:
         e2 = gl.load(row_ptr + item + 1)
         row_off = b * stride_lse_b + h * stride_lse_h
         first = qt * 2 * BM + WG * BM
-        q_abs = first + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        # Local rows index Q, dO, O, LSE and delta; absolute positions (from q_start) the masks.
+        q_loc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        q_abs = q_start + q_loc
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(row_bar, 0)
         q = q_smem.index(WG)
@@ -154,7 +156,7 @@ if gluon is not None:
             delta -= gl.load(DLSE + row_off + rows_acc)
         gl.store(DELTA + row_off + rows_acc, delta)
         delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
-        lse = gl.load(LSE + row_off + q_abs)
+        lse = gl.load(LSE + row_off + q_loc)
         # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
         lse2 = gl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
         dq = gl.zeros([BM, D], gl.float32, acc_layout)
@@ -174,7 +176,7 @@ if gluon is not None:
     def _s2_dq_gluon_kernel(
         q_desc, do_desc, o_desc, k_desc, v_desc, dq_desc, LSE, DLSE, DELTA, stride_lse_b,
         stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-        group, qk_scale, sm_scale, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h,
+        group, qk_scale, sm_scale, q_start, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h,
         kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch row, layout item): a 128-row query tile of one head."""
@@ -210,7 +212,7 @@ if gluon is not None:
         consumer_args = (
             q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
             stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
-            n_items, num_q_tiles, qk_scale, sm_scale,
+            n_items, num_q_tiles, qk_scale, sm_scale, q_start,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # loader. The warpgroup index reaches a partition as a run-time value: it only selects
@@ -233,10 +235,11 @@ if gluon is not None:
         tma.store_wait(0)
 
 
-def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
+def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_start: int = 0):
     """The dQ pass through the Gluon kernel: ``do``, ``out`` and ``q [b, s, hq, d]``, ``k, v [b,
-    s, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
-    cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None.
+    sk, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
+    cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None; the
+    queries are positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`).
     ``lay``: the pattern's layout at ``TILE_M`` x ``block_size`` tiles (the forward's; built
     when None). Returns ``dq`` like q and ``delta [b, hq, s]`` fp32 (``rowsum(dO * O) - dLSE``,
     for the dK/dV pass), as ``triton_attention.bwd_dq`` does. The caller checks
@@ -246,7 +249,7 @@ def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
     if bn != BLOCK_N:
         raise ValueError(f"s2_dq_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
     if lay is None:
-        lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     if lay.block_m != TILE_M or lay.block_n != bn:
         raise ValueError(
             f"s2_dq_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
@@ -289,6 +292,7 @@ def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None):
         lay.group,
         scale * LOG2E,
         scale,
+        q_start,
         *qv[1:],
         *ov[1:],
         *kv_[1:],
@@ -313,13 +317,13 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     )
 
 
-def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float):
+def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int = 0):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
-    order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes as
-    :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
+    order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes and
+    ``q_start`` as :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
-    lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+    lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     qk_scale = scale * LOG2E
     dq = torch.zeros(q.shape, dtype=torch.float64)
     delta = torch.zeros(lse.shape, dtype=torch.float64)
@@ -333,13 +337,14 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float):
         bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // lay.group
         for wg in range(2):
-            q_abs = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
-            qq, dd = q[bb, q_abs, h].double(), do[bb, q_abs, h].double()
-            row_delta = (dd * out[bb, q_abs, h].double()).sum(-1)
+            q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
+            q_abs = q_start + q_loc
+            qq, dd = q[bb, q_loc, h].double(), do[bb, q_loc, h].double()
+            row_delta = (dd * out[bb, q_loc, h].double()).sum(-1)
             if dlse is not None:
-                row_delta = row_delta - dlse[bb, h, q_abs].double()
-            delta[bb, h, q_abs] = row_delta
-            row_lse = lse[bb, h, q_abs].double()
+                row_delta = row_delta - dlse[bb, h, q_loc].double()
+            delta[bb, h, q_loc] = row_delta
+            row_lse = lse[bb, h, q_loc].double()
             lse2 = torch.where(row_lse == -math.inf, 0.0, row_lse * LOG2E)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             for e in range(row_ptr[item], row_ptr[item + 1]):
@@ -355,5 +360,5 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float):
                     sc = sc.masked_fill(~ok, -math.inf)
                 p = torch.exp2(sc)
                 acc += (p * (dd @ vv.T - row_delta[:, None])) @ kk
-            dq[bb, q_abs, h] = acc * scale
+            dq[bb, q_loc, h] = acc * scale
     return dq, delta

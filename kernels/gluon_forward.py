@@ -115,14 +115,17 @@ def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> 
         return "this Triton has no Gluon Hopper API"
     if varlen is not None:
         return "packed documents (varlen)"
-    if q_start or k_start or q.shape[1] != k.shape[1]:
-        return "not self-attention from position 0 (q_start, k_start, equal lengths)"
+    if k_start or q_start + q.shape[1] != k.shape[1]:
+        # Self-attention, or a context-parallel chunk: the last sq of sk positions from 0.
+        return (
+            "keys not from position 0, or queries not the keys' last positions (k_start, q_start)"
+        )
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}: bf16 or fp16"
-    if q.shape[1] % TILE_M:
-        return f"sequence length {q.shape[1]}: not a multiple of {TILE_M}"
+    if q.shape[1] % TILE_M or k.shape[1] % TILE_M:
+        return f"sequence lengths {q.shape[1]}, {k.shape[1]}: not multiples of {TILE_M}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}: not one of {HEAD_DIMS}"
     if pattern.block_size not in BLOCK_SIZES:
@@ -269,10 +272,11 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b, stride_lse_h,
-        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale, WG,
+        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale, q_start, WG,
     ):  # fmt: skip
         """Consumer warpgroup ``WG`` (0 or 1, a run-time value: it only selects the rows and
-        buffers): its 64 rows of the item's query tile."""
+        buffers): its 64 rows of the item's query tile, at absolute positions from
+        ``q_start`` (the masks') and local rows from 0 (the LSE's)."""
         # Sizes from the shared-memory types: constexprs passed to a worker arrive as tensors.
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -287,7 +291,8 @@ if gluon is not None:
         e0 = gl.load(row_ptr + item)
         e1 = gl.load(row_split + item)
         e2 = gl.load(row_ptr + item + 1)
-        q_abs = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        q_loc = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        q_abs = q_start + q_loc
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         acc = gl.zeros([BM, D], gl.float32, o_layout)
         mbarrier.wait(q_bar, 0)
@@ -298,7 +303,7 @@ if gluon is not None:
         nothing = l_i == 0.0
         l_safe = gl.where(nothing, 1.0, l_i)
         lse = gl.where(nothing, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_abs, lse)
+        gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_loc, lse)
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         o_smem.index(WG).store(out.to(o_smem.dtype))
         fence_async_shared()
@@ -306,7 +311,7 @@ if gluon is not None:
     @gluon.jit
     def _s2_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
-        cols, los, his, order, n_items, num_q_tiles, group, qk_scale,
+        cols, los, his, order, n_items, num_q_tiles, group, qk_scale, q_start,
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b, o_col_h,
         STAGES: gl.constexpr,
     ):  # fmt: skip
@@ -335,7 +340,7 @@ if gluon is not None:
         consumer_args = (
             q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
             stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-            qk_scale,
+            qk_scale, q_start,
         )  # fmt: skip
         loader_args = (
             q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
@@ -427,17 +432,19 @@ def _descriptor(view: TmaView, rows: int, head_dim: int):
     return TensorDescriptor.from_tensor(view.matrix, block, layout)
 
 
-def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None):
-    """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, s, hkv, d]`` (bf16 or
-    fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
-    ``scale`` the softmax scale; ``lay`` the pattern's layout at 128-row query tiles (built when
-    None). Returns ``out`` like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32
+def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0):
+    """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, sk, hkv, d]`` (bf16
+    or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
+    the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
+    self-attention, a context-parallel chunk's start otherwise); ``scale`` the softmax scale;
+    ``lay`` the pattern's layout at 128-row query tiles for this ``(s, sk, q_start)`` (built
+    when None). Returns ``out`` like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32
     (natural log), as ``triton_attention.s2_forward`` does. The caller checks
     :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
     if lay is None:
-        lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     if lay.block_m != TILE_M or lay.block_n != bn:
         raise ValueError(
             f"s2_forward_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
@@ -472,6 +479,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None):
         lay.num_q_tiles,
         lay.group,
         scale / LN2,
+        q_start,
         *qv[1:],
         *kv_[1:],
         *ov[1:],
@@ -536,14 +544,14 @@ def compile_kernel_for_sm90(kernel, head_dim: int, tiles: dict, types: dict, sta
 
 
 # ------------------------------------------------------------------------------ CPU emulation
-def emulate_forward(q, k, v, pattern, scale: float):
+def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
     order, warpgroup split of each 128-row tile, full/partial entry split, masks and base-2
-    online softmax, so that its index logic is checked where no GPU is. Shapes as
-    :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
+    online softmax, so that its index logic is checked where no GPU is. Shapes and ``q_start``
+    as :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
-    lay = layout_for(pattern, s, s, 0, 0, TILE_M, bn, q.device)
+    lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     qk_scale = scale / LN2
     out = torch.zeros(b, s, hq, d, dtype=torch.float64)
     lse = torch.empty(b, hq, s, dtype=torch.float64)
@@ -558,8 +566,9 @@ def emulate_forward(q, k, v, pattern, scale: float):
         kvh = h // lay.group
         e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
         for wg in range(NUM_CONSUMERS):
-            q_abs = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
-            qq = q[bb, q_abs, h].double()
+            q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
+            q_abs = q_start + q_loc
+            qq = q[bb, q_loc, h].double()
             m_i = torch.full((WG_ROWS,), -math.inf, dtype=torch.float64)
             l_i = torch.zeros(WG_ROWS, dtype=torch.float64)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
@@ -582,6 +591,6 @@ def emulate_forward(q, k, v, pattern, scale: float):
                 m_i = m_new
             nothing = l_i == 0
             l_safe = torch.where(nothing, 1.0, l_i)
-            lse[bb, h, q_abs] = torch.where(nothing, -math.inf, (m_i + torch.log2(l_safe)) * LN2)
-            out[bb, q_abs, h] = acc / l_safe[:, None]
+            lse[bb, h, q_loc] = torch.where(nothing, -math.inf, (m_i + torch.log2(l_safe)) * LN2)
+            out[bb, q_loc, h] = acc / l_safe[:, None]
     return out, lse

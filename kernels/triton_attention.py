@@ -1473,11 +1473,12 @@ def s2_forward(
     if cfg.gluon_fwd and not gluon_forward.unsupported_reason(
         q, k, v, pattern, q_start, k_start, varlen
     ):
-        lay = layout_for(pattern, sq, sk, 0, 0, gluon_forward.TILE_M, pattern.block_size, q.device)
+        tile, bn = gluon_forward.TILE_M, pattern.block_size
+        lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device)
         # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
         # tiles, which the Gluon kernel does not take.
         if lay.block_m == gluon_forward.TILE_M:
-            return gluon_forward.s2_forward_gluon(q, k, v, pattern, scale, lay)
+            return gluon_forward.s2_forward_gluon(q, k, v, pattern, scale, lay, q_start)
     lay = _pass_layout(
         pattern, sq, sk, q_start, k_start, cfg.fwd.block_m, cfg.block_n, q.device, varlen
     )
@@ -1710,23 +1711,27 @@ def s2_backward(
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
-    # The Gluon passes take block-64 self-attention calls that the Gluon forward would take.
+    # The Gluon passes take the block-64 calls that the Gluon forward would take (self-attention
+    # and context-parallel chunks: keys from 0, queries their last positions from q_start).
     gluon_ok = (cfg.gluon_dq or cfg.gluon_dkdv) and (
         pattern.block_size == gluon_dkdv.BLOCK_N
         and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
     )
-    sq, bn = q.shape[1], pattern.block_size
+    sq, sk, bn = q.shape[1], k.shape[1], pattern.block_size
     dq = None
     if gluon_ok and cfg.gluon_dq:
-        lay = layout_for(pattern, sq, sq, 0, 0, gluon_dq.TILE_M, bn, q.device)
+        lay = layout_for(pattern, sq, sk, q_start, 0, gluon_dq.TILE_M, bn, q.device)
         if lay.block_m == gluon_dq.TILE_M:  # not a user mask that forced smaller tiles
-            dq, delta = gluon_dq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale, lay)
+            dq, delta = gluon_dq.s2_dq_gluon(
+                do, dlse, q, k, v, out, lse, pattern, scale, lay, q_start
+            )
     if dq is None:
         dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
     if gluon_ok and cfg.gluon_dkdv:
-        lay = layout_for(pattern, sq, sq, 0, 0, gluon_dkdv.TILE_M, bn, q.device, with_csc=True)
+        tile = gluon_dkdv.TILE_M
+        lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device, with_csc=True)
         if lay.block_m == gluon_dkdv.TILE_M:
-            dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, lay)
+            dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, lay, q_start)
             return dq, dk, dv
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
     return dq, dk, dv

@@ -237,7 +237,7 @@ def test_gpu_fa4_dense_layer_matches_sdpa(heads, groups):
     scale = dim**-0.5
 
     def run(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         out.backward(dout.to(dtype))
         return [out.float()] + [t.grad.float() for t in leaves]

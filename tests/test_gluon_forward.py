@@ -151,9 +151,10 @@ def test_calls_it_does_not_take_say_why():
         assert "Gluon" in why()
         return
     assert "varlen" in why(varlen=object())
-    assert "self-attention" in why(qs=128)
-    assert "self-attention" in why(k=q[:, :128])
+    assert "last positions" in why(qs=128)  # queries past the keys' end
+    assert "last positions" in why(k=q[:, :128])
     assert "sm_90" in why()  # a CPU tensor
+    assert "sm_90" in why(q=q[:, :128], qs=128)  # a context-parallel chunk passes the rest
 
 
 @needs_gluon
@@ -168,3 +169,54 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     assert got["hgmma"] >= 2 * (head_dim + block) // 16
     assert got["local_memory"] == 0  # no register spills
     assert got["shared_bytes"] <= 227 * 1024
+
+
+@pytest.mark.parametrize(
+    "seq_k,q_start,heads,kv_heads,local,stride,offset",
+    [
+        (768, 256, 4, 2, 2, 4, 0),  # a late chunk: stripes and window reach back before it
+        (1024, 768, 8, 2, 4, 8, 1),  # GQA 8/2, the last chunk of 4; key tiles nobody attends
+        (512, 256, 2, 2, 16, 1, 0),  # dense causal: a full rectangle before the diagonal
+    ],
+)
+def test_emulated_chunk_schedules_match_reference(
+    seq_k, q_start, heads, kv_heads, local, stride, offset
+):
+    """A context-parallel chunk (queries at ``q_start ..``, the last of ``seq_k`` keys from 0)
+    through all three Gluon passes' schedules, emulated in float64, against the reference at
+    the same positions: outputs, LSE and dQ/dK/dV (dK/dV zero on keys nothing attends)."""
+    from s2attn import gluon_dkdv as gd
+    from s2attn import gluon_dq as gq
+
+    g = torch.Generator().manual_seed(seq_k + q_start + heads)
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=64,
+        local_blocks=local,
+        vert_stride=stride,
+        head_offset=offset,
+    )
+    sq, d = seq_k - q_start, 16
+    q = torch.randn(1, sq, heads, d, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (
+        torch.randn(1, seq_k, kv_heads, d, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+    do = torch.randn(1, sq, heads, d, dtype=torch.float64, generator=g)
+    scale = d**-0.5
+    ref, ref_lse = s2_attention_reference(q, k, v, pattern, scale, return_lse=True, q_start=q_start)
+    dq_ref, dk_ref, dv_ref = torch.autograd.grad(ref, (q, k, v), do)
+    q, k, v, ref = q.detach(), k.detach(), v.detach(), ref.detach()
+    out, lse = gf.emulate_forward(q, k, v, pattern, scale, q_start)
+    assert (out - ref).abs().max().item() < 1e-10
+    assert (lse - ref_lse.double()).abs().max().item() < 1e-5  # the reference's LSE is fp32
+    dq, delta = gq.emulate_dq(do, None, q, k, v, out, lse, pattern, scale, q_start)
+    torch.testing.assert_close(dq, dq_ref, rtol=1e-9, atol=1e-9)
+    dk, dv = gd.emulate_dkdv(do, q, k, v, lse, delta, pattern, scale, q_start)
+    torch.testing.assert_close(dk, dk_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dv, dv_ref, rtol=1e-9, atol=1e-9)
+    # Keys that no query head of their group attends (the GQA case has them) came out zero.
+    idle = dk_ref.abs().amax(dim=(0, 3)) == 0  # [seq_k, kv_heads]
+    assert bool(idle.any()) == (heads > kv_heads)
+    assert not dk[0].abs().amax(-1)[idle].any() and not dv[0].abs().amax(-1)[idle].any()

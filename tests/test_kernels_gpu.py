@@ -754,3 +754,67 @@ def test_gluon_dq_config_flag_runs_it_in_the_autograd_path(monkeypatch):
         results[on] = attention_with_grads(run, leaves, leaves, do, dlse)
     assert len(calls) == 1
     _no_worse_than_tl(results[True], results[False], ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_context_parallel_chunks_take_gluon_kernels(kv_heads, layout, monkeypatch):
+    """A context-parallel chunk (queries at ``q_start``, the last of the keys from 0: what each
+    CP rank attends) runs the Gluon forward, dQ and dK/dV kernels, and out and every gradient
+    are as close to the fp32 reference as the ``tl`` kernels' (``S2ATTN_GLUON_FORWARD=0``);
+    keys no query of the chunk attends get zero dK/dV. Megatron's ``[s, b, h, d]`` storage
+    read in place."""
+    import s2attn.gluon_dkdv as gd
+    import s2attn.gluon_dq as gq
+
+    gf = _gluon_or_skip()
+    if not gf.triton_checked():
+        pytest.skip(f"Triton {gf.triton.__version__}: the default takes the tl forward")
+    pattern = S2Pattern(
+        num_heads=8, num_kv_heads=kv_heads, block_size=64, local_blocks=4, vert_stride=8
+    )
+    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
+    for mod, name, key in (
+        (gf, "s2_forward_gluon", "fwd"),
+        (gd, "s2_dkdv_gluon", "dkdv"),
+        (gq, "s2_dq_gluon", "dq"),
+    ):
+        real = getattr(mod, name)
+        monkeypatch.setattr(
+            mod,
+            name,
+            lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **kw),
+        )
+    seq_k, q_start, d = 4096, 3072, 128
+    g = torch.Generator(device=DEV).manual_seed(21)
+
+    def mk(s, h):
+        shape = (1, s, h, d) if layout == "bshd" else (s, 1, h, d)
+        x = torch.randn(*shape, device=DEV, generator=g).to(torch.bfloat16)
+        return x if layout == "bshd" else x.transpose(0, 1)
+
+    q, k, v = mk(seq_k - q_start, 8), mk(seq_k, kv_heads), mk(seq_k, kv_heads)
+    do = mk(seq_k - q_start, 8)
+
+    def grads(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out = fn(*leaves)
+        out.backward(do.to(out.dtype))
+        return dict(out=out.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+
+    ref = grads(
+        lambda a, b, c: s2_attention_reference(a, b, c, pattern, q_start=q_start),
+        [t.float() for t in (q, k, v)],
+    )
+    got = grads(lambda a, b, c: s2_attention(a, b, c, pattern, q_start=q_start), (q, k, v))
+    assert calls["fwd"] and calls["dq"] and calls["dkdv"], calls
+    monkeypatch.setenv(gf.ENV_SWITCH, "0")
+    seen = dict(calls)
+    tl = grads(lambda a, b, c: s2_attention(a, b, c, pattern, q_start=q_start), (q, k, v))
+    assert calls == seen, "S2ATTN_GLUON_FORWARD=0 still took a Gluon kernel"
+    _no_worse_than_tl(got, tl, ref, ("out", "dq", "dk", "dv"))
+    idle = ref["dk"][0].abs().amax(-1) == 0  # [seq_k, kv_heads]: keys the chunk never attends
+    assert idle.any()  # stripes of 1 or 4 phases out of 8 leave keys before the window idle
+    assert not got["dk"][0].abs().amax(-1)[idle].any()
+    assert not got["dv"][0].abs().amax(-1)[idle].any()
