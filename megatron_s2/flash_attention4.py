@@ -114,5 +114,16 @@ def fa4_causal(
     Returns ``[b, sq, np, hn]``; differentiable (FA4's own autograd Function)."""
     from flash_attn.cute import flash_attn_func
 
-    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, deterministic=deterministic)
+    # A context-parallel chunk under GQA (sq < sk): FA4's own choice left its query heads
+    # unpacked; packing them ran the chunks 3-13% faster (H100, docs/context_parallel.md).
+    pack = True if sq_lt_sk_gqa(q, k) else None
+    out = flash_attn_func(
+        q, k, v, softmax_scale=scale, causal=True, deterministic=deterministic, pack_gqa=pack
+    )
     return out[0] if isinstance(out, tuple) else out
+
+
+def sq_lt_sk_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``q [b, sq, np, hn]`` against ``k [b, sk, ng, hn]`` is a chunk (``sq < sk``) with
+    grouped query heads (``np > ng``)."""
+    return q.shape[1] < k.shape[1] and q.shape[2] > k.shape[2]
