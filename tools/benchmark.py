@@ -24,7 +24,9 @@ package's Triton kernels on the S2 pattern) and the rows named by ``--rows``:
 With ``--baseline DIR`` (another copy of the s2attn package, e.g. an earlier commit's
 ``kernels/`` from ``git archive``), rows ``base s2attn`` (and ``base s2attn dense (V=1)`` when
 s2dense runs) time that copy on the same inputs in the same run: a kernel change is judged
-against its predecessor side by side, not against a number from another day.
+against its predecessor side by side, not against a number from another day. Each pair is
+timed A B B A (ours, baseline, baseline, ours; each row the mean of its two timings), so a
+drift over the run does not favour either.
 Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
 attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
 row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
@@ -185,6 +187,16 @@ def bench(fn, warmup=25, rep=100) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def abba(time_a: Callable[[], tuple], time_b: Callable[[], tuple]) -> tuple[tuple, tuple]:
+    """Time two rows in the order A, B, B, A and return each row's timings averaged over its two
+    runs (``time_*() -> (fwd_ms, fwd_bwd_ms)``). A drift over the run (clocks, temperature: on
+    the H100s later rows ran 3-5% slower at 128k with identical code, docs/benchmarks.md) then
+    weighs on both rows alike instead of on whichever was timed last."""
+    a1, b1, b2, a2 = time_a(), time_b(), time_b(), time_a()
+    mean = lambda x, y: tuple((u + w) / 2 for u, w in zip(x, y))
+    return mean(a1, a2), mean(b1, b2)
 
 
 def fwd_bwd(run, inputs, grad):
@@ -390,10 +402,11 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
     res = []
     shape = dict(seq=seq, batch=batch, d=d, block=block)
 
-    def record(row, name, pairs, f, fb):
+    def record(row, name, pairs, f, fb, times=None):
+        """Time ``f`` and ``fb`` (or take ``times``, ``(fwd_ms, fwd_bwd_ms)`` measured by the
+        caller) and add the row."""
         try:
-            ms_f = bench(f)
-            ms_fb = bench(fb)
+            ms_f, ms_fb = times if times is not None else (bench(f), bench(fb))
         except Exception as exc:  # a baseline that cannot run at this size is reported, not fatal
             print(f"  {name}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
             res.append(dict(row=row, name=name, **shape, error=str(exc)[:300]))
@@ -420,10 +433,30 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
 
     base = kernel_config(pat, d, dev)
     configs = [base] + (sweep_configs(base, sweep, block) if sweep else [])
+    # With --baseline, each default-config row and its baseline row are timed A B B A.
+    paired = {}
+
+    def with_baseline(row, p, run):
+        if baseline is None:
+            return None
+        bp = baseline_pattern(baseline, p)
+        base_run = lambda: baseline.s2_attention(q, k, v, bp)
+        time_of = lambda r: lambda: (bench(r), bench(fwd_bwd(r, (q, k, v), grad)))
+        try:
+            ours, theirs = abba(time_of(run), time_of(base_run))
+        except Exception as exc:  # each row is then timed alone, a failing one recorded so
+            print(f"  {row} vs baseline: failed ({type(exc).__name__}); timed one by one")
+            paired[row] = (base_run, None)
+            return None
+        paired[row] = (base_run, theirs)
+        return ours
+
     for cfg in configs:
         run = lambda cfg=cfg: s2_attention(q, k, v, pat, kernel_config=cfg)
         pairs = row_pairs("s2attn", pat, seq, batch)
-        record("s2attn", config_label(cfg, base), pairs, run, fwd_bwd(run, (q, k, v), grad))
+        times = with_baseline("s2attn", pat, run) if cfg is base else None
+        label = config_label(cfg, base)
+        record("s2attn", label, pairs, run, fwd_bwd(run, (q, k, v), grad), times)
     if "s2dense" in rows:
         dpat = dense_pattern(pat)
         # A filtered sweep is short enough to try its configs on the dense pattern too: the
@@ -433,17 +466,12 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
             run = lambda cfg=cfg: s2_attention(q, k, v, dpat, kernel_config=cfg)
             pairs = row_pairs("s2dense", pat, seq, batch)
             label = ROWS["s2dense"] + config_label(cfg, base).removeprefix("s2attn")
-            record("s2dense", label, pairs, run, fwd_bwd(run, (q, k, v), grad))
-    if baseline is not None:
-        variants = [("s2attn", pat)] + (
-            [("s2dense", dense_pattern(pat))] if "s2dense" in rows else []
-        )
-        for row, p in variants:
-            bp = baseline_pattern(baseline, p)
-            run = lambda bp=bp: baseline.s2_attention(q, k, v, bp)
-            name = "base " + ("s2attn" if row == "s2attn" else ROWS[row])
-            pairs = row_pairs(row, pat, seq, batch)
-            record("base-" + row, name, pairs, run, fwd_bwd(run, (q, k, v), grad))
+            times = with_baseline("s2dense", dpat, run) if cfg is base else None
+            record("s2dense", label, pairs, run, fwd_bwd(run, (q, k, v), grad), times)
+    for row, (run, times) in paired.items():
+        name = "base " + ("s2attn" if row == "s2attn" else ROWS[row])
+        pairs = row_pairs(row, pat, seq, batch)
+        record("base-" + row, name, pairs, run, fwd_bwd(run, (q, k, v), grad), times)
     # The batch's tokens packed (views, no copy) for the varlen rows.
     qv, kv, vv = (x.view(batch * seq, *x.shape[2:]) for x in (q, k, v))
     for row in ("varlen", "varlen-mixed"):
