@@ -13,6 +13,8 @@ call (CUDA sm_90+, fp16/bf16, head_dim a multiple of 8 up to 256, no attention d
 
 ``model.dense_attention`` in the trainer (``S2TransformerConfig.dense_backend``) picks it:
 "auto" (default), "sdpa" (never FA4) or "fa4" (required: a clear error where it cannot run).
+FA4's backward accumulates dQ with atomics (run-to-run differences at rounding level) unless
+Megatron's ``deterministic_mode`` is set, which asks for its deterministic backward.
 """
 
 from __future__ import annotations
