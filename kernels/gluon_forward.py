@@ -442,6 +442,11 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0)
     (natural log), as ``triton_attention.s2_forward`` does. The caller checks
     :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
+    if q_start + s != k.shape[1]:
+        raise ValueError(
+            f"s2_forward_gluon: the queries must be the keys' last positions: q_start "
+            f"({q_start}) + {s} queries != {k.shape[1]} keys"
+        )
     bn = pattern.block_size
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)

@@ -433,7 +433,9 @@ class FusedDenseAttention(MegatronModule):
             )
         sq, b, nq, hn = query.shape
         p = self.dropout_p if self.training else 0.0
-        if use_fa4(self.dense_backend, query, p):
+        # FA4 aligns causal masks at the bottom right, SDPA at the top left: they agree on
+        # self-attention (sq == sk), the only case FA4 takes here.
+        if sq == key.shape[0] and use_fa4(self.dense_backend, query, p):
             # [s, b, h, d] -> [b, s, h, d] views (FA4's layout; GQA groups as they are).
             q, k, v = (x.transpose(0, 1) for x in (query, key, value))
             out = fa4_causal(q, k, v, self.softmax_scale, self.deterministic)

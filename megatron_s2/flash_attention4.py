@@ -13,8 +13,9 @@ call (CUDA sm_90+, fp16/bf16, head_dim a multiple of 8 up to 256, no attention d
 
 ``model.dense_attention`` in the trainer (``S2TransformerConfig.dense_backend``) picks it:
 "auto" (default), "sdpa" (never FA4) or "fa4" (required: a clear error where it cannot run).
-FA4's backward accumulates dQ with atomics (run-to-run differences at rounding level) unless
-Megatron's ``deterministic_mode`` is set, which asks for its deterministic backward.
+FA4's backward accumulates dQ (and, under GQA, dK/dV over a group's heads) with atomics:
+run-to-run differences at rounding level, unlike cuDNN's, unless Megatron's
+``deterministic_mode`` is set, which asks for its deterministic backward.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ __all__ = [
 DENSE_BACKENDS = ("auto", "sdpa", "fa4")
 FA4_MODULE = "flash_attn.cute"
 FA4_DTYPES = (torch.float16, torch.bfloat16)
-FA4_MAX_HEAD_DIM = 256  # sm_90's range; sm_100 takes up to 128 (FA4 checks it itself)
+# Head sizes (multiples of 8) FA4 4.0 takes per compute capability major; elsewhere its asserts
+# would fail the call instead of letting "auto" fall back to SDPA.
+FA4_HEAD_DIMS = {
+    9: lambda hn: 8 <= hn <= 256,
+    10: lambda hn: 8 <= hn <= 128 or hn == 256,
+    11: lambda hn: 8 <= hn <= 128 or hn == 256,
+}
 
 
 @functools.cache
@@ -59,11 +66,12 @@ def fa4_unusable_reason(q: torch.Tensor, dropout: float = 0.0) -> Optional[str]:
         return "FlashAttention-4 needs CUDA tensors"
     if q.dtype not in FA4_DTYPES:
         return f"FlashAttention-4 takes fp16/bf16, got {q.dtype}"
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major not in FA4_HEAD_DIMS:
+        return "FlashAttention-4 runs here on sm_90 (Hopper) and sm_100/sm_110 (Blackwell) only"
     hn = q.shape[-1]
-    if hn % 8 or hn > FA4_MAX_HEAD_DIM:
-        return f"FlashAttention-4 takes head_dim a multiple of 8 up to 256, got {hn}"
-    if torch.cuda.get_device_capability(q.device) < (9, 0):
-        return "FlashAttention-4 needs an sm_90+ GPU (Hopper or Blackwell)"
+    if hn % 8 or not FA4_HEAD_DIMS[major](hn):
+        return f"FlashAttention-4 on sm_{major}x does not take head_dim {hn}"
     return fa4_import_error()
 
 
@@ -116,16 +124,5 @@ def fa4_causal(
     Returns ``[b, sq, np, hn]``; differentiable (FA4's own autograd Function)."""
     from flash_attn.cute import flash_attn_func
 
-    # A context-parallel chunk under GQA (sq < sk): FA4's own choice left its query heads
-    # unpacked; packing them ran the chunks 3-13% faster (H100, docs/context_parallel.md).
-    pack = True if sq_lt_sk_gqa(q, k) else None
-    out = flash_attn_func(
-        q, k, v, softmax_scale=scale, causal=True, deterministic=deterministic, pack_gqa=pack
-    )
+    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, deterministic=deterministic)
     return out[0] if isinstance(out, tuple) else out
-
-
-def sq_lt_sk_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``q [b, sq, np, hn]`` against ``k [b, sk, ng, hn]`` is a chunk (``sq < sk``) with
-    grouped query heads (``np > ng``)."""
-    return q.shape[1] < k.shape[1] and q.shape[2] > k.shape[2]

@@ -222,9 +222,10 @@ def test_gpu_dense_rank_chunks_default_order(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, groups", [(8, 8), (8, 2)])
 def test_gpu_fa4_dense_layer_matches_sdpa(heads, groups):
-    """Where FlashAttention-4 is installed, the dense layer's CP=1 path on it ("auto") equals
-    SDPA's ("sdpa") in bf16 to within a dense bf16 kernel's error of the fp32 result, outputs
-    and gradients, MHA and GQA, at an odd length."""
+    """Where FlashAttention-4 is installed, its causal call (``fa4_causal``, the dense layer's
+    kernel under "auto") is as close to the fp32 result as SDPA's bf16 kernel, outputs and
+    gradients, MHA and GQA, at an odd length. The module's routing to it is
+    test_megatron_gpu.py's ``FusedDenseAttention`` check, which takes FA4 where installed."""
     from megatron_s2.flash_attention4 import fa4_causal, fa4_import_error
 
     if fa4_import_error() or torch.cuda.get_device_capability() < (9, 0):
