@@ -280,11 +280,7 @@ def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_st
     ``dk, dv`` like k and v (zero on keys no query attends). The caller checks
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
-    if q_start + s != k.shape[1]:
-        raise ValueError(
-            f"s2_dkdv_gluon: the queries must be the keys' last positions: q_start ({q_start}) + "
-            f"{s} queries != {k.shape[1]} keys"
-        )
+    gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
     bn = pattern.block_size
     if bn != BLOCK_N:
         raise ValueError(f"s2_dkdv_gluon: block_size {bn}: the kernel takes {BLOCK_N}")

@@ -245,11 +245,7 @@ def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_
     for the dK/dV pass), as ``triton_attention.bwd_dq`` does. The caller checks
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
-    if q_start + s != k.shape[1]:
-        raise ValueError(
-            f"s2_dq_gluon: the queries must be the keys' last positions: q_start ({q_start}) + "
-            f"{s} queries != {k.shape[1]} keys"
-        )
+    gf.check_chunk("s2_dq_gluon", q, k, q_start)
     bn = pattern.block_size
     if bn != BLOCK_N:
         raise ValueError(f"s2_dq_gluon: block_size {bn}: the kernel takes {BLOCK_N}")

@@ -432,6 +432,18 @@ def _descriptor(view: TmaView, rows: int, head_dim: int):
     return TensorDescriptor.from_tensor(view.matrix, block, layout)
 
 
+def check_chunk(fn: str, q, k, q_start: int) -> None:
+    """The three Gluon passes take queries ``q [b, s, ...]`` that are the last ``s`` of the
+    keys ``k [b, sk, ...]`` (positions ``q_start = sk - s ..``); ValueError naming ``fn``
+    otherwise."""
+    s, sk = q.shape[1], k.shape[1]
+    if q_start + s != sk:
+        raise ValueError(
+            f"{fn}: the queries must be the keys' last positions: q_start ({q_start}) + {s} "
+            f"queries != {sk} keys"
+        )
+
+
 def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0):
     """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, sk, hkv, d]`` (bf16
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
@@ -442,11 +454,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0)
     (natural log), as ``triton_attention.s2_forward`` does. The caller checks
     :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
-    if q_start + s != k.shape[1]:
-        raise ValueError(
-            f"s2_forward_gluon: the queries must be the keys' last positions: q_start "
-            f"({q_start}) + {s} queries != {k.shape[1]} keys"
-        )
+    check_chunk("s2_forward_gluon", q, k, q_start)
     bn = pattern.block_size
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_s2.flash_attention4 import fa4_causal, fa4_unusable_reason
+from megatron_s2.flash_attention4 import fa4_causal, use_fa4
 
 __all__ = [
     "context_parallel_group",
@@ -407,10 +407,7 @@ def dense_rank_chunks(
     which also has the FA4 rows). ``deterministic`` applies to FA4's backward (cuDNN's is)."""
     if impl not in RANK_IMPLS:
         raise ValueError(f"dense_rank_chunks: impl must be one of {RANK_IMPLS}, got {impl!r}")
-    fa4_reason = fa4_unusable_reason(query) if impl in ("auto", "fa4") else impl
-    if impl == "fa4" and fa4_reason:
-        raise ValueError(f"dense_rank_chunks: impl='fa4': {fa4_reason}")
-    if fa4_reason is None:
+    if impl in ("auto", "fa4") and use_fa4(impl, query):
 
         def attend_fa4(q, k, v, q_start):
             return fa4_causal(q, k, v, scale, deterministic)

@@ -2,8 +2,8 @@
 
 Dense layers run on PyTorch's SDPA (cuDNN on Hopper) unless FlashAttention-4 is installed
 (``pip install flash-attn-4``, import name ``flash_attn.cute``). Where it imports and can run the
-call (CUDA sm_90+, fp16/bf16, head_dim a multiple of 8 up to 256, no attention dropout), the
-``auto`` backend takes it, because:
+call (:func:`fa4_unusable_reason`: CUDA sm_90/sm_100/sm_110, fp16/bf16, the head sizes FA4 takes
+on that architecture, no attention dropout), the ``auto`` backend takes it, because:
 
 - on an H100 its dense causal fwd+bwd runs 15% faster than cuDNN's (``docs/benchmarks.md``);
 - its causal mask aligns at the bottom right when queries are fewer than keys, so a

@@ -244,6 +244,7 @@ def test_transformer_engine_impl_is_refused_where_it_cannot_run(monkeypatch):
 def test_dense_attention_fa4_is_refused_where_it_cannot_run(monkeypatch):
     """model.dense_attention=fa4: a config error before any GPU work in CPU mode and where
     FlashAttention-4 does not import; "auto" and "sdpa" always pass (auto falls back to SDPA)."""
+    import megatron_s2.flash_attention4 as fa4mod
     import megatron_s2.training.parallel as par
 
     cfg = load_config(None, ["model.dense_attention=fa4"])
@@ -254,10 +255,10 @@ def test_dense_attention_fa4_is_refused_where_it_cannot_run(monkeypatch):
         )
     with pytest.raises(ConfigError, match="dense_attention=fa4 needs a CUDA GPU"):
         par.check_dense_attention(cfg.model, gpu=False)
-    monkeypatch.setattr(par, "fa4_import_error", lambda: "flash_attn.cute does not import (x)")
+    monkeypatch.setattr(fa4mod, "fa4_import_error", lambda: "flash_attn.cute does not import (x)")
     with pytest.raises(ConfigError, match="pip install flash-attn-4"):
         par.check_dense_attention(cfg.model, gpu=True)
-    monkeypatch.setattr(par, "fa4_import_error", lambda: None)
+    monkeypatch.setattr(fa4mod, "fa4_import_error", lambda: None)
     par.check_dense_attention(cfg.model, gpu=True)
 
 

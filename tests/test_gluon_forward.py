@@ -220,3 +220,23 @@ def test_emulated_chunk_schedules_match_reference(
     idle = dk_ref.abs().amax(dim=(0, 3)) == 0  # [seq_k, kv_heads]
     assert bool(idle.any()) == (heads > kv_heads)
     assert not dk[0].abs().amax(-1)[idle].any() and not dv[0].abs().amax(-1)[idle].any()
+
+
+def test_wrappers_refuse_queries_that_are_not_the_keys_last_positions():
+    """All three Gluon passes check ``q_start + sq == sk`` before any GPU work."""
+    from s2attn import gluon_dkdv as gd
+    from s2attn import gluon_dq as gq
+
+    pattern = S2Pattern(num_heads=2, block_size=64, local_blocks=2, vert_stride=4)
+    q, k = torch.zeros(1, 128, 2, 16), torch.zeros(1, 256, 2, 16)
+    calls = {
+        "s2_forward_gluon": lambda qs: gf.s2_forward_gluon(q, k, k, pattern, 1.0, q_start=qs),
+        "s2_dq_gluon": lambda qs: gq.s2_dq_gluon(q, None, q, k, k, q, None, pattern, 1.0, None, qs),
+        "s2_dkdv_gluon": lambda qs: gd.s2_dkdv_gluon(
+            q, q, k, k, None, None, pattern, 1.0, None, qs
+        ),
+    }
+    for name, call in calls.items():
+        for q_start in (0, 64):
+            with pytest.raises(ValueError, match=rf"{name}: .*q_start \({q_start}\) \+ 128"):
+                call(q_start)

@@ -182,8 +182,9 @@ def run(
         sdpa_ms, sdpa_mem = _timed(dense_full, (q, k, v))
     for name in kinds:
         kind, full, at, kind_cps = table[name]
-        if name == "dense-fa4" and fa4_unusable_reason(q):
-            print(f"# {kind}: skipped ({fa4_unusable_reason(q)})")
+        skip = fa4_unusable_reason(q) if name == "dense-fa4" else None
+        if skip:
+            print(f"# {kind}: skipped ({skip})")
             continue
         profiled = name.split("-")[0] in profile_kinds
         dense = name.startswith("dense")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..flash_attention4 import fa4_import_error
+from ..flash_attention4 import check_dense_backend
 from .run_config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 
 __all__ = [
@@ -251,13 +251,10 @@ def check_dense_attention(model: ModelConfig, *, gpu: bool) -> None:
             "model.dense_attention=fa4 needs a CUDA GPU (FlashAttention-4 has no CPU kernels); "
             "CPU mode runs model.dense_attention=auto"
         )
-    missing = fa4_import_error()
-    if missing:
-        raise ConfigError(
-            f"model.dense_attention=fa4: {missing}; install it with `pip install flash-attn-4` "
-            f"(tools/stage_flash_attn4.sh on the lent GPU machines) or use "
-            f"model.dense_attention=auto"
-        )
+    try:  # the package's import check, the one S2TransformerConfig runs later
+        check_dense_backend("model.dense_attention", model.dense_attention)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # model.fp8_recipe -> the Transformer Engine function that says whether this GPU and TE build can
