@@ -103,10 +103,11 @@ if gluon is not None:
     @gluon.jit
     def _tiles(
         k, v, q_bufs, do_bufs, ready, empty, dk, dv, lse_base, delta_base, rows, los, his,
-        e_begin, e_end, i0, k_abs, offs_m, qk_scale, q_start, WG, MASKED: gl.constexpr,
+        e_begin, e_end, i0, k_lo, k_hi, offs_m, qk_scale, q_start, WG, MASKED: gl.constexpr,
     ):  # fmt: skip
         """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV. Query
-        rows are local (Q, dO, LSE, delta), at absolute positions from ``q_start`` (masks)."""
+        rows are local (Q, dO, LSE, delta), at absolute positions from ``q_start`` (masks);
+        queries ``k_lo <= q < k_hi`` attend each key (``gluon_forward._key_bounds``)."""
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k.type.shape[0]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
@@ -145,8 +146,8 @@ if gluon is not None:
                 lo = gl.load(los + e)
                 hi = gl.load(his + e)
                 m_abs = q_start + m_idx
-                ok = (k_abs[:, None] <= m_abs[None, :]) & (m_abs[None, :] >= lo)
-                ok = ok & (m_abs[None, :] < hi)
+                ok = (m_abs[None, :] >= k_lo[:, None]) & (m_abs[None, :] < k_hi[:, None])
+                ok = ok & (m_abs[None, :] >= lo) & (m_abs[None, :] < hi)
                 st = gl.where(ok, st, -float("inf"))
             pt = gl.exp2(st)
             dv_tok = warpgroup_mma(
@@ -167,7 +168,8 @@ if gluon is not None:
     def _consumer(
         dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
         stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-        num_k_tiles, group, qk_scale, sm_scale, q_start, dkv_row_b, dkv_col_b, dkv_col_h, WG,
+        num_k_tiles, group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b,
+        dkv_col_b, dkv_col_h, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -195,15 +197,18 @@ if gluon is not None:
                 e1 = gl.load(col_split + c)
                 e2 = gl.load(col_ptr + c + 1)
                 row_off = b * stride_lse_b + h * stride_lse_h
+                k_lo, k_hi = gf._key_bounds(
+                    k_abs, key_lo + h * key_stride, key_hi + h * key_stride, key_stride > 0
+                )
                 dk, dv, i = _tiles(
                     k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
-                    DELTA + row_off, rows, los, his, e0, e1, i, k_abs, offs_m, qk_scale, q_start,
-                    WG, False,
+                    DELTA + row_off, rows, los, his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale,
+                    q_start, WG, False,
                 )  # fmt: skip
                 dk, dv, i = _tiles(
                     k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
-                    DELTA + row_off, rows, los, his, e1, e2, i, k_abs, offs_m, qk_scale, q_start,
-                    WG, True,
+                    DELTA + row_off, rows, los, his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale,
+                    q_start, WG, True,
                 )  # fmt: skip
             # K and V are read for the last time above (every MMA waited): their buffers take
             # dK and dV on the way out.
@@ -220,8 +225,8 @@ if gluon is not None:
     def _s2_dkdv_gluon_kernel(
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b,
         stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
-        qk_scale, sm_scale, q_start, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
-        dkv_row_b, dkv_col_b, dkv_col_h, STAGES: gl.constexpr,
+        qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
+        kv_row_b, kv_col_b, kv_col_h, dkv_row_b, dkv_col_b, dkv_col_h, STAGES: gl.constexpr,
     ):  # fmt: skip
         """One program per pair of (batch row, KV head, key tile) items: two independent
         pipelines (a loader warp and a consumer warpgroup each), one item each."""
@@ -254,7 +259,8 @@ if gluon is not None:
         consumer_args = (
             dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
             stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-            num_k_tiles, group, qk_scale, sm_scale, q_start, dkv_row_b, dkv_col_b, dkv_col_h,
+            num_k_tiles, group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride,
+            dkv_row_b, dkv_col_b, dkv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # two loaders, with their register budgets. The pipeline index (last argument) reaches
@@ -271,17 +277,22 @@ if gluon is not None:
         )
 
 
-def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0):
+def s2_dkdv_gluon(
+    do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0, keys=None
+):
     """The dK/dV pass through the Gluon kernel: ``do`` and ``q [b, s, hq, d]``, ``k, v [b, sk,
     hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous; the queries are
     positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`). ``lay``: the
-    pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). Returns
-    ``dk, dv`` like k and v (zero on keys no query attends). The caller checks
-    :func:`gluon_forward.unsupported_reason`."""
+    pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). ``keys``:
+    gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes them (dK/dV then come
+    in the gathered order, one per query head). Returns ``dk, dv`` like k and v (zero on keys
+    no query attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
     bn = pattern.block_size
+    if keys is not None:
+        lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
     if bn != BLOCK_N:
         raise ValueError(f"s2_dkdv_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
     if lay is None:
@@ -332,6 +343,7 @@ def s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_st
         scale * LOG2E,
         scale,
         q_start,
+        *gf.key_arrays(keys, lay.lo_c),
         *views["q"][1:],
         *views["k"][1:],
         *views["dk"][1:],
@@ -346,7 +358,8 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     tiles = {"q_desc": TILE_M, "do_desc": TILE_M}
     tiles.update({n: block for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
     types = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
-    types.update({n: "*i32" for n in ("col_ptr", "col_split", "rows", "los", "his", "order")})
+    lists = ("col_ptr", "col_split", "rows", "los", "his", "order", "key_lo", "key_hi")
+    types.update({n: "*i32" for n in lists})
     return gf.compile_kernel_for_sm90(
         _s2_dkdv_gluon_kernel,
         head_dim,
@@ -357,13 +370,16 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     )
 
 
-def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0):
+def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0, keys=None):
     """The kernel's schedule in float64 PyTorch on any device: same CSC arrays, programs of two
-    items, head loop, full/partial entries and masks. Shapes and ``q_start`` as
+    items, head loop, full/partial entries and masks. Shapes, ``q_start`` and ``keys`` as
     :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
-    lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
+    if keys is not None:
+        lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
+    else:
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     qk_scale = scale * LOG2E
     dk = torch.zeros(k.shape, dtype=torch.float64)
     dv = torch.zeros(v.shape, dtype=torch.float64)
@@ -395,8 +411,10 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
                     st = (kk @ qq.T) * qk_scale - row_lse[None, :] * LOG2E
                     if e >= col_split[c]:
                         m_abs = q_start + m_idx
+                        k_lo, k_hi = gf.emulated_key_bounds(keys, h, k_abs)
                         ok = (
-                            (k_abs[:, None] <= m_abs[None, :])
+                            (m_abs[None, :] >= k_lo[:, None])
+                            & (m_abs[None, :] < k_hi[:, None])
                             & (m_abs[None, :] >= los[e])
                             & (m_abs[None, :] < his[e])
                         )

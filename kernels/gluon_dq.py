@@ -81,7 +81,7 @@ if gluon is not None:
     @gluon.jit
     def _tiles(
         q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
-        e_begin, e_end, e0, qk_scale, MASKED: gl.constexpr,
+        e_begin, e_end, e0, qk_scale, key_lo, key_hi, gathered, MASKED: gl.constexpr,
     ):  # fmt: skip
         """Entries ``e_begin .. e_end`` of the item's list (ring position counted from ``e0``):
         accumulate dQ (unscaled)."""
@@ -106,10 +106,13 @@ if gluon is not None:
                 do, v_bufs.index(stage).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
                 use_acc=False, is_async=True,
             )  # fmt: skip
+            if MASKED:
+                n = gl.load(cols + e) * BN + offs_n
+                k_lo, k_hi = gf._key_bounds(n, key_lo, key_hi, gathered)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             s = s * qk_scale - lse2[:, None]
             if MASKED:
-                s = gf._mask_rows(s, e, cols, los, his, q_abs, offs_n)
+                s = gf._mask_rows(s, e, los, his, q_abs, k_lo, k_hi)
             p = gl.exp2(s)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
             ds = p * (dp - delta[:, None])
@@ -124,7 +127,7 @@ if gluon is not None:
     def _consumer(
         q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
         stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
-        n_items, num_q_tiles, qk_scale, sm_scale, q_start, WG,
+        n_items, num_q_tiles, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -160,13 +163,16 @@ if gluon is not None:
         # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
         lse2 = gl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
         dq = gl.zeros([BM, D], gl.float32, acc_layout)
+        key_lo += h * key_stride
+        key_hi += h * key_stride
+        gathered = key_stride > 0
         dq = _tiles(
             q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
-            e0, e1, e0, qk_scale, False,
+            e0, e1, e0, qk_scale, key_lo, key_hi, gathered, False,
         )  # fmt: skip
         dq = _tiles(
             q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
-            e1, e2, e0, qk_scale, True,
+            e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
         # O was last read for delta: its buffer takes dQ on the way out.
         o.store((dq * sm_scale).to(o.dtype))
@@ -176,8 +182,8 @@ if gluon is not None:
     def _s2_dq_gluon_kernel(
         q_desc, do_desc, o_desc, k_desc, v_desc, dq_desc, LSE, DLSE, DELTA, stride_lse_b,
         stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-        group, qk_scale, sm_scale, q_start, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h,
-        kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr,
+        group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b,
+        q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch row, layout item): a 128-row query tile of one head."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -212,7 +218,7 @@ if gluon is not None:
         consumer_args = (
             q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
             stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
-            n_items, num_q_tiles, qk_scale, sm_scale, q_start,
+            n_items, num_q_tiles, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # loader. The warpgroup index reaches a partition as a run-time value: it only selects
@@ -235,18 +241,23 @@ if gluon is not None:
         tma.store_wait(0)
 
 
-def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_start: int = 0):
+def s2_dq_gluon(
+    do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_start: int = 0, keys=None
+):
     """The dQ pass through the Gluon kernel: ``do``, ``out`` and ``q [b, s, hq, d]``, ``k, v [b,
     sk, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None; the
     queries are positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`).
     ``lay``: the pattern's layout at ``TILE_M`` x ``block_size`` tiles (the forward's; built
-    when None). Returns ``dq`` like q and ``delta [b, hq, s]`` fp32 (``rowsum(dO * O) - dLSE``,
-    for the dK/dV pass), as ``triton_attention.bwd_dq`` does. The caller checks
+    when None). ``keys``: gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes
+    them. Returns ``dq`` like q and ``delta [b, hq, s]`` fp32 (``rowsum(dO * O) - dLSE``, for
+    the dK/dV pass), as ``triton_attention.bwd_dq`` does. The caller checks
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dq_gluon", q, k, q_start)
     bn = pattern.block_size
+    if keys is not None:
+        lay, bn = keys.layout(TILE_M), BLOCK_N
     if bn != BLOCK_N:
         raise ValueError(f"s2_dq_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
     if lay is None:
@@ -294,6 +305,7 @@ def s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_
         scale * LOG2E,
         scale,
         q_start,
+        *gf.key_arrays(keys, lay.lo),
         *qv[1:],
         *ov[1:],
         *kv_[1:],
@@ -318,13 +330,16 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     )
 
 
-def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int = 0):
+def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int = 0, keys=None):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
-    order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes and
-    ``q_start`` as :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
+    order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes,
+    ``q_start`` and ``keys`` as :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
-    lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
+    if keys is not None:
+        lay, bn = keys.layout(TILE_M), BLOCK_N
+    else:
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     qk_scale = scale * LOG2E
     dq = torch.zeros(q.shape, dtype=torch.float64)
     delta = torch.zeros(lse.shape, dtype=torch.float64)
@@ -353,8 +368,10 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
                 kk, vv = k[bb, n_abs, kvh].double(), v[bb, n_abs, kvh].double()
                 sc = (qq @ kk.T) * qk_scale - lse2[:, None]
                 if e >= row_split[item]:
+                    k_lo, k_hi = gf.emulated_key_bounds(keys, h, n_abs)
                     ok = (
-                        (n_abs[None, :] <= q_abs[:, None])
+                        (q_abs[:, None] >= k_lo[None, :])
+                        & (q_abs[:, None] < k_hi[None, :])
                         & (q_abs[:, None] >= los[e])
                         & (q_abs[:, None] < his[e])
                     )

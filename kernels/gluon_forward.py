@@ -54,6 +54,7 @@ try:
 except ImportError:  # Triton < 3.5 has no Gluon for Hopper: the tl forward runs
     gluon = None
 
+from . import gathered_keys
 from .layout import layout_for
 
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M extent of 4 warps
@@ -74,12 +75,14 @@ CHECKED_TRITON = ("3.6",)
 ENV_SWITCH = "S2ATTN_GLUON_FORWARD"  # "0": never, "1": on any Triton with Gluon, unset: checked
 LN2 = math.log(2.0)
 INT32_LIMIT = 2**31
+INT32_MAX = INT32_LIMIT - 1  # a key's end of attending queries when nothing bounds it
 
 if gluon is not None:
     # Register budgets after warp specialization: the consumers hold S, P and O in registers,
     # the loader only addresses (setmaxnreg moves the rest to the consumers).
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
+    NO_KEY_END = gl.constexpr(INT32_MAX)
     # Triton 3.7 renamed the TMA copies; the old names raise there.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -104,7 +107,8 @@ def enabled_by_default(head_dim: int, block_size: int, device, dtype=None) -> bo
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False
-    shapes_ok = head_dim in HEAD_DIMS and block_size in BLOCK_SIZES
+    blocks = BLOCK_SIZES + gathered_keys.BLOCK_SIZES
+    shapes_ok = head_dim in HEAD_DIMS and block_size in blocks
     return shapes_ok and (dtype is None or dtype in DTYPES)
 
 
@@ -129,7 +133,10 @@ def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> 
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}: not one of {HEAD_DIMS}"
     if pattern.block_size not in BLOCK_SIZES:
-        return f"block_size {pattern.block_size}: not one of {BLOCK_SIZES}"
+        # Smaller blocks run on gathered 64-key tiles, which take fewer kinds of call.
+        why = gathered_keys.unsupported_reason(pattern, q.shape[1], k.shape[1], q_start, varlen)
+        if why:
+            return f"block_size {pattern.block_size} (not one of {BLOCK_SIZES}): {why}"
     if q.shape[0] * q.shape[2] * q.shape[1] >= INT32_LIMIT:
         return "the LSE has 2^31 elements or more (the kernel's offsets are 32-bit)"
     return None
@@ -186,15 +193,27 @@ if gluon is not None:
             _tma_load(v_desc, [kv_row + kt * BN, kv_col], ready.index(stage), v_bufs.index(stage))
 
     @gluon.jit
-    def _mask_rows(s, e, cols, los, his, q_abs, offs_n):
+    def _key_bounds(n, key_lo, key_hi, gathered):
+        """Per key ``n`` (indices into K) the query range ``[lo, hi)`` that attends it. Keys in
+        sequence order (``gathered`` false): from the key's position on (causal); gathered key
+        tiles (``gathered_keys.py``): read from ``key_lo``/``key_hi`` (this head's rows),
+        issued ahead of the wait for the scores so that their latency hides under the MMA."""
+        k_lo = n
+        k_hi = gl.full_like(n, NO_KEY_END)
+        if gathered:
+            k_lo = gl.load(key_lo + n)
+            k_hi = gl.load(key_hi + n)
+        return k_lo, k_hi
+
+    @gluon.jit
+    def _mask_rows(s, e, los, his, q_abs, k_lo, k_hi):
         """Scores ``s [rows, BN]`` of a partial row-list entry ``e`` with the disallowed pairs
-        at -inf: causal, and query rows outside the entry's ``[lo, hi)``."""
-        BN: gl.constexpr = s.type.shape[1]
-        n_abs = gl.load(cols + e) * BN + offs_n
+        at -inf: query rows outside the entry's ``[lo, hi)`` or outside each key's range
+        ``[k_lo, k_hi)`` (:func:`_key_bounds`)."""
         lo = gl.load(los + e)
         hi = gl.load(his + e)
-        ok = (n_abs[None, :] <= q_abs[:, None]) & (q_abs[:, None] >= lo)
-        ok = ok & (q_abs[:, None] < hi)
+        ok = (q_abs[:, None] >= k_lo[None, :]) & (q_abs[:, None] < k_hi[None, :])
+        ok = ok & (q_abs[:, None] >= lo) & (q_abs[:, None] < hi)
         return gl.where(ok, s, -float("inf"))
 
     @gluon.jit
@@ -212,7 +231,7 @@ if gluon is not None:
     @gluon.jit
     def _consume_row_list(
         q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his, e0, e1, e2,
-        qk_scale,
+        qk_scale, key_lo, key_hi, gathered,
     ):  # fmt: skip
         """The item's row-list entries ``e0 .. e2`` (from ``e1`` on partial: masked); returns
         the unnormalised output, the row max and the row sum.
@@ -239,9 +258,10 @@ if gluon is not None:
             q, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
             use_acc=False, is_async=True,
         )  # fmt: skip
+        k_lo, k_hi = _key_bounds(gl.load(cols + e0) * BN + offs_n, key_lo, key_hi, gathered)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
         if e0 >= e1:
-            s = _mask_rows(s, e0, cols, los, his, q_abs, offs_n)
+            s = _mask_rows(s, e0, los, his, q_abs, k_lo, k_hi)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         for e in range(e0 + 1, e2):
@@ -254,10 +274,12 @@ if gluon is not None:
                 use_acc=False, is_async=True,
             )  # fmt: skip
             o_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            n = gl.load(cols + e) * BN + offs_n
+            k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered)
             # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
             if e >= e1:
-                s = _mask_rows(s, e, cols, los, his, q_abs, offs_n)
+                s = _mask_rows(s, e, los, his, q_abs, k_lo, k_hi)
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(prev), count=1)
@@ -272,7 +294,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b, stride_lse_h,
-        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale, q_start, WG,
+        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale, q_start,
+        key_lo, key_hi, key_stride, WG,
     ):  # fmt: skip
         """Consumer warpgroup ``WG`` (0 or 1, a run-time value: it only selects the rows and
         buffers): its 64 rows of the item's query tile, at absolute positions from
@@ -298,7 +321,8 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         acc, m_i, l_i = _consume_row_list(
             q_smem.index(WG), k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
-            e0, e1, e2, qk_scale,
+            e0, e1, e2, qk_scale, key_lo + h * key_stride, key_hi + h * key_stride,
+            key_stride > 0,
         )  # fmt: skip
         nothing = l_i == 0.0
         l_safe = gl.where(nothing, 1.0, l_i)
@@ -311,9 +335,9 @@ if gluon is not None:
     @gluon.jit
     def _s2_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
-        cols, los, his, order, n_items, num_q_tiles, group, qk_scale, q_start,
-        q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b, o_col_h,
-        STAGES: gl.constexpr,
+        cols, los, his, order, n_items, num_q_tiles, group, qk_scale, q_start, key_lo, key_hi,
+        key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b,
+        o_col_h, STAGES: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch row, layout item): a 128-row query tile of one head."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -340,7 +364,7 @@ if gluon is not None:
         consumer_args = (
             q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
             stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-            qk_scale, q_start,
+            qk_scale, q_start, key_lo, key_hi, key_stride,
         )  # fmt: skip
         loader_args = (
             q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
@@ -444,18 +468,30 @@ def check_chunk(fn: str, q, k, q_start: int) -> None:
         )
 
 
-def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0):
+def key_arrays(keys, fallback: torch.Tensor):
+    """``(key_lo, key_hi, key_stride)`` kernel arguments: a :class:`gathered_keys.GatheredKeys`'
+    per-key query ranges, or (``keys`` None: keys in sequence order) placeholders and stride 0,
+    which the kernels read as "causal, nothing to load"."""
+    if keys is None:
+        return fallback, fallback, 0
+    return keys.key_lo, keys.key_hi, keys.seq
+
+
+def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0, keys=None):
     """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, sk, hkv, d]`` (bf16
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
     self-attention, a context-parallel chunk's start otherwise); ``scale`` the softmax scale;
     ``lay`` the pattern's layout at 128-row query tiles for this ``(s, sk, q_start)`` (built
-    when None). Returns ``out`` like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32
-    (natural log), as ``triton_attention.s2_forward`` does. The caller checks
-    :func:`unsupported_reason` first."""
+    when None). With ``keys`` (a :class:`gathered_keys.GatheredKeys`, block 16/32) k/v are
+    :func:`gathered_keys.gather`'s ``[b, s, hq, d]`` and the layout is its own. Returns ``out``
+    like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
+    ``triton_attention.s2_forward`` does. The caller checks :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     check_chunk("s2_forward_gluon", q, k, q_start)
     bn = pattern.block_size
+    if keys is not None:
+        lay, bn = keys.layout(TILE_M), keys.layout(TILE_M).block_n
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     if lay.block_m != TILE_M or lay.block_n != bn:
@@ -493,6 +529,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0)
         lay.group,
         scale / LN2,
         q_start,
+        *key_arrays(keys, lay.lo),
         *qv[1:],
         *kv_[1:],
         *ov[1:],
@@ -518,7 +555,9 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
 
 
 # The layout arrays a row-list kernel takes (int32 pointers).
-ROW_LIST_TYPES = {n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order")}
+ROW_LIST_TYPES = {
+    n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order", "key_lo", "key_hi")
+}
 
 
 def compile_kernel_for_sm90(kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem):
@@ -557,14 +596,26 @@ def compile_kernel_for_sm90(kernel, head_dim: int, tiles: dict, types: dict, sta
 
 
 # ------------------------------------------------------------------------------ CPU emulation
-def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0):
+def emulated_key_bounds(keys, h: int, n: torch.Tensor):
+    """:func:`_key_bounds` in PyTorch: the query range ``[lo, hi)`` attending keys ``n`` of
+    head ``h``'s tile (``keys`` None: in sequence order, causal)."""
+    if keys is None:
+        return n, torch.full_like(n, INT32_MAX)
+    return keys.key_lo[h, n].long(), keys.key_hi[h, n].long()
+
+
+def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
     order, warpgroup split of each 128-row tile, full/partial entry split, masks and base-2
-    online softmax, so that its index logic is checked where no GPU is. Shapes and ``q_start``
-    as :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
+    online softmax, so that its index logic is checked where no GPU is. Shapes, ``q_start``
+    and ``keys`` as :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
-    lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
+    if keys is not None:
+        lay = keys.layout(TILE_M)
+        bn = lay.block_n
+    else:
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     qk_scale = scale / LN2
     out = torch.zeros(b, s, hq, d, dtype=torch.float64)
     lse = torch.empty(b, hq, s, dtype=torch.float64)
@@ -586,11 +637,13 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0):
             l_i = torch.zeros(WG_ROWS, dtype=torch.float64)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             for e in range(e0, e2):
-                keys = cols[e] * bn + offs_n
-                sc = (qq @ k[bb, keys, kvh].double().T) * qk_scale
+                n = cols[e] * bn + offs_n
+                sc = (qq @ k[bb, n, kvh].double().T) * qk_scale
                 if e >= e1:
+                    k_lo, k_hi = emulated_key_bounds(keys, h, n)
                     ok = (
-                        (keys[None, :] <= q_abs[:, None])
+                        (q_abs[:, None] >= k_lo[None, :])
+                        & (q_abs[:, None] < k_hi[None, :])
                         & (q_abs[:, None] >= los[e])
                         & (q_abs[:, None] < his[e])
                     )
@@ -600,7 +653,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0):
                 p = torch.exp2(sc - m_use[:, None])
                 alpha = torch.exp2(m_i - m_use)
                 l_i = l_i * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ v[bb, keys, kvh].double()
+                acc = acc * alpha[:, None] + p @ v[bb, n, kvh].double()
                 m_i = m_new
             nothing = l_i == 0
             l_safe = torch.where(nothing, 1.0, l_i)

@@ -244,16 +244,31 @@ def build_layout(
     nqt = -(-seq_q // block_m)
     nkt = -(-seq_k // block_n)
     full = _full_flags(item, kt, lo, hi, nqt, seq_q, seq_k, q_start, k_start, block_m, block_n)
+    lay = assemble_layout(
+        item, kt, lo, hi, full, H, pattern.group_size, nqt, nkt, block_m, block_n, with_csc
+    )
+    cache[key] = lay
+    return lay
+
+
+def assemble_layout(
+    item, kt, lo, hi, full, num_heads, group, nqt, nkt, block_m, block_n, with_csc
+) -> TileLayout:
+    """The :class:`TileLayout` of entries ``item`` (``h * nqt + query tile``), ``kt`` (key
+    tile), ``lo``/``hi`` (query token range attending) and ``full`` (no mask needed), sorted by
+    (item, key tile); ``group`` query heads share a KV head. With ``with_csc`` also the
+    column lists of the dK/dV pass."""
+    H = num_heads
     i32 = lambda x: x.to(torch.int32).contiguous()
-    # Both builders emit entries sorted by (item, key tile); a stable full-first partition inside
-    # each item gives the CSR order without a sort.
+    # Entries arrive sorted by (item, key tile); a stable full-first partition inside each item
+    # gives the CSR order without a sort.
     row_ptr, counts = _ptrs(item, H * nqt)
     order, n_full = _full_first(item, full, row_ptr, H * nqt)
     lay = TileLayout(
         block_m=block_m,
         block_n=block_n,
         num_heads=H,
-        group=pattern.group_size,
+        group=group,
         num_q_tiles=nqt,
         num_k_tiles=nkt,
         row_ptr=i32(row_ptr),
@@ -276,12 +291,11 @@ def build_layout(
         col_ptr, ccounts = _ptrs(citem_s, H * nkt)
         corder, nc_full = _full_first(citem_s, full[by_col], col_ptr, H * nkt)
         corder = by_col[corder]
-        kv_work = ccounts.view(H // pattern.group_size, pattern.group_size, nkt).sum(1).flatten()
+        kv_work = ccounts.view(H // group, group, nkt).sum(1).flatten()
         lay.col_ptr, lay.col_split = i32(col_ptr), i32(col_ptr[:-1] + nc_full)
         lay.rows, lay.lo_c, lay.hi_c = i32(t[corder]), i32(lo[corder]), i32(hi[corder])
-        lay.kv_order = i32(_head_major_heavy_first(kv_work, H // pattern.group_size))
+        lay.kv_order = i32(_head_major_heavy_first(kv_work, H // group))
         lay.kv_work = i32(kv_work)
-    cache[key] = lay
     return lay
 
 

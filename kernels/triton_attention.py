@@ -41,7 +41,7 @@ try:
 except ImportError:  # Triton before host-side tensor descriptors: tma=True takes pointer loads
     TensorDescriptor = None
 
-from . import gluon_dkdv, gluon_dq, gluon_forward
+from . import gathered_keys, gluon_dkdv, gluon_dq, gluon_forward
 from .layout import MIN_TILE, layout_for, varlen_grid, varlen_layout_len, varlen_programs
 from .pattern import S2Pattern
 
@@ -1111,7 +1111,9 @@ class KernelConfig:
     (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
     others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; on
     wherever ``gluon_fwd`` is on by default and the block is 64). ``gluon_dq``: the same for
-    the dQ pass (``gluon_dq.py``: sm_90, block 64; on where ``gluon_dkdv`` is). Derive
+    the dQ pass (``gluon_dq.py``: sm_90, block 64; on where ``gluon_dkdv`` is). At blocks 16
+    and 32 the three Gluon kernels run on gathered 64-key tiles (``gathered_keys.py``:
+    self-attention, lengths a multiple of 128), on by default like the block-64 ones. Derive
     variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or
     ``replace(cfg, gluon_fwd=False)``.
     """
@@ -1195,8 +1197,10 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     gluon = gluon_forward.enabled_by_default(head_dim, pattern.block_size, device, dtype)
-    # The Gluon backward passes take the Gluon forward's calls at block 64 only.
-    gluon_bwd = gluon and pattern.block_size == gluon_dkdv.BLOCK_N
+    # The Gluon backward passes take the Gluon forward's calls at block 64, and at blocks 16
+    # and 32 on gathered key tiles.
+    bwd_blocks = (gluon_dkdv.BLOCK_N,) + gathered_keys.BLOCK_SIZES
+    gluon_bwd = gluon and pattern.block_size in bwd_blocks
     if head_dim in TMA_HEAD_DIMS and (dtype is None or dtype in TMA_DTYPES):
         fwd, tma = GPU_FWD_TMA, True
     else:
@@ -1473,6 +1477,10 @@ def s2_forward(
     if cfg.gluon_fwd and not gluon_forward.unsupported_reason(
         q, k, v, pattern, q_start, k_start, varlen
     ):
+        if pattern.block_size in gathered_keys.BLOCK_SIZES:
+            keys = gathered_keys.gathered_keys(pattern, sq, q.device)
+            kg, vg = gathered_keys.gather(k, keys), gathered_keys.gather(v, keys)
+            return gluon_forward.s2_forward_gluon(q, kg, vg, pattern, scale, keys=keys)
         tile, bn = gluon_forward.TILE_M, pattern.block_size
         lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device)
         # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
@@ -1712,12 +1720,16 @@ def s2_backward(
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
     # The Gluon passes take the block-64 calls that the Gluon forward would take (self-attention
-    # and context-parallel chunks: keys from 0, queries their last positions from q_start).
+    # and context-parallel chunks: keys from 0, queries their last positions from q_start), and
+    # at blocks 16 and 32 its calls on gathered key tiles.
+    gathered = pattern.block_size in gathered_keys.BLOCK_SIZES
     gluon_ok = (cfg.gluon_dq or cfg.gluon_dkdv) and (
-        pattern.block_size == gluon_dkdv.BLOCK_N
+        (pattern.block_size == gluon_dkdv.BLOCK_N or gathered)
         and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
     )
     sq, sk, bn = q.shape[1], k.shape[1], pattern.block_size
+    if gluon_ok and gathered:
+        return _gathered_backward(do, dlse, q, k, v, out, lse, cfg, args)
     dq = None
     if gluon_ok and cfg.gluon_dq:
         lay = layout_for(pattern, sq, sk, q_start, 0, gluon_dq.TILE_M, bn, q.device)
@@ -1735,6 +1747,24 @@ def s2_backward(
             return dq, dk, dv
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
     return dq, dk, dv
+
+
+def _gathered_backward(do, dlse, q, k, v, out, lse, cfg: KernelConfig, args):
+    """:func:`s2_backward` at blocks 16/32 with the Gluon passes on gathered key tiles (the
+    ``tl`` pass for whichever of dQ and dK/dV the config leaves off)."""
+    pattern, scale = args[0], args[1]
+    keys = gathered_keys.gathered_keys(pattern, q.shape[1], q.device)
+    # Gathered again rather than saved by the forward: two K/V copies per layer would outlive it.
+    kg, vg = gathered_keys.gather(k, keys), gathered_keys.gather(v, keys)
+    if cfg.gluon_dq:
+        dq, delta = gluon_dq.s2_dq_gluon(do, dlse, q, kg, vg, out, lse, pattern, scale, keys=keys)
+    else:
+        dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
+    if not cfg.gluon_dkdv:
+        return (dq, *bwd_dkdv(do, q, k, v, lse, delta, *args))
+    dkg, dvg = gluon_dkdv.s2_dkdv_gluon(do, q, kg, vg, lse, delta, pattern, scale, keys=keys)
+    dk = gathered_keys.scatter_sum(dkg, keys, k.dtype)
+    return dq, dk, gathered_keys.scatter_sum(dvg, keys, v.dtype)
 
 
 class S2AttentionFunction(torch.autograd.Function):

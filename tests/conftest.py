@@ -220,21 +220,24 @@ def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path) -> dict
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def float64_s2_case(batch, seq, heads, kv_heads, local, stride, offset, head_dim=16):
-    """A block-64 S2 case in float64 for the Gluon passes' emulations: ``(pattern, q, k, v,
-    do, scale, out, lse)`` with q/k/v ``[b, s, h, d]`` leaves that require grad, and ``out``
-    and ``lse [b, h, s]`` computed from the masked scores in float64 (differentiable; checked
-    against the reference's output)."""
+def float64_s2_case(
+    batch, seq, heads, kv_heads, local, stride, offset, head_dim=16, block_size=64, dense_heads=0
+):
+    """A block-``block_size`` S2 case (64 unless given; ``dense_heads`` dense heads) in float64
+    for the Gluon passes' emulations: ``(pattern, q, k, v, do, scale, out, lse)`` with q/k/v
+    ``[b, s, h, d]`` leaves that require grad, and ``out`` and ``lse [b, h, s]`` computed from
+    the masked scores in float64 (differentiable; checked against the reference's output)."""
     from s2attn import S2Pattern, s2_attention_reference
 
     g = torch.Generator().manual_seed(seq + heads + offset)
     pattern = S2Pattern(
         num_heads=heads,
         num_kv_heads=kv_heads,
-        block_size=64,
+        block_size=block_size,
         local_blocks=local,
         vert_stride=stride,
         head_offset=offset,
+        num_dense_heads=dense_heads,
     )
     q, k, v = (
         torch.randn(batch, seq, h, head_dim, dtype=torch.float64, generator=g).requires_grad_()

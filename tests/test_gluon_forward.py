@@ -131,7 +131,9 @@ def test_not_chosen_off_sm90_or_by_the_switch(monkeypatch):
         ((8, 0), "1", 128, 64, torch.bfloat16, False),  # A100: no wgmma
         ((10, 0), "1", 128, 64, torch.bfloat16, False),  # Blackwell: another MMA
         ((9, 0), "1", 256, 64, torch.bfloat16, False),
-        ((9, 0), "1", 128, 16, torch.bfloat16, False),
+        ((9, 0), "1", 128, 16, torch.bfloat16, True),  # on gathered key tiles
+        ((9, 0), "1", 64, 32, torch.bfloat16, True),
+        ((9, 0), "1", 128, 256, torch.bfloat16, False),
         ((9, 0), "1", 128, 64, torch.float32, False),
     ]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

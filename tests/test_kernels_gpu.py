@@ -579,6 +579,74 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     assert not (wide_cfg.gluon_dkdv or wide_cfg.gluon_dq)  # block 64 only
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "block,kv_heads,head_dim,seq,layout",
+    [
+        (16, 8, 128, 2048, "bshd"),
+        (16, 2, 128, 1920, "sbhd"),  # GQA 8/2, Megatron's layout, not a multiple of 256
+        (32, 4, 64, 2048, "bshd"),
+        (16, 8, 64, 1024, "sbhd"),
+    ],
+)
+def test_small_blocks_take_gluon_kernels_on_gathered_keys(
+    block, kv_heads, head_dim, seq, layout, monkeypatch
+):
+    """At blocks 16 and 32 the default path runs the three Gluon kernels on gathered key tiles:
+    out, LSE and every gradient as close to the fp32 reference as the ``tl`` kernels'."""
+    import s2attn.gluon_dkdv as gd
+    import s2attn.gluon_dq as gq
+
+    gf = _gluon_or_skip()
+    if not gf.triton_checked():
+        pytest.skip(f"Triton {gf.triton.__version__}: the default takes the tl forward")
+    pattern = S2Pattern(
+        num_heads=8,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        local_blocks=16 if block == 16 else 4,
+        vert_stride=8,
+        head_offset=1,
+    )
+    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
+    for mod, name, key in (
+        (gf, "s2_forward_gluon", "fwd"),
+        (gq, "s2_dq_gluon", "dq"),
+        (gd, "s2_dkdv_gluon", "dkdv"),
+    ):
+        real = getattr(mod, name)
+
+        def run(*a, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            assert kw.get("keys") is not None, f"{_key}: not on gathered key tiles"
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, run)
+    leaves, do = _inputs(2, seq, 8, kv_heads, head_dim, seed=block + seq)
+    if layout == "sbhd":  # Megatron's [s, b, h, d] storage, seen as [b, s, h, d]
+        leaves = [x.detach().transpose(0, 1).contiguous().requires_grad_(True) for x in leaves]
+    views = [x.transpose(0, 1) for x in leaves] if layout == "sbhd" else leaves
+    f32 = _fp32(leaves)
+    f32_views = [x.transpose(0, 1) for x in f32] if layout == "sbhd" else f32
+    g = torch.Generator(device=DEV).manual_seed(seq)
+    dlse = torch.randn(2, 8, seq, device=DEV, generator=g, dtype=torch.float64)
+    ref = attention_with_grads(
+        lambda q, k, v: s2_attention_reference(q, k, v, pattern, return_lse=True),
+        f32, f32_views, do, dlse,
+    )  # fmt: skip
+
+    def ours():
+        run = lambda q, k, v: s2_attention(q, k, v, pattern, return_lse=True)
+        return attention_with_grads(run, leaves, views, do, dlse)
+
+    got = ours()
+    assert calls == {"fwd": 1, "dq": 1, "dkdv": 1}, calls
+    monkeypatch.setenv(gf.ENV_SWITCH, "0")
+    tl = ours()
+    assert calls == {"fwd": 1, "dq": 1, "dkdv": 1}, "S2ATTN_GLUON_FORWARD=0 took a Gluon kernel"
+    _no_worse_than_tl(got, tl, ref, ("out", "lse", "dq", "dk", "dv"))
+
+
 def _no_worse_than_tl(got: dict, tl: dict, ref: dict, names=("dq", "dk", "dv")):
     """Each of ``names`` in ``got`` as close to the fp32 reference ``ref`` as ``tl`` (the same
     call on the ``tl`` kernels) is, within 10% and 1e-4."""

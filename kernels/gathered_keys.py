@@ -1,0 +1,177 @@
+"""Gathered key tiles: S2 patterns whose blocks are smaller than the Gluon kernels' 64-key tile.
+
+At block 16 or 32 a 64-key tile of the sequence holds several pattern blocks that different
+query rows attend: typically one vertical block, attended by every later query, among local
+ones, attended only inside the window. A kernel on such tiles would compute the whole tile for
+the one block's long column; one on 16-key tiles runs tiny MMAs (``mma.sync``, not wgmma).
+
+Instead each query head gets its own order of the keys: its vertical blocks first, then the
+other blocks, both ascending. Consecutive :data:`TILE_N` keys of that order form a tile whose
+blocks are of one kind, so a vertical tile is attended in full by every query tile after its
+last key (the long columns of the block-64 layout), and a local tile by the few query tiles of
+its window. The Gluon kernels run on these tiles with K and V gathered per query head
+(:func:`gather`); a partial entry masks each key ``p`` of head ``h`` by the query range that
+attends it, ``key_lo[h, p] <= q < key_hi[h, p]``: from the key's own position (causal) to the
+end of its window for a local block, to the end of the sequence for a vertical one. That is the
+S2 rule itself (a key in block ``j`` is attended by query block ``i >= j`` iff ``i - j < L`` or
+``j`` is vertical), so the masks are exact for every S2 pattern; dense heads have only vertical
+blocks. The gradients of the gathered K and V return to the keys' positions through the inverse
+order (:func:`scatter_sum`), summed over each KV group's heads in fp32.
+
+Only S2-rule patterns, self-attention from position 0, one sequence length per call (no packed
+documents) and lengths that are multiples of 128 take this path (:func:`unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .layout import TileLayout, assemble_layout
+from .pattern import S2Pattern
+
+TILE_N = 64  # keys per gathered tile: the Gluon kernels' key tile
+BLOCK_SIZES = (16, 32)  # blocks that pack whole into TILE_N (64 and up take the plain layout)
+SEQ_MULTIPLE = 128  # the Gluon forward's query tile
+
+
+def unsupported_reason(
+    pattern: S2Pattern, seq_q: int, seq_k: int, q_start: int, varlen
+) -> Optional[str]:
+    """Why a call with these settings cannot run on gathered key tiles (None: it can)."""
+    if pattern.is_user_mask:
+        return "a user block mask (gathered tiles follow the S2 rule)"
+    if pattern.block_size not in BLOCK_SIZES:
+        return f"block_size {pattern.block_size}: not one of {BLOCK_SIZES}"
+    if varlen is not None:
+        return "packed documents (varlen)"
+    if q_start or seq_q != seq_k:
+        return "not self-attention from position 0 (a context-parallel chunk)"
+    if seq_q % SEQ_MULTIPLE:
+        return f"sequence length {seq_q}: not a multiple of {SEQ_MULTIPLE}"
+    return None
+
+
+@dataclass
+class GatheredKeys:
+    """Per query head, the order of the keys that packs each 64-key tile with blocks of one
+    kind, for one sequence length ``seq``.
+
+    ``order [seq, heads]`` int64: the key position at gathered position ``p`` of head ``h``
+    (the index :func:`gather` takes); ``inverse [seq, heads]``: the gathered position of key
+    ``t``. ``key_lo, key_hi [heads, seq]`` int32: queries ``key_lo <= q < key_hi`` attend
+    gathered key ``p``. ``group``: query heads per KV head of the calls' K and V.
+    """
+
+    seq: int
+    group: int
+    order: torch.Tensor
+    inverse: torch.Tensor
+    key_lo: torch.Tensor
+    key_hi: torch.Tensor
+    _layouts: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_heads(self) -> int:
+        return self.order.shape[1]
+
+    def layout(self, block_m: int, with_csc: bool = False) -> TileLayout:
+        """The tile layout over ``block_m``-row query tiles and the gathered ``TILE_N``-key
+        tiles (one KV head per query head: ``group`` 1)."""
+        key = (block_m, with_csc)
+        if key not in self._layouts:
+            self._layouts[key] = _gathered_layout(self, block_m, with_csc)
+        return self._layouts[key]
+
+
+def gathered_keys(pattern: S2Pattern, seq: int, device) -> GatheredKeys:
+    """Build (or fetch from the pattern's cache) the :class:`GatheredKeys` of ``pattern``'s
+    local heads for self-attention over ``seq`` tokens (a multiple of :data:`SEQ_MULTIPLE`)."""
+    key = ("gathered_keys", seq, str(device))
+    cache = pattern._cache
+    if key in cache:
+        return cache[key]
+    B, L, V = pattern.block_size, pattern.local_blocks, pattern.vert_stride
+    if B not in BLOCK_SIZES or seq % SEQ_MULTIPLE:
+        raise ValueError(
+            f"gathered_keys: block_size {B} (allowed {BLOCK_SIZES}) and seq {seq} (a multiple of "
+            f"{SEQ_MULTIPLE})"
+        )
+    nb = seq // B
+    dense, res = pattern.head_params(device)
+    blk = torch.arange(nb, device=device)
+    vertical = dense[:, None] | (blk[None, :] % V == res[:, None])  # [heads, blocks]
+    # Vertical blocks first, then the local-only ones, each kind ascending.
+    blk_order = torch.argsort((~vertical).to(torch.int64) * nb + blk[None, :], dim=1)
+    pos = (blk_order[:, :, None] * B + torch.arange(B, device=device)).reshape(-1, seq)
+    vert_key = vertical.gather(1, blk_order).repeat_interleave(B, dim=1)
+    window_end = torch.clamp((pos // B + L) * B, max=seq)
+    key_hi = torch.where(vert_key, torch.full_like(pos, seq), window_end)
+    heads = pos.shape[0]
+    inverse = torch.empty_like(pos)
+    inverse.scatter_(1, pos, torch.arange(seq, device=device).expand(heads, seq))
+    keys = GatheredKeys(
+        seq=seq,
+        group=pattern.group_size,
+        order=pos.t().contiguous(),
+        inverse=inverse.t().contiguous(),
+        key_lo=pos.to(torch.int32).contiguous(),
+        key_hi=key_hi.to(torch.int32).contiguous(),
+    )
+    cache[key] = keys
+    return keys
+
+
+def _gathered_layout(keys: GatheredKeys, block_m: int, with_csc: bool) -> TileLayout:
+    """Entries of every (query tile, gathered key tile) pair that some key of the tile is
+    attended by: the query tiles from the tile's first attending row to its last; full where
+    every key is attended by every row of the query tile."""
+    H, S = keys.num_heads, keys.seq
+    nqt, nkt = S // block_m, S // TILE_N
+    lo_t = keys.key_lo.view(H, nkt, TILE_N).to(torch.int64)
+    hi_t = keys.key_hi.view(H, nkt, TILE_N).to(torch.int64)
+    min_lo, max_lo = lo_t.min(-1).values.flatten(), lo_t.max(-1).values.flatten()
+    min_hi, max_hi = hi_t.min(-1).values.flatten(), hi_t.max(-1).values.flatten()
+    first = min_lo // block_m
+    counts = (max_hi - 1) // block_m - first + 1
+    col = torch.repeat_interleave(torch.arange(H * nkt, device=min_lo.device), counts)
+    ptr = torch.cumsum(counts, 0) - counts
+    qt = first[col] + torch.arange(col.numel(), device=col.device) - ptr[col]
+    t0 = qt * block_m
+    t1 = t0 + block_m
+    h, kt = torch.div(col, nkt, rounding_mode="floor"), col % nkt
+    item = h * nqt + qt
+    by_row = torch.argsort(item * nkt + kt)
+    item, kt, qt, t0, t1, col = (
+        item[by_row],
+        kt[by_row],
+        qt[by_row],
+        t0[by_row],
+        t1[by_row],
+        col[by_row],
+    )
+    full = (t0 >= max_lo[col]) & (t1 <= min_hi[col])
+    lo = torch.maximum(t0, min_lo[col])
+    hi = torch.minimum(t1, max_hi[col])
+    return assemble_layout(item, kt, lo, hi, full, H, 1, nqt, nkt, block_m, TILE_N, with_csc)
+
+
+def gather(t: torch.Tensor, keys: GatheredKeys) -> torch.Tensor:
+    """K or V ``[b, seq, h_kv, d]`` (any strides) in each query head's gathered order:
+    ``[b, seq, heads, d]`` contiguous."""
+    kv_head = torch.arange(keys.num_heads, device=t.device) // keys.group
+    return t[:, keys.order, kv_head]
+
+
+def scatter_sum(g: torch.Tensor, keys: GatheredKeys, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient ``g [b, seq, heads, d]`` of :func:`gather`'s output back at the keys'
+    positions, summed over each KV group's heads (in fp32 or wider): ``[b, seq, h_kv, d]`` of
+    ``dtype``."""
+    b, s, h, d = g.shape
+    per_head = g[:, keys.inverse, torch.arange(h, device=g.device)]
+    if keys.group == 1:
+        return per_head.to(dtype)
+    acc = torch.promote_types(g.dtype, torch.float32)
+    return per_head.view(b, s, h // keys.group, keys.group, d).to(acc).sum(3).to(dtype)
