@@ -258,7 +258,8 @@ if gluon is not None:
             q, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
             use_acc=False, is_async=True,
         )  # fmt: skip
-        k_lo, k_hi = _key_bounds(gl.load(cols + e0) * BN + offs_n, key_lo, key_hi, gathered)
+        n = gl.load(cols + e0) * BN + offs_n
+        k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered & (e0 >= e1))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
         if e0 >= e1:
             s = _mask_rows(s, e0, los, his, q_abs, k_lo, k_hi)
@@ -275,7 +276,8 @@ if gluon is not None:
             )  # fmt: skip
             o_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
             n = gl.load(cols + e) * BN + offs_n
-            k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered)
+            # Only partial entries read their keys' ranges.
+            k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered & (e >= e1))
             # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
             if e >= e1:
