@@ -9,14 +9,15 @@ Instead each query head gets its own order of the keys: its vertical blocks firs
 other blocks, both ascending. Consecutive :data:`TILE_N` keys of that order form a tile whose
 blocks are of one kind, so a vertical tile is attended in full by every query tile after its
 last key (the long columns of the block-64 layout), and a local tile by the few query tiles of
-its window. The Gluon kernels run on these tiles with K and V gathered per query head
-(:func:`gather`); a partial entry masks each key ``p`` of head ``h`` by the query range that
-attends it, ``key_lo[h, p] <= q < key_hi[h, p]``: from the key's own position (causal) to the
-end of its window for a local block, to the end of the sequence for a vertical one. That is the
-S2 rule itself (a key in block ``j`` is attended by query block ``i >= j`` iff ``i - j < L`` or
-``j`` is vertical), so the masks are exact for every S2 pattern; dense heads have only vertical
-blocks. The gradients of the gathered K and V return to the keys' positions through the inverse
-order (:func:`scatter_sum`), summed over each KV group's heads in fp32.
+its window. The Gluon kernels run on these tiles, loading each from K and V with one TMA box
+per pattern block at the block's position (nothing is copied). A partial entry masks each key
+``p`` of head ``h`` by the query range that attends it, ``key_lo[h, p] <= q < key_hi[h, p]``:
+from the key's own position (causal) to the end of its window for a local block, to the end of
+the sequence for a vertical one. That is the S2 rule itself (a key in block ``j`` is attended
+by query block ``i >= j`` iff ``i - j < L`` or ``j`` is vertical), so the masks are exact for
+every S2 pattern; dense heads have only vertical blocks. The dK/dV pass stores each tile's
+gradients box by box at the keys' positions, one per query head (a KV group's heads see
+different tiles); :func:`sum_groups` adds a group's.
 
 Only S2-rule patterns, self-attention from position 0, one sequence length per call (no packed
 documents) and lengths that are multiples of 128 take this path (:func:`unsupported_reason`).
@@ -59,16 +60,14 @@ class GatheredKeys:
     """Per query head, the order of the keys that packs each 64-key tile with blocks of one
     kind, for one sequence length ``seq``.
 
-    ``order [seq, heads]`` int64: the key position at gathered position ``p`` of head ``h``
-    (the index :func:`gather` takes); ``inverse [seq, heads]``: the gathered position of key
-    ``t``. ``key_lo, key_hi [heads, seq]`` int32: queries ``key_lo <= q < key_hi`` attend
+    ``order [seq, heads]`` int64: the key position at gathered position ``p`` of head ``h``.
+    ``key_lo, key_hi [heads, seq]`` int32: queries ``key_lo <= q < key_hi`` attend
     gathered key ``p``. ``group``: query heads per KV head of the calls' K and V.
     """
 
     seq: int
     group: int
     order: torch.Tensor
-    inverse: torch.Tensor
     key_lo: torch.Tensor
     key_hi: torch.Tensor
     _layouts: dict = field(default_factory=dict, repr=False)
@@ -109,14 +108,10 @@ def gathered_keys(pattern: S2Pattern, seq: int, device) -> GatheredKeys:
     vert_key = vertical.gather(1, blk_order).repeat_interleave(B, dim=1)
     window_end = torch.clamp((pos // B + L) * B, max=seq)
     key_hi = torch.where(vert_key, torch.full_like(pos, seq), window_end)
-    heads = pos.shape[0]
-    inverse = torch.empty_like(pos)
-    inverse.scatter_(1, pos, torch.arange(seq, device=device).expand(heads, seq))
     keys = GatheredKeys(
         seq=seq,
         group=pattern.group_size,
         order=pos.t().contiguous(),
-        inverse=inverse.t().contiguous(),
         key_lo=pos.to(torch.int32).contiguous(),
         key_hi=key_hi.to(torch.int32).contiguous(),
     )
@@ -158,20 +153,12 @@ def _gathered_layout(keys: GatheredKeys, block_m: int, with_csc: bool) -> TileLa
     return assemble_layout(item, kt, lo, hi, full, H, 1, nqt, nkt, block_m, TILE_N, with_csc)
 
 
-def gather(t: torch.Tensor, keys: GatheredKeys) -> torch.Tensor:
-    """K or V ``[b, seq, h_kv, d]`` (any strides) in each query head's gathered order:
-    ``[b, seq, heads, d]`` contiguous."""
-    kv_head = torch.arange(keys.num_heads, device=t.device) // keys.group
-    return t[:, keys.order, kv_head]
-
-
-def scatter_sum(g: torch.Tensor, keys: GatheredKeys, dtype: torch.dtype) -> torch.Tensor:
-    """The gradient ``g [b, seq, heads, d]`` of :func:`gather`'s output back at the keys'
-    positions, summed over each KV group's heads (in fp32 or wider): ``[b, seq, h_kv, d]`` of
-    ``dtype``."""
+def sum_groups(g: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-query-head gradients ``g [b, seq, heads, d]`` (the dK/dV pass on gathered tiles)
+    summed over each KV group's ``group`` heads in fp32 or wider: ``[b, seq, h_kv, d]`` of
+    ``dtype`` (``g`` itself when ``group`` is 1)."""
+    if group == 1:
+        return g.to(dtype)
     b, s, h, d = g.shape
-    per_head = g[:, keys.inverse, torch.arange(h, device=g.device)]
-    if keys.group == 1:
-        return per_head.to(dtype)
     acc = torch.promote_types(g.dtype, torch.float32)
-    return per_head.view(b, s, h // keys.group, keys.group, d).to(acc).sum(3).to(dtype)
+    return g.view(b, s, h // group, group, d).to(acc).sum(3).to(dtype)

@@ -68,20 +68,23 @@ if gluon is not None:
     @gluon.jit
     def _loader(
         q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
-        col_ptr, rows, order, n_items, num_k_tiles, group, views, WG,
+        col_ptr, rows, order, n_items, num_k_tiles, group, kv_group, key_lo, key_stride, views,
+        WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
+        BOXES: gl.constexpr = BN // k_desc.block_type.shape[0]
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
         b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
         if valid:
-            kv_row = b * kv_row_b + kt * BN
-            kv_col = b * kv_col_b + kvh * kv_col_h
+            # Gathered tiles are per query head (kvh), read from its KV head's K and V.
+            kv_col = b * kv_col_b + (kvh // kv_group) * kv_col_h
             bar = kv_bar.index(WG)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            gf._tma_load(k_desc, [kv_row, kv_col], bar, k_smem.index(WG))
-            gf._tma_load(v_desc, [kv_row, kv_col], bar, v_smem.index(WG))
+            mbarrier.expect(bar, BOXES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+            keys = key_lo + kvh * key_stride
+            gf._load_kv_tile(k_desc, b * kv_row_b, kv_col, kt, keys, bar, k_smem.index(WG))
+            gf._load_kv_tile(v_desc, b * kv_row_b, kv_col, kt, keys, bar, v_smem.index(WG))
             i = 0
             for g in range(group):
                 h = kvh * group + g
@@ -215,10 +218,10 @@ if gluon is not None:
             k.store((dk * sm_scale).to(k.dtype))
             v.store(dv.to(v.dtype))
             fence_async_shared()
-            row = b * dkv_row_b + kt * BN
             col = b * dkv_col_b + kvh * dkv_col_h
-            gf._tma_store(dk_desc, [row, col], k)
-            gf._tma_store(dv_desc, [row, col], v)
+            keys = key_lo + kvh * key_stride
+            gf._store_kv_tile(dk_desc, b * dkv_row_b, col, kt, keys, k)
+            gf._store_kv_tile(dv_desc, b * dkv_row_b, col, kt, keys, v)
             tma.store_wait(0)
 
     @gluon.jit
@@ -226,7 +229,8 @@ if gluon is not None:
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b,
         stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
         qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
-        kv_row_b, kv_col_b, kv_col_h, dkv_row_b, dkv_col_b, dkv_col_h, STAGES: gl.constexpr,
+        kv_row_b, kv_col_b, kv_col_h, dkv_row_b, dkv_col_b, dkv_col_h, kv_group,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """One program per pair of (batch row, KV head, key tile) items: two independent
         pipelines (a loader warp and a consumer warpgroup each), one item each."""
@@ -236,12 +240,10 @@ if gluon is not None:
         do_bufs = gl.allocate_shared_memory(
             do_desc.dtype, [2 * STAGES] + do_desc.block_type.shape, do_desc.layout
         )
-        k_smem = gl.allocate_shared_memory(
-            k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout
-        )
-        v_smem = gl.allocate_shared_memory(
-            v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout
-        )
+        # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, D], v_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -254,7 +256,8 @@ if gluon is not None:
         views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
         loader_args = (
             q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
-            empty, col_ptr, rows, order, n_items, num_k_tiles, group, views,
+            empty, col_ptr, rows, order, n_items, num_k_tiles, group, kv_group, key_lo, key_stride,
+            views,
         )  # fmt: skip
         consumer_args = (
             dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
@@ -285,14 +288,17 @@ def s2_dkdv_gluon(
     cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous; the queries are
     positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`). ``lay``: the
     pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). ``keys``:
-    gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes them (dK/dV then come
-    in the gathered order, one per query head). Returns ``dk, dv`` like k and v (zero on keys
-    no query attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
+    gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes them: dK/dV then come
+    per query head, ``[b, s, hq, d]`` (the caller sums each KV group's heads). Returns ``dk,
+    dv`` like k and v (zero on keys no query attends). The caller checks
+    :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
-    bn = pattern.block_size
+    box = bn = pattern.block_size  # TMA box rows: a pattern block
+    kv_group = 1  # query heads per item whose K/V is one KV head: the layout's group does it
     if keys is not None:
         lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
+        kv_group = pattern.group_size  # an item is one query head's gathered tile
     if bn != BLOCK_N:
         raise ValueError(f"s2_dkdv_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
     if lay is None:
@@ -302,15 +308,19 @@ def s2_dkdv_gluon(
             f"s2_dkdv_gluon: needs a CSC layout of {TILE_M} x {bn} tiles, got "
             f"{lay.block_m} x {lay.block_n}"
         )
-    dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense
+    if kv_group == 1:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense
+    else:
+        dk = torch.empty(b, s, hq, d, dtype=k.dtype, device=k.device)
+        dv = torch.empty_like(dk)
     views = {}
     # One set of coordinates serves Q and dO, one K and V.
     *_, views["q"], views["do"] = gf.paired_tma_views(q, do)
     *_, views["k"], views["v"] = gf.paired_tma_views(k, v)
     views["dk"], views["dv"] = gf.tma_view(dk), gf.tma_view(dv)
     if views["dk"] is None or views["dv"] is None or views["dk"][1:] != views["dv"][1:]:
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk = torch.empty(dk.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(dv.shape, dtype=v.dtype, device=v.device)
         views["dk"], views["dv"] = gf.tma_view(dk), gf.tma_view(dv)
     n_items = lay.kv_order.numel()
     if n_items == 0:
@@ -323,10 +333,10 @@ def s2_dkdv_gluon(
     _s2_dkdv_gluon_kernel[(n_pairs * b,)](
         desc("q", TILE_M),
         desc("do", TILE_M),
-        desc("k", bn),
-        desc("v", bn),
-        desc("dk", bn),
-        desc("dv", bn),
+        desc("k", box),
+        desc("v", box),
+        desc("dk", box),
+        desc("dv", box),
         lse,
         delta,
         lse.stride(0),
@@ -347,7 +357,9 @@ def s2_dkdv_gluon(
         *views["q"][1:],
         *views["k"][1:],
         *views["dk"][1:],
+        kv_group,
         STAGES=NUM_STAGES,
+        BLOCK_N=BLOCK_N,
         num_warps=4,
     )
     return dk, dv
@@ -367,22 +379,26 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
         types,
         NUM_STAGES,
         os.path.join(out_dir, f"dkdv_d{head_dim}_n{block}"),
+        block_n=BLOCK_N,
     )
 
 
 def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0, keys=None):
     """The kernel's schedule in float64 PyTorch on any device: same CSC arrays, programs of two
     items, head loop, full/partial entries and masks. Shapes, ``q_start`` and ``keys`` as
-    :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64."""
+    :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64 (per query head with ``keys``)."""
     b, s, hq, d = q.shape
     bn = pattern.block_size
+    kv_group = 1
     if keys is not None:
         lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
+        kv_group = pattern.group_size
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     qk_scale = scale * LOG2E
-    dk = torch.zeros(k.shape, dtype=torch.float64)
-    dv = torch.zeros(v.shape, dtype=torch.float64)
+    out_shape = k.shape if keys is None else (b, s, hq, d)
+    dk = torch.zeros(out_shape, dtype=torch.float64)
+    dv = torch.zeros(out_shape, dtype=torch.float64)
     col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()
     rows, los, his = lay.rows.tolist(), lay.lo_c.tolist(), lay.hi_c.tolist()
     order = lay.kv_order.tolist()
@@ -397,7 +413,9 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
             item = order[idx]
             bb, kvh, kt = pid // n_pairs, item // lay.num_k_tiles, item % lay.num_k_tiles
             k_abs = kt * bn + torch.arange(bn)
-            kk, vv = k[bb, k_abs, kvh].double(), v[bb, k_abs, kvh].double()
+            k_rows = gf.emulated_key_rows(keys, kvh, k_abs)
+            kk = k[bb, k_rows, kvh // kv_group].double()
+            vv = v[bb, k_rows, kvh // kv_group].double()
             acc_k = torch.zeros(bn, d, dtype=torch.float64)
             acc_v = torch.zeros(bn, d, dtype=torch.float64)
             for g in range(lay.group):
@@ -422,6 +440,6 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
                     pt = torch.exp2(st)
                     acc_v += pt @ dd
                     acc_k += (pt * (vv @ dd.T - delta[bb, h, m_idx].double()[None, :])) @ qq
-            dk[bb, k_abs, kvh] = acc_k * scale
-            dv[bb, k_abs, kvh] = acc_v
+            dk[bb, k_rows, kvh] = acc_k * scale
+            dv[bb, k_rows, kvh] = acc_v
     return dk, dv

@@ -54,7 +54,8 @@ if gluon is not None:
     @gluon.jit
     def _loader(
         q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
-        row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, views,
+        row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, key_lo,
+        key_stride, views,
     ):  # fmt: skip
         BM: gl.constexpr = q_smem.type.shape[1]
         q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h = views
@@ -75,8 +76,9 @@ if gluon is not None:
         e2 = gl.load(row_ptr + item + 1)
         kv_col = b * kv_col_b + (h // group) * kv_col_h
         gf._load_kv_ring(
-            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col
-        )
+            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col,
+            key_lo + h * key_stride,
+        )  # fmt: skip
 
     @gluon.jit
     def _tiles(
@@ -184,6 +186,7 @@ if gluon is not None:
         stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
         group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b,
         q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch row, layout item): a 128-row query tile of one head."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -196,12 +199,10 @@ if gluon is not None:
         o_smem = gl.allocate_shared_memory(
             o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
         )
-        k_bufs = gl.allocate_shared_memory(
-            k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout
-        )
-        v_bufs = gl.allocate_shared_memory(
-            v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout
-        )
+        # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         row_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -213,7 +214,8 @@ if gluon is not None:
         views = (q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h)
         loader_args = (
             q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
-            row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, views,
+            row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, key_lo,
+            key_stride, views,
         )  # fmt: skip
         consumer_args = (
             q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
@@ -255,7 +257,7 @@ def s2_dq_gluon(
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dq_gluon", q, k, q_start)
-    bn = pattern.block_size
+    box = bn = pattern.block_size  # TMA box rows: a pattern block
     if keys is not None:
         lay, bn = keys.layout(TILE_M), BLOCK_N
     if bn != BLOCK_N:
@@ -284,8 +286,8 @@ def s2_dq_gluon(
         desc(qv, WG_ROWS),
         desc(dov, WG_ROWS),
         desc(ov, WG_ROWS),
-        desc(kv_, bn),
-        desc(vv, bn),
+        desc(kv_, box),
+        desc(vv, box),
         desc(dqv, WG_ROWS),
         lse,
         dlse if dlse is not None else lse,
@@ -301,7 +303,7 @@ def s2_dq_gluon(
         lay.q_order,
         n_items,
         lay.num_q_tiles,
-        lay.group,
+        pattern.group_size,
         scale * LOG2E,
         scale,
         q_start,
@@ -310,6 +312,7 @@ def s2_dq_gluon(
         *ov[1:],
         *kv_[1:],
         STAGES=NUM_STAGES,
+        BLOCK_N=BLOCK_N,
         num_warps=4,
     )
     return dq, delta
@@ -327,6 +330,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
         types,
         NUM_STAGES,
         os.path.join(out_dir, f"dq_d{head_dim}_n{block}"),
+        block_n=BLOCK_N,
     )
 
 
@@ -340,6 +344,7 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
         lay, bn = keys.layout(TILE_M), BLOCK_N
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
+    group = pattern.group_size
     qk_scale = scale * LOG2E
     dq = torch.zeros(q.shape, dtype=torch.float64)
     delta = torch.zeros(lse.shape, dtype=torch.float64)
@@ -351,7 +356,7 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
     for pid in range(n_items * b):
         item = order[pid % n_items]
         bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
-        kvh = h // lay.group
+        kvh = h // group
         for wg in range(2):
             q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
@@ -365,7 +370,8 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             for e in range(row_ptr[item], row_ptr[item + 1]):
                 n_abs = cols[e] * bn + offs_n
-                kk, vv = k[bb, n_abs, kvh].double(), v[bb, n_abs, kvh].double()
+                rows = gf.emulated_key_rows(keys, h, n_abs)
+                kk, vv = k[bb, rows, kvh].double(), v[bb, rows, kvh].double()
                 sc = (qq @ kk.T) * qk_scale - lse2[:, None]
                 if e >= row_split[item]:
                     k_lo, k_hi = gf.emulated_key_bounds(keys, h, n_abs)

@@ -156,8 +156,8 @@ if gluon is not None:
     @gluon.jit
     def _loader(
         q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
-        order, n_items, num_q_tiles, group, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
-        kv_col_h,
+        order, n_items, num_q_tiles, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h,
+        kv_row_b, kv_col_b, kv_col_h,
     ):  # fmt: skip
         BM: gl.constexpr = q_smem.type.shape[1]
         b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
@@ -170,17 +170,46 @@ if gluon is not None:
         e2 = gl.load(row_ptr + item + 1)
         kv_col = b * kv_col_b + (h // group) * kv_col_h
         _load_kv_ring(
-            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col
-        )
+            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col,
+            key_lo + h * key_stride,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _load_kv_tile(desc, row0, col, kt, key_lo, bar, buf):
+        """TMA-load key tile ``kt`` of ``buf``'s rows: one box at row ``row0 + kt * rows`` when
+        the descriptor's box is the whole tile (keys in sequence order), else a box per pattern
+        block of a gathered tile, each at its block's position in ``key_lo``."""
+        BN: gl.constexpr = buf.type.shape[0]
+        BOX: gl.constexpr = desc.block_type.shape[0]
+        if BOX == BN:
+            _tma_load(desc, [row0 + kt * BN, col], bar, buf)
+        else:
+            for r in gl.static_range(BN // BOX):
+                pos = gl.load(key_lo + kt * BN + r * BOX)
+                _tma_load(desc, [row0 + pos, col], bar, buf.slice(r * BOX, BOX))
+
+    @gluon.jit
+    def _store_kv_tile(desc, row0, col, kt, key_lo, buf):
+        """TMA-store ``buf`` (key tile ``kt``'s rows) as :func:`_load_kv_tile` loaded it."""
+        BN: gl.constexpr = buf.type.shape[0]
+        BOX: gl.constexpr = desc.block_type.shape[0]
+        if BOX == BN:
+            _tma_store(desc, [row0 + kt * BN, col], buf)
+        else:
+            for r in gl.static_range(BN // BOX):
+                pos = gl.load(key_lo + kt * BN + r * BOX)
+                _tma_store(desc, [row0 + pos, col], buf.slice(r * BOX, BOX))
 
     @gluon.jit
     def _load_kv_ring(
-        k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, kv_row, kv_col
+        k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, kv_row, kv_col, key_lo
     ):  # fmt: skip
         """TMA-load the K and V tiles of row-list entries ``e0 .. e2`` into the ``STAGES`` ring
-        that both consumer warpgroups read (the forward's and the dQ pass's loader)."""
+        that both consumer warpgroups read (the forward's and the dQ pass's loader); gathered
+        tiles (``key_lo``: this head's key positions) box by box (:func:`_load_kv_tile`)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BOXES: gl.constexpr = BN // k_desc.block_type.shape[0]
         for e in range(e0, e2):
             i = e - e0
             stage = i % STAGES
@@ -188,9 +217,13 @@ if gluon is not None:
             # waits on the phase before the barrier's first, which counts as completed.
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
             kt = gl.load(cols + e)
-            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row + kt * BN, kv_col], ready.index(stage), k_bufs.index(stage))
-            _tma_load(v_desc, [kv_row + kt * BN, kv_col], ready.index(stage), v_bufs.index(stage))
+            mbarrier.expect(
+                ready.index(stage),
+                BOXES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
+            )
+            bar = ready.index(stage)
+            _load_kv_tile(k_desc, kv_row, kv_col, kt, key_lo, bar, k_bufs.index(stage))
+            _load_kv_tile(v_desc, kv_row, kv_col, kt, key_lo, bar, v_bufs.index(stage))
 
     @gluon.jit
     def _key_bounds(n, key_lo, key_hi, gathered):
@@ -339,19 +372,17 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
         cols, los, his, order, n_items, num_q_tiles, group, qk_scale, q_start, key_lo, key_hi,
         key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b,
-        o_col_h, STAGES: gl.constexpr,
+        o_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch row, layout item): a 128-row query tile of one head."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
         )
-        k_bufs = gl.allocate_shared_memory(
-            k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout
-        )
-        v_bufs = gl.allocate_shared_memory(
-            v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout
-        )
+        # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         o_smem = gl.allocate_shared_memory(
             o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
         )
@@ -370,8 +401,8 @@ if gluon is not None:
         )  # fmt: skip
         loader_args = (
             q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
-            order, n_items, num_q_tiles, group, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
-            kv_col_h,
+            order, n_items, num_q_tiles, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h,
+            kv_row_b, kv_col_b, kv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps)
         # and the loader (1 warp), with their register budgets.
@@ -485,15 +516,17 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
     self-attention, a context-parallel chunk's start otherwise); ``scale`` the softmax scale;
     ``lay`` the pattern's layout at 128-row query tiles for this ``(s, sk, q_start)`` (built
-    when None). With ``keys`` (a :class:`gathered_keys.GatheredKeys`, block 16/32) k/v are
-    :func:`gathered_keys.gather`'s ``[b, s, hq, d]`` and the layout is its own. Returns ``out``
+    when None). With ``keys`` (a :class:`gathered_keys.GatheredKeys`, block 16/32) the key
+    tiles are gathered ones (their own layout), each loaded from k/v block by block. Returns ``out``
     like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
     ``triton_attention.s2_forward`` does. The caller checks :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     check_chunk("s2_forward_gluon", q, k, q_start)
-    bn = pattern.block_size
+    box = bn = pattern.block_size  # TMA box rows: a pattern block
+    group = pattern.group_size
     if keys is not None:
-        lay, bn = keys.layout(TILE_M), keys.layout(TILE_M).block_n
+        lay = keys.layout(TILE_M)
+        bn = lay.block_n
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     if lay.block_m != TILE_M or lay.block_n != bn:
@@ -514,8 +547,8 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
         return out, lse
     _s2_fwd_gluon_kernel[(n_items * b,)](
         _descriptor(qv, WG_ROWS, d),
-        _descriptor(kv_, bn, d),
-        _descriptor(vv, bn, d),
+        _descriptor(kv_, box, d),
+        _descriptor(vv, box, d),
         _descriptor(ov, WG_ROWS, d),
         lse,
         lse.stride(0),
@@ -528,7 +561,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
         lay.q_order,
         n_items,
         lay.num_q_tiles,
-        lay.group,
+        group,
         scale / LN2,
         q_start,
         *key_arrays(keys, lay.lo),
@@ -536,6 +569,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
         *kv_[1:],
         *ov[1:],
         STAGES=ring_stages(bn, d),
+        BLOCK_N=bn,
         num_warps=4,
     )
     return out, lse
@@ -545,14 +579,17 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """Compile the kernel for an H100 (sm_90a) without a GPU, bf16 tiles; the cubin goes to
     ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` (bytes a
     thread spills), ``shared_bytes``, ``registers`` (the default partition's). Needs
-    ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``."""
+    ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``:
+    the pattern's (blocks 16 and 32 load gathered 64-key tiles box by box)."""
+    tile = max(block, gathered_keys.TILE_N)
     return compile_kernel_for_sm90(
         _s2_fwd_gluon_kernel,
         head_dim,
         {"q_desc": WG_ROWS, "k_desc": block, "v_desc": block, "o_desc": WG_ROWS},
         {"LSE": "*fp32", "qk_scale": "fp32", **ROW_LIST_TYPES},
-        ring_stages(block, head_dim),
+        ring_stages(tile, head_dim),
         os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"),
+        block_n=tile,
     )
 
 
@@ -562,11 +599,14 @@ ROW_LIST_TYPES = {
 }
 
 
-def compile_kernel_for_sm90(kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem):
+def compile_kernel_for_sm90(
+    kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem, block_n: int = 64
+):
     """Compile Gluon ``kernel`` for sm_90a (4 warps) without a GPU and write ``stem.cubin``:
     ``tiles`` maps each TMA descriptor argument to its tile rows (bf16 ``[rows, head_dim]``),
-    ``types`` the other arguments that are not ``i32``, ``stages`` the ``STAGES`` constexpr.
-    Returns :func:`compile_for_sm90`'s statistics."""
+    ``types`` the other arguments that are not ``i32``, ``stages`` the ``STAGES`` constexpr,
+    ``block_n`` the ``BLOCK_N`` one where the kernel has it (the K/V tile's rows). Returns
+    :func:`compile_for_sm90`'s statistics."""
     import re
     import subprocess
 
@@ -578,8 +618,13 @@ def compile_kernel_for_sm90(kernel, head_dim: int, tiles: dict, types: dict, sta
         return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
 
     sig = {n: types.get(n, "i32") for n in kernel.arg_names}
-    sig.update({n: desc(rows) for n, rows in tiles.items()}, STAGES="constexpr")
-    src = GluonASTSource(kernel, signature=sig, constexprs={"STAGES": stages})
+    constexprs = {"STAGES": stages}
+    if "BLOCK_N" in kernel.arg_names:
+        constexprs["BLOCK_N"] = block_n
+    sig.update(
+        {n: desc(rows) for n, rows in tiles.items()}, **dict.fromkeys(constexprs, "constexpr")
+    )
+    src = GluonASTSource(kernel, signature=sig, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     cubin = stem + ".cubin"
     with open(cubin, "wb") as f:
@@ -606,6 +651,12 @@ def emulated_key_bounds(keys, h: int, n: torch.Tensor):
     return keys.key_lo[h, n].long(), keys.key_hi[h, n].long()
 
 
+def emulated_key_rows(keys, h: int, n: torch.Tensor) -> torch.Tensor:
+    """The rows of K/V that keys ``n`` of head ``h``'s tiles are: ``n`` in sequence order, the
+    gathered keys' positions otherwise (what :func:`_load_kv_tile` loads box by box)."""
+    return n if keys is None else keys.order[n, h]
+
+
 def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
     order, warpgroup split of each 128-row tile, full/partial entry split, masks and base-2
@@ -629,7 +680,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
     for pid in range(n_items * b):
         item = order[pid % n_items]
         bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
-        kvh = h // lay.group
+        kvh = h // pattern.group_size
         e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
         for wg in range(NUM_CONSUMERS):
             q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
@@ -640,7 +691,8 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             for e in range(e0, e2):
                 n = cols[e] * bn + offs_n
-                sc = (qq @ k[bb, n, kvh].double().T) * qk_scale
+                rows = emulated_key_rows(keys, h, n)
+                sc = (qq @ k[bb, rows, kvh].double().T) * qk_scale
                 if e >= e1:
                     k_lo, k_hi = emulated_key_bounds(keys, h, n)
                     ok = (
@@ -655,7 +707,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
                 p = torch.exp2(sc - m_use[:, None])
                 alpha = torch.exp2(m_i - m_use)
                 l_i = l_i * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ v[bb, n, kvh].double()
+                acc = acc * alpha[:, None] + p @ v[bb, rows, kvh].double()
                 m_i = m_new
             nothing = l_i == 0
             l_safe = torch.where(nothing, 1.0, l_i)

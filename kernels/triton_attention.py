@@ -1479,8 +1479,7 @@ def s2_forward(
     ):
         if pattern.block_size in gathered_keys.BLOCK_SIZES:
             keys = gathered_keys.gathered_keys(pattern, sq, q.device)
-            kg, vg = gathered_keys.gather(k, keys), gathered_keys.gather(v, keys)
-            return gluon_forward.s2_forward_gluon(q, kg, vg, pattern, scale, keys=keys)
+            return gluon_forward.s2_forward_gluon(q, k, v, pattern, scale, keys=keys)
         tile, bn = gluon_forward.TILE_M, pattern.block_size
         lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device)
         # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
@@ -1754,17 +1753,16 @@ def _gathered_backward(do, dlse, q, k, v, out, lse, cfg: KernelConfig, args):
     ``tl`` pass for whichever of dQ and dK/dV the config leaves off)."""
     pattern, scale = args[0], args[1]
     keys = gathered_keys.gathered_keys(pattern, q.shape[1], q.device)
-    # Gathered again rather than saved by the forward: two K/V copies per layer would outlive it.
-    kg, vg = gathered_keys.gather(k, keys), gathered_keys.gather(v, keys)
     if cfg.gluon_dq:
-        dq, delta = gluon_dq.s2_dq_gluon(do, dlse, q, kg, vg, out, lse, pattern, scale, keys=keys)
+        dq, delta = gluon_dq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale, keys=keys)
     else:
         dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
     if not cfg.gluon_dkdv:
         return (dq, *bwd_dkdv(do, q, k, v, lse, delta, *args))
-    dkg, dvg = gluon_dkdv.s2_dkdv_gluon(do, q, kg, vg, lse, delta, pattern, scale, keys=keys)
-    dk = gathered_keys.scatter_sum(dkg, keys, k.dtype)
-    return dq, dk, gathered_keys.scatter_sum(dvg, keys, v.dtype)
+    dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, keys=keys)
+    group = pattern.group_size
+    dk = gathered_keys.sum_groups(dk, group, k.dtype)
+    return dq, dk, gathered_keys.sum_groups(dv, group, v.dtype)
 
 
 class S2AttentionFunction(torch.autograd.Function):

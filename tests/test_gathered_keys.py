@@ -13,7 +13,7 @@ import s2attn.gluon_dkdv as gd
 import s2attn.gluon_dq as gq
 import s2attn.gluon_forward as gf
 from s2attn import S2Pattern
-from s2attn.gathered_keys import TILE_N, gather, gathered_keys, scatter_sum, unsupported_reason
+from s2attn.gathered_keys import TILE_N, gathered_keys, sum_groups, unsupported_reason
 
 pytestmark = pytest.mark.version_independent
 
@@ -52,13 +52,11 @@ def expand(keys, block_m):
 def test_gathered_layout_expands_to_the_token_mask(kw, seq):
     pattern = S2Pattern(**kw)
     keys = gathered_keys(pattern, seq, "cpu")
-    # Each head's order is a permutation of the keys, and inverse undoes it.
-    assert torch.equal(
-        keys.order.sort(0).values, torch.arange(seq)[:, None].expand(seq, keys.num_heads)
-    )
-    assert torch.equal(
-        keys.order.gather(0, keys.inverse), torch.arange(seq)[:, None].expand_as(keys.order)
-    )
+    # Each head's order is a permutation of whole pattern blocks.
+    every = torch.arange(seq)[:, None].expand(seq, keys.num_heads)
+    assert torch.equal(keys.order.sort(0).values, every)
+    B, H = pattern.block_size, keys.num_heads
+    assert torch.equal(keys.order.view(-1, B, H) % B, every.reshape(-1, B, H) % B)
     want = token_mask(pattern, seq, seq)
     for block_m in (128, 64):
         assert torch.equal(expand(keys, block_m), want)
@@ -78,17 +76,12 @@ def test_vertical_tiles_are_full_below_the_window():
     assert pattern.attended_pairs(16384) / (lay.nnz * 128 * TILE_N) > 0.85
 
 
-def test_gather_and_scatter_sum_are_adjoint():
-    pattern = S2Pattern(num_heads=8, num_kv_heads=2, block_size=16, local_blocks=2, vert_stride=4)
-    keys = gathered_keys(pattern, 256, "cpu")
-    k = torch.randn(2, 256, 2, 8, dtype=torch.float64)
-    g = torch.randn(2, 256, 8, 8, dtype=torch.float64)
-    kg = gather(k, keys)
-    assert kg.shape == (2, 256, 8, 8)
-    for h in range(8):
-        torch.testing.assert_close(kg[:, :, h], k[:, keys.order[:, h], h // 4])
-    # <gather(k), g> == <k, scatter_sum(g)>: scatter_sum is gather's gradient.
-    torch.testing.assert_close((kg * g).sum(), (k * scatter_sum(g, keys, torch.float64)).sum())
+def test_sum_groups_adds_each_kv_groups_heads():
+    g = torch.randn(2, 64, 8, 4, dtype=torch.bfloat16)
+    got = sum_groups(g, 4, torch.bfloat16)
+    want = torch.stack([g[:, :, :4].float().sum(2), g[:, :, 4:].float().sum(2)], 2)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    assert torch.equal(sum_groups(g, 1, torch.bfloat16), g)
 
 
 @pytest.mark.parametrize(
@@ -109,15 +102,15 @@ def test_emulated_passes_on_gathered_keys_match_reference(
     dq_ref, dk_ref, dv_ref = torch.autograd.grad(out_ref, (q, k, v), do)
     q, k, v = q.detach(), k.detach(), v.detach()
     keys = gathered_keys(pattern, seq, "cpu")
-    kg, vg = gather(k, keys), gather(v, keys)
-    out, lse = gf.emulate_forward(q, kg, vg, pattern, scale, keys=keys)
+    out, lse = gf.emulate_forward(q, k, v, pattern, scale, keys=keys)
     torch.testing.assert_close(out, out_ref.detach(), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(lse, lse_ref.detach(), rtol=1e-9, atol=1e-9)
-    dq, delta = gq.emulate_dq(do, None, q, kg, vg, out, lse, pattern, scale, keys=keys)
-    dkg, dvg = gd.emulate_dkdv(do, q, kg, vg, lse, delta, pattern, scale, keys=keys)
+    dq, delta = gq.emulate_dq(do, None, q, k, v, out, lse, pattern, scale, keys=keys)
+    dk, dv = gd.emulate_dkdv(do, q, k, v, lse, delta, pattern, scale, keys=keys)
     torch.testing.assert_close(dq, dq_ref, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(scatter_sum(dkg, keys, torch.float64), dk_ref, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(scatter_sum(dvg, keys, torch.float64), dv_ref, rtol=1e-9, atol=1e-9)
+    group = pattern.group_size
+    torch.testing.assert_close(sum_groups(dk, group, torch.float64), dk_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(sum_groups(dv, group, torch.float64), dv_ref, rtol=1e-9, atol=1e-9)
 
 
 def test_unsupported_calls_are_named():

@@ -40,9 +40,10 @@ def test_emulated_schedule_matches_reference_gradients(
 
 @pytest.mark.skipif(gd.gluon is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, tmp_path):
-    got = sm90_compile_stats("s2attn.gluon_dkdv", head_dim, 64, tmp_path)
+# block 16: gathered key tiles, loaded and stored box by box
+@pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 64), (128, 16)])
+def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
+    got = sm90_compile_stats("s2attn.gluon_dkdv", head_dim, block, tmp_path)
     # Per query tile: S^T and dP^T in head_dim/16 k-steps, dV and dK in 64/16; the loop is
     # compiled for full and for partial entries, in each of the two pipelines.
     assert got["hgmma"] >= 2 * 2 * (2 * head_dim // 16 + 2 * 64 // 16)

@@ -161,7 +161,7 @@ def test_calls_it_does_not_take_say_why():
 
 @needs_gluon
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 128), (128, 16)])  # 16: gathered
 def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     """The installed Triton builds the kernel for the H100: a Gluon API change shows here, not
     first on a user's GPU. wgmma (HGMMA in SASS) for both MMAs, no local memory."""
