@@ -16,8 +16,10 @@ through the producer/consumer schedule that plain ``triton.language`` does not e
   output through shared memory and a TMA store.
 
 :func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
-(``q_start = k_start = 0``, equal lengths, no packed documents), bf16/fp16, ``s`` a multiple of
-128, head_dim 64 or 128, block 64 or 128, on an sm_90 GPU. ``triton_attention.s2_forward`` calls
+(``q_start = k_start = 0``, equal lengths, no packed documents) or a context-parallel chunk,
+bf16/fp16, ``s`` a multiple of 128, head_dim 64 or 128, block 64 or 128, or block 16 or 32
+(self-attention only) on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
+box by box, one TMA box per pattern block), on an sm_90 GPU. ``triton_attention.s2_forward`` calls
 it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl`` kernel
 otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes) reads only
 ``out`` and ``lse``.
