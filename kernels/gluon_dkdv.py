@@ -17,9 +17,10 @@ two warpgroups share each SM's tensor cores, as FlashAttention-3's backward has 
   and a TMA store.
 
 No atomics: each program owns its keys' dK/dV (the deterministic backward stays). It takes what
-:func:`gluon_forward.unsupported_reason` accepts with ``block_size`` 64, and needs ``delta``
-(``rowsum(dO * O) - dLSE``, from the dQ pass). The default at block 64 wherever the Gluon forward
-is (``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on the CPU
+:func:`gluon_forward.unsupported_reason` accepts, on 64-key tiles (blocks 64 and 128) or
+gathered ones (blocks 16 and 32, ``gathered_keys.py``), and needs ``delta`` (``rowsum(dO * O) -
+dLSE``, from the dQ pass). The default at those blocks wherever the Gluon forward is
+(``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on the CPU
 (:func:`emulate_dkdv`, an sm_90 compile) and on an H200 (``tests/test_kernels_gpu.py``), 3-5%
 faster fwd+bwd than the ``tl`` pass at 32k-128k (``docs/benchmarks.md``).
 """
@@ -294,13 +295,18 @@ def s2_dkdv_gluon(
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
-    box = bn = pattern.block_size  # TMA box rows: a pattern block
+    # 64-key tiles: a block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
+    box = min(pattern.block_size, BLOCK_N)
+    bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
     kv_group = 1  # query heads per item whose K/V is one KV head: the layout's group does it
     if keys is not None:
         lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
         kv_group = pattern.group_size  # an item is one query head's gathered tile
     if bn != BLOCK_N:
-        raise ValueError(f"s2_dkdv_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
+        raise ValueError(
+            f"s2_dkdv_gluon: block_size {pattern.block_size}: the kernel takes multiples of "
+            f"{BLOCK_N}, or 16 and 32 on gathered key tiles (keys=)"
+        )
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     if lay.block_m != TILE_M or lay.block_n != bn or lay.col_ptr is None:
@@ -388,7 +394,7 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
     items, head loop, full/partial entries and masks. Shapes, ``q_start`` and ``keys`` as
     :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64 (per query head with ``keys``)."""
     b, s, hq, d = q.shape
-    bn = pattern.block_size
+    bn = BLOCK_N
     kv_group = 1
     if keys is not None:
         lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N

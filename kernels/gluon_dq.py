@@ -13,7 +13,8 @@ layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
 * each then writes dQ (times the softmax scale) through its O buffer, free once delta is
   formed, and the program stores both halves by TMA.
 
-It takes what :func:`gluon_forward.unsupported_reason` accepts with ``block_size`` 64, and is
+It takes what :func:`gluon_forward.unsupported_reason` accepts, on 64-key tiles (blocks 64 and
+128) or gathered ones (blocks 16 and 32, ``gathered_keys.py``), and is
 the default wherever the Gluon dK/dV pass is (``KernelConfig.gluon_dq``; ``S2ATTN_GLUON_FORWARD=0``
 turns all three Gluon kernels off): checked on the CPU (:func:`emulate_dq`, an sm_90 compile) and
 on an H200 (``tests/test_kernels_gpu.py``), fwd+bwd up to 4% faster than with the ``tl`` dQ
@@ -257,11 +258,16 @@ def s2_dq_gluon(
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dq_gluon", q, k, q_start)
-    box = bn = pattern.block_size  # TMA box rows: a pattern block
+    # 64-key tiles: a block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
+    box = min(pattern.block_size, BLOCK_N)
+    bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
     if keys is not None:
         lay, bn = keys.layout(TILE_M), BLOCK_N
     if bn != BLOCK_N:
-        raise ValueError(f"s2_dq_gluon: block_size {bn}: the kernel takes {BLOCK_N}")
+        raise ValueError(
+            f"s2_dq_gluon: block_size {pattern.block_size}: the kernel takes multiples of "
+            f"{BLOCK_N}, or 16 and 32 on gathered key tiles (keys=)"
+        )
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     if lay.block_m != TILE_M or lay.block_n != bn:
@@ -339,7 +345,7 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
     order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes,
     ``q_start`` and ``keys`` as :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
     b, s, hq, d = q.shape
-    bn = pattern.block_size
+    bn = BLOCK_N
     if keys is not None:
         lay, bn = keys.layout(TILE_M), BLOCK_N
     else:

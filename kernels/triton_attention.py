@@ -1109,11 +1109,11 @@ class KernelConfig:
     descriptors (Hopper; bf16/fp16 tensors whose alignment allows it, else the pointer loads
     run). ``gluon_fwd``: run the forward through the warp-specialized Gluon kernel
     (``gluon_forward.py``: sm_90) on the calls it takes, the ``tl`` forward (``fwd``) on the
-    others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90, block 64; on
-    wherever ``gluon_fwd`` is on by default and the block is 64). ``gluon_dq``: the same for
-    the dQ pass (``gluon_dq.py``: sm_90, block 64; on where ``gluon_dkdv`` is). At blocks 16
-    and 32 the three Gluon kernels run on gathered 64-key tiles (``gathered_keys.py``:
-    self-attention, lengths a multiple of 128), on by default like the block-64 ones. Derive
+    others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90; on wherever
+    ``gluon_fwd`` is on by default and the block is 64 or 128, on 64-key tiles). ``gluon_dq``:
+    the same for the dQ pass (``gluon_dq.py``; on where ``gluon_dkdv`` is). At blocks 16 and 32
+    the three Gluon kernels run on gathered 64-key tiles (``gathered_keys.py``: self-attention,
+    lengths a multiple of 128), on by default like the block-64 ones. Derive
     variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or
     ``replace(cfg, gluon_fwd=False)``.
     """
@@ -1197,9 +1197,9 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     gluon = gluon_forward.enabled_by_default(head_dim, pattern.block_size, device, dtype)
-    # The Gluon backward passes take the Gluon forward's calls at block 64, and at blocks 16
-    # and 32 on gathered key tiles.
-    bwd_blocks = (gluon_dkdv.BLOCK_N,) + gathered_keys.BLOCK_SIZES
+    # The Gluon backward passes take the Gluon forward's calls on 64-key tiles (blocks 64 and
+    # 128), and at blocks 16 and 32 on gathered key tiles.
+    bwd_blocks = (gluon_dkdv.BLOCK_N, 2 * gluon_dkdv.BLOCK_N) + gathered_keys.BLOCK_SIZES
     gluon_bwd = gluon and pattern.block_size in bwd_blocks
     if head_dim in TMA_HEAD_DIMS and (dtype is None or dtype in TMA_DTYPES):
         fwd, tma = GPU_FWD_TMA, True
@@ -1718,15 +1718,15 @@ def s2_backward(
     or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
-    # The Gluon passes take the block-64 calls that the Gluon forward would take (self-attention
-    # and context-parallel chunks: keys from 0, queries their last positions from q_start), and
-    # at blocks 16 and 32 its calls on gathered key tiles.
+    # The Gluon passes take the calls that the Gluon forward would take (self-attention and
+    # context-parallel chunks: keys from 0, queries their last positions from q_start) on
+    # 64-key tiles (blocks 64 and 128), and at blocks 16 and 32 on gathered key tiles.
     gathered = pattern.block_size in gathered_keys.BLOCK_SIZES
     gluon_ok = (cfg.gluon_dq or cfg.gluon_dkdv) and (
-        (pattern.block_size == gluon_dkdv.BLOCK_N or gathered)
+        (pattern.block_size % gluon_dkdv.BLOCK_N == 0 or gathered)
         and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
     )
-    sq, sk, bn = q.shape[1], k.shape[1], pattern.block_size
+    sq, sk, bn = q.shape[1], k.shape[1], gluon_dkdv.BLOCK_N
     if gluon_ok and gathered:
         return _gathered_backward(do, dlse, q, k, v, out, lse, cfg, args)
     dq = None

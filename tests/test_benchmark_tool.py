@@ -490,7 +490,9 @@ def test_sweep_times_the_tl_forward_and_the_gluon_backward_passes_where_gluon_ru
         both = f"s2attn gluon_dkdv={not dkdv},gluon_dq={not dq}"
         assert (both in labels) == (dkdv == dq)  # both at once where they agree
         assert all(c.gluon_fwd for c in configs[1:])
-        assert not bench.sweep_configs(base, "gluon_d", block_size=128)  # block 64 only
+        assert bench.sweep_configs(base, "gluon_d", block_size=128)  # 64-key tiles
+        assert bench.sweep_configs(base, "gluon_d", block_size=16)  # gathered tiles
+        assert not bench.sweep_configs(base, "gluon_d", block_size=256)
     off = dataclasses.replace(base, gluon_fwd=False)
     assert len(bench.sweep_configs(off, block_size=64)) == len(configs) - 4  # nothing to add
 

@@ -576,7 +576,7 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     monkeypatch.delenv(gf.ENV_SWITCH)
     wide = S2Pattern(num_heads=8, num_kv_heads=kv_heads, block_size=128, local_blocks=2)
     wide_cfg = ta.kernel_config(wide, 128, DEV, torch.bfloat16)
-    assert not (wide_cfg.gluon_dkdv or wide_cfg.gluon_dq)  # block 64 only
+    assert wide_cfg.gluon_dkdv and wide_cfg.gluon_dq  # on 64-key tiles
 
 
 @pytest.mark.timeout(300)
@@ -587,13 +587,16 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
         (16, 2, 128, 1920, "sbhd"),  # GQA 8/2, Megatron's layout, not a multiple of 256
         (32, 4, 64, 2048, "bshd"),
         (16, 8, 64, 1024, "sbhd"),
+        (128, 2, 128, 2048, "sbhd"),  # the backward on 64-key tiles, half a block each
+        (128, 8, 64, 1536, "bshd"),
     ],
 )
-def test_small_blocks_take_gluon_kernels_on_gathered_keys(
+def test_blocks_other_than_64_take_the_gluon_kernels(
     block, kv_heads, head_dim, seq, layout, monkeypatch
 ):
-    """At blocks 16 and 32 the default path runs the three Gluon kernels on gathered key tiles:
-    out, LSE and every gradient as close to the fp32 reference as the ``tl`` kernels'."""
+    """At blocks 16 and 32 the default path runs the three Gluon kernels on gathered key tiles,
+    at block 128 on 64-key tiles (the backward) and 128-key ones (the forward): out, LSE and
+    every gradient as close to the fp32 reference as the ``tl`` kernels'."""
     import s2attn.gluon_dkdv as gd
     import s2attn.gluon_dq as gq
 
@@ -604,7 +607,7 @@ def test_small_blocks_take_gluon_kernels_on_gathered_keys(
         num_heads=8,
         num_kv_heads=kv_heads,
         block_size=block,
-        local_blocks=16 if block == 16 else 4,
+        local_blocks={16: 16, 32: 4, 128: 2}[block],
         vert_stride=8,
         head_offset=1,
     )
@@ -618,7 +621,8 @@ def test_small_blocks_take_gluon_kernels_on_gathered_keys(
 
         def run(*a, _real=real, _key=key, **kw):
             calls[_key] += 1
-            assert kw.get("keys") is not None, f"{_key}: not on gathered key tiles"
+            gathered = kw.get("keys") is not None
+            assert gathered == (block < 64), f"{_key}: gathered key tiles {gathered}"
             return _real(*a, **kw)
 
         monkeypatch.setattr(mod, name, run)

@@ -315,8 +315,8 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
     # does not take; the tl forward itself is one variant.
     gluon_off = [r(base, gluon_fwd=False)] if base.gluon_fwd else []
     # The Gluon backward passes toggled where they can run (with the Gluon forward: sm_90,
-    # block 64): dK/dV, dQ, and both at once.
-    if base.gluon_fwd and block_size == 64:
+    # blocks 16, 32, 64 and 128): dK/dV, dQ, and both at once.
+    if base.gluon_fwd and block_size in (16, 32, 64, 128):
         gluon_off.append(r(base, gluon_dkdv=not base.gluon_dkdv))
         gluon_off.append(r(base, gluon_dq=not base.gluon_dq))
         if base.gluon_dkdv == base.gluon_dq:
