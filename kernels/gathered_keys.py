@@ -19,8 +19,9 @@ every S2 pattern; dense heads have only vertical blocks. The dK/dV pass stores e
 gradients box by box at the keys' positions, one per query head (a KV group's heads see
 different tiles); :func:`sum_groups` adds a group's.
 
-Only S2-rule patterns, self-attention from position 0, one sequence length per call (no packed
-documents) and lengths that are multiples of 128 take this path (:func:`unsupported_reason`).
+Only S2-rule patterns, one sequence per call (no packed documents), keys from position 0 with
+the queries their last positions (self-attention, or a context-parallel chunk) and lengths that
+are multiples of 128 take this path (:func:`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -48,17 +49,17 @@ def unsupported_reason(
         return f"block_size {pattern.block_size}: not one of {BLOCK_SIZES}"
     if varlen is not None:
         return "packed documents (varlen)"
-    if q_start or seq_q != seq_k:
-        return "not self-attention from position 0 (a context-parallel chunk)"
-    if seq_q % SEQ_MULTIPLE:
-        return f"sequence length {seq_q}: not a multiple of {SEQ_MULTIPLE}"
+    if q_start + seq_q != seq_k:
+        return "the queries are not the keys' last positions (q_start + seq_q != seq_k)"
+    if seq_q % SEQ_MULTIPLE or seq_k % SEQ_MULTIPLE:
+        return f"sequence lengths {seq_q}, {seq_k}: not multiples of {SEQ_MULTIPLE}"
     return None
 
 
 @dataclass
 class GatheredKeys:
     """Per query head, the order of the keys that packs each 64-key tile with blocks of one
-    kind, for one sequence length ``seq``.
+    kind, for ``seq`` keys from position 0.
 
     ``order [seq, heads]`` int64: the key position at gathered position ``p`` of head ``h``.
     ``key_lo, key_hi [heads, seq]`` int32: queries ``key_lo <= q < key_hi`` attend
@@ -76,18 +77,19 @@ class GatheredKeys:
     def num_heads(self) -> int:
         return self.order.shape[1]
 
-    def layout(self, block_m: int, with_csc: bool = False) -> TileLayout:
-        """The tile layout over ``block_m``-row query tiles and the gathered ``TILE_N``-key
-        tiles (one KV head per query head: ``group`` 1)."""
-        key = (block_m, with_csc)
+    def layout(self, block_m: int, with_csc: bool = False, q_start: int = 0) -> TileLayout:
+        """The tile layout over ``block_m``-row query tiles of the queries at ``q_start ..
+        seq - 1`` (a context-parallel chunk's, or all) and the gathered ``TILE_N``-key tiles
+        (one KV head per query head: ``group`` 1)."""
+        key = (block_m, with_csc, q_start)
         if key not in self._layouts:
-            self._layouts[key] = _gathered_layout(self, block_m, with_csc)
+            self._layouts[key] = _gathered_layout(self, block_m, with_csc, q_start)
         return self._layouts[key]
 
 
 def gathered_keys(pattern: S2Pattern, seq: int, device) -> GatheredKeys:
     """Build (or fetch from the pattern's cache) the :class:`GatheredKeys` of ``pattern``'s
-    local heads for self-attention over ``seq`` tokens (a multiple of :data:`SEQ_MULTIPLE`)."""
+    local heads for ``seq`` keys from position 0 (a multiple of :data:`SEQ_MULTIPLE`)."""
     key = ("gathered_keys", seq, str(device))
     cache = pattern._cache
     if key in cache:
@@ -119,34 +121,28 @@ def gathered_keys(pattern: S2Pattern, seq: int, device) -> GatheredKeys:
     return keys
 
 
-def _gathered_layout(keys: GatheredKeys, block_m: int, with_csc: bool) -> TileLayout:
+def _gathered_layout(keys: GatheredKeys, block_m: int, with_csc: bool, q_start: int) -> TileLayout:
     """Entries of every (query tile, gathered key tile) pair that some key of the tile is
     attended by: the query tiles from the tile's first attending row to its last; full where
     every key is attended by every row of the query tile."""
     H, S = keys.num_heads, keys.seq
-    nqt, nkt = S // block_m, S // TILE_N
+    nqt, nkt = (S - q_start) // block_m, S // TILE_N
     lo_t = keys.key_lo.view(H, nkt, TILE_N).to(torch.int64)
     hi_t = keys.key_hi.view(H, nkt, TILE_N).to(torch.int64)
     min_lo, max_lo = lo_t.min(-1).values.flatten(), lo_t.max(-1).values.flatten()
     min_hi, max_hi = hi_t.min(-1).values.flatten(), hi_t.max(-1).values.flatten()
-    first = min_lo // block_m
-    counts = (max_hi - 1) // block_m - first + 1
+    # Query tiles (of the queries from q_start) between the tile's first and last attending row.
+    first = torch.clamp(min_lo - q_start, min=0) // block_m
+    counts = torch.clamp((max_hi - 1 - q_start) // block_m - first + 1, min=0)
     col = torch.repeat_interleave(torch.arange(H * nkt, device=min_lo.device), counts)
     ptr = torch.cumsum(counts, 0) - counts
     qt = first[col] + torch.arange(col.numel(), device=col.device) - ptr[col]
-    t0 = qt * block_m
-    t1 = t0 + block_m
     h, kt = torch.div(col, nkt, rounding_mode="floor"), col % nkt
     item = h * nqt + qt
     by_row = torch.argsort(item * nkt + kt)
-    item, kt, qt, t0, t1, col = (
-        item[by_row],
-        kt[by_row],
-        qt[by_row],
-        t0[by_row],
-        t1[by_row],
-        col[by_row],
-    )
+    item, kt, qt, col = item[by_row], kt[by_row], qt[by_row], col[by_row]
+    t0 = q_start + qt * block_m
+    t1 = t0 + block_m
     full = (t0 >= max_lo[col]) & (t1 <= min_hi[col])
     lo = torch.maximum(t0, min_lo[col])
     hi = torch.minimum(t1, max_hi[col])

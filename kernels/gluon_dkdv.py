@@ -290,7 +290,7 @@ def s2_dkdv_gluon(
     positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`). ``lay``: the
     pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). ``keys``:
     gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes them: dK/dV then come
-    per query head, ``[b, s, hq, d]`` (the caller sums each KV group's heads). Returns ``dk,
+    per query head, ``[b, sk, hq, d]`` (the caller sums each KV group's heads). Returns ``dk,
     dv`` like k and v (zero on keys no query attends). The caller checks
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
@@ -300,7 +300,7 @@ def s2_dkdv_gluon(
     bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
     kv_group = 1  # query heads per item whose K/V is one KV head: the layout's group does it
     if keys is not None:
-        lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
+        lay, bn = keys.layout(TILE_M, with_csc=True, q_start=q_start), BLOCK_N
         kv_group = pattern.group_size  # an item is one query head's gathered tile
     if bn != BLOCK_N:
         raise ValueError(
@@ -317,7 +317,7 @@ def s2_dkdv_gluon(
     if kv_group == 1:
         dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense
     else:
-        dk = torch.empty(b, s, hq, d, dtype=k.dtype, device=k.device)
+        dk = torch.empty(b, k.shape[1], hq, d, dtype=k.dtype, device=k.device)
         dv = torch.empty_like(dk)
     views = {}
     # One set of coordinates serves Q and dO, one K and V.
@@ -397,12 +397,12 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
     bn = BLOCK_N
     kv_group = 1
     if keys is not None:
-        lay, bn = keys.layout(TILE_M, with_csc=True), BLOCK_N
+        lay, bn = keys.layout(TILE_M, with_csc=True, q_start=q_start), BLOCK_N
         kv_group = pattern.group_size
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     qk_scale = scale * LOG2E
-    out_shape = k.shape if keys is None else (b, s, hq, d)
+    out_shape = k.shape if keys is None else (b, k.shape[1], hq, d)
     dk = torch.zeros(out_shape, dtype=torch.float64)
     dv = torch.zeros(out_shape, dtype=torch.float64)
     col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()

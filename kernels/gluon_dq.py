@@ -262,7 +262,7 @@ def s2_dq_gluon(
     box = min(pattern.block_size, BLOCK_N)
     bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
     if keys is not None:
-        lay, bn = keys.layout(TILE_M), BLOCK_N
+        lay, bn = keys.layout(TILE_M, q_start=q_start), BLOCK_N
     if bn != BLOCK_N:
         raise ValueError(
             f"s2_dq_gluon: block_size {pattern.block_size}: the kernel takes multiples of "
@@ -347,7 +347,7 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
     b, s, hq, d = q.shape
     bn = BLOCK_N
     if keys is not None:
-        lay, bn = keys.layout(TILE_M), BLOCK_N
+        lay, bn = keys.layout(TILE_M, q_start=q_start), BLOCK_N
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     group = pattern.group_size

@@ -18,7 +18,7 @@ through the producer/consumer schedule that plain ``triton.language`` does not e
 :func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
 (``q_start = k_start = 0``, equal lengths, no packed documents) or a context-parallel chunk,
 bf16/fp16, ``s`` a multiple of 128, head_dim 64 or 128, block 64 or 128, or block 16 or 32
-(self-attention only) on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
+on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
 box by box, one TMA box per pattern block), on an sm_90 GPU. ``triton_attention.s2_forward`` calls
 it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl`` kernel
 otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes) reads only
@@ -527,7 +527,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
     box = bn = pattern.block_size  # TMA box rows: a pattern block
     group = pattern.group_size
     if keys is not None:
-        lay = keys.layout(TILE_M)
+        lay = keys.layout(TILE_M, q_start=q_start)
         bn = lay.block_n
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
@@ -667,7 +667,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
     b, s, hq, d = q.shape
     bn = pattern.block_size
     if keys is not None:
-        lay = keys.layout(TILE_M)
+        lay = keys.layout(TILE_M, q_start=q_start)
         bn = lay.block_n
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)

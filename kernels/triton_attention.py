@@ -1478,8 +1478,10 @@ def s2_forward(
         q, k, v, pattern, q_start, k_start, varlen
     ):
         if pattern.block_size in gathered_keys.BLOCK_SIZES:
-            keys = gathered_keys.gathered_keys(pattern, sq, q.device)
-            return gluon_forward.s2_forward_gluon(q, k, v, pattern, scale, keys=keys)
+            keys = gathered_keys.gathered_keys(pattern, sk, q.device)
+            return gluon_forward.s2_forward_gluon(
+                q, k, v, pattern, scale, q_start=q_start, keys=keys
+            )
         tile, bn = gluon_forward.TILE_M, pattern.block_size
         lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device)
         # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
@@ -1752,14 +1754,19 @@ def _gathered_backward(do, dlse, q, k, v, out, lse, cfg: KernelConfig, args):
     """:func:`s2_backward` at blocks 16/32 with the Gluon passes on gathered key tiles (the
     ``tl`` pass for whichever of dQ and dK/dV the config leaves off)."""
     pattern, scale = args[0], args[1]
-    keys = gathered_keys.gathered_keys(pattern, q.shape[1], q.device)
+    q_start = args[2]
+    keys = gathered_keys.gathered_keys(pattern, k.shape[1], q.device)
     if cfg.gluon_dq:
-        dq, delta = gluon_dq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale, keys=keys)
+        dq, delta = gluon_dq.s2_dq_gluon(
+            do, dlse, q, k, v, out, lse, pattern, scale, q_start=q_start, keys=keys
+        )
     else:
         dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
     if not cfg.gluon_dkdv:
         return (dq, *bwd_dkdv(do, q, k, v, lse, delta, *args))
-    dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, keys=keys)
+    dk, dv = gluon_dkdv.s2_dkdv_gluon(
+        do, q, k, v, lse, delta, pattern, scale, q_start=q_start, keys=keys
+    )
     group = pattern.group_size
     dk = gathered_keys.sum_groups(dk, group, k.dtype)
     return dq, dk, gathered_keys.sum_groups(dv, group, v.dtype)

@@ -27,15 +27,16 @@ PATTERNS = [
 ]
 
 
-def expand(keys, block_m):
-    """(heads, seq, seq) token mask of the gathered layout at ``block_m``-row query tiles,
-    at the keys' positions; checks that full entries need no mask."""
-    lay = keys.layout(block_m)
+def expand(keys, block_m, q_start=0):
+    """(heads, seq - q_start, seq) token mask of the gathered layout at ``block_m``-row tiles
+    of the queries from ``q_start``, at the keys' positions; checks that full entries need no
+    mask."""
+    lay = keys.layout(block_m, q_start=q_start)
     H, S = keys.num_heads, keys.seq
-    out = torch.zeros(H, S, S, dtype=torch.bool)
+    out = torch.zeros(H, S - q_start, S, dtype=torch.bool)
     for item in range(H * lay.num_q_tiles):
         h, t = divmod(item, lay.num_q_tiles)
-        q = torch.arange(t * block_m, (t + 1) * block_m)[:, None]
+        q = q_start + torch.arange(t * block_m, (t + 1) * block_m)[:, None]
         for e in range(int(lay.row_ptr[item]), int(lay.row_ptr[item + 1])):
             p = int(lay.cols[e]) * TILE_N + torch.arange(TILE_N)
             ok = (q >= keys.key_lo[h, p]) & (q < keys.key_hi[h, p])
@@ -60,6 +61,9 @@ def test_gathered_layout_expands_to_the_token_mask(kw, seq):
     want = token_mask(pattern, seq, seq)
     for block_m in (128, 64):
         assert torch.equal(expand(keys, block_m), want)
+    # A context-parallel chunk: the last queries, all keys from 0.
+    for q_start in (128, 256):
+        assert torch.equal(expand(keys, 128, q_start), want[:, q_start:])
     lay = keys.layout(64, with_csc=True)
     assert lay.col_ptr is not None and lay.group == 1 and lay.block_n == TILE_N
 
@@ -113,14 +117,44 @@ def test_emulated_passes_on_gathered_keys_match_reference(
     torch.testing.assert_close(sum_groups(dv, group, torch.float64), dv_ref, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+    "seq_k,q_start,heads,kv_heads,block", [(768, 256, 4, 2, 16), (1024, 768, 8, 2, 32)]
+)
+def test_emulated_passes_on_a_chunk_match_reference(seq_k, q_start, heads, kv_heads, block):
+    """A context-parallel chunk (queries q_start.., keys from 0) on gathered tiles: the three
+    passes' schedules against the full sequence's reference rows and gradients."""
+    pattern, q, k, v, do, scale, out_ref, lse_ref = float64_s2_case(
+        1, seq_k, heads, kv_heads, 4, 4, 1, block_size=block
+    )
+    sl = slice(q_start, None)
+    # Only the chunk's rows carry an upstream gradient: the reference's K/V gradients are then
+    # the chunk's.
+    do = torch.cat([torch.zeros_like(do[:, :q_start]), do[:, sl]], 1)
+    dq_ref, dk_ref, dv_ref = torch.autograd.grad(out_ref, (q, k, v), do)
+    q, k, v = q.detach()[:, sl], k.detach(), v.detach()
+    keys = gathered_keys(pattern, seq_k, "cpu")
+    out, lse = gf.emulate_forward(q, k, v, pattern, scale, q_start, keys=keys)
+    torch.testing.assert_close(out, out_ref.detach()[:, sl], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, lse_ref.detach()[..., sl], rtol=1e-9, atol=1e-9)
+    dq, delta = gq.emulate_dq(
+        do[:, sl], None, q, k, v, out, lse, pattern, scale, q_start, keys=keys
+    )
+    dk, dv = gd.emulate_dkdv(do[:, sl], q, k, v, lse, delta, pattern, scale, q_start, keys=keys)
+    torch.testing.assert_close(dq, dq_ref[:, sl], rtol=1e-9, atol=1e-9)
+    group = pattern.group_size
+    torch.testing.assert_close(sum_groups(dk, group, torch.float64), dk_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(sum_groups(dv, group, torch.float64), dv_ref, rtol=1e-9, atol=1e-9)
+
+
 def test_unsupported_calls_are_named():
     p16 = S2Pattern(num_heads=2, block_size=16, local_blocks=2, vert_stride=4)
     assert unsupported_reason(p16, 512, 512, 0, None) is None
     assert "block_size 64" in unsupported_reason(
         S2Pattern(num_heads=2, block_size=64, local_blocks=2, vert_stride=4), 512, 512, 0, None
     )
-    assert "multiple of 128" in unsupported_reason(p16, 500, 500, 0, None)
-    assert "context-parallel" in unsupported_reason(p16, 256, 512, 256, None)
+    assert "multiples of 128" in unsupported_reason(p16, 500, 500, 0, None)
+    assert unsupported_reason(p16, 256, 512, 256, None) is None  # a context-parallel chunk
+    assert "last positions" in unsupported_reason(p16, 256, 512, 128, None)
     user = S2Pattern.from_block_mask(p16.block_mask(32), 16)
     assert "user block mask" in unsupported_reason(user, 512, 512, 0, None)
     with pytest.raises(ValueError, match="block_size 64"):

@@ -834,7 +834,8 @@ def test_gluon_dq_config_flag_runs_it_in_the_autograd_path(monkeypatch):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kv_heads", [8, 2])
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
-def test_context_parallel_chunks_take_gluon_kernels(kv_heads, layout, monkeypatch):
+@pytest.mark.parametrize("block", [64, 16])  # 16: on gathered key tiles
+def test_context_parallel_chunks_take_gluon_kernels(kv_heads, layout, block, monkeypatch):
     """A context-parallel chunk (queries at ``q_start``, the last of the keys from 0: what each
     CP rank attends) runs the Gluon forward, dQ and dK/dV kernels, and out and every gradient
     are as close to the fp32 reference as the ``tl`` kernels' (``S2ATTN_GLUON_FORWARD=0``);
@@ -847,7 +848,7 @@ def test_context_parallel_chunks_take_gluon_kernels(kv_heads, layout, monkeypatc
     if not gf.triton_checked():
         pytest.skip(f"Triton {gf.triton.__version__}: the default takes the tl forward")
     pattern = S2Pattern(
-        num_heads=8, num_kv_heads=kv_heads, block_size=64, local_blocks=4, vert_stride=8
+        num_heads=8, num_kv_heads=kv_heads, block_size=block, local_blocks=4, vert_stride=8
     )
     calls = {"fwd": 0, "dq": 0, "dkdv": 0}
     for mod, name, key in (
@@ -888,7 +889,9 @@ def test_context_parallel_chunks_take_gluon_kernels(kv_heads, layout, monkeypatc
     seen = dict(calls)
     tl = grads(lambda a, b, c: s2_attention(a, b, c, pattern, q_start=q_start), (q, k, v))
     assert calls == seen, "S2ATTN_GLUON_FORWARD=0 still took a Gluon kernel"
-    _no_worse_than_tl(got, tl, ref, ("out", "dq", "dk", "dv"))
+    _no_worse_than_tl(got, tl, ref, ("out", "dq"))
+    # Gathered tiles under GQA round each query head's dK/dV part before the group's sum.
+    _no_worse_than_tl(got, tl, ref, ("dk", "dv"), 1.3 if block < 64 and kv_heads < 8 else 1.1)
     idle = ref["dk"][0].abs().amax(-1) == 0  # [seq_k, kv_heads]: keys the chunk never attends
     assert idle.any()  # stripes of 1 or 4 phases out of 8 leave keys before the window idle
     assert not got["dk"][0].abs().amax(-1)[idle].any()
