@@ -522,14 +522,37 @@ def test_gluon_forward_reads_fused_qkv_slices_in_place():
     assert torch.equal(out, c_out) and torch.equal(lse, c_lse)
 
 
+def _count_gluon_calls(monkeypatch, check=None) -> dict:
+    """Count the calls of the three Gluon passes' entry points (``fwd``, ``dq``, ``dkdv``) for
+    the rest of the test; ``check(pass, kwargs)`` sees each call's keyword arguments."""
+    import s2attn.gluon_dkdv as gd
+    import s2attn.gluon_dq as gq
+    import s2attn.gluon_forward as gf
+
+    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
+    for mod, name, key in (
+        (gf, "s2_forward_gluon", "fwd"),
+        (gq, "s2_dq_gluon", "dq"),
+        (gd, "s2_dkdv_gluon", "dkdv"),
+    ):
+        real = getattr(mod, name)
+
+        def run(*a, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            if check is not None:
+                check(_key, kw)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, run)
+    return calls
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypatch):
     """On an H100/H200 with a checked Triton, ``s2_attention`` at block 64 runs the Gluon
     forward, dQ and dK/dV kernels; out and every gradient are as close to the fp32 reference as
     with the ``tl`` kernels (``S2ATTN_GLUON_FORWARD=0``)."""
-    import s2attn.gluon_dkdv as gd
-    import s2attn.gluon_dq as gq
     import s2attn.triton_attention as ta
 
     gf = _gluon_or_skip()
@@ -538,20 +561,7 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     pattern = S2Pattern(
         num_heads=8, num_kv_heads=kv_heads, block_size=64, local_blocks=4, vert_stride=4
     )
-    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
-
-    def counted(mod, name, key):
-        real = getattr(mod, name)
-
-        def run(*a, **kw):
-            calls[key] += 1
-            return real(*a, **kw)
-
-        monkeypatch.setattr(mod, name, run)
-
-    counted(gf, "s2_forward_gluon", "fwd")
-    counted(gd, "s2_dkdv_gluon", "dkdv")
-    counted(gq, "s2_dq_gluon", "dq")
+    calls = _count_gluon_calls(monkeypatch)
     leaves, do = _inputs(2, 2048, 8, kv_heads, 128, seed=11)
     f32 = _fp32(leaves)
     ref = attention_with_grads(
@@ -597,9 +607,6 @@ def test_blocks_other_than_64_take_the_gluon_kernels(
     """At blocks 16 and 32 the default path runs the three Gluon kernels on gathered key tiles,
     at block 128 on 64-key tiles (the backward) and 128-key ones (the forward): out, LSE and
     every gradient as close to the fp32 reference as the ``tl`` kernels'."""
-    import s2attn.gluon_dkdv as gd
-    import s2attn.gluon_dq as gq
-
     gf = _gluon_or_skip()
     if not gf.triton_checked():
         pytest.skip(f"Triton {gf.triton.__version__}: the default takes the tl forward")
@@ -611,21 +618,12 @@ def test_blocks_other_than_64_take_the_gluon_kernels(
         vert_stride=8,
         head_offset=1,
     )
-    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
-    for mod, name, key in (
-        (gf, "s2_forward_gluon", "fwd"),
-        (gq, "s2_dq_gluon", "dq"),
-        (gd, "s2_dkdv_gluon", "dkdv"),
-    ):
-        real = getattr(mod, name)
 
-        def run(*a, _real=real, _key=key, **kw):
-            calls[_key] += 1
-            gathered = kw.get("keys") is not None
-            assert gathered == (block < 64), f"{_key}: gathered key tiles {gathered}"
-            return _real(*a, **kw)
+    def on_gathered_tiles(key, kw):
+        gathered = kw.get("keys") is not None
+        assert gathered == (block < 64), f"{key}: gathered key tiles {gathered}"
 
-        monkeypatch.setattr(mod, name, run)
+    calls = _count_gluon_calls(monkeypatch, on_gathered_tiles)
     leaves, do = _inputs(2, seq, 8, kv_heads, head_dim, seed=block + seq)
     if layout == "sbhd":  # Megatron's [s, b, h, d] storage, seen as [b, s, h, d]
         leaves = [x.detach().transpose(0, 1).contiguous().requires_grad_(True) for x in leaves]
@@ -841,27 +839,13 @@ def test_context_parallel_chunks_take_gluon_kernels(kv_heads, layout, block, mon
     are as close to the fp32 reference as the ``tl`` kernels' (``S2ATTN_GLUON_FORWARD=0``);
     keys no query of the chunk attends get zero dK/dV. Megatron's ``[s, b, h, d]`` storage
     read in place."""
-    import s2attn.gluon_dkdv as gd
-    import s2attn.gluon_dq as gq
-
     gf = _gluon_or_skip()
     if not gf.triton_checked():
         pytest.skip(f"Triton {gf.triton.__version__}: the default takes the tl forward")
     pattern = S2Pattern(
         num_heads=8, num_kv_heads=kv_heads, block_size=block, local_blocks=4, vert_stride=8
     )
-    calls = {"fwd": 0, "dq": 0, "dkdv": 0}
-    for mod, name, key in (
-        (gf, "s2_forward_gluon", "fwd"),
-        (gd, "s2_dkdv_gluon", "dkdv"),
-        (gq, "s2_dq_gluon", "dq"),
-    ):
-        real = getattr(mod, name)
-        monkeypatch.setattr(
-            mod,
-            name,
-            lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **kw),
-        )
+    calls = _count_gluon_calls(monkeypatch)
     seq_k, q_start, d = 4096, 3072, 128
     g = torch.Generator(device=DEV).manual_seed(21)
 
