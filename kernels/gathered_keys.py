@@ -17,7 +17,9 @@ the sequence for a vertical one. That is the S2 rule itself (a key in block ``j`
 by query block ``i >= j`` iff ``i - j < L`` or ``j`` is vertical), so the masks are exact for
 every S2 pattern; dense heads have only vertical blocks. The dK/dV pass stores each tile's
 gradients box by box at the keys' positions, one per query head (a KV group's heads see
-different tiles); :func:`sum_groups` adds a group's.
+different tiles); :func:`sum_groups` adds a group's. Under GQA that costs two transient
+``[b, seq, heads, d]`` buffers in the backward (dK and dV per query head); the index arrays
+(``key_lo``/``key_hi`` and the layouts) are built once per pattern and length and cached.
 
 Only S2-rule patterns, one sequence per call (no packed documents), keys from position 0 with
 the queries their last positions (self-attention, or a context-parallel chunk) and lengths that
