@@ -7,7 +7,8 @@ the one block's long column; one on 16-key tiles runs tiny MMAs (``mma.sync``, n
 
 Instead each query head gets its own order of the keys: its vertical blocks first, then the
 other blocks, both ascending. Consecutive :data:`TILE_N` keys of that order form a tile whose
-blocks are of one kind, so a vertical tile is attended in full by every query tile after its
+blocks are of one kind (but one tile per head where the vertical keys do not fill whole tiles),
+so a vertical tile is attended in full by every query tile after its
 last key (the long columns of the block-64 layout), and a local tile by the few query tiles of
 its window. The Gluon kernels run on these tiles, loading each from K and V with one TMA box
 per pattern block at the block's position (nothing is copied). A partial entry masks each key
@@ -65,11 +66,10 @@ class GatheredKeys:
 
     ``order [seq, heads]`` int64: the key position at gathered position ``p`` of head ``h``.
     ``key_lo, key_hi [heads, seq]`` int32: queries ``key_lo <= q < key_hi`` attend
-    gathered key ``p``. ``group``: query heads per KV head of the calls' K and V.
+    gathered key ``p``.
     """
 
     seq: int
-    group: int
     order: torch.Tensor
     key_lo: torch.Tensor
     key_hi: torch.Tensor
@@ -114,7 +114,6 @@ def gathered_keys(pattern: S2Pattern, seq: int, device) -> GatheredKeys:
     key_hi = torch.where(vert_key, torch.full_like(pos, seq), window_end)
     keys = GatheredKeys(
         seq=seq,
-        group=pattern.group_size,
         order=pos.t().contiguous(),
         key_lo=pos.to(torch.int32).contiguous(),
         key_hi=key_hi.to(torch.int32).contiguous(),
@@ -151,10 +150,27 @@ def _gathered_layout(keys: GatheredKeys, block_m: int, with_csc: bool, q_start: 
     return assemble_layout(item, kt, lo, hi, full, H, 1, nqt, nkt, block_m, TILE_N, with_csc)
 
 
+def check_call(fn: str, keys, pattern: S2Pattern, num_heads: int, seq_k: int) -> None:
+    """ValueError naming ``fn`` unless ``keys`` (or None) fits a call of ``pattern`` with
+    ``num_heads`` query heads and ``seq_k`` keys: gathered tiles exactly at blocks 16 and 32."""
+    gathered = pattern.block_size in BLOCK_SIZES
+    if (keys is not None) != gathered:
+        raise ValueError(
+            f"{fn}: block_size {pattern.block_size} runs on gathered key tiles "
+            f"(keys=gathered_keys(...)) exactly when it is one of {BLOCK_SIZES}"
+        )
+    if keys is not None and (keys.seq != seq_k or keys.num_heads != num_heads):
+        raise ValueError(
+            f"{fn}: the gathered keys are for {keys.num_heads} heads x {keys.seq} keys, the call "
+            f"has {num_heads} x {seq_k}"
+        )
+
+
 def sum_groups(g: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """Per-query-head gradients ``g [b, seq, heads, d]`` (the dK/dV pass on gathered tiles)
-    summed over each KV group's ``group`` heads in fp32 or wider: ``[b, seq, h_kv, d]`` of
-    ``dtype`` (``g`` itself when ``group`` is 1)."""
+    """Per-query-head gradients ``g [b, seq, heads, d]`` (the dK/dV pass on gathered tiles,
+    each already rounded to its dtype: under GQA the result carries ``group`` roundings where
+    the block-64 pass rounds once) summed over each KV group's ``group`` heads in fp32 or
+    wider: ``[b, seq, h_kv, d]`` of ``dtype`` (``g`` itself when ``group`` is 1)."""
     if group == 1:
         return g.to(dtype)
     b, s, h, d = g.shape

@@ -3,9 +3,11 @@
 
 Each (batch row, KV head, 64-key tile) item walks the tile's column lists
 (``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``) for
-every query head of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does. A program runs
-two items (consecutive in the heaviest-first ``kv_order``) in two independent pipelines, so that
-two warpgroups share each SM's tensor cores, as FlashAttention-3's backward has them:
+every query head of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered
+key tiles (``gathered_keys.py``) an item is one query head's tile, read from its KV head. A
+program runs two items (consecutive in the heaviest-first ``kv_order``) in two independent
+pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttention-3's backward
+has them:
 
 * a loader warp TMA-loads its item's K and V once, then each listed query tile's Q and dO
   (``TILE_M`` rows) into its ``NUM_STAGES`` ring, guarded by ``ready``/``empty`` mbarriers;
@@ -57,8 +59,9 @@ if gluon is not None:
 
     @gluon.jit
     def _item_of(order, n_items, num_k_tiles, WG):
-        """(batch row, KV head, key tile, valid) of pipeline ``WG`` of this program: programs
-        take consecutive pairs of ``order`` (heaviest first, so a pair's work is alike)."""
+        """(batch row, KV head (query head on gathered tiles), key tile, valid) of pipeline
+        ``WG`` of this program: programs take consecutive pairs of ``order`` (heaviest first,
+        so a pair's work is alike)."""
         pid = gl.program_id(0)
         n_pairs = (n_items + 1) // 2
         idx = (pid % n_pairs) * 2 + WG
@@ -288,13 +291,15 @@ def s2_dkdv_gluon(
     hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous; the queries are
     positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`). ``lay``: the
-    pattern's CSC layout at ``TILE_M`` x ``block_size`` tiles (built when None). ``keys``:
-    gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes them: dK/dV then come
-    per query head, ``[b, sk, hq, d]`` (the caller sums each KV group's heads). Returns ``dk,
+    pattern's CSC layout at ``TILE_M`` x ``BLOCK_N`` tiles (built when None). ``keys``:
+    gathered key tiles (blocks 16 and 32), as :func:`gluon_forward.s2_forward_gluon` takes
+    them: dK/dV then come per query head, ``[b, sk, hq, d]``, each rounded to k's dtype (the
+    caller sums each KV group's heads). Returns ``dk,
     dv`` like k and v (zero on keys no query attends). The caller checks
     :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
+    gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1])
     # 64-key tiles: a block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
     bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
@@ -374,7 +379,8 @@ def s2_dkdv_gluon(
 def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
     tiles = {"q_desc": TILE_M, "do_desc": TILE_M}
-    tiles.update({n: block for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
+    # TMA boxes of a pattern block, at most a 64-key tile (half a block of 128).
+    tiles.update({n: min(block, BLOCK_N) for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
     types = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
     lists = ("col_ptr", "col_split", "rows", "los", "his", "order", "key_lo", "key_hi")
     types.update({n: "*i32" for n in lists})

@@ -251,13 +251,14 @@ def s2_dq_gluon(
     sk, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None; the
     queries are positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`).
-    ``lay``: the pattern's layout at ``TILE_M`` x ``block_size`` tiles (the forward's; built
-    when None). ``keys``: gathered key tiles, as :func:`gluon_forward.s2_forward_gluon` takes
-    them. Returns ``dq`` like q and ``delta [b, hq, s]`` fp32 (``rowsum(dO * O) - dLSE``, for
-    the dK/dV pass), as ``triton_attention.bwd_dq`` does. The caller checks
-    :func:`gluon_forward.unsupported_reason`."""
+    ``lay``: the pattern's layout at ``TILE_M`` x ``BLOCK_N`` tiles (the forward's at block
+    64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
+    :func:`gluon_forward.s2_forward_gluon` takes them. Returns ``dq`` like q and ``delta [b, hq,
+    s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``triton_attention.bwd_dq``
+    does. The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dq_gluon", q, k, q_start)
+    gf.gathered_keys.check_call("s2_dq_gluon", keys, pattern, hq, k.shape[1])
     # 64-key tiles: a block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
     bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
@@ -332,7 +333,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     return gf.compile_kernel_for_sm90(
         _s2_dq_gluon_kernel,
         head_dim,
-        {**tiles, "k_desc": block, "v_desc": block},
+        {**tiles, "k_desc": min(block, BLOCK_N), "v_desc": min(block, BLOCK_N)},
         types,
         NUM_STAGES,
         os.path.join(out_dir, f"dq_d{head_dim}_n{block}"),

@@ -1112,8 +1112,9 @@ class KernelConfig:
     others. ``gluon_dkdv``: the same for the dK/dV pass (``gluon_dkdv.py``: sm_90; on wherever
     ``gluon_fwd`` is on by default and the block is 64 or 128, on 64-key tiles). ``gluon_dq``:
     the same for the dQ pass (``gluon_dq.py``; on where ``gluon_dkdv`` is). At blocks 16 and 32
-    the three Gluon kernels run on gathered 64-key tiles (``gathered_keys.py``: self-attention,
-    lengths a multiple of 128), on by default like the block-64 ones. Derive
+    the three Gluon kernels run on gathered 64-key tiles (``gathered_keys.py``: self-attention
+    and context-parallel chunks, lengths multiples of 128), on by default like the block-64
+    ones. Derive
     variants with ``dataclasses.replace``, e.g. ``replace(cfg, dq=PassConfig(64, 4, 3))`` or
     ``replace(cfg, gluon_fwd=False)``.
     """
@@ -1717,7 +1718,8 @@ def s2_backward(
     varlen: Optional[Varlen] = None,
 ):
     """Backward of :func:`s2_forward` for upstream ``do`` (like q) and ``dlse`` (``[b, h, sq]``
-    or None). Returns ``dq, dk, dv`` in the layouts of q, k, v."""
+    or None). Returns ``dq, dk, dv`` in the layouts of q, k, v (dK/dV contiguous under GQA at
+    blocks 16 and 32: summed from per-head parts)."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
     # The Gluon passes take the calls that the Gluon forward would take (self-attention and

@@ -13,7 +13,13 @@ import s2attn.gluon_dkdv as gd
 import s2attn.gluon_dq as gq
 import s2attn.gluon_forward as gf
 from s2attn import S2Pattern
-from s2attn.gathered_keys import TILE_N, gathered_keys, sum_groups, unsupported_reason
+from s2attn.gathered_keys import (
+    TILE_N,
+    check_call,
+    gathered_keys,
+    sum_groups,
+    unsupported_reason,
+)
 
 pytestmark = pytest.mark.version_independent
 
@@ -157,6 +163,14 @@ def test_unsupported_calls_are_named():
     assert "last positions" in unsupported_reason(p16, 256, 512, 128, None)
     user = S2Pattern.from_block_mask(p16.block_mask(32), 16)
     assert "user block mask" in unsupported_reason(user, 512, 512, 0, None)
+    keys = gathered_keys(p16, 512, "cpu")
+    check_call("fn", keys, p16, 2, 512)
+    with pytest.raises(ValueError, match="fn: block_size 16 runs on gathered key tiles"):
+        check_call("fn", None, p16, 2, 512)
+    with pytest.raises(ValueError, match="fn: block_size 64 runs on gathered"):
+        check_call("fn", keys, S2Pattern(num_heads=2, block_size=64, local_blocks=2), 2, 512)
+    with pytest.raises(ValueError, match="2 heads x 512 keys, the call has 2 x 640"):
+        check_call("fn", keys, p16, 2, 640)
     with pytest.raises(ValueError, match="block_size 64"):
         gathered_keys(
             S2Pattern(num_heads=2, block_size=64, local_blocks=2, vert_stride=4), 512, "cpu"
