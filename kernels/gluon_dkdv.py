@@ -294,29 +294,25 @@ def s2_dkdv_gluon(
     pattern's CSC layout at ``TILE_M`` x ``BLOCK_N`` tiles (built when None). ``keys``:
     gathered key tiles (blocks 16 and 32), as :func:`gluon_forward.s2_forward_gluon` takes
     them: dK/dV then come per query head, ``[b, sk, hq, d]``, each rounded to k's dtype (the
-    caller sums each KV group's heads). Returns ``dk,
-    dv`` like k and v (zero on keys no query attends). The caller checks
-    :func:`gluon_forward.unsupported_reason`."""
+    caller sums each KV group's heads). Returns ``dk, dv`` like k and v (zero on keys no query
+    attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
     gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1])
-    # 64-key tiles: a block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
+    # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
+    # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
-    bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
     kv_group = 1  # query heads per item whose K/V is one KV head: the layout's group does it
     if keys is not None:
-        lay, bn = keys.layout(TILE_M, with_csc=True, q_start=q_start), BLOCK_N
+        lay = keys.layout(TILE_M, with_csc=True, q_start=q_start)
         kv_group = pattern.group_size  # an item is one query head's gathered tile
-    if bn != BLOCK_N:
-        raise ValueError(
-            f"s2_dkdv_gluon: block_size {pattern.block_size}: the kernel takes multiples of "
-            f"{BLOCK_N}, or 16 and 32 on gathered key tiles (keys=)"
-        )
     if lay is None:
-        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
-    if lay.block_m != TILE_M or lay.block_n != bn or lay.col_ptr is None:
+        lay = layout_for(
+            pattern, s, k.shape[1], q_start, 0, TILE_M, BLOCK_N, q.device, with_csc=True
+        )
+    if lay.block_m != TILE_M or lay.block_n != BLOCK_N or lay.col_ptr is None:
         raise ValueError(
-            f"s2_dkdv_gluon: needs a CSC layout of {TILE_M} x {bn} tiles, got "
+            f"s2_dkdv_gluon: needs a CSC layout of {TILE_M} x {BLOCK_N} tiles, got "
             f"{lay.block_m} x {lay.block_n}"
         )
     if kv_group == 1:
@@ -403,7 +399,7 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
     bn = BLOCK_N
     kv_group = 1
     if keys is not None:
-        lay, bn = keys.layout(TILE_M, with_csc=True, q_start=q_start), BLOCK_N
+        lay = keys.layout(TILE_M, with_csc=True, q_start=q_start)
         kv_group = pattern.group_size
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)

@@ -259,22 +259,17 @@ def s2_dq_gluon(
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dq_gluon", q, k, q_start)
     gf.gathered_keys.check_call("s2_dq_gluon", keys, pattern, hq, k.shape[1])
-    # 64-key tiles: a block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
+    # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
+    # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
-    bn = BLOCK_N if pattern.block_size % BLOCK_N == 0 else pattern.block_size
     if keys is not None:
-        lay, bn = keys.layout(TILE_M, q_start=q_start), BLOCK_N
-    if bn != BLOCK_N:
-        raise ValueError(
-            f"s2_dq_gluon: block_size {pattern.block_size}: the kernel takes multiples of "
-            f"{BLOCK_N}, or 16 and 32 on gathered key tiles (keys=)"
-        )
+        lay = keys.layout(TILE_M, q_start=q_start)
     if lay is None:
-        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
-    if lay.block_m != TILE_M or lay.block_n != bn:
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, BLOCK_N, q.device)
+    if lay.block_m != TILE_M or lay.block_n != BLOCK_N:
         raise ValueError(
             f"s2_dq_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
-            f"{TILE_M} x {bn}"
+            f"{TILE_M} x {BLOCK_N}"
         )
     # dQ is written at Q's coordinates (q's layout where q is dense), dO and O share theirs,
     # K and V theirs.
@@ -348,7 +343,7 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
     b, s, hq, d = q.shape
     bn = BLOCK_N
     if keys is not None:
-        lay, bn = keys.layout(TILE_M, q_start=q_start), BLOCK_N
+        lay = keys.layout(TILE_M, q_start=q_start)
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     group = pattern.group_size

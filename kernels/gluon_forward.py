@@ -603,12 +603,12 @@ ROW_LIST_TYPES = {
 
 
 def compile_kernel_for_sm90(
-    kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem, block_n: int = 64
+    kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem, block_n: int
 ):
     """Compile Gluon ``kernel`` for sm_90a (4 warps) without a GPU and write ``stem.cubin``:
     ``tiles`` maps each TMA descriptor argument to its tile rows (bf16 ``[rows, head_dim]``),
     ``types`` the other arguments that are not ``i32``, ``stages`` the ``STAGES`` constexpr,
-    ``block_n`` the ``BLOCK_N`` one where the kernel has it (the K/V tile's rows). Returns
+    ``block_n`` the ``BLOCK_N`` one (the K/V tile's rows). Returns
     :func:`compile_for_sm90`'s statistics."""
     import re
     import subprocess
@@ -621,9 +621,7 @@ def compile_kernel_for_sm90(
         return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
 
     sig = {n: types.get(n, "i32") for n in kernel.arg_names}
-    constexprs = {"STAGES": stages}
-    if "BLOCK_N" in kernel.arg_names:
-        constexprs["BLOCK_N"] = block_n
+    constexprs = {"STAGES": stages, "BLOCK_N": block_n}
     sig.update(
         {n: desc(rows) for n, rows in tiles.items()}, **dict.fromkeys(constexprs, "constexpr")
     )

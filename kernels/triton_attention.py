@@ -1171,6 +1171,11 @@ INTERPRETER_WARPS = 4
 INTERPRETER_STAGES = 1
 
 
+# Pattern blocks whose Gluon-forward calls the Gluon backward passes take too: on 64-key tiles
+# (a block of 64, half a block of 128), and blocks 16 and 32 on gathered key tiles.
+GLUON_BWD_BLOCKS = (gluon_dkdv.BLOCK_N, 2 * gluon_dkdv.BLOCK_N) + gathered_keys.BLOCK_SIZES
+
+
 def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> KernelConfig:
     """The default :class:`KernelConfig` for ``pattern`` at ``head_dim`` on ``device`` (a
     ``torch.device`` or its name): CUDA gets the tuned GPU shapes, anything else the
@@ -1198,10 +1203,7 @@ def kernel_config(pattern: S2Pattern, head_dim: int, device, dtype=None) -> Kern
     if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
         dq = dataclasses.replace(dq, block_m=FP32_DQ_BLOCK_M)
     gluon = gluon_forward.enabled_by_default(head_dim, pattern.block_size, device, dtype)
-    # The Gluon backward passes take the Gluon forward's calls on 64-key tiles (blocks 64 and
-    # 128), and at blocks 16 and 32 on gathered key tiles.
-    bwd_blocks = (gluon_dkdv.BLOCK_N, 2 * gluon_dkdv.BLOCK_N) + gathered_keys.BLOCK_SIZES
-    gluon_bwd = gluon and pattern.block_size in bwd_blocks
+    gluon_bwd = gluon and pattern.block_size in GLUON_BWD_BLOCKS
     if head_dim in TMA_HEAD_DIMS and (dtype is None or dtype in TMA_DTYPES):
         fwd, tma = GPU_FWD_TMA, True
     else:
@@ -1723,11 +1725,11 @@ def s2_backward(
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
     # The Gluon passes take the calls that the Gluon forward would take (self-attention and
-    # context-parallel chunks: keys from 0, queries their last positions from q_start) on
-    # 64-key tiles (blocks 64 and 128), and at blocks 16 and 32 on gathered key tiles.
+    # context-parallel chunks: keys from 0, queries their last positions from q_start), at the
+    # blocks of GLUON_BWD_BLOCKS.
     gathered = pattern.block_size in gathered_keys.BLOCK_SIZES
     gluon_ok = (cfg.gluon_dq or cfg.gluon_dkdv) and (
-        (pattern.block_size % gluon_dkdv.BLOCK_N == 0 or gathered)
+        pattern.block_size in GLUON_BWD_BLOCKS
         and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
     )
     sq, sk, bn = q.shape[1], k.shape[1], gluon_dkdv.BLOCK_N
@@ -1755,8 +1757,7 @@ def s2_backward(
 def _gathered_backward(do, dlse, q, k, v, out, lse, cfg: KernelConfig, args):
     """:func:`s2_backward` at blocks 16/32 with the Gluon passes on gathered key tiles (the
     ``tl`` pass for whichever of dQ and dK/dV the config leaves off)."""
-    pattern, scale = args[0], args[1]
-    q_start = args[2]
+    pattern, scale, q_start = args[:3]
     keys = gathered_keys.gathered_keys(pattern, k.shape[1], q.device)
     if cfg.gluon_dq:
         dq, delta = gluon_dq.s2_dq_gluon(

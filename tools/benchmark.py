@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 from s2attn.layout import layout_for
-from s2attn.triton_attention import KernelConfig, PassConfig, kernel_config
+from s2attn.triton_attention import GLUON_BWD_BLOCKS, KernelConfig, PassConfig, kernel_config
 
 # FlexAttention's BlockMask granularity (its default block size; FA4's block-sparse backward
 # on Hopper also needs 128-key blocks).
@@ -314,9 +314,9 @@ def sweep_configs(base: KernelConfig, match=True, block_size: int = 64) -> list:
     # With the Gluon forward on, the fwd PassConfig variants below only change the calls it
     # does not take; the tl forward itself is one variant.
     gluon_off = [r(base, gluon_fwd=False)] if base.gluon_fwd else []
-    # The Gluon backward passes toggled where they can run (with the Gluon forward: sm_90,
-    # blocks 16, 32, 64 and 128): dK/dV, dQ, and both at once.
-    if base.gluon_fwd and block_size in (16, 32, 64, 128):
+    # The Gluon backward passes toggled where they can run (with the Gluon forward: sm_90, the
+    # blocks of GLUON_BWD_BLOCKS): dK/dV, dQ, and both at once.
+    if base.gluon_fwd and block_size in GLUON_BWD_BLOCKS:
         gluon_off.append(r(base, gluon_dkdv=not base.gluon_dkdv))
         gluon_off.append(r(base, gluon_dq=not base.gluon_dq))
         if base.gluon_dkdv == base.gluon_dq:
