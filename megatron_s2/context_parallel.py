@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_s2 import cudnn_frontend
 from megatron_s2.flash_attention4 import fa4_causal, use_fa4
 
 __all__ = [
@@ -145,13 +144,10 @@ def dense_local_chunks(
     """:func:`attend_local_chunks` for a dense causal layer (:func:`dense_rank_chunks`): same
     shapes, ``scale`` the softmax scale, ``backend`` the layer's dense backend
     (:data:`megatron_s2.flash_attention4.DENSE_BACKENDS`: "auto", "sdpa" never takes FA4, "fa4"
-    always), ``deterministic`` the deterministic backward of FA4 and of cuDNN's frontend."""
+    always), ``deterministic`` FA4's deterministic backward."""
     key, value = _gather_kv(key, value, group)
-    if backend == "sdpa":  # cuDNN's kernels only: no FA4 even where it is installed
-        if cudnn_frontend.cudnn_frontend_unusable_reason(query) is None:
-            impl = "cudnn-frontend"
-        else:
-            impl = "cudnn" if _cudnn_usable(query) else "per-chunk"
+    if backend == "sdpa":  # today's kernels only: no FA4 even where it is installed
+        impl = "cudnn" if _cudnn_usable(query) else "per-chunk"
     else:
         impl = backend  # "auto" or "fa4", as dense_rank_chunks reads them
     return dense_rank_chunks(
@@ -383,67 +379,7 @@ class _RankChunksCudnn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-class _RankChunksCudnnFrontend(torch.autograd.Function):
-    """A CP rank's two query chunks against the whole K/V, dense and causal, one cuDNN call a
-    chunk each way through cuDNN's frontend, whose causal mask aligns at the bottom right
-    (:mod:`megatron_s2.cudnn_frontend`): no LSE merge, no repeated GQA heads, outputs and
-    gradients written in place through Megatron-layout views. dK/dV: the later chunk's call
-    writes the keys it sees straight into the K-sized buffers, the earlier chunk's (a prefix of
-    them) are added in.
-
-    ``query [2 * chunk, b, np, hn]``, ``key, value [S, b, ng, hn]`` in absolute order ->
-    ``[2 * chunk, b, np * hn]``.
-    """
-
-    @staticmethod
-    def forward(ctx, query, key, value, rank, cp, chunk, scale, deterministic):
-        out = torch.empty_like(query)
-        qt, kt, vt, ot = (x.permute(1, 2, 0, 3) for x in (query, key, value, out))  # [b, h, s, d]
-        lses = []
-        for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
-            rows, end = slice(slot * chunk, (slot + 1) * chunk), (index + 1) * chunk
-            lses.append(
-                cudnn_frontend.causal_forward(
-                    qt[:, :, rows], kt[:, :, :end], vt[:, :, :end], ot[:, :, rows], scale
-                )
-            )
-        ctx.save_for_backward(query, key, value, out, *lses)
-        ctx.rank, ctx.cp, ctx.chunk, ctx.scale = rank, cp, chunk, scale
-        ctx.deterministic = deterministic
-        return out.view(out.shape[0], out.shape[1], -1)
-
-    @staticmethod
-    def backward(ctx, dout):
-        query, key, value, out, *lses = ctx.saved_tensors
-        rank, cp, chunk = ctx.rank, ctx.cp, ctx.chunk
-        dout = dout.contiguous().view(out.shape)
-        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        qt, kt, vt, ot, dot, dqt = (
-            x.permute(1, 2, 0, 3) for x in (query, key, value, out, dout, dq)
-        )
-        for slot in (1, 0):  # the later chunk first: its keys cover the earlier chunk's
-            index = rank if slot == 0 else 2 * cp - 1 - rank
-            rows, end = slice(slot * chunk, (slot + 1) * chunk), (index + 1) * chunk
-            if slot == 1:
-                dk_c, dv_c = dk[:end], dv[:end]
-            else:
-                dk_c, dv_c = torch.empty_like(dk[:end]), torch.empty_like(dv[:end])
-            cudnn_frontend.causal_backward(
-                qt[:, :, rows], kt[:, :, :end], vt[:, :, :end], ot[:, :, rows],
-                dot[:, :, rows], lses[slot], dqt[:, :, rows],
-                dk_c.permute(1, 2, 0, 3), dv_c.permute(1, 2, 0, 3),
-                ctx.scale, ctx.deterministic,
-            )  # fmt: skip
-            if slot == 1:
-                dk[end:].zero_()
-                dv[end:].zero_()
-            else:
-                dk[:end].add_(dk_c)
-                dv[:end].add_(dv_c)
-        return dq, dk, dv, None, None, None, None, None
-
-
-RANK_IMPLS = ("auto", "fa4", "cudnn-frontend", "cudnn", "per-chunk")
+RANK_IMPLS = ("auto", "fa4", "cudnn", "per-chunk")
 
 
 def dense_rank_chunks(
@@ -462,16 +398,13 @@ def dense_rank_chunks(
     order -> ``[2 * chunk, b, np * hn]``.
 
     ``impl`` "fa4": one FlashAttention-4 call a chunk (its causal mask aligns at the bottom
-    right; :mod:`megatron_s2.flash_attention4`); "cudnn-frontend": one cuDNN call a chunk
-    through cuDNN's frontend, bottom-right aligned too (:class:`_RankChunksCudnnFrontend`;
-    ``pip install nvidia-cudnn-frontend``, fp16/bf16, head_dim <= 128, sm_90+); "cudnn": the
-    rank-level :class:`_RankChunksCudnn` on PyTorch's cuDNN op (two calls a chunk merged by
-    LSE); "per-chunk": :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk;
-    "auto" (default): the first of them that runs here. On an H200 the rank-level cuDNN path
-    took 2-16% less time a rank than per-chunk cuDNN calls at 32k and 1-7% at 128k, with a
-    6-36% higher transient peak inside the call (its K-sized gradient buffers;
-    ``docs/context_parallel.md``, which also has the FA4 and cuDNN-frontend rows).
-    ``deterministic`` asks FA4 and cuDNN's frontend for their deterministic backward."""
+    right; :mod:`megatron_s2.flash_attention4`); "cudnn": the rank-level
+    :class:`_RankChunksCudnn` (fp16/bf16, head_dim <= 128, sm_90+ with cuDNN); "per-chunk":
+    :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk; "auto" (default):
+    the first of them that runs here. On an H200 the rank-level cuDNN path took 2-16% less
+    time a rank than per-chunk cuDNN calls at 32k and 1-7% at 128k, with a 6-36% higher
+    transient peak inside the call (its K-sized gradient buffers; ``docs/context_parallel.md``,
+    which also has the FA4 rows). ``deterministic`` applies to FA4's backward (cuDNN's is)."""
     if impl not in RANK_IMPLS:
         raise ValueError(f"dense_rank_chunks: impl must be one of {RANK_IMPLS}, got {impl!r}")
     if impl in ("auto", "fa4") and use_fa4(impl, query):
@@ -480,13 +413,6 @@ def dense_rank_chunks(
             return fa4_causal(q, k, v, scale, deterministic)
 
         return attend_rank_chunks(query, key, value, rank, cp, attend_fa4, chunk)
-    frontend_missing = cudnn_frontend.cudnn_frontend_unusable_reason(query)
-    if impl == "cudnn-frontend" and query.is_cuda and frontend_missing:
-        raise ValueError(f"dense_rank_chunks: impl='cudnn-frontend': {frontend_missing}")
-    if impl == "cudnn-frontend" or (impl == "auto" and not frontend_missing):
-        return _RankChunksCudnnFrontend.apply(
-            query, key, value, rank, cp, chunk, scale, deterministic
-        )
     usable = _cudnn_usable(query)
     if impl == "cudnn" and query.is_cuda and not usable:
         raise ValueError(

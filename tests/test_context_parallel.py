@@ -131,7 +131,6 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
         dense_causal_suffix,
         dense_rank_chunks,
     )
-    from megatron_s2.cudnn_frontend import cudnn_frontend_unusable_reason
     from megatron_s2.flash_attention4 import fa4_unusable_reason
     from s2attn import S2Pattern, s2_attention
 
@@ -172,10 +171,6 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
     }
     if fa4_unusable_reason(q) is None:  # FlashAttention-4 installed: one call a chunk
         attend["fa4"] = lambda *args: dense_rank_chunks(*args, scale, impl="fa4")
-    if cudnn_frontend_unusable_reason(q) is None:  # cuDNN's frontend: one call a chunk
-        attend["cudnn-frontend"] = lambda *args: dense_rank_chunks(
-            *args, scale, impl="cudnn-frontend"
-        )
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
@@ -200,31 +195,22 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
 @pytest.mark.gpu
 def test_gpu_dense_rank_chunks_default_order(monkeypatch):
     """``impl="auto"`` takes FlashAttention-4 for bf16 where it is installed (one call a chunk,
-    measured faster: docs/context_parallel.md), else cuDNN's frontend where it is installed
-    (one bottom-right call a chunk), else the rank-level cuDNN Function on a Hopper GPU (faster
-    than per-chunk calls), and the per-chunk path for fp32 (none of them runs it)."""
+    measured faster: docs/context_parallel.md), else the rank-level cuDNN Function on a Hopper
+    GPU (faster than per-chunk calls), and the per-chunk path for fp32 (neither runs it)."""
     from megatron_s2 import context_parallel as cpmod
-    from megatron_s2.cudnn_frontend import cudnn_frontend_import_error
     from megatron_s2.flash_attention4 import fa4_import_error
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev) < (9, 0):
         pytest.skip("cuDNN/FA4 attention paths need sm_90+")
     fa4 = fa4_import_error() is None
-    frontend = cudnn_frontend_import_error() is None
     calls = []
     real_cudnn, real_fa4 = cpmod._RankChunksCudnn.apply, cpmod.fa4_causal
-    real_frontend = cpmod._RankChunksCudnnFrontend.apply
     monkeypatch.setattr(
         cpmod._RankChunksCudnn, "apply", lambda *a: calls.append("cudnn") or real_cudnn(*a)
     )
-    monkeypatch.setattr(
-        cpmod._RankChunksCudnnFrontend,
-        "apply",
-        lambda *a: calls.append("cudnn-frontend") or real_frontend(*a),
-    )
     monkeypatch.setattr(cpmod, "fa4_causal", lambda *a: calls.append("fa4") or real_fa4(*a))
-    bf16 = ["fa4", "fa4"] if fa4 else ["cudnn-frontend"] if frontend else ["cudnn"]
+    bf16 = ["fa4", "fa4"] if fa4 else ["cudnn"]
     for dtype, expected in ((torch.bfloat16, bf16), (torch.float32, [])):
         q = torch.randn(512, 1, 4, 64, device=dev, dtype=dtype)
         kv = torch.randn(1024, 1, 2, 64, device=dev, dtype=dtype)
@@ -331,80 +317,9 @@ def test_rank_chunks_cudnn_bookkeeping_matches_whole_sequence(monkeypatch, heads
         torch.testing.assert_close(vc.grad, leaves[2].grad)
 
 
-def _bottom_right_attention(q, k, v, scale):
-    """Causal attention of the last ``sq`` of ``sk`` positions in float64, GQA groups repeated:
-    ``q [b, np, sq, d]``, ``k, v [b, ng, sk, d]`` -> (out, lse [b, np, sq, 1], probabilities)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    sq, sk = q.shape[2], k.shape[2]
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - lse)
-    return p @ v, lse, p
-
-
-def _fake_frontend_forward(q, k, v, out, scale):
-    """cuDNN-frontend's bottom-right causal call played in float64: writes ``out``, returns LSE."""
-    o, lse, _ = _bottom_right_attention(q, k, v, scale)
-    out.copy_(o)
-    return lse
-
-
-def _fake_frontend_backward(q, k, v, out, dout, lse, dq, dk, dv, scale, deterministic=False):
-    """Its backward from the saved out/LSE (FlashAttention's formulas), GQA groups summed."""
-    _, lse_again, p = _bottom_right_attention(q, k, v, scale)
-    torch.testing.assert_close(lse, lse_again)  # the forward's own statistics came back
-    rep = q.shape[1] // k.shape[1]
-    kr = k.repeat_interleave(rep, dim=1)
-    dp = dout @ v.repeat_interleave(rep, dim=1).transpose(-1, -2)
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    b, ng, sk, d = k.shape
-    dq.copy_((ds @ kr) * scale)
-    dk.copy_(((ds.transpose(-1, -2) @ q) * scale).view(b, ng, rep, sk, d).sum(2))
-    dv.copy_((p.transpose(-1, -2) @ dout).view(b, ng, rep, sk, d).sum(2))
-
-
-@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
-def test_rank_chunks_cudnn_frontend_bookkeeping_matches_whole_sequence(monkeypatch, heads, groups):
-    """The cuDNN-frontend rank function's bookkeeping (one bottom-right call a chunk on views of
-    Megatron's layout, outputs and dq written in place, the later chunk's dK/dV straight into
-    the K-sized buffers and the earlier chunk's added in, keys past the later chunk zeroed) on
-    the CPU with the cuDNN calls played by float64 math: every rank's output and dq equal the
-    whole causal layer's rows and dk/dv summed over the ranks equal its dk/dv, CP 2 and 4, MHA
-    and GQA (groups as they are: the calls sum each group's heads)."""
-    import megatron_s2.context_parallel as cpmod
-
-    monkeypatch.setattr(cpmod.cudnn_frontend, "causal_forward", _fake_frontend_forward)
-    monkeypatch.setattr(cpmod.cudnn_frontend, "causal_backward", _fake_frontend_backward)
-    dim, scale = 8, 8**-0.5
-    q, k, v, _ = (t.double() for t in _inputs(7, heads, groups, dim))
-    dout = torch.randn(SEQ, BATCH, heads, dim, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    qt, kt, vt = (t.permute(1, 2, 0, 3) for t in leaves)
-    rep = heads // groups
-    kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
-    whole = (torch.softmax(_scores(qt, kt, True, scale), dim=-1) @ vt).permute(2, 0, 1, 3)
-    whole.backward(dout)
-    for cp in (2, 4):
-        kc, vc = (t.clone().requires_grad_(True) for t in (k, v))
-        for rank in range(cp):
-            rows = _local_rows(q, rank, cp).clone().requires_grad_(True)
-            chunk = SEQ // (2 * cp)
-            out = cpmod.dense_rank_chunks(
-                rows, kc, vc, rank, cp, chunk, scale, impl="cudnn-frontend"
-            )
-            out.backward(_local_rows(dout, rank, cp).reshape(out.shape))
-            want = _local_rows(whole.detach(), rank, cp).reshape(out.shape)
-            torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(rows.grad, _local_rows(leaves[0].grad, rank, cp))
-        torch.testing.assert_close(kc.grad, leaves[1].grad)
-        torch.testing.assert_close(vc.grad, leaves[2].grad)
-
-
 def test_dense_rank_chunks_rejects_unknown_impl():
     from megatron_s2.context_parallel import dense_rank_chunks
 
     q = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fa4', 'cudnn-frontend'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fa4', 'cudnn'"):
         dense_rank_chunks(q, q, q, 0, 2, 2, 1.0, impl="fast")

@@ -11,14 +11,12 @@ median): CP=1 attends the whole sequence as the modules do (S2: ``s2_attention``
 ``FusedDenseAttention``'s SDPA, and FlashAttention-4 where it is installed); CP=N attends one
 rank's two load-balanced query chunks against the whole K/V (what each rank computes after the
 all-gather; ranks 0 and N-1 bracket the balance; dense: the rank-level cuDNN function, or one
-FA4 call a chunk; ``--kinds dense-cudnn-frontend``: one bottom-right cuDNN call a chunk through
-cuDNN's frontend, where ``nvidia-cudnn-frontend`` is installed). "per-token vs CP=1" is the
-rank's time per query token over its kind's CP=1 row's (1.00 = no overhead from splitting);
-"per-token vs dense SDPA CP=1" compares every dense row with today's dense layer on SDPA.
-Memory is the peak allocation of the fwd+bwd above its inputs. The all-gather itself is not
-timed here (one GPU); its volume per layer is printed: K and V of the whole sequence,
-``(N-1)/N`` of it received by each rank. ``--kinds dense-per-chunk dense-fa2`` add the earlier
-dense paths (two cuDNN calls a chunk; FlashAttention-2's varlen).
+FA4 call a chunk). "per-token vs CP=1" is the rank's time per query token over its kind's CP=1
+row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1" compares every dense
+row with today's dense layer on SDPA. Memory is the peak allocation of the fwd+bwd above its
+inputs. The all-gather itself is not timed here (one GPU); its volume per layer is printed: K
+and V of the whole sequence, ``(N-1)/N`` of it received by each rank. ``--kinds dense-per-chunk
+dense-fa2`` add the earlier dense paths (two cuDNN calls a chunk; FlashAttention-2's varlen).
 """
 
 from __future__ import annotations
@@ -107,15 +105,7 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-KINDS = (
-    "S2",
-    "dense",
-    "dense-fa4",
-    "dense-cudnn-frontend",
-    "dense-cudnn-frontend-det",
-    "dense-per-chunk",
-    "dense-fa2",
-)
+KINDS = ("S2", "dense", "dense-fa4", "dense-per-chunk", "dense-fa2")
 DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
 
 
@@ -132,9 +122,7 @@ def run(
     one) and ranks 0 and N-1 of each CP size in ``cps``. Kinds: "S2"; "dense" (SDPA at CP=1,
     the rank-level cuDNN function under CP: the module's path with ``dense_attention=sdpa``);
     "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk: the module's path with
-    "auto" where FA4 is installed; skipped with a note where it is not); "dense-cudnn-frontend"
-    (one bottom-right cuDNN call a chunk through ``nvidia-cudnn-frontend``; "-det" with its
-    deterministic backward; compared with SDPA's CP=1 row); "dense-per-chunk"
+    "auto" where FA4 is installed; skipped with a note where it is not); "dense-per-chunk"
     (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
     earlier paths. ``rel`` is per token against the kind's CP=1 row (the per-chunk and FA2 rows:
     SDPA's), ``rel_sdpa`` against dense SDPA at CP=1 (today's dense layer; dense kinds only)."""
@@ -143,7 +131,6 @@ def run(
         dense_causal_suffix,
         dense_rank_chunks,
     )
-    from megatron_s2.cudnn_frontend import cudnn_frontend_unusable_reason
     from megatron_s2.flash_attention4 import fa4_causal, fa4_unusable_reason
     from s2attn import S2Pattern, s2_attention
 
@@ -176,27 +163,15 @@ def run(
     def per_chunk(at):
         return lambda rows_q, rank, cp, chunk: attend_rank_chunks(rows_q, k, v, rank, cp, at, chunk)
 
-    def rank_level(impl, deterministic=False):
+    def rank_level(impl):
         return lambda rows_q, rank, cp, chunk: dense_rank_chunks(
-            rows_q, k, v, rank, cp, chunk, scale, impl=impl, deterministic=deterministic
+            rows_q, k, v, rank, cp, chunk, scale, impl=impl
         )
 
     table = {
         "S2": ("S2", s2_full, per_chunk(s2_at), cps),
         "dense": ("dense, SDPA / rank-level cuDNN", dense_full, rank_level("cudnn"), cps),
         "dense-fa4": ("dense, FA4", fa4_full, rank_level("fa4"), cps),
-        "dense-cudnn-frontend": (
-            "dense, cuDNN frontend",
-            None,
-            rank_level("cudnn-frontend"),
-            cps,
-        ),
-        "dense-cudnn-frontend-det": (
-            "dense, cuDNN frontend, deterministic",
-            None,
-            rank_level("cudnn-frontend", deterministic=True),
-            cps,
-        ),
         "dense-per-chunk": ("dense, cuDNN per chunk", None, per_chunk(suffix("cudnn")), cps),
         "dense-fa2": ("dense, FA2 varlen", None, per_chunk(suffix("flash")), cps[:1]),
     }
@@ -207,11 +182,7 @@ def run(
         sdpa_ms, sdpa_mem = _timed(dense_full, (q, k, v))
     for name in kinds:
         kind, full, at, kind_cps = table[name]
-        skip = None
-        if name == "dense-fa4":
-            skip = fa4_unusable_reason(q)
-        elif name.startswith("dense-cudnn-frontend"):
-            skip = cudnn_frontend_unusable_reason(q)
+        skip = fa4_unusable_reason(q) if name == "dense-fa4" else None
         if skip:
             print(f"# {kind}: skipped ({skip})")
             continue
