@@ -150,9 +150,14 @@ def _gathered_layout(keys: GatheredKeys, block_m: int, with_csc: bool, q_start: 
     return assemble_layout(item, kt, lo, hi, full, H, 1, nqt, nkt, block_m, TILE_N, with_csc)
 
 
-def check_call(fn: str, keys, pattern: S2Pattern, num_heads: int, seq_k: int) -> None:
+def check_call(fn: str, keys, pattern: S2Pattern, num_heads: int, seq_k: int, lay=None) -> None:
     """ValueError naming ``fn`` unless ``keys`` (or None) fits a call of ``pattern`` with
-    ``num_heads`` query heads and ``seq_k`` keys: gathered tiles exactly at blocks 16 and 32."""
+    ``num_heads`` query heads and ``seq_k`` keys: gathered tiles exactly at blocks 16 and 32,
+    and no explicit layout ``lay`` beside them (the tiles come with their own)."""
+    if keys is not None and lay is not None:
+        raise ValueError(
+            f"{fn}: pass either lay or keys, not both (gathered keys build their own layout)"
+        )
     gathered = pattern.block_size in BLOCK_SIZES
     if (keys is not None) != gathered:
         raise ValueError(

@@ -298,7 +298,7 @@ def s2_dkdv_gluon(
     attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
-    gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1])
+    gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1], lay)
     # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
     # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)

@@ -524,7 +524,7 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
     ``triton_attention.s2_forward`` does. The caller checks :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     check_chunk("s2_forward_gluon", q, k, q_start)
-    gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1])
+    gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1], lay)
     box = bn = pattern.block_size  # TMA box rows: a pattern block
     group = pattern.group_size
     if keys is not None:

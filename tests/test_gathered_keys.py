@@ -171,6 +171,8 @@ def test_unsupported_calls_are_named():
         check_call("fn", keys, S2Pattern(num_heads=2, block_size=64, local_blocks=2), 2, 512)
     with pytest.raises(ValueError, match="2 heads x 512 keys, the call has 2 x 640"):
         check_call("fn", keys, p16, 2, 640)
+    with pytest.raises(ValueError, match="fn: pass either lay or keys, not both"):
+        check_call("fn", keys, p16, 2, 512, keys.layout(128))
     with pytest.raises(ValueError, match="block_size 64"):
         gathered_keys(
             S2Pattern(num_heads=2, block_size=64, local_blocks=2, vert_stride=4), 512, "cpu"
