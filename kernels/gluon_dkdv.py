@@ -71,15 +71,17 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(
-        q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
-        col_ptr, rows, order, n_items, num_k_tiles, group, kv_group, key_lo, key_stride, views,
-        WG,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+        delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, rows, order, n_items,
+        num_k_tiles, group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
         BOXES: gl.constexpr = BN // k_desc.block_type.shape[0]
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes
+        stat_bytes: gl.constexpr = lse_desc.block_type.nbytes
         b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
         if valid:
             # Gathered tiles are per query head (kvh), read from its KV head's K and V.
@@ -99,22 +101,27 @@ if gluon is not None:
                 for e in range(e0, e2):
                     slot = WG * STAGES + i % STAGES
                     mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-                    row = b * q_row_b + gl.load(rows + e) * BM
-                    mbarrier.expect(
-                        ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                    )
-                    gf._tma_load(q_desc, [row, col], ready.index(slot), q_bufs.index(slot))
-                    gf._tma_load(do_desc, [row, col], ready.index(slot), do_bufs.index(slot))
+                    tile = gl.load(rows + e)
+                    row = b * q_row_b + tile * BM
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, q_bytes + do_desc.block_type.nbytes + 2 * stat_bytes)
+                    gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
+                    gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
+                    # The rows' LSE and delta travel with Q and dO: read from global memory by
+                    # the consumer they were a load latency ahead of every step's softmax.
+                    stat = b * stride_lse_b + h * stride_lse_h + tile * BM
+                    gf._tma_load(lse_desc, [stat], bar, lse_bufs.index(slot))
+                    gf._tma_load(delta_desc, [stat], bar, delta_bufs.index(slot))
                     i += 1
 
     @gluon.jit
     def _tiles(
-        k, v, q_bufs, do_bufs, ready, empty, dk, dv, lse_base, delta_base, rows, los, his,
+        k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los, his,
         e_begin, e_end, i0, k_lo, k_hi, offs_m, qk_scale, q_start, WG, MASKED: gl.constexpr,
     ):  # fmt: skip
         """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV. Query
-        rows are local (Q, dO, LSE, delta), at absolute positions from ``q_start`` (masks);
-        queries ``k_lo <= q < k_hi`` attend each key (``gluon_forward._key_bounds``)."""
+        rows are local (Q, dO, LSE, delta: the ring's), at absolute positions from ``q_start``
+        (masks); queries ``k_lo <= q < k_hi`` attend each key (``gluon_forward._key_bounds``)."""
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k.type.shape[0]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
@@ -123,20 +130,19 @@ if gluon is not None:
         )
         acc_layout: gl.constexpr = dk.type.layout
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         i = i0
-        # The query tile's index is read one entry ahead and its rows' LSE and delta before the
-        # wait for its Q/dO: the chain rows -> LSE was two global round trips that stalled
-        # every step ahead of its MMAs (Nsight Compute: long-scoreboard stalls on top).
+        # Masks need the query tile's positions: its index is read one entry ahead.
         row = gl.load(rows + e_begin, mask=e_begin < e_end, other=0)
         for e in range(e_begin, e_end):
             slot = WG * STAGES + i % STAGES
             m_idx = row * BM + offs_m
-            lse = gl.load(lse_base + m_idx)
-            delta = gl.load(delta_base + m_idx)
             row = gl.load(rows + e + 1, mask=e + 1 < e_end, other=0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_bufs.index(slot)
             do = do_bufs.index(slot)
+            lse = lse_bufs.index(slot).load(row_layout)
+            delta = delta_bufs.index(slot).load(row_layout)
             # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
             lse = gl.where(lse == -float("inf"), 0.0, lse)
             st_tok = warpgroup_mma(
@@ -173,10 +179,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(
-        dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
-        stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-        num_k_tiles, group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b,
-        dkv_col_b, dkv_col_h, WG,
+        dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready,
+        empty, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group, qk_scale,
+        sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b, dkv_col_h, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -203,19 +208,16 @@ if gluon is not None:
                 e0 = gl.load(col_ptr + c)
                 e1 = gl.load(col_split + c)
                 e2 = gl.load(col_ptr + c + 1)
-                row_off = b * stride_lse_b + h * stride_lse_h
                 k_lo, k_hi = gf._key_bounds(
                     k_abs, key_lo + h * key_stride, key_hi + h * key_stride, key_stride > 0
                 )
                 dk, dv, i = _tiles(
-                    k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
-                    DELTA + row_off, rows, los, his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale,
-                    q_start, WG, False,
+                    k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los,
+                    his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, False,
                 )  # fmt: skip
                 dk, dv, i = _tiles(
-                    k, v, q_bufs, do_bufs, ready, empty, dk, dv, LSE + row_off,
-                    DELTA + row_off, rows, los, his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale,
-                    q_start, WG, True,
+                    k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los,
+                    his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, True,
                 )  # fmt: skip
             # K and V are read for the last time above (every MMA waited): their buffers take
             # dK and dV on the way out.
@@ -230,7 +232,7 @@ if gluon is not None:
 
     @gluon.jit
     def _s2_dkdv_gluon_kernel(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b,
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, stride_lse_b,
         stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
         qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
         kv_row_b, kv_col_b, kv_col_h, dkv_row_b, dkv_col_b, dkv_col_h, kv_group,
@@ -243,6 +245,12 @@ if gluon is not None:
         )
         do_bufs = gl.allocate_shared_memory(
             do_desc.dtype, [2 * STAGES] + do_desc.block_type.shape, do_desc.layout
+        )
+        lse_bufs = gl.allocate_shared_memory(
+            lse_desc.dtype, [2 * STAGES] + lse_desc.block_type.shape, lse_desc.layout
+        )
+        delta_bufs = gl.allocate_shared_memory(
+            delta_desc.dtype, [2 * STAGES] + delta_desc.block_type.shape, delta_desc.layout
         )
         # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
         D: gl.constexpr = k_desc.block_type.shape[1]
@@ -259,15 +267,15 @@ if gluon is not None:
         fence_async_shared()
         views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
         loader_args = (
-            q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready,
-            empty, col_ptr, rows, order, n_items, num_k_tiles, group, kv_group, key_lo, key_stride,
-            views,
+            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+            delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, rows, order, n_items,
+            num_k_tiles, group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views,
         )  # fmt: skip
         consumer_args = (
-            dk_desc, dv_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, LSE, DELTA,
-            stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items,
-            num_k_tiles, group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride,
-            dkv_row_b, dkv_col_b, dkv_col_h,
+            dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready,
+            empty, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
+            qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b,
+            dkv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # two loaders, with their register budgets. The pipeline index (last argument) reaches
@@ -284,6 +292,14 @@ if gluon is not None:
         )
 
 
+def _row_stats_descriptor(stat: torch.Tensor):
+    """A TMA descriptor of per-row statistics ``[b, hq, s]`` (fp32, contiguous) read
+    ``TILE_M`` rows at a time: the LSE and delta of one query tile."""
+    flat = stat.reshape(-1)
+    layout = gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
+    return gf.TensorDescriptor.from_tensor(flat, [TILE_M], layout)
+
+
 def s2_dkdv_gluon(
     do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0, keys=None
 ):
@@ -297,6 +313,7 @@ def s2_dkdv_gluon(
     caller sums each KV group's heads). Returns ``dk, dv`` like k and v (zero on keys no query
     attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
+    lse, delta = lse.contiguous(), delta.contiguous()  # read flat, a query tile at a time
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
     gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1], lay)
     # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
@@ -344,8 +361,8 @@ def s2_dkdv_gluon(
         desc("v", box),
         desc("dk", box),
         desc("dv", box),
-        lse,
-        delta,
+        _row_stats_descriptor(lse),
+        _row_stats_descriptor(delta),
         lse.stride(0),
         lse.stride(1),
         lay.col_ptr,
@@ -377,7 +394,9 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     tiles = {"q_desc": TILE_M, "do_desc": TILE_M}
     # TMA boxes of a pattern block, at most a 64-key tile (half a block of 128).
     tiles.update({n: min(block, BLOCK_N) for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
-    types = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    stat_layout = gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
+    stat_desc = f"tensordesc<fp32[{TILE_M}],{stat_layout!r}>"
+    types = {"lse_desc": stat_desc, "delta_desc": stat_desc, "qk_scale": "fp32", "sm_scale": "fp32"}
     lists = ("col_ptr", "col_split", "rows", "los", "his", "order", "key_lo", "key_hi")
     types.update({n: "*i32" for n in lists})
     return gf.compile_kernel_for_sm90(
