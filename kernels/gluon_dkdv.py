@@ -138,6 +138,9 @@ if gluon is not None:
             slot = WG * STAGES + i % STAGES
             m_idx = row * BM + offs_m
             row = gl.load(rows + e + 1, mask=e + 1 < e_end, other=0)
+            if MASKED:  # the entry's query range, read before the wait like the index
+                lo = gl.load(los + e)
+                hi = gl.load(his + e)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_bufs.index(slot)
             do = do_bufs.index(slot)
@@ -156,8 +159,6 @@ if gluon is not None:
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
             st = st * qk_scale - (lse * 1.4426950408889634)[None, :]
             if MASKED:
-                lo = gl.load(los + e)
-                hi = gl.load(his + e)
                 m_abs = q_start + m_idx
                 ok = (m_abs[None, :] >= k_lo[:, None]) & (m_abs[None, :] < k_hi[:, None])
                 ok = ok & (m_abs[None, :] >= lo) & (m_abs[None, :] < hi)
@@ -313,7 +314,6 @@ def s2_dkdv_gluon(
     caller sums each KV group's heads). Returns ``dk, dv`` like k and v (zero on keys no query
     attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
-    lse, delta = lse.contiguous(), delta.contiguous()  # read flat, a query tile at a time
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
     gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1], lay)
     # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
@@ -349,6 +349,7 @@ def s2_dkdv_gluon(
     n_items = lay.kv_order.numel()
     if n_items == 0:
         return dk.zero_(), dv.zero_()
+    lse, delta = lse.contiguous(), delta.contiguous()  # read flat, a query tile at a time
     n_pairs = (n_items + 1) // 2
 
     def desc(name, rows):

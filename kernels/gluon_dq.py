@@ -112,10 +112,12 @@ if gluon is not None:
             if MASKED:
                 n = gl.load(cols + e) * BN + offs_n
                 k_lo, k_hi = gf._key_bounds(n, key_lo, key_hi, gathered)
+                lo = gl.load(los + e)
+                hi = gl.load(his + e)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             s = s * qk_scale - lse2[:, None]
             if MASKED:
-                s = gf._mask_rows(s, e, los, his, q_abs, k_lo, k_hi)
+                s = gf._mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
             p = gl.exp2(s)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
             ds = p * (dp - delta[:, None])

@@ -241,12 +241,10 @@ if gluon is not None:
         return k_lo, k_hi
 
     @gluon.jit
-    def _mask_rows(s, e, los, his, q_abs, k_lo, k_hi):
-        """Scores ``s [rows, BN]`` of a partial row-list entry ``e`` with the disallowed pairs
-        at -inf: query rows outside the entry's ``[lo, hi)`` or outside each key's range
-        ``[k_lo, k_hi)`` (:func:`_key_bounds`)."""
-        lo = gl.load(los + e)
-        hi = gl.load(his + e)
+    def _mask_rows(s, lo, hi, q_abs, k_lo, k_hi):
+        """Scores ``s [rows, BN]`` of a partial row-list entry with the disallowed pairs at
+        -inf: query rows outside the entry's ``[lo, hi)`` (read by the caller ahead of the
+        wait for ``s``, like :func:`_key_bounds`) or outside each key's range ``[k_lo, k_hi)``."""
         ok = (q_abs[:, None] >= k_lo[None, :]) & (q_abs[:, None] < k_hi[None, :])
         ok = ok & (q_abs[:, None] >= lo) & (q_abs[:, None] < hi)
         return gl.where(ok, s, -float("inf"))
@@ -295,9 +293,11 @@ if gluon is not None:
         )  # fmt: skip
         n = gl.load(cols + e0) * BN + offs_n
         k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered & (e0 >= e1))
+        lo = gl.load(los + e0)
+        hi = gl.load(his + e0)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
         if e0 >= e1:
-            s = _mask_rows(s, e0, los, his, q_abs, k_lo, k_hi)
+            s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         for e in range(e0 + 1, e2):
@@ -313,10 +313,12 @@ if gluon is not None:
             n = gl.load(cols + e) * BN + offs_n
             # Only partial entries read their keys' ranges.
             k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered & (e >= e1))
+            lo = gl.load(los + e)
+            hi = gl.load(his + e)
             # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
             if e >= e1:
-                s = _mask_rows(s, e, los, his, q_abs, k_lo, k_hi)
+                s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(prev), count=1)
