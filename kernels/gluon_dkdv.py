@@ -10,7 +10,9 @@ pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttentio
 has them:
 
 * a loader warp TMA-loads its item's K and V once, then each listed query tile's Q and dO
-  (``TILE_M`` rows) into its ``NUM_STAGES`` ring, guarded by ``ready``/``empty`` mbarriers;
+  (``TILE_M`` rows) with the rows' LSE and delta into its ``NUM_STAGES`` ring, guarded by
+  ``ready``/``empty`` mbarriers (read from global memory by the consumer, LSE and delta were
+  the pass's top stall);
 * a consumer warpgroup keeps dK and dV in registers and per query tile runs ``S^T = K Q^T`` and
   ``dP^T = V dO^T`` (async wgmma from shared memory, both in flight), ``P^T = exp2(S^T -
   lse)`` (masked on partial entries), ``dV += P^T dO``, ``dS^T = P^T (dP^T - delta)``, ``dK +=
@@ -23,8 +25,8 @@ No atomics: each program owns its keys' dK/dV (the deterministic backward stays)
 gathered ones (blocks 16 and 32, ``gathered_keys.py``), and needs ``delta`` (``rowsum(dO * O) -
 dLSE``, from the dQ pass). The default at those blocks wherever the Gluon forward is
 (``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on the CPU
-(:func:`emulate_dkdv`, an sm_90 compile) and on an H200 (``tests/test_kernels_gpu.py``), 3-5%
-faster fwd+bwd than the ``tl`` pass at 32k-128k (``docs/benchmarks.md``).
+(:func:`emulate_dkdv`, an sm_90 compile) and on H200/H100 GPUs (``tests/test_kernels_gpu.py``);
+timings in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
