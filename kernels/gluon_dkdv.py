@@ -299,6 +299,8 @@ def _row_stats_descriptor(stat: torch.Tensor):
     """A TMA descriptor of per-row statistics ``[b, hq, s]`` (fp32, contiguous) read
     ``TILE_M`` rows at a time: the LSE and delta of one query tile."""
     flat = stat.reshape(-1)
+    if flat.data_ptr() % gf.TMA_ALIGN_BYTES:  # TMA reads from 16-byte aligned addresses
+        flat = flat.clone()
     layout = gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
     return gf.TensorDescriptor.from_tensor(flat, [TILE_M], layout)
 
