@@ -11,8 +11,8 @@ has them:
 
 * a loader warp TMA-loads its item's K and V once, then each listed query tile's Q and dO
   (``TILE_M`` rows) with the rows' LSE and delta into its ``NUM_STAGES`` ring, guarded by
-  ``ready``/``empty`` mbarriers (read from global memory by the consumer, LSE and delta were
-  the pass's top stall);
+  ``ready``/``empty`` mbarriers (when the consumer read LSE and delta from global memory,
+  they were the pass's top stall);
 * a consumer warpgroup keeps dK and dV in registers and per query tile runs ``S^T = K Q^T`` and
   ``dP^T = V dO^T`` (async wgmma from shared memory, both in flight), ``P^T = exp2(S^T -
   lse)`` (masked on partial entries), ``dV += P^T dO``, ``dS^T = P^T (dP^T - delta)``, ``dK +=
@@ -109,8 +109,8 @@ if gluon is not None:
                     mbarrier.expect(bar, q_bytes + do_desc.block_type.nbytes + 2 * stat_bytes)
                     gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
                     gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
-                    # The rows' LSE and delta travel with Q and dO: read from global memory by
-                    # the consumer they were a load latency ahead of every step's softmax.
+                    # The rows' LSE and delta travel with Q and dO: read by the consumer from
+                    # global memory, they cost a load latency in every step's softmax.
                     stat = b * stride_lse_b + h * stride_lse_h + tile * BM
                     gf._tma_load(lse_desc, [stat], bar, lse_bufs.index(slot))
                     gf._tma_load(delta_desc, [stat], bar, delta_bufs.index(slot))
