@@ -83,11 +83,11 @@ if gluon is not None:
 
     @gluon.jit
     def _tiles(
-        q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
-        e_begin, e_end, e0, qk_scale, key_lo, key_hi, gathered, MASKED: gl.constexpr,
+        q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_first, offs_n, cols,
+        los, his, e_begin, e_end, e0, qk_scale, key_lo, key_hi, gathered, MASKED: gl.constexpr,
     ):  # fmt: skip
-        """Entries ``e_begin .. e_end`` of the item's list (ring position counted from ``e0``):
-        accumulate dQ (unscaled)."""
+        """Entries ``e_begin .. e_end`` of the item's list (ring position counted from ``e0``)
+        for the query rows at ``q_abs`` (the first: ``q_first``): accumulate dQ (unscaled)."""
         BM: gl.constexpr = q.type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -110,14 +110,16 @@ if gluon is not None:
                 use_acc=False, is_async=True,
             )  # fmt: skip
             if MASKED:
-                n = gl.load(cols + e) * BN + offs_n
-                k_lo, k_hi = gf._key_bounds(n, key_lo, key_hi, gathered)
+                key0 = gl.load(cols + e) * BN
+                k_lo, k_hi = gf._key_bounds(key0 + offs_n, key_lo, key_hi, gathered)
                 lo = gl.load(los + e)
                 hi = gl.load(his + e)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             s = s * qk_scale - lse2[:, None]
             if MASKED:
-                s = gf._mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
+                s = gf._mask_partial(
+                    s, lo, hi, q_abs, k_lo, k_hi, q_first, key0 + BN - 1, gathered
+                )  # fmt: skip
             p = gl.exp2(s)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
             ds = p * (dp - delta[:, None])
@@ -172,12 +174,12 @@ if gluon is not None:
         key_hi += h * key_stride
         gathered = key_stride > 0
         dq = _tiles(
-            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
-            e0, e1, e0, qk_scale, key_lo, key_hi, gathered, False,
+            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first, offs_n,
+            cols, los, his, e0, e1, e0, qk_scale, key_lo, key_hi, gathered, False,
         )  # fmt: skip
         dq = _tiles(
-            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, offs_n, cols, los, his,
-            e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
+            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first, offs_n,
+            cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
         # O was last read for delta: its buffer takes dQ on the way out.
         o.store((dq * sm_scale).to(o.dtype))
@@ -378,14 +380,7 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
                 kk, vv = k[bb, rows, kvh].double(), v[bb, rows, kvh].double()
                 sc = (qq @ kk.T) * qk_scale - lse2[:, None]
                 if e >= row_split[item]:
-                    k_lo, k_hi = gf.emulated_key_bounds(keys, h, n_abs)
-                    ok = (
-                        (q_abs[:, None] >= k_lo[None, :])
-                        & (q_abs[:, None] < k_hi[None, :])
-                        & (q_abs[:, None] >= los[e])
-                        & (q_abs[:, None] < his[e])
-                    )
-                    sc = sc.masked_fill(~ok, -math.inf)
+                    sc = gf.emulated_mask_partial(sc, los[e], his[e], q_abs, keys, h, n_abs)
                 p = torch.exp2(sc)
                 acc += (p * (dd @ vv.T - row_delta[:, None])) @ kk
             dq[bb, q_loc, h] = acc * scale

@@ -250,6 +250,22 @@ if gluon is not None:
         return gl.where(ok, s, -float("inf"))
 
     @gluon.jit
+    def _mask_partial(s, lo, hi, q_abs, k_lo, k_hi, q_first, key_last, gathered):
+        """:func:`_mask_rows` where one warpgroup's rows need it (the dQ pass's masked loop).
+        A partial entry is partial for the 128-row query tile, but for a warpgroup's 64 rows
+        ``q_first ..`` it is often all allowed (the rows inside ``[lo, hi)`` and at or after
+        ``key_last``, the tile's last key, in sequence order) or all masked (the rows outside
+        ``[lo, hi)``): at block 64 a third each. Those skip the elementwise compares and the
+        key ranges' use; the branch is uniform per warpgroup. (The forward keeps
+        :func:`_mask_rows`: any extra branch in its pipelined loop made it 4-10% slower.)"""
+        q_last = q_first + s.type.shape[0] - 1
+        if (hi <= q_first) | (lo > q_last):
+            s = gl.full_like(s, -float("inf"))
+        elif gathered | (lo > q_first) | (hi <= q_last) | (key_last > q_first):
+            s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
+        return s
+
+    @gluon.jit
     def _softmax_step(s, m_i, l_i):
         """Online softmax of scores ``s [rows, BN]`` (log2 units) against the running max
         ``m_i`` and sum ``l_i``: returns ``p``, the new ``m_i`` and ``l_i``, and ``alpha``, the
@@ -658,6 +674,25 @@ def emulated_key_rows(keys, h: int, n: torch.Tensor) -> torch.Tensor:
     """The rows of K/V that keys ``n`` of head ``h``'s tiles are: ``n`` in sequence order, the
     gathered keys' positions otherwise (what :func:`_load_kv_tile` loads box by box)."""
     return n if keys is None else keys.order[n, h]
+
+
+def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch.Tensor:
+    """:func:`_mask_partial` in PyTorch, its three cases included (all allowed, all masked,
+    elementwise), for scores ``sc [rows, keys]`` of query positions ``q_abs`` (ascending)
+    against keys ``n`` of head ``h``'s tile."""
+    q_first, q_last = int(q_abs[0]), int(q_abs[-1])
+    if hi <= q_first or lo > q_last:
+        return torch.full_like(sc, -math.inf)
+    if keys is None and lo <= q_first and hi > q_last and int(n.max()) <= q_first:
+        return sc
+    k_lo, k_hi = emulated_key_bounds(keys, h, n)
+    ok = (
+        (q_abs[:, None] >= k_lo[None, :])
+        & (q_abs[:, None] < k_hi[None, :])
+        & (q_abs[:, None] >= lo)
+        & (q_abs[:, None] < hi)
+    )
+    return sc.masked_fill(~ok, -math.inf)
 
 
 def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None):
