@@ -278,6 +278,48 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
+    def _pipelined_steps(
+        q, k_bufs, v_bufs, ready, empty, acc, p_op, m_i, l_i, q_abs, offs_n, cols, los, his,
+        e_begin, e_end, e0, qk_scale, key_lo, key_hi, gathered, MASKED: gl.constexpr,
+    ):  # fmt: skip
+        """Steps ``e_begin .. e_end`` of :func:`_consume_row_list` (ring positions counted
+        from ``e0``): each issues ``S_j`` and ``O += P_{j-1} V_{j-1}`` (``p_op``: the previous
+        step's probabilities) and runs the softmax of ``S_j`` under the latter; ``MASKED``
+        (partial entries) applies :func:`_mask_rows`. Returns ``acc, p_op, m_i, l_i``."""
+        BM: gl.constexpr = q.type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = p_op.type.layout
+        for e in range(e_begin, e_end):
+            i = e - e0
+            stage = i % STAGES
+            prev = (i - 1) % STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            s_tok = warpgroup_mma(
+                q, k_bufs.index(stage).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            o_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            if MASKED:  # the bounds load under the MMAs
+                k_lo, k_hi = _key_bounds(gl.load(cols + e) * BN + offs_n, key_lo, key_hi, gathered)
+                lo = gl.load(los + e)
+                hi = gl.load(his + e)
+            # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
+            if MASKED:
+                s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        return acc, p_op, m_i, l_i
+
+    @gluon.jit
     def _consume_row_list(
         q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his, e0, e1, e2,
         qk_scale, key_lo, key_hi, gathered,
@@ -316,30 +358,17 @@ if gluon is not None:
             s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        for e in range(e0 + 1, e2):
-            i = e - e0
-            stage = i % STAGES
-            prev = (i - 1) % STAGES
-            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-            s_tok = warpgroup_mma(
-                q, k_bufs.index(stage).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                use_acc=False, is_async=True,
-            )  # fmt: skip
-            o_tok = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-            n = gl.load(cols + e) * BN + offs_n
-            # Only partial entries read their keys' ranges.
-            k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered & (e >= e1))
-            lo = gl.load(los + e)
-            hi = gl.load(his + e)
-            # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
-            if e >= e1:
-                s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-            mbarrier.arrive(empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        # Full entries, then partial ones (masked): two loops, so that the full entries'
+        # loop, where the time goes, carries no branch and reads no mask bounds.
+        e_mid = gl.maximum(e1, e0 + 1)
+        acc, p_op, m_i, l_i = _pipelined_steps(
+            q, k_bufs, v_bufs, ready, empty, acc, p_op, m_i, l_i, q_abs, offs_n, cols, los, his,
+            e0 + 1, e_mid, e0, qk_scale, key_lo, key_hi, gathered, False,
+        )  # fmt: skip
+        acc, p_op, m_i, l_i = _pipelined_steps(
+            q, k_bufs, v_bufs, ready, empty, acc, p_op, m_i, l_i, q_abs, offs_n, cols, los, his,
+            e_mid, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
+        )  # fmt: skip
         last = (e2 - 1 - e0) % STAGES
         o_tok = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
