@@ -266,15 +266,17 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i):
-        """Online softmax of scores ``s [rows, BN]`` (log2 units) against the running max
-        ``m_i`` and sum ``l_i``: returns ``p``, the new ``m_i`` and ``l_i``, and ``alpha``, the
-        factor that takes what was accumulated at the old max to the new one."""
+    def _softmax_step(s, m_i, l_i, qk_scale):
+        """Online softmax of raw scores ``s [rows, BN]`` (``Q K^T``; ``qk_scale`` takes them to
+        log2 units) against the running max ``m_i`` (raw units) and sum ``l_i``: returns
+        ``p``, the new ``m_i`` and ``l_i``, and ``alpha``, the factor that takes what was
+        accumulated at the old max to the new one. The scale is applied inside the
+        exponent's argument, one FFMA an element, rather than to the scores first."""
         m_new = gl.maximum(m_i, gl.max(s, 1))
         # A row with nothing allowed yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
@@ -309,10 +311,10 @@ if gluon is not None:
                 lo = gl.load(los + e)
                 hi = gl.load(his + e)
             # wgmma groups complete in order: S_j is done while P_{j-1} V_{j-1} may still run.
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             if MASKED:
                 s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -353,10 +355,10 @@ if gluon is not None:
         k_lo, k_hi = _key_bounds(n, key_lo, key_hi, gathered & (e0 >= e1))
         lo = gl.load(los + e0)
         hi = gl.load(his + e0)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         if e0 >= e1:
             s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         # Full entries, then partial ones (masked): two loops, so that the full entries'
         # loop, where the time goes, carries no branch and reads no mask bounds.
@@ -410,7 +412,9 @@ if gluon is not None:
         )  # fmt: skip
         nothing = l_i == 0.0
         l_safe = gl.where(nothing, 1.0, l_i)
-        lse = gl.where(nothing, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        lse = gl.where(
+            nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453
+        )
         gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_loc, lse)
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         o_smem.index(WG).store(out.to(o_smem.dtype))
