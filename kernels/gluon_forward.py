@@ -257,7 +257,8 @@ if gluon is not None:
         ``key_last``, the tile's last key, in sequence order) or all masked (the rows outside
         ``[lo, hi)``): at block 64 a third each. Those skip the elementwise compares and the
         key ranges' use; the branch is uniform per warpgroup. (The forward keeps
-        :func:`_mask_rows`: any extra branch in its pipelined loop made it 4-10% slower.)"""
+        :func:`_mask_rows`: in its partial entries' loop this gained nothing and lost at
+        block 128; ``docs/benchmarks.md``.)"""
         q_last = q_first + s.type.shape[0] - 1
         if (hi <= q_first) | (lo > q_last):
             s = gl.full_like(s, -float("inf"))
