@@ -146,10 +146,9 @@ if gluon is not None:
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_bufs.index(slot)
             do = do_bufs.index(slot)
-            lse = lse_bufs.index(slot).load(row_layout)
+            # The rows' LSE in log2 units, 0 where a row attends nothing (the wrapper's).
+            lse2 = lse_bufs.index(slot).load(row_layout)
             delta = delta_bufs.index(slot).load(row_layout)
-            # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
-            lse = gl.where(lse == -float("inf"), 0.0, lse)
             st_tok = warpgroup_mma(
                 k, q.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
                 use_acc=False, is_async=True,
@@ -159,7 +158,7 @@ if gluon is not None:
                 use_acc=False, is_async=True,
             )  # fmt: skip
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
-            st = st * qk_scale - (lse * 1.4426950408889634)[None, :]
+            st = st * qk_scale - lse2[None, :]
             if MASKED:
                 m_abs = q_start + m_idx
                 ok = (m_abs[None, :] >= k_lo[:, None]) & (m_abs[None, :] < k_hi[:, None])
@@ -353,7 +352,11 @@ def s2_dkdv_gluon(
     n_items = lay.kv_order.numel()
     if n_items == 0:
         return dk.zero_(), dv.zero_()
-    lse, delta = lse.contiguous(), delta.contiguous()  # read flat, a query tile at a time
+    # Read flat, a query tile at a time. The LSE goes in log2 units, with the rows that attend
+    # nothing (lse = -inf) at 0 so that their p is 0, not NaN: done here once, not per key tile
+    # in every step of the kernel, where it sat between the ring's wait and the step's MMAs.
+    lse = torch.where(torch.isneginf(lse), 0.0, lse * LOG2E).contiguous()
+    delta = delta.contiguous()
     n_pairs = (n_items + 1) // 2
 
     def desc(name, rows):
