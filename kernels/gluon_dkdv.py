@@ -10,7 +10,8 @@ pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttentio
 has them:
 
 * a loader warp TMA-loads its item's K and V once, then each listed query tile's Q and dO
-  (``TILE_M`` rows) with the rows' LSE and delta into its ``NUM_STAGES`` ring, guarded by
+  (``TILE_M`` rows) with the rows' LSE (in log2 units, 0 for rows that attend nothing: the
+  wrapper converts it once) and delta into its ``NUM_STAGES`` ring, guarded by
   ``ready``/``empty`` mbarriers (when the consumer read LSE and delta from global memory,
   they were the pass's top stall);
 * a consumer warpgroup keeps dK and dV in registers and per query tile runs ``S^T = K Q^T`` and
