@@ -463,16 +463,9 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
                     row_lse = lse[bb, h, m_idx].double()
                     row_lse = torch.where(row_lse == -math.inf, 0.0, row_lse)
                     st = (kk @ qq.T) * qk_scale - row_lse[None, :] * LOG2E
-                    if e >= col_split[c]:
+                    if e >= col_split[c]:  # S^T: the queries' mask, transposed
                         m_abs = q_start + m_idx
-                        k_lo, k_hi = gf.emulated_key_bounds(keys, h, k_abs)
-                        ok = (
-                            (m_abs[None, :] >= k_lo[:, None])
-                            & (m_abs[None, :] < k_hi[:, None])
-                            & (m_abs[None, :] >= los[e])
-                            & (m_abs[None, :] < his[e])
-                        )
-                        st = st.masked_fill(~ok, -math.inf)
+                        st = gf.emulated_mask_rows(st.T, los[e], his[e], m_abs, keys, h, k_abs).T
                     pt = torch.exp2(st)
                     acc_v += pt @ dd
                     acc_k += (pt * (vv @ dd.T - delta[bb, h, m_idx].double()[None, :])) @ qq

@@ -710,15 +710,10 @@ def emulated_key_rows(keys, h: int, n: torch.Tensor) -> torch.Tensor:
     return n if keys is None else keys.order[n, h]
 
 
-def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch.Tensor:
-    """:func:`_mask_partial` in PyTorch, its three cases included (all allowed, all masked,
-    elementwise), for scores ``sc [rows, keys]`` of query positions ``q_abs`` (ascending)
-    against keys ``n`` of head ``h``'s tile."""
-    q_first, q_last = int(q_abs[0]), int(q_abs[-1])
-    if hi <= q_first or lo > q_last:
-        return torch.full_like(sc, -math.inf)
-    if keys is None and lo <= q_first and hi > q_last and int(n.max()) <= q_first:
-        return sc
+def emulated_mask_rows(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch.Tensor:
+    """:func:`_mask_rows` in PyTorch: scores ``sc [rows, keys]`` of query positions ``q_abs``
+    against keys ``n`` of head ``h``'s tile, at -inf outside the entry's ``[lo, hi)`` and
+    outside each key's query range (:func:`emulated_key_bounds`)."""
     k_lo, k_hi = emulated_key_bounds(keys, h, n)
     ok = (
         (q_abs[:, None] >= k_lo[None, :])
@@ -727,6 +722,17 @@ def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch
         & (q_abs[:, None] < hi)
     )
     return sc.masked_fill(~ok, -math.inf)
+
+
+def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch.Tensor:
+    """:func:`_mask_partial` in PyTorch, its three cases included (all allowed, all masked,
+    elementwise: :func:`emulated_mask_rows`); ``q_abs`` ascending, the rest as there."""
+    q_first, q_last = int(q_abs[0]), int(q_abs[-1])
+    if hi <= q_first or lo > q_last:
+        return torch.full_like(sc, -math.inf)
+    if keys is None and lo <= q_first and hi > q_last and int(n.max()) <= q_first:
+        return sc
+    return emulated_mask_rows(sc, lo, hi, q_abs, keys, h, n)
 
 
 def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None):
@@ -766,14 +772,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
                 rows = emulated_key_rows(keys, h, n)
                 sc = (qq @ k[bb, rows, kvh].double().T) * qk_scale
                 if e >= e1:
-                    k_lo, k_hi = emulated_key_bounds(keys, h, n)
-                    ok = (
-                        (q_abs[:, None] >= k_lo[None, :])
-                        & (q_abs[:, None] < k_hi[None, :])
-                        & (q_abs[:, None] >= los[e])
-                        & (q_abs[:, None] < his[e])
-                    )
-                    sc = sc.masked_fill(~ok, -math.inf)
+                    sc = emulated_mask_rows(sc, los[e], his[e], q_abs, keys, h, n)
                 m_new = torch.maximum(m_i, sc.max(1).values)
                 m_use = torch.where(m_new == -math.inf, 0.0, m_new)
                 p = torch.exp2(sc - m_use[:, None])
