@@ -632,8 +632,11 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
 
 def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """Compile the kernel for an H100 (sm_90a) without a GPU, bf16 tiles; the cubin goes to
-    ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` (bytes a
-    thread spills), ``shared_bytes``, ``registers`` (the default partition's). Needs
+    ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` and
+    ``stack_bytes`` (a thread's local memory and stack frame: spilled registers land in the
+    latter), ``full_waits`` (``wgmma.wait_group 0`` in the SASS: as many as ``hgmma`` when ptxas
+    serialized the wgmma, C7512/C7514), ``shared_bytes``, ``registers`` (the default
+    partition's). Needs
     ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``:
     the pattern's (blocks 16 and 32 load gathered 64-key tiles box by box)."""
     tile = max(block, gathered_keys.TILE_N)
@@ -686,10 +689,13 @@ def compile_kernel_for_sm90(
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True)
     usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
     local = [int(x) for x in re.findall(r"LOCAL:(\d+)", usage)]
+    stack = [int(x) for x in re.findall(r"STACK:(\d+)", usage)]
     regs = [int(x) for x in re.findall(r"REG:(\d+)", usage)]
     return {
         "hgmma": sass.stdout.count("HGMMA"),
+        "full_waits": sass.stdout.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
         "local_memory": max(local, default=0),
+        "stack_bytes": max(stack, default=0),
         "shared_bytes": compiled.metadata.shared,
         "registers": max(regs, default=0),
     }

@@ -197,8 +197,8 @@ print(json.dumps(mod.compile_for_sm90(int(sys.argv[2]), int(sys.argv[3]), sys.ar
 def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path) -> dict:
     """``module.compile_for_sm90(head_dim, block, tmp_path)`` (a Gluon kernel module of
     s2attn) in a fresh interpreter without TRITON_INTERPRET: its statistics (``hgmma``,
-    ``local_memory``, ``shared_bytes``, ``registers``). Skips where Triton ships no
-    ``cuobjdump``."""
+    ``full_waits``, ``local_memory``, ``stack_bytes``, ``shared_bytes``, ``registers``). Skips
+    where Triton ships no ``cuobjdump``."""
     import json
     import subprocess
     import sys
