@@ -294,6 +294,38 @@ class _CausalSuffixCudnn(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _concurrently(first: Callable, second: Callable, streams: bool):
+    """``(first(), second())``; on a CUDA device with ``streams``, ``first`` runs on a side
+    stream while ``second`` runs on the current one, which then waits for it. A rank's two
+    chunks are independent calls of a few milliseconds each at 32k, whose last waves leave SMs
+    idle: side by side, one chunk's calls fill the other's tail. Tensors ``first`` returns were
+    allocated on the side stream and are marked as used on the current one (their memory is
+    not reused before the current stream's work on them is done)."""
+    if not (streams and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return first(), second()
+    device = torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)  # the inputs (and any memory the allocator recycles) are ready
+    with torch.cuda.stream(side):
+        a = first()
+    b = second()
+    main.wait_stream(side)
+    todo = [a]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            x.record_stream(main)
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+    return a, b
+
+
 class _RankChunksCudnn(torch.autograd.Function):
     """A CP rank's two query chunks against the whole K/V, dense and causal, on cuDNN (the
     default of :func:`dense_rank_chunks` where cuDNN runs): each chunk as
@@ -302,21 +334,24 @@ class _RankChunksCudnn(torch.autograd.Function):
     once, outputs and dQ written in place in Megatron's layout, and dK/dV built in one K-sized
     buffer (the later chunk's parts fill it, the earlier chunk's add in) rather than
     concatenated per chunk and zero-padded by autograd's slicing (``docs/context_parallel.md``:
-    those copies were 9-12% of a rank's time at 32k).
+    those copies were 9-12% of a rank's time at 32k). With ``streams`` the two chunks' calls
+    run side by side on two CUDA streams (:func:`_concurrently`), forward and backward; the
+    dK/dV sums keep their order (the same bits either way; cuDNN's dQ differs from run to run
+    in its last bits on one stream too).
 
     ``query [2 * chunk, b, np, hn]``, ``key, value [S, b, ng, hn]`` in absolute order ->
     ``[2 * chunk, b, np * hn]``.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, rank, cp, chunk, scale):
+    def forward(ctx, query, key, value, rank, cp, chunk, scale, streams):
         rep = query.shape[2] // key.shape[2]
         if rep > 1:  # cuDNN's call takes equal head counts
             key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
         out = torch.empty_like(query)
         qt, kt, vt, ot = (x.permute(1, 2, 0, 3) for x in (query, key, value, out))  # [b, h, s, d]
-        parts = []
-        for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
+
+        def attend(slot, index):
             rows = slice(slot * chunk, (slot + 1) * chunk)
             split, end = index * chunk, (index + 1) * chunk
             q_c = qt[:, :, rows]
@@ -331,9 +366,13 @@ class _RankChunksCudnn(torch.autograd.Function):
                 _, lse = _merge_parts(out_p, lse_p, out_d, lse, dest=ot[:, :, rows])
             else:
                 ot[:, :, rows].copy_(out_d)
-            parts.append((rows, split, end, lse, diag, prefix))
+            return rows, split, end, lse, diag, prefix
+
+        parts = _concurrently(
+            lambda: attend(0, rank), lambda: attend(1, 2 * cp - 1 - rank), streams
+        )
         ctx.save_for_backward(query, key, value, out)
-        ctx.parts, ctx.scale, ctx.rep = parts, scale, rep
+        ctx.parts, ctx.scale, ctx.rep, ctx.streams = parts, scale, rep, streams
         return out.view(out.shape[0], out.shape[1], -1)
 
     @staticmethod
@@ -344,23 +383,33 @@ class _RankChunksCudnn(torch.autograd.Function):
         qt, kt, vt, ot, dot, dqt, dkt, dvt = (
             x.permute(1, 2, 0, 3) for x in (query, key, value, out, dout, dq, dk, dv)
         )
-        # The later chunk (second part) sees every key the earlier one sees: its parts fill the
-        # K-sized buffers, then the earlier chunk's are added into them.
-        fill = True
-        for rows, split, end, lse, diag, prefix in reversed(ctx.parts):
+
+        def chunk_grads(rows, split, end, lse, diag, prefix):
+            """dQ of the chunk (written in place) and its dK/dV parts (diagonal, prefix)."""
             q_c, o_c, do_c = qt[:, :, rows], ot[:, :, rows], dot[:, :, rows]
 
-            def grads(lo, hi, causal, args, q_c=q_c, o_c=o_c, do_c=do_c, lse=lse):
+            def grads(lo, hi, causal, args):
                 kk, vv = kt[:, :, lo:hi], vt[:, :, lo:hi]
                 return _cudnn_part_grads(do_c, q_c, kk, vv, o_c, lse, causal, args, ctx.scale)
 
             dq_d, dk_d, dv_d = grads(split, end, True, diag)
             if prefix is None:
                 dqt[:, :, rows].copy_(dq_d)
-                dk_p = dv_p = None
-            else:
-                dq_p, dk_p, dv_p = grads(0, split, False, prefix)
-                torch.add(dq_d, dq_p, out=dqt[:, :, rows])
+                return dk_d, dv_d, None, None
+            dq_p, dk_p, dv_p = grads(0, split, False, prefix)
+            torch.add(dq_d, dq_p, out=dqt[:, :, rows])
+            return dk_d, dv_d, dk_p, dv_p
+
+        early, late = ctx.parts
+        early_grads, late_grads = _concurrently(
+            lambda: chunk_grads(*early), lambda: chunk_grads(*late), ctx.streams
+        )
+        # The later chunk sees every key the earlier one sees: its parts fill the K-sized
+        # buffers, then the earlier chunk's are added into them.
+        for (_, split, end, *_), (dk_d, dv_d, dk_p, dv_p), fill in (
+            (late, late_grads, True),
+            (early, early_grads, False),
+        ):
             for buf, d_diag, d_prefix in ((dkt, dk_d, dk_p), (dvt, dv_d, dv_p)):
                 if fill:
                     if d_prefix is not None:
@@ -371,15 +420,14 @@ class _RankChunksCudnn(torch.autograd.Function):
                     if d_prefix is not None:
                         buf[:, :, :split].add_(d_prefix)
                     buf[:, :, split:end].add_(d_diag)
-            fill = False
         if ctx.rep > 1:  # repeat_interleave put group g's copies at heads g * rep ..
             s_len, b, _, hn = dk.shape
             dk = dk.view(s_len, b, -1, ctx.rep, hn).sum(3)
             dv = dv.view(s_len, b, -1, ctx.rep, hn).sum(3)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-RANK_IMPLS = ("auto", "fa4", "cudnn", "per-chunk")
+RANK_IMPLS = ("auto", "fa4", "cudnn", "cudnn-one-stream", "per-chunk")
 
 
 def dense_rank_chunks(
@@ -399,12 +447,15 @@ def dense_rank_chunks(
 
     ``impl`` "fa4": one FlashAttention-4 call a chunk (its causal mask aligns at the bottom
     right; :mod:`megatron_s2.flash_attention4`); "cudnn": the rank-level
-    :class:`_RankChunksCudnn` (fp16/bf16, head_dim <= 128, sm_90+ with cuDNN); "per-chunk":
+    :class:`_RankChunksCudnn` (fp16/bf16, head_dim <= 128, sm_90+ with cuDNN), its two chunks
+    on two CUDA streams ("cudnn-one-stream": one after the other); "per-chunk":
     :func:`attend_rank_chunks` with :func:`dense_causal_suffix` per chunk; "auto" (default):
     the first of them that runs here. On an H200 the rank-level cuDNN path took 2-16% less
     time a rank than per-chunk cuDNN calls at 32k and 1-7% at 128k, with a 6-36% higher
     transient peak inside the call (its K-sized gradient buffers; ``docs/context_parallel.md``,
-    which also has the FA4 rows). ``deterministic`` applies to FA4's backward (cuDNN's is)."""
+    which also has the FA4 rows). ``deterministic`` applies to FA4's backward; cuDNN's dK and dV
+    are bitwise reproducible, its dQ is not (nor is it for the CP=1 layer on SDPA: the same
+    kernel)."""
     if impl not in RANK_IMPLS:
         raise ValueError(f"dense_rank_chunks: impl must be one of {RANK_IMPLS}, got {impl!r}")
     if impl in ("auto", "fa4") and use_fa4(impl, query):
@@ -414,13 +465,14 @@ def dense_rank_chunks(
 
         return attend_rank_chunks(query, key, value, rank, cp, attend_fa4, chunk)
     usable = _cudnn_usable(query)
-    if impl == "cudnn" and query.is_cuda and not usable:
+    if impl.startswith("cudnn") and query.is_cuda and not usable:
         raise ValueError(
-            "dense_rank_chunks: impl='cudnn' needs fp16/bf16, head_dim <= 128 and a "
+            f"dense_rank_chunks: impl={impl!r} needs fp16/bf16, head_dim <= 128 and a "
             "multiple of 8, on an sm_90+ GPU with cuDNN"
         )
-    if impl == "cudnn" or (impl == "auto" and usable):
-        return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale)
+    if impl.startswith("cudnn") or (impl == "auto" and usable):
+        streams = impl != "cudnn-one-stream"
+        return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale, streams)
 
     def attend(q, k, v, q_start):
         return dense_causal_suffix(q, k, v, scale)

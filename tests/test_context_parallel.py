@@ -162,6 +162,7 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
     attend = {
         "s2": per_chunk(lambda a, b, c, start: s2_attention(a, b, c, pattern, q_start=start)),
         "cudnn": lambda *args: dense_rank_chunks(*args, scale, impl="cudnn"),
+        "cudnn one stream": lambda *args: dense_rank_chunks(*args, scale, "cudnn-one-stream"),
         "cudnn per chunk": per_chunk(
             lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="cudnn")
         ),
@@ -190,6 +191,43 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
                 assert rel(rows.grad, _local_rows(qq.grad, rank, cp)) < 2e-2, (kind, cp, rank)
             assert rel(kc.grad, k.grad) < 2e-2, (kind, cp, "dk")
             assert rel(vc.grad, v.grad) < 2e-2, (kind, cp, "dv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, groups", [(16, 16), (32, 8)])
+def test_gpu_rank_chunks_cudnn_two_streams_equal_one(heads, groups):
+    """The rank-level cuDNN function with its two chunks on two CUDA streams gives what it gives
+    with them one after the other, every rank of CP 2 and 4 at 16k tokens: the same bits for
+    the output, dK and dV (the same calls, the dK/dV sums in the same order), and dQ to its
+    run-to-run spread (cuDNN's dQ is not bitwise reproducible even on one stream: measured on
+    an H100, two one-stream runs differ by up to 4.9e-4). A missing stream synchronization
+    would read a buffer before it is written."""
+    from megatron_s2.context_parallel import dense_rank_chunks
+
+    dev, seq, dim = torch.device("cuda"), 16384, 128
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("the rank-level cuDNN path needs sm_90+")
+    g = torch.Generator(device=dev).manual_seed(5)
+    q = torch.randn(seq, 1, heads, dim, device=dev, generator=g, dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(seq, 1, groups, dim, device=dev, generator=g, dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    for cp in (2, 4):
+        for rank in range(cp):
+            got = []
+            for impl in ("cudnn", "cudnn-one-stream"):
+                rows, kc, vc = (
+                    t.clone().requires_grad_() for t in (_local_rows(q, rank, cp), k, v)
+                )
+                out = dense_rank_chunks(rows, kc, vc, rank, cp, seq // (2 * cp), dim**-0.5, impl)
+                out.backward(torch.ones_like(out))
+                got.append((out.detach(), rows.grad, kc.grad, vc.grad))
+            (out, dq, dk, dv), (out1, dq1, dk1, dv1) = got
+            for a, b, name in ((out, out1, "out"), (dk, dk1, "dk"), (dv, dv1, "dv")):
+                assert torch.equal(a, b), (cp, rank, name)
+            spread = float((dq.float() - dq1.float()).abs().max() / dq1.float().abs().max())
+            assert spread < 1e-2, (cp, rank, spread)
 
 
 @pytest.mark.gpu
@@ -321,5 +359,5 @@ def test_dense_rank_chunks_rejects_unknown_impl():
     from megatron_s2.context_parallel import dense_rank_chunks
 
     q = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fa4', 'cudnn'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fa4', 'cudnn', 'cudnn-"):
         dense_rank_chunks(q, q, q, 0, 2, 2, 1.0, impl="fast")

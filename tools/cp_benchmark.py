@@ -15,8 +15,9 @@ FA4 call a chunk). "per-token vs CP=1" is the rank's time per query token over i
 row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1" compares every dense
 row with today's dense layer on SDPA. Memory is the peak allocation of the fwd+bwd above its
 inputs. The all-gather itself is not timed here (one GPU); its volume per layer is printed: K
-and V of the whole sequence, ``(N-1)/N`` of it received by each rank. ``--kinds dense-per-chunk
-dense-fa2`` add the earlier dense paths (two cuDNN calls a chunk; FlashAttention-2's varlen).
+and V of the whole sequence, ``(N-1)/N`` of it received by each rank. ``--kinds dense-one-stream
+dense-per-chunk dense-fa2`` add the earlier dense paths (the rank-level cuDNN function on one
+stream; two cuDNN calls a chunk; FlashAttention-2's varlen).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-KINDS = ("S2", "dense", "dense-fa4", "dense-per-chunk", "dense-fa2")
+KINDS = ("S2", "dense", "dense-fa4", "dense-one-stream", "dense-per-chunk", "dense-fa2")
 DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
 
 
@@ -122,7 +123,8 @@ def run(
     one) and ranks 0 and N-1 of each CP size in ``cps``. Kinds: "S2"; "dense" (SDPA at CP=1,
     the rank-level cuDNN function under CP: the module's path with ``dense_attention=sdpa``);
     "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk: the module's path with
-    "auto" where FA4 is installed; skipped with a note where it is not); "dense-per-chunk"
+    "auto" where FA4 is installed; skipped with a note where it is not); "dense-one-stream"
+    (the rank-level cuDNN function with its two chunks one after the other), "dense-per-chunk"
     (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
     earlier paths. ``rel`` is per token against the kind's CP=1 row (the per-chunk and FA2 rows:
     SDPA's), ``rel_sdpa`` against dense SDPA at CP=1 (today's dense layer; dense kinds only)."""
@@ -172,6 +174,12 @@ def run(
         "S2": ("S2", s2_full, per_chunk(s2_at), cps),
         "dense": ("dense, SDPA / rank-level cuDNN", dense_full, rank_level("cudnn"), cps),
         "dense-fa4": ("dense, FA4", fa4_full, rank_level("fa4"), cps),
+        "dense-one-stream": (
+            "dense, rank-level cuDNN, one stream",
+            None,
+            rank_level("cudnn-one-stream"),
+            cps,
+        ),
         "dense-per-chunk": ("dense, cuDNN per chunk", None, per_chunk(suffix("cudnn")), cps),
         "dense-fa2": ("dense, FA2 varlen", None, per_chunk(suffix("flash")), cps[:1]),
     }
