@@ -23,6 +23,7 @@ HEADER = [
     "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
     "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
     "smsp__average_warps_issue_stalled_barrier_not_issued_per_issue_active.ratio",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
 ]
 UNITS = [
     "",
@@ -37,6 +38,7 @@ UNITS = [
     "ratio",
     "ratio",
     "ratio",
+    "%",
 ]
 
 
@@ -70,6 +72,7 @@ def test_table_has_one_row_per_kernel_with_converted_units(tmp_path):
             "0.5",
             "2.0",
             "9.0",
+            "61.04",
         ],
         [
             "1",
@@ -84,23 +87,27 @@ def test_table_has_one_row_per_kernel_with_converted_units(tmp_path):
             "",
             "",
             "",
+            "",
         ],
     ]
     table = tool.table(str(_log(tmp_path, rows)))
     lines = table.splitlines()
-    assert lines[0].startswith("| kernel | time ms | SM % | memory % | tensor pipe %")
+    assert lines[0].startswith(
+        "| kernel | time ms | SM % | memory % | L2 % | DRAM % | tensor pipe %"
+    )
     assert len(lines) == 4
     fwd = [c.strip() for c in lines[2].split("|")[1:-1]]
-    assert fwd[:9] == ["_attn_fwd_kernel", "14.77", "71.5", "-", "55.2", "-", "173", "132", "-"]
+    want = ["_attn_fwd_kernel", "14.77", "71.5", "-", "61.0", "-", "55.2", "-", "173", "132", "-"]
+    assert fwd[:11] == want
     # The three largest stalls, largest first; the "_not_issued" variants are left out.
-    assert fwd[9] == "barrier 3.4, math_pipe_throttle 2.0, long_scoreboard 1.2"
+    assert fwd[11] == "barrier 3.4, math_pipe_throttle 2.0, long_scoreboard 1.2"
     cudnn = [c.strip() for c in lines[3].split("|")[1:-1]]
     assert cudnn[0] == "cudnn_generated_fort_native_sdpa" and cudnn[1] == "56.95"
     assert cudnn[-1] == "-"
 
 
 def test_log_without_units_row_and_empty_log(tmp_path):
-    rows = [["0", "k", "1000000", "50", "", "", "", "", "", "", "", ""]]
+    rows = [["0", "k", "1000000", "50", "", "", "", "", "", "", "", "", ""]]
     lines = tool.table(str(_log(tmp_path, rows, units=False))).splitlines()
     assert len(lines) == 3 and "| k |" in lines[2]
     empty = tmp_path / "empty.csv"

@@ -8,10 +8,10 @@
 first and then calls each once inside a CUDA profiler range (``--profile-from-start off``), so
 only those kernels are measured. ``ncu`` collects the SpeedOfLight, Occupancy, LaunchStats and
 WarpStateStats sections (``--page raw --csv``); ``table`` turns that CSV into one markdown row
-per kernel: time, SM and memory throughput (% of peak), tensor-pipe activity where the GPU
-reports it, occupancy, registers, shared memory, and the three largest warp-stall reasons (in
-cycles per issued instruction). Issue 13's question, "which of fwd / dQ / dK-dV is furthest from
-the roofline, and why", is read off that table.
+per kernel: time, SM and memory throughput (% of peak; L2 and DRAM apart), tensor-pipe activity
+where the GPU reports it, occupancy, registers, shared memory, and the three largest warp-stall
+reasons (in cycles per issued instruction). Issue 13's question, "which of fwd / dQ / dK-dV is
+furthest from the roofline, and why", is read off that table.
 
 Shapes as in ``tools/benchmark.py``: bf16, ``--tokens`` (batch x seq) 131072, 32 heads,
 head_dim 128, block 64, local 16, stride 8; ``s2dense`` is s2attn on the dense causal pattern
@@ -40,11 +40,19 @@ TENSOR_PIPE = (
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
 )
+# L2 and DRAM throughput, to tell a kernel limited by its tile loads (L2 -> SM) from one limited by
+# its own instructions: the SpeedOfLight section reports only their maximum ("memory %").
+MEMORY_UNITS = (
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+)
 # Columns of the table: (header, metric names to try in order, format).
 COLUMNS = (
     ("time ms", ("gpu__time_duration.sum",), "ms"),
     ("SM %", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",), "pct"),
     ("memory %", ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",), "pct"),
+    ("L2 %", MEMORY_UNITS[:1], "pct"),
+    ("DRAM %", MEMORY_UNITS[1:], "pct"),
     ("tensor pipe %", TENSOR_PIPE, "pct"),
     ("occupancy %", ("sm__warps_active.avg.pct_of_peak_sustained_active",), "pct"),
     ("regs", ("launch__registers_per_thread",), "int"),
@@ -128,7 +136,7 @@ def run(args, passthrough: list) -> int:
     for section in SECTIONS:
         cmd += ["--section", section]
     # Without naming them the tensor-pipe column stayed empty (H100, 2026-11-25).
-    cmd += ["--metrics", ",".join(TENSOR_PIPE)]
+    cmd += ["--metrics", ",".join(TENSOR_PIPE + MEMORY_UNITS)]
     cmd += ["--log-file", csv_path, sys.executable, os.path.abspath(__file__), "--target"]
     cmd += passthrough
     print("$ " + " ".join(cmd), flush=True)
