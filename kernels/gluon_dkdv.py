@@ -2,8 +2,10 @@
 (``gluon_forward.py``) turned around: keys are the program's rows.
 
 Each (batch row, KV head, 64-key tile) item walks the tile's column lists
-(``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``) for
-every query head of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered
+(``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``; the
+full entries from the last query tile back, :func:`layout.full_descending_columns`, so that a
+head's stripe columns running side by side read the same Q and dO tiles) for every query head
+of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered
 key tiles (``gathered_keys.py``) an item is one query head's tile, read from its KV head. A
 program runs two items (consecutive in the heaviest-first ``kv_order``) in two independent
 pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttention-3's backward
@@ -38,7 +40,7 @@ import os
 import torch
 
 from . import gluon_forward as gf
-from .layout import layout_for
+from .layout import full_descending_columns, layout_for
 
 gluon, gl = gf.gluon, (gf.gl if gf.gluon is not None else None)
 if gluon is not None:
@@ -376,9 +378,7 @@ def s2_dkdv_gluon(
         lse.stride(1),
         lay.col_ptr,
         lay.col_split,
-        lay.rows,
-        lay.lo_c,
-        lay.hi_c,
+        *full_descending_columns(lay),
         lay.kv_order,
         n_items,
         lay.num_k_tiles,
@@ -436,7 +436,7 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
     dk = torch.zeros(out_shape, dtype=torch.float64)
     dv = torch.zeros(out_shape, dtype=torch.float64)
     col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()
-    rows, los, his = lay.rows.tolist(), lay.lo_c.tolist(), lay.hi_c.tolist()
+    rows, los, his = (x.tolist() for x in full_descending_columns(lay))
     order = lay.kv_order.tolist()
     n_items = len(order)
     n_pairs = (n_items + 1) // 2

@@ -69,3 +69,28 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     # ptxas kept the wgmma asynchronous: a serialized kernel waits for each one
     assert got["full_waits"] <= got["hgmma"] // 4
     assert got["shared_bytes"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("local,stride,kv_heads", [(4, 8, 4), (16, 1, 2)])
+def test_full_descending_columns_turns_round_only_the_full_entries(local, stride, kv_heads):
+    """The Gluon dK/dV pass's column order (:func:`s2attn.layout.full_descending_columns`): in
+    every column list the full entries run from the last query tile back, the partial ones keep
+    their place, and each list holds the same (query tile, lo, hi) entries as before."""
+    from s2attn import S2Pattern
+    from s2attn.layout import full_descending_columns, layout_for
+
+    pattern = S2Pattern(8, kv_heads, block_size=64, local_blocks=local, vert_stride=stride)
+    lay = layout_for(pattern, 4096, 4096, 0, 0, gd.TILE_M, gd.BLOCK_N, "cpu", with_csc=True)
+    rows, lo, hi = full_descending_columns(lay)
+    assert full_descending_columns(lay)[0] is rows  # built once per layout
+    ptr, split = lay.col_ptr.tolist(), lay.col_split.tolist()
+    turned = 0
+    for c in range(len(ptr) - 1):
+        a, m, z = ptr[c], split[c], ptr[c + 1]
+        full = rows[a:m].tolist()
+        assert full == sorted(full, reverse=True)
+        assert rows[m:z].tolist() == lay.rows[m:z].tolist()
+        before = set(zip(lay.rows[a:z].tolist(), lay.lo_c[a:z].tolist(), lay.hi_c[a:z].tolist()))
+        assert set(zip(rows[a:z].tolist(), lo[a:z].tolist(), hi[a:z].tolist())) == before
+        turned += m - a > 1
+    assert turned > 0
