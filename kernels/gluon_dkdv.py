@@ -85,7 +85,7 @@ if gluon is not None:
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
         BOXES: gl.constexpr = BN // k_desc.block_type.shape[0]
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
-        q_bytes: gl.constexpr = q_desc.block_type.nbytes
+        tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         stat_bytes: gl.constexpr = lse_desc.block_type.nbytes
         b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
         if valid:
@@ -109,7 +109,7 @@ if gluon is not None:
                     tile = gl.load(rows + e)
                     row = b * q_row_b + tile * BM
                     bar = ready.index(slot)
-                    mbarrier.expect(bar, q_bytes + do_desc.block_type.nbytes + 2 * stat_bytes)
+                    mbarrier.expect(bar, tile_bytes + 2 * stat_bytes)
                     gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
                     gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
                     # The rows' LSE and delta travel with Q and dO: read by the consumer from
@@ -297,14 +297,18 @@ if gluon is not None:
         )
 
 
+def _row_stats_layout():
+    """Shared-memory layout of one query tile's per-row statistics (``TILE_M`` fp32)."""
+    return gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
+
+
 def _row_stats_descriptor(stat: torch.Tensor):
     """A TMA descriptor of per-row statistics ``[b, hq, s]`` (fp32, contiguous) read
     ``TILE_M`` rows at a time: the LSE and delta of one query tile."""
     flat = stat.reshape(-1)
     if flat.data_ptr() % gf.TMA_ALIGN_BYTES:  # TMA reads from 16-byte aligned addresses
         flat = flat.clone()
-    layout = gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
-    return gf.TensorDescriptor.from_tensor(flat, [TILE_M], layout)
+    return gf.TensorDescriptor.from_tensor(flat, [TILE_M], _row_stats_layout())
 
 
 def s2_dkdv_gluon(
@@ -403,8 +407,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     tiles = {"q_desc": TILE_M, "do_desc": TILE_M}
     # TMA boxes of a pattern block, at most a 64-key tile (half a block of 128).
     tiles.update({n: min(block, BLOCK_N) for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
-    stat_layout = gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
-    stat_desc = f"tensordesc<fp32[{TILE_M}],{stat_layout!r}>"
+    stat_desc = f"tensordesc<fp32[{TILE_M}],{_row_stats_layout()!r}>"
     types = {"lse_desc": stat_desc, "delta_desc": stat_desc, "qk_scale": "fp32", "sm_scale": "fp32"}
     lists = ("col_ptr", "col_split", "rows", "los", "his", "order", "key_lo", "key_hi")
     types.update({n: "*i32" for n in lists})
