@@ -298,13 +298,13 @@ _SIDE_STREAMS: dict = {}
 
 
 def _concurrently(first: Callable, second: Callable, streams: bool):
-    """``(first(), second())``; on a CUDA device with ``streams``, ``first`` runs on a side
-    stream while ``second`` runs on the current one, which then waits for it. A rank's two
-    chunks are independent calls of a few milliseconds each at 32k, whose last waves leave SMs
-    idle: side by side, one chunk's calls fill the other's tail. Tensors ``first`` returns were
-    allocated on the side stream and are marked as used on the current one (their memory is
-    not reused before the current stream's work on them is done)."""
-    if not (streams and torch.cuda.is_available() and torch.cuda.is_initialized()):
+    """``(first(), second())``; with ``streams`` (their tensors on the current CUDA device),
+    ``first`` runs on a side stream while ``second`` runs on the current one, which then waits
+    for it. A rank's two chunks are independent calls of a few milliseconds each at 32k, whose
+    last waves leave SMs idle: side by side, one chunk's calls fill the other's tail. Tensors
+    ``first`` returns were allocated on the side stream and are marked as used on the current
+    one (their memory is not reused before the current stream's work on them is done)."""
+    if not streams:
         return first(), second()
     device = torch.cuda.current_device()
     side = _SIDE_STREAMS.get(device)
@@ -471,7 +471,8 @@ def dense_rank_chunks(
             "multiple of 8, on an sm_90+ GPU with cuDNN"
         )
     if impl.startswith("cudnn") or (impl == "auto" and usable):
-        streams = impl != "cudnn-one-stream"
+        # CPU tensors (the bookkeeping tests' stand-ins) run one after the other.
+        streams = query.is_cuda and impl != "cudnn-one-stream"
         return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale, streams)
 
     def attend(q, k, v, q_start):
