@@ -5,8 +5,8 @@ Each (batch row, KV head, 64-key tile) item walks the tile's column lists
 (``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``; the
 full entries from the last query tile back, :func:`layout.full_descending_columns`, so that a
 head's stripe columns running side by side read the same Q and dO tiles) for every query head
-of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered
-key tiles (``gathered_keys.py``) an item is one query head's tile, read from its KV head. A
+of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered key tiles
+(``gathered_keys.py``) an item is one query head's tile, read from its KV head. A
 program runs two items (consecutive in the heaviest-first ``kv_order``) in two independent
 pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttention-3's backward
 has them:

@@ -636,9 +636,9 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     ``stack_bytes`` (a thread's local memory and stack frame: spilled registers land in the
     latter), ``full_waits`` (``wgmma.wait_group 0`` in the SASS: as many as ``hgmma`` when ptxas
     serialized the wgmma, C7512/C7514), ``shared_bytes``, ``registers`` (the default
-    partition's). Needs
-    ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``:
-    the pattern's (blocks 16 and 32 load gathered 64-key tiles box by box)."""
+    partition's). Needs ``cuobjdump`` next to Triton's ``ptxas``; not under
+    ``TRITON_INTERPRET=1``. ``block``: the pattern's (blocks 16 and 32 load gathered 64-key
+    tiles box by box)."""
     tile = max(block, gathered_keys.TILE_N)
     return compile_kernel_for_sm90(
         _s2_fwd_gluon_kernel,
