@@ -61,6 +61,10 @@ LOG2E = 1.0 / math.log(2.0)
 if gluon is not None:
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
+    # Head dims up to which the consumer holds K and V in registers as the A operands of
+    # S^T = K Q^T and dP^T = V dO^T (at 128 the accumulators leave no room: ptxas spills and
+    # serializes every wgmma).
+    KV_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
     def _item_of(order, n_items, num_k_tiles, WG):
@@ -206,6 +210,12 @@ if gluon is not None:
             k = k_smem.index(WG)
             v = v_smem.index(WG)
             mbarrier.wait(kv_bar.index(WG), 0)
+            if D <= KV_IN_REGISTERS_MAX_D:
+                kv_op: gl.constexpr = gl.DotOperandLayout(
+                    operand_index=0, parent=s_layout, k_width=2
+                )
+                k = k.load(kv_op)
+                v = v.load(kv_op)
             i = 0
             for g in range(group):
                 h = kvh * group + g
@@ -226,13 +236,13 @@ if gluon is not None:
                 )  # fmt: skip
             # K and V are read for the last time above (every MMA waited): their buffers take
             # dK and dV on the way out.
-            k.store((dk * sm_scale).to(k.dtype))
-            v.store(dv.to(v.dtype))
+            k_smem.index(WG).store((dk * sm_scale).to(k.dtype))
+            v_smem.index(WG).store(dv.to(v.dtype))
             fence_async_shared()
             col = b * dkv_col_b + kvh * dkv_col_h
             keys = key_lo + kvh * key_stride
-            gf._store_kv_tile(dk_desc, b * dkv_row_b, col, kt, keys, k)
-            gf._store_kv_tile(dv_desc, b * dkv_row_b, col, kt, keys, v)
+            gf._store_kv_tile(dk_desc, b * dkv_row_b, col, kt, keys, k_smem.index(WG))
+            gf._store_kv_tile(dv_desc, b * dkv_row_b, col, kt, keys, v_smem.index(WG))
             tma.store_wait(0)
 
     @gluon.jit

@@ -51,6 +51,8 @@ LOG2E = 1.0 / math.log(2.0)
 if gluon is not None:
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
+    # At head_dim 128, dO in registers too made ptxas spill (152 bytes a thread).
+    DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
     def _loader(
@@ -156,12 +158,20 @@ if gluon is not None:
         q_abs = q_start + q_loc
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(row_bar, 0)
-        q = q_smem.index(WG)
-        do = do_smem.index(WG)
+        # Q (and dO up to DO_IN_REGISTERS_MAX_D) as the register operands of S = Q K^T and
+        # dP = dO V^T: read from shared memory once, not by every step's 64-key products
+        # (with both operands there, each reads 128 bytes a clock: an SM's whole
+        # shared-memory bandwidth, which the K/V TMA writes and dQ += dS K share).
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        q = q_smem.index(WG).load(a_layout)
+        do_s = do_smem.index(WG)
+        do = do_s
+        if D <= DO_IN_REGISTERS_MAX_D:
+            do = do_s.load(a_layout)
         o = o_smem.index(WG)
         # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE), in fp32.
         rows_acc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-        delta = gl.sum(do.load(acc_layout).to(gl.float32) * o.load(acc_layout).to(gl.float32), 1)
+        delta = gl.sum(do_s.load(acc_layout).to(gl.float32) * o.load(acc_layout).to(gl.float32), 1)
         if has_dlse != 0:
             delta -= gl.load(DLSE + row_off + rows_acc)
         gl.store(DELTA + row_off + rows_acc, delta)

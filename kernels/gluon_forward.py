@@ -85,6 +85,7 @@ if gluon is not None:
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
     NO_KEY_END = gl.constexpr(INT32_MAX)
+    Q_IN_REGISTERS_MAX_N = gl.constexpr(64)  # key tiles up to which Q is a register operand
     # Triton 3.7 renamed the TMA copies; the old names raise there.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -406,8 +407,15 @@ if gluon is not None:
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         acc = gl.zeros([BM, D], gl.float32, o_layout)
         mbarrier.wait(q_bar, 0)
+        # Q as the scores' register operand on 64-key tiles: read from shared memory once, not
+        # by every S = Q K^T wgmma, which with both operands there reads 128 bytes a clock (an
+        # SM's whole shared-memory bandwidth, shared with the K/V TMA writes and P V's reads
+        # of V). 128-key tiles' scores take the registers Q would need (ptxas spills).
+        q = q_smem.index(WG)
+        if BN <= Q_IN_REGISTERS_MAX_N:
+            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         acc, m_i, l_i = _consume_row_list(
-            q_smem.index(WG), k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
+            q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
             e0, e1, e2, qk_scale, key_lo + h * key_stride, key_hi + h * key_stride,
             key_stride > 0,
         )  # fmt: skip
