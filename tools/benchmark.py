@@ -25,8 +25,8 @@ With ``--baseline DIR`` (another copy of the s2attn package, e.g. an earlier com
 ``kernels/`` from ``git archive``), rows ``base s2attn`` (and ``base s2attn dense (V=1)`` when
 s2dense runs) time that copy on the same inputs in the same run: a kernel change is judged
 against its predecessor side by side, not against a number from another day. Each pair is
-timed A B B A (ours, baseline, baseline, ours; each row the mean of its two timings), so a
-drift over the run does not favour either.
+timed run by run in alternation (ours, baseline, baseline, ours, ours, ...; each row the
+median of its runs), so that both rows see the same clocks as the GPU warms up.
 Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
 attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
 row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
@@ -183,20 +183,75 @@ def plan_rows(rows, unavailable: dict) -> tuple:
     return run, skipped
 
 
-def bench(fn, warmup=25, rep=100) -> float:
+# do_bench sizes its warm-up and repeats in milliseconds: with its defaults (25 and 100) a 32k
+# fwd+bwd call (45 ms) ran twice and a 128k one (135 ms) once, so one slow run moved a row by
+# 10%. Every timing now takes at least this many runs after this many warm-up runs.
+MIN_RUNS = 10
+MIN_WARMUP_RUNS = 2
+
+
+def bench(fn, warmup=25, rep=100, min_runs=MIN_RUNS) -> float:
+    """Median ms of ``fn`` (``triton.testing.do_bench``: CUDA events, the L2 flushed before
+    each run) over ``rep`` ms or ``min_runs`` runs, whichever is more, after ``warmup`` ms or
+    :data:`MIN_WARMUP_RUNS` runs. One untimed call first compiles; a second sizes the runs."""
+    import time
+
     import triton.testing
 
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - start) * 1e3
+    warmup = max(warmup, MIN_WARMUP_RUNS * once_ms)
+    rep = max(rep, min_runs * once_ms)
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def abba(time_a: Callable[[], tuple], time_b: Callable[[], tuple]) -> tuple[tuple, tuple]:
-    """Time two rows in the order A, B, B, A and return each row's timings averaged over its two
-    runs (``time_*() -> (fwd_ms, fwd_bwd_ms)``). A drift over the run (clocks, temperature: on
-    the H100s later rows ran 3-5% slower at 128k with identical code, docs/benchmarks.md) then
-    weighs on both rows alike instead of on whichever was timed last."""
-    a1, b1, b2, a2 = time_a(), time_b(), time_b(), time_a()
-    mean = lambda x, y: tuple((u + w) / 2 for u, w in zip(x, y))
-    return mean(a1, a2), mean(b1, b2)
+def alternating(runs: int) -> list[int]:
+    """The order in which :func:`interleaved` times rows 0 and 1: ``runs`` rounds, each row
+    once a round, first in every other round (0 1 1 0 0 1 ...)."""
+    return [w for i in range(runs) for w in ((0, 1) if i % 2 == 0 else (1, 0))]
+
+
+# Bytes written between timed runs so that no run finds its inputs in L2 (the H100's is 50 MB),
+# as do_bench does.
+L2_FLUSH_BYTES = 256 * 2**20
+
+
+def interleaved(fn_a: Callable, fn_b: Callable, min_runs: int = MIN_RUNS, rep=100) -> tuple:
+    """Median ms of ``fn_a`` and of ``fn_b`` timed in alternation, run by run (A B, then B A, ...;
+    CUDA events, L2 flushed before each run), over ``rep`` ms or ``min_runs`` runs each,
+    whichever is more, after both ran twice. Timed in two blocks (A B B A), the rows of one
+    kernel differed by 4-7% on the H100 depending on which block came first (clocks fall as the
+    GPU warms up); run by run both see the same clocks."""
+    import statistics
+    import time
+
+    for fn in (fn_a, fn_b, fn_a, fn_b):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn_a()
+    fn_b()
+    torch.cuda.synchronize()
+    pair_ms = (time.perf_counter() - start) * 1e3
+    runs = max(min_runs, int(2 * rep / max(pair_ms, 1e-3)))
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    events = []
+    for which in alternating(runs):
+        flush.zero_()
+        ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev[0].record()
+        (fn_a, fn_b)[which]()
+        ev[1].record()
+        events.append((which, ev))
+    torch.cuda.synchronize()
+    ms = ([], [])
+    for which, (begin, end) in events:
+        ms[which].append(begin.elapsed_time(end))
+    return statistics.median(ms[0]), statistics.median(ms[1])
 
 
 def fwd_bwd(run, inputs, grad):
@@ -433,7 +488,8 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
 
     base = kernel_config(pat, d, dev)
     configs = [base] + (sweep_configs(base, sweep, block) if sweep else [])
-    # With --baseline, each default-config row and its baseline row are timed A B B A.
+    # With --baseline, each default-config row and its baseline row are timed run by run in
+    # alternation (:func:`interleaved`).
     paired = {}
 
     def with_baseline(row, p, run):
@@ -441,9 +497,10 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
             return None
         bp = baseline_pattern(baseline, p)
         base_run = lambda: baseline.s2_attention(q, k, v, bp)
-        time_of = lambda r: lambda: (bench(r), bench(fwd_bwd(r, (q, k, v), grad)))
         try:
-            ours, theirs = abba(time_of(run), time_of(base_run))
+            fwd = interleaved(run, base_run)
+            both = interleaved(fwd_bwd(run, (q, k, v), grad), fwd_bwd(base_run, (q, k, v), grad))
+            ours, theirs = (fwd[0], both[0]), (fwd[1], both[1])
         except Exception as exc:  # each row is then timed alone, a failing one recorded so
             print(f"  {row} vs baseline: failed ({type(exc).__name__}); timed one by one")
             paired[row] = (base_run, None)
