@@ -17,9 +17,10 @@ has them:
   ``ready``/``empty`` mbarriers (when the consumer read LSE and delta from global memory,
   they were the pass's top stall);
 * a consumer warpgroup keeps dK and dV in registers and per query tile runs ``S^T = K Q^T`` and
-  ``dP^T = V dO^T`` (async wgmma from shared memory, both in flight), ``P^T = exp2(S^T -
-  lse)`` (masked on partial entries), ``dV += P^T dO``, ``dS^T = P^T (dP^T - delta)``, ``dK +=
-  dS^T Q`` (P^T and dS^T as register operands);
+  ``dP^T = V dO^T`` (async wgmma, both in flight; K and V from shared memory, at head_dim 64
+  read once into registers), ``P^T = exp2(S^T - lse)`` (masked on partial entries), ``dV +=
+  P^T dO``, ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q`` (P^T and dS^T as register
+  operands);
 * it then writes dK (times the softmax scale) and dV through K's and V's shared-memory buffers
   and a TMA store.
 

@@ -8,8 +8,9 @@ layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
   into a ``NUM_STAGES`` ring shared by both consumers, guarded by ``ready``/``empty`` mbarriers;
 * two consumer warpgroups, 64 query rows each, first form ``delta = rowsum(dO * O) - dLSE``
   from the shared-memory tiles (written out for the dK/dV pass), then per key tile run ``S = Q
-  K^T`` and ``dP = dO V^T`` (async wgmma, both in flight), ``P = exp2(S - lse)`` (masked on
-  partial entries), ``dS = P (dP - delta)`` and ``dQ += dS K`` (dS as a register operand);
+  K^T`` and ``dP = dO V^T`` (async wgmma, both in flight; Q, and dO at head_dim 64, read once
+  into registers), ``P = exp2(S - lse)`` (masked on partial entries), ``dS = P (dP -
+  delta)`` and ``dQ += dS K`` (dS as a register operand);
 * each then writes dQ (times the softmax scale) through its O buffer, free once delta is
   formed, and the program stores both halves by TMA.
 

@@ -8,10 +8,11 @@ through the producer/consumer schedule that plain ``triton.language`` does not e
   ``ring_stages`` ring of shared-memory buffers, each guarded by a ``ready`` mbarrier (the TMA
   landed) and an ``empty`` one (both consumers are done with it);
 * two consumer warpgroups each own 64 rows of the 128-row query tile and run ``S = Q K^T``
-  (async wgmma from shared memory), the online softmax in registers and ``O += P V`` (wgmma with
-  P in registers), software-pipelined so that a tile's softmax runs under the previous tile's
-  ``P V``; full entries skip the mask, partial ones apply the causal bound and the entry's
-  ``[lo, hi)`` query range;
+  (async wgmma; Q read once into registers on 64-key tiles, K from shared memory), the
+  online softmax in registers and ``O += P V`` (wgmma with P in registers),
+  software-pipelined so that a tile's softmax runs under the previous tile's ``P V``; full
+  entries skip the mask, partial ones apply the causal bound and the entry's ``[lo, hi)``
+  query range;
 * the epilogue writes the LSE (natural log, ``-inf`` for rows that attend nothing) and the
   output through shared memory and a TMA store.
 
@@ -642,11 +643,11 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """Compile the kernel for an H100 (sm_90a) without a GPU, bf16 tiles; the cubin goes to
     ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` and
     ``stack_bytes`` (a thread's local memory and stack frame: spilled registers land in the
-    latter), ``full_waits`` (``wgmma.wait_group 0`` in the SASS: as many as ``hgmma`` when ptxas
-    serialized the wgmma, C7512/C7514), ``shared_bytes``, ``registers`` (the default
-    partition's). Needs ``cuobjdump`` next to Triton's ``ptxas``; not under
-    ``TRITON_INTERPRET=1``. ``block``: the pattern's (blocks 16 and 32 load gathered 64-key
-    tiles box by box)."""
+    latter), ``hgmma_register_a`` (those whose A operand is in registers), ``full_waits``
+    (``wgmma.wait_group 0`` in the SASS: as many as ``hgmma`` when ptxas serialized the wgmma,
+    C7512/C7514), ``shared_bytes``, ``registers`` (the default partition's). Needs
+    ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``: the
+    pattern's (blocks 16 and 32 load gathered 64-key tiles box by box)."""
     tile = max(block, gathered_keys.TILE_N)
     return compile_kernel_for_sm90(
         _s2_fwd_gluon_kernel,
@@ -701,6 +702,8 @@ def compile_kernel_for_sm90(
     regs = [int(x) for x in re.findall(r"REG:(\d+)", usage)]
     return {
         "hgmma": sass.stdout.count("HGMMA"),
+        # wgmma whose A operand is in registers (``HGMMA... Rd, Ra, gdesc[..]``), not shared memory
+        "hgmma_register_a": len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass.stdout)),
         "full_waits": sass.stdout.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
         "local_memory": max(local, default=0),
         "stack_bytes": max(stack, default=0),

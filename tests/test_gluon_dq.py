@@ -51,6 +51,10 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     # full and for partial entries, in each of the two consumer warpgroups.
     assert got["hgmma"] >= 2 * 2 * (2 * head_dim // 16 + 64 // 16)
     assert got["local_memory"] == got["stack_bytes"] == 0  # no register spills
+    # S = Q K^T takes Q from registers (and dP = dO V^T dO at head_dim 64), as dQ += dS K
+    # takes dS: with both operands in shared memory a 64-key product reads 128 bytes a clock.
+    register_a = 2 * 2 * ((1 + (head_dim == 64)) * head_dim // 16 + 64 // 16)
+    assert got["hgmma_register_a"] >= register_a
     # ptxas kept the wgmma asynchronous: a serialized kernel waits for each one
     assert got["full_waits"] <= got["hgmma"] // 4
     assert got["shared_bytes"] <= 227 * 1024
