@@ -5,7 +5,7 @@
     python tools/benchmark.py --list-rows           # which rows this machine can run (no GPU)
 
 For each sequence length (batch x seq = --tokens), times forward and forward+backward with CUDA
-events (``triton.testing.do_bench``, median, after warm-up) for the row ``s2attn`` (this
+events (median of at least 10 runs after 2 warm-up runs, L2 flushed) for the row ``s2attn`` (this
 package's Triton kernels on the S2 pattern) and the rows named by ``--rows``:
   * ``s2dense``: s2attn on a dense causal pattern (``vert_stride=1``: every key block is on a
     stripe), the base rate that every S2 speed-up multiplies,
@@ -24,9 +24,9 @@ package's Triton kernels on the S2 pattern) and the rows named by ``--rows``:
 With ``--baseline DIR`` (another copy of the s2attn package, e.g. an earlier commit's
 ``kernels/`` from ``git archive``), rows ``base s2attn`` (and ``base s2attn dense (V=1)`` when
 s2dense runs) time that copy on the same inputs in the same run: a kernel change is judged
-against its predecessor side by side, not against a number from another day. Each pair is
-timed run by run in alternation (ours, baseline, baseline, ours, ours, ...; each row the
-median of its runs), so that both rows see the same clocks as the GPU warms up.
+against its predecessor side by side, not against a number from another day. All rows of a
+case are timed round by round (each row once a round, the order reversed every other round;
+each row the median of at least 10 runs), so that all see the same clocks as the GPU warms up.
 Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
 attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
 row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
@@ -183,75 +183,57 @@ def plan_rows(rows, unavailable: dict) -> tuple:
     return run, skipped
 
 
-# do_bench sizes its warm-up and repeats in milliseconds: with its defaults (25 and 100) a 32k
-# fwd+bwd call (45 ms) ran twice and a 128k one (135 ms) once, so one slow run moved a row by
-# 10%. Every timing now takes at least this many runs after this many warm-up runs.
-MIN_RUNS = 10
-MIN_WARMUP_RUNS = 2
-
-
-def bench(fn, warmup=25, rep=100, min_runs=MIN_RUNS) -> float:
-    """Median ms of ``fn`` (``triton.testing.do_bench``: CUDA events, the L2 flushed before
-    each run) over ``rep`` ms or ``min_runs`` runs, whichever is more, after ``warmup`` ms or
-    :data:`MIN_WARMUP_RUNS` runs. One untimed call first compiles; a second sizes the runs."""
-    import time
-
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once_ms = (time.perf_counter() - start) * 1e3
-    warmup = max(warmup, MIN_WARMUP_RUNS * once_ms)
-    rep = max(rep, min_runs * once_ms)
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def alternating(runs: int) -> list[int]:
-    """The order in which :func:`interleaved` times rows 0 and 1: ``runs`` rounds, each row
-    once a round, first in every other round (0 1 1 0 0 1 ...)."""
-    return [w for i in range(runs) for w in ((0, 1) if i % 2 == 0 else (1, 0))]
-
-
-# Bytes written between timed runs so that no run finds its inputs in L2 (the H100's is 50 MB),
-# as do_bench does.
+# Every row of a case is timed round by round with the others (:func:`time_rows`): each timed
+# once a round, after every row ran twice untimed. Timed one after another, in blocks, rows
+# differed by 4-7% for identical kernels, always in favour of the block that came first after a
+# compile (the GPU's clocks fall as it warms up); and do_bench's defaults (25 ms of warm-up,
+# 100 ms of repeats) ran a 128k fwd+bwd once.
+MIN_RUNS = 10  # timed runs of each row at least
+WARMUP_RUNS = 2  # untimed runs of each row before the first round
+# Bytes written before each timed run so that no run finds its inputs in L2 (the H100's is
+# 50 MB), as do_bench does.
 L2_FLUSH_BYTES = 256 * 2**20
 
 
-def interleaved(fn_a: Callable, fn_b: Callable, min_runs: int = MIN_RUNS, rep=100) -> tuple:
-    """Median ms of ``fn_a`` and of ``fn_b`` timed in alternation, run by run (A B, then B A, ...;
-    CUDA events, L2 flushed before each run), over ``rep`` ms or ``min_runs`` runs each,
-    whichever is more, after both ran twice. Timed in two blocks (A B B A), the rows of one
-    kernel differed by 4-7% on the H100 depending on which block came first (clocks fall as the
-    GPU warms up); run by run both see the same clocks."""
+def round_order(n_rows: int, rounds: int) -> list[int]:
+    """Row indices in the order :func:`time_rows` runs them: ``rounds`` rounds of every row,
+    in order in even rounds and in reverse in odd ones, so that no row always runs first (with
+    two rows: 0 1 1 0 0 1 ...)."""
+    return [i for r in range(rounds) for i in (range(n_rows)[:: 1 if r % 2 == 0 else -1])]
+
+
+def time_rows(fns: list[Callable], min_runs: int = MIN_RUNS, rep: float = 100.0) -> list[float]:
+    """Median ms of each of ``fns`` (CUDA events, L2 flushed before each run) over
+    ``min_runs`` rounds, or more where a round is short, at least ``rep`` ms a row on average;
+    every row runs :data:`WARMUP_RUNS` times untimed first (compiles included)."""
+    import math
     import statistics
     import time
 
-    for fn in (fn_a, fn_b, fn_a, fn_b):
-        fn()
+    for _ in range(WARMUP_RUNS):
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn_a()
-    fn_b()
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
-    pair_ms = (time.perf_counter() - start) * 1e3
-    runs = max(min_runs, int(2 * rep / max(pair_ms, 1e-3)))
+    round_ms = (time.perf_counter() - start) * 1e3
+    rounds = max(min_runs, math.ceil(rep * len(fns) / max(round_ms, 1e-3)))
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     events = []
-    for which in alternating(runs):
+    for which in round_order(len(fns), rounds):
         flush.zero_()
         ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev[0].record()
-        (fn_a, fn_b)[which]()
+        fns[which]()
         ev[1].record()
         events.append((which, ev))
     torch.cuda.synchronize()
-    ms = ([], [])
+    ms = [[] for _ in fns]
     for which, (begin, end) in events:
         ms[which].append(begin.elapsed_time(end))
-    return statistics.median(ms[0]), statistics.median(ms[1])
+    return [statistics.median(m) for m in ms]
 
 
 def fwd_bwd(run, inputs, grad):
@@ -457,63 +439,28 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
     res = []
     shape = dict(seq=seq, batch=batch, d=d, block=block)
 
-    def record(row, name, pairs, f, fb, times=None):
-        """Time ``f`` and ``fb`` (or take ``times``, ``(fwd_ms, fwd_bwd_ms)`` measured by the
-        caller) and add the row."""
-        try:
-            ms_f, ms_fb = times if times is not None else (bench(f), bench(fb))
-        except Exception as exc:  # a baseline that cannot run at this size is reported, not fatal
-            print(f"  {name}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-            res.append(dict(row=row, name=name, **shape, error=str(exc)[:300]))
-            return
-        r = dict(
-            row=row,
-            name=name,
-            **shape,
-            pairs=pairs,
-            fwd_ms=ms_f,
-            fwdbwd_ms=ms_fb,
-            fwd_tflops=tflops(pairs, d, ms_f, False),
-            fwdbwd_tflops=tflops(pairs, d, ms_fb, True),
-        )
-        res.append(r)
-        print(
-            f"  {name:<18} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
-            f"fwd+bwd {ms_fb:8.2f} ms {r['fwdbwd_tflops']:6.0f} TF/s",
-            flush=True,
-        )
+    pending = []  # (row, name, pairs, forward, forward + backward), timed together at the end
+
+    def record(row, name, pairs, f, fb):
+        pending.append((row, name, pairs, f, fb))
 
     for row, reason in skipped:
         print(f"  {ROWS[row]}: skipped ({reason})", flush=True)
 
     base = kernel_config(pat, d, dev)
     configs = [base] + (sweep_configs(base, sweep, block) if sweep else [])
-    # With --baseline, each default-config row and its baseline row are timed run by run in
-    # alternation (:func:`interleaved`).
-    paired = {}
+    baseline_rows = {}  # row -> the --baseline package's run of it, default config
 
-    def with_baseline(row, p, run):
-        if baseline is None:
-            return None
-        bp = baseline_pattern(baseline, p)
-        base_run = lambda: baseline.s2_attention(q, k, v, bp)
-        try:
-            fwd = interleaved(run, base_run)
-            both = interleaved(fwd_bwd(run, (q, k, v), grad), fwd_bwd(base_run, (q, k, v), grad))
-            ours, theirs = (fwd[0], both[0]), (fwd[1], both[1])
-        except Exception as exc:  # each row is then timed alone, a failing one recorded so
-            print(f"  {row} vs baseline: failed ({type(exc).__name__}); timed one by one")
-            paired[row] = (base_run, None)
-            return None
-        paired[row] = (base_run, theirs)
-        return ours
+    def with_baseline(row, p):
+        if baseline is not None:
+            bp = baseline_pattern(baseline, p)
+            baseline_rows[row] = lambda: baseline.s2_attention(q, k, v, bp)
 
     for cfg in configs:
         run = lambda cfg=cfg: s2_attention(q, k, v, pat, kernel_config=cfg)
         pairs = row_pairs("s2attn", pat, seq, batch)
-        times = with_baseline("s2attn", pat, run) if cfg is base else None
-        label = config_label(cfg, base)
-        record("s2attn", label, pairs, run, fwd_bwd(run, (q, k, v), grad), times)
+        record("s2attn", config_label(cfg, base), pairs, run, fwd_bwd(run, (q, k, v), grad))
+    with_baseline("s2attn", pat)
     if "s2dense" in rows:
         dpat = dense_pattern(pat)
         # A filtered sweep is short enough to try its configs on the dense pattern too: the
@@ -523,12 +470,12 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
             run = lambda cfg=cfg: s2_attention(q, k, v, dpat, kernel_config=cfg)
             pairs = row_pairs("s2dense", pat, seq, batch)
             label = ROWS["s2dense"] + config_label(cfg, base).removeprefix("s2attn")
-            times = with_baseline("s2dense", dpat, run) if cfg is base else None
-            record("s2dense", label, pairs, run, fwd_bwd(run, (q, k, v), grad), times)
-    for row, (run, times) in paired.items():
+            record("s2dense", label, pairs, run, fwd_bwd(run, (q, k, v), grad))
+        with_baseline("s2dense", dpat)
+    for row, run in baseline_rows.items():
         name = "base " + ("s2attn" if row == "s2attn" else ROWS[row])
         pairs = row_pairs(row, pat, seq, batch)
-        record("base-" + row, name, pairs, run, fwd_bwd(run, (q, k, v), grad), times)
+        record("base-" + row, name, pairs, run, fwd_bwd(run, (q, k, v), grad))
     # The batch's tokens packed (views, no copy) for the varlen rows.
     qv, kv, vv = (x.view(batch * seq, *x.shape[2:]) for x in (q, k, v))
     for row in ("varlen", "varlen-mixed"):
@@ -559,7 +506,6 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
             )
             pairs = row_pairs(row, pat, seq, batch)
             record(row, ROWS[row], pairs, run, fwd_bwd(run, (qt, kt, vt), gt))
-        del qt, kt, vt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qd, kd, vd = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
@@ -586,9 +532,50 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
         run = lambda: flash_attn_func(q, k, v, causal=True)[0]
         pairs = row_pairs("fa4", pat, seq, batch)
         record("fa4", ROWS["fa4"], pairs, run, fwd_bwd(run, (q, k, v), grad))
+    res += timed_records(pending, shape)
     # Skipped rows close the case's table lines, so the timed ones keep their usual order.
     res += [dict(row=row, name=ROWS[row], **shape, skipped=why) for row, why in skipped]
     return res, pat.density(seq)
+
+
+def timed_records(pending, shape: dict) -> list[dict]:
+    """Time ``pending`` rows ``(row, name, pairs, forward, forward + backward)`` of one case
+    together (:func:`time_rows`: the forwards round by round, then the forward + backward
+    calls) and return their records in the same order, printed; a row whose first call fails
+    (a baseline that cannot run at this size) is reported and recorded with its error, and the
+    others are timed without it."""
+    res, ok = [None] * len(pending), []
+    for i, (row, name, _, f, fb) in enumerate(pending):
+        try:
+            f()
+            fb()
+        except Exception as exc:  # a baseline that cannot run at this size is reported, not fatal
+            print(f"  {name}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            res[i] = dict(row=row, name=name, **shape, error=str(exc)[:300])
+            continue
+        ok.append(i)
+    fwd_ms = time_rows([pending[i][3] for i in ok])
+    both_ms = time_rows([pending[i][4] for i in ok])
+    for i, ms_f, ms_fb in zip(ok, fwd_ms, both_ms):
+        row, name, pairs, _, _ = pending[i]
+        d = shape["d"]
+        r = dict(
+            row=row,
+            name=name,
+            **shape,
+            pairs=pairs,
+            fwd_ms=ms_f,
+            fwdbwd_ms=ms_fb,
+            fwd_tflops=tflops(pairs, d, ms_f, False),
+            fwdbwd_tflops=tflops(pairs, d, ms_fb, True),
+        )
+        res[i] = r
+        print(
+            f"  {name:<18} fwd {ms_f:8.2f} ms {r['fwd_tflops']:6.0f} TF/s | "
+            f"fwd+bwd {ms_fb:8.2f} ms {r['fwdbwd_tflops']:6.0f} TF/s",
+            flush=True,
+        )
+    return res
 
 
 def best_dense(records, rate: str = "fwdbwd_tflops") -> Optional[dict]:
