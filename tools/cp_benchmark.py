@@ -6,8 +6,9 @@ design next to the single-GPU (CP=1) layer, for S2 and dense layers.
     python tools/cp_benchmark.py --seqs 32768 --cp 2 4 --heads 32/8
     python tools/cp_benchmark.py --seqs 32768 --cp 2 --profile dense   # where the time goes
 
-Each row times one layer's core attention, forward + backward (``triton.testing.do_bench``,
-median): CP=1 attends the whole sequence as the modules do (S2: ``s2_attention``; dense:
+Each row times one layer's core attention, forward + backward (CUDA events, median of at least
+10 runs; all rows of a shape timed round by round with each other, ``gpu_timing.py``): CP=1
+attends the whole sequence as the modules do (S2: ``s2_attention``; dense:
 ``FusedDenseAttention``'s SDPA, and FlashAttention-4 where it is installed); CP=N attends one
 rank's two load-balanced query chunks against the whole K/V (what each rank computes after the
 all-gather; ranks 0 and N-1 bracket the balance; dense: the rank-level cuDNN function, or one
@@ -29,6 +30,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import time_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -49,20 +51,16 @@ def _step(fn, grads_of):
     return step
 
 
-def _timed(fn, grads_of) -> tuple[float, float]:
-    """(median ms, peak MiB above the live allocation) of ``fn().backward``."""
-    import triton.testing
-
-    step = _step(fn, grads_of)
+def _peak_mib(step) -> float:
+    """Peak MiB that one call of ``step`` allocates above what is live before it (after a first,
+    untimed call)."""
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = triton.testing.do_bench(step, warmup=5, rep=40, return_mode="median")
-    return ms, peak
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 # Kernel-name fragments of the --profile breakdown's groups, first match wins (lower case).
@@ -183,11 +181,16 @@ def run(
         "dense-per-chunk": ("dense, cuDNN per chunk", None, per_chunk(suffix("cudnn")), cps),
         "dense-fa2": ("dense, FA2 varlen", None, per_chunk(suffix("flash")), cps[:1]),
     }
-    rows = []
+    # Every row of this shape is timed round by round with the others (gpu_timing.time_rows):
+    # timed one after another, the first (CP=1 SDPA, right after a compile) ran on a cooler,
+    # faster-clocked GPU than the CP rows after it.
+    rows, steps = [], []
     kv_mib = 2 * seq * groups * dim * 2 / 2**20
-    sdpa_ms = None
+    sdpa = None  # index of dense SDPA's CP=1 row in ``rows``
     if any(kind.startswith("dense") for kind in kinds):
-        sdpa_ms, sdpa_mem = _timed(dense_full, (q, k, v))
+        steps.append(_step(dense_full, (q, k, v)))
+        rows.append(dict(kind="dense SDPA", seq=seq, cp=1, rank="-", kv=0, prof=None, own=None))
+        sdpa = 0
     for name in kinds:
         kind, full, at, kind_cps = table[name]
         skip = fa4_unusable_reason(q) if name == "dense-fa4" else None
@@ -196,26 +199,16 @@ def run(
             continue
         profiled = name.split("-")[0] in profile_kinds
         dense = name.startswith("dense")
+        own = sdpa  # the row this kind's "per-token vs CP=1" divides by
         if full is not None:
-            # SDPA's CP=1 row is timed once: both columns then share one denominator.
-            ms1, mem1 = (sdpa_ms, sdpa_mem) if full is dense_full else _timed(full, (q, k, v))
-            prof = profile_breakdown(_step(full, (q, k, v))) if profiled else None
-            rows.append(
-                dict(
-                    kind=kind,
-                    seq=seq,
-                    cp=1,
-                    rank="-",
-                    ms=ms1,
-                    mem=mem1,
-                    rel=1.0,
-                    rel_sdpa=ms1 / sdpa_ms if dense else None,
-                    kv=0,
-                    prof=prof,
-                )
-            )
-        elif dense:  # the earlier dense paths compare with SDPA's CP=1 row
-            ms1 = sdpa_ms
+            if full is dense_full:  # SDPA's CP=1 row is timed once: both columns share it
+                rows[sdpa]["kind"] = kind
+            else:
+                steps.append(_step(full, (q, k, v)))
+                rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", kv=0, prof=None, own=None))
+                own = len(rows) - 1
+            if profiled:
+                rows[own]["prof"] = profile_breakdown(steps[own])
         for cp in kind_cps:
             chunk = seq // (2 * cp)
             for rank in sorted({0, cp - 1}):
@@ -227,23 +220,31 @@ def run(
                 def local(rows_q=rows_q, rank=rank, cp=cp, chunk=chunk, at=at):
                     return at(rows_q, rank, cp, chunk)
 
-                ms, mem = _timed(local, (rows_q, k, v))
-                per_token = ms / (2 * chunk)
-                prof = profile_breakdown(_step(local, (rows_q, k, v))) if profiled else None
+                steps.append(_step(local, (rows_q, k, v)))
                 rows.append(
                     dict(
                         kind=kind,
                         seq=seq,
                         cp=cp,
                         rank=rank,
-                        ms=ms,
-                        mem=mem,
-                        rel=per_token / (ms1 / seq),
-                        rel_sdpa=per_token / (sdpa_ms / seq) if dense else None,
                         kv=kv_mib * (cp - 1) / cp,
-                        prof=prof,
+                        prof=profile_breakdown(steps[-1]) if profiled else None,
+                        own=own,
+                        dense=dense,
                     )
                 )
+    for row, step in zip(rows, steps):
+        row["mem"] = _peak_mib(step)
+    for row, ms in zip(rows, time_rows(steps)):
+        row["ms"] = ms
+    for row in rows:
+        tokens = seq if row["cp"] == 1 else seq // row["cp"]
+        per_token = row["ms"] / tokens
+        own = row.pop("own")
+        ref = rows[own] if own is not None else row
+        row["rel"] = per_token / (ref["ms"] / seq)
+        dense = row.pop("dense", row["kind"].startswith("dense"))
+        row["rel_sdpa"] = per_token / (rows[sdpa]["ms"] / seq) if dense else None
     return rows
 
 
