@@ -2,9 +2,9 @@
 
     python tools/tune_kernels.py --seq 32768 --tokens 131072
 
-Prints one line per (kernel, config, pointer or TMA tile loads) with the median time; the
-fastest per kernel is what ``triton_attention.kernel_config`` should return on this GPU (its
-``GPU_*`` defaults).
+Prints one line per (kernel, config, pointer or TMA tile loads) with the median time (the
+candidates of a kernel timed round by round, ``gpu_timing.py``); the fastest per kernel is what
+``triton_attention.kernel_config`` should return on this GPU (its ``GPU_*`` defaults).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 
 import torch
-import triton.testing
+from gpu_timing import time_rows
 
 from s2attn import S2Pattern
 from s2attn import triton_attention as ta
@@ -68,21 +68,26 @@ def main(argv=None):
         ("dkdv", DKDV, lambda c: ta.bwd_dkdv(do, q, k, v, lse, delta, pat, scale, 0, 0, c)),
         ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c)),
     ):
-        best = None
         tmas = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
+        runs, labels = [], []
         for cand, tma in ((c, t) for c in cands for t in tmas):
             cfg = dataclasses.replace(base, tma=tma, **{name: cand})
-            cand = f"{cand}{' tma' if tma else ''}"
+            label = f"{cand}{' tma' if tma else ''}"
+            run = lambda fn=fn, cfg=cfg: fn(cfg)
             try:
-                ms = triton.testing.do_bench(
-                    lambda fn=fn, cfg=cfg: fn(cfg), warmup=25, rep=100, return_mode="median"
-                )
+                run()
             except Exception as exc:  # e.g. out of shared memory for a tile shape
-                print(f"  {name:5} {cand}: failed {type(exc).__name__}")
+                print(f"  {name:5} {label}: failed {type(exc).__name__}")
                 continue
-            best = min(best or (ms, cand), (ms, cand), key=lambda x: x[0])
-            print(f"  {name:5} {cand}: {ms:7.2f} ms", flush=True)
-        print(f"  best {name}: {best}")
+            runs.append(run)
+            labels.append(label)
+        # All candidates of a pass timed round by round: one after another, the first ran on a
+        # cooler, faster-clocked GPU (gpu_timing.py).
+        times = time_rows(runs)
+        for label, ms in zip(labels, times):
+            print(f"  {name:5} {label}: {ms:7.2f} ms", flush=True)
+        if times:
+            print(f"  best {name}: {min(zip(times, labels))}")
 
 
 if __name__ == "__main__":
