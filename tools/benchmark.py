@@ -504,9 +504,9 @@ def timed_records(pending, shape: dict) -> list[dict]:
         ok.append(i)
     fwd_ms = time_rows([pending[i][3] for i in ok])
     both_ms = time_rows([pending[i][4] for i in ok])
+    d = shape["d"]
     for i, ms_f, ms_fb in zip(ok, fwd_ms, both_ms):
         row, name, pairs, _, _ = pending[i]
-        d = shape["d"]
         r = dict(
             row=row,
             name=name,

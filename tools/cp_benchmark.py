@@ -198,7 +198,6 @@ def run(
             print(f"# {kind}: skipped ({skip})")
             continue
         profiled = name.split("-")[0] in profile_kinds
-        dense = name.startswith("dense")
         own = sdpa  # the row this kind's "per-token vs CP=1" divides by
         if full is not None:
             if full is dense_full:  # SDPA's CP=1 row is timed once: both columns share it
@@ -230,7 +229,6 @@ def run(
                         kv=kv_mib * (cp - 1) / cp,
                         prof=profile_breakdown(steps[-1]) if profiled else None,
                         own=own,
-                        dense=dense,
                     )
                 )
     for row, step in zip(rows, steps):
@@ -243,7 +241,8 @@ def run(
         own = row.pop("own")
         ref = rows[own] if own is not None else row
         row["rel"] = per_token / (ref["ms"] / seq)
-        dense = row.pop("dense", row["kind"].startswith("dense"))
+        # Every dense kind's label starts with "dense" (the S2 one is "S2").
+        dense = row["kind"].startswith("dense")
         row["rel_sdpa"] = per_token / (rows[sdpa]["ms"] / seq) if dense else None
     return rows
 
