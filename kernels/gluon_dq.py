@@ -8,8 +8,8 @@ layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
   into a ``NUM_STAGES`` ring shared by both consumers, guarded by ``ready``/``empty`` mbarriers;
 * two consumer warpgroups, 64 query rows each, first form ``delta = rowsum(dO * O) - dLSE``
   from the shared-memory tiles (written out for the dK/dV pass), then per key tile run ``S = Q
-  K^T`` and ``dP = dO V^T`` (async wgmma, both in flight; Q, and dO at head_dim 64, read once
-  into registers), ``P = exp2(S - lse)`` (masked on partial entries), ``dS = P (dP -
+  K^T`` and ``dP = dO V^T`` (async wgmma, both in flight; Q, and dO in the full entries' loop,
+  read once into registers), ``P = exp2(S - lse)`` (masked on partial entries), ``dS = P (dP -
   delta)`` and ``dQ += dS K`` (dS as a register operand);
 * each then writes dQ (times the softmax scale) through its O buffer, free once delta is
   formed, and the program stores both halves by TMA.
@@ -52,8 +52,11 @@ LOG2E = 1.0 / math.log(2.0)
 if gluon is not None:
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
-    # At head_dim 128, dO in registers too made ptxas spill (152 bytes a thread).
-    DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
+    # dO is a register operand in the full entries' loop, and in the masked loop up to
+    # MASKED_DO_IN_REGISTERS_MAX_D: at head_dim 128 the masks need those registers (dO in
+    # registers in both loops spilled 152 bytes).
+    DO_IN_REGISTERS_MAX_D = gl.constexpr(128)
+    MASKED_DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
     def _loader(
@@ -80,8 +83,8 @@ if gluon is not None:
         e2 = gl.load(row_ptr + item + 1)
         kv_col = b * kv_col_b + (h // group) * kv_col_h
         gf._load_kv_ring(
-            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col,
-            key_lo + h * key_stride,
+            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, e0, b * kv_row_b,
+            kv_col, key_lo + h * key_stride,
         )  # fmt: skip
 
     @gluon.jit
@@ -159,16 +162,19 @@ if gluon is not None:
         q_abs = q_start + q_loc
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(row_bar, 0)
-        # Q (and dO up to DO_IN_REGISTERS_MAX_D) as the register operands of S = Q K^T and
-        # dP = dO V^T: read from shared memory once, not by every step's 64-key products
-        # (with both operands there, each reads 128 bytes a clock: an SM's whole
-        # shared-memory bandwidth, which the K/V TMA writes and dQ += dS K share).
+        # Q (and dO up to DO_IN_REGISTERS_MAX_D, in the full entries' loop) as the register
+        # operands of S = Q K^T and dP = dO V^T: read from shared memory once, not by every
+        # step's 64-key products (with both operands there, each reads 128 bytes a clock: an
+        # SM's whole shared-memory bandwidth, which the K/V TMA writes and dQ += dS K share).
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         q = q_smem.index(WG).load(a_layout)
         do_s = do_smem.index(WG)
         do = do_s
         if D <= DO_IN_REGISTERS_MAX_D:
             do = do_s.load(a_layout)
+        do_masked = do_s
+        if D <= MASKED_DO_IN_REGISTERS_MAX_D:
+            do_masked = do
         o = o_smem.index(WG)
         # delta = rowsum(dO * O) - dLSE (dLSE enters the softmax gradient as P * dLSE), in fp32.
         rows_acc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
@@ -189,8 +195,8 @@ if gluon is not None:
             cols, los, his, e0, e1, e0, qk_scale, key_lo, key_hi, gathered, False,
         )  # fmt: skip
         dq = _tiles(
-            q, do, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first, offs_n,
-            cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
+            q, do_masked, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first,
+            offs_n, cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
         # O was last read for delta: its buffer takes dQ on the way out.
         o.store((dq * sm_scale).to(o.dtype))

@@ -14,7 +14,12 @@ through the producer/consumer schedule that plain ``triton.language`` does not e
   entries skip the mask, partial ones apply the causal bound and the entry's ``[lo, hi)``
   query range;
 * the epilogue writes the LSE (natural log, ``-inf`` for rows that attend nothing) and the
-  output through shared memory and a TMA store.
+  output to shared memory, which a storer warp TMA-stores while the consumers go on.
+
+A program runs one (batch row, head, query tile) work item or, where items are short (S2
+patterns: ``FWD_PERSISTENT_TILES``), one program per SM strides through many, its K/V ring
+positions running on from item to item and the next item's Q loaded while the current one
+finishes (:func:`persistent_programs`).
 
 :func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
 (``q_start = k_start = 0``, equal lengths, no packed documents) or a context-parallel chunk,
@@ -77,6 +82,12 @@ DTYPES = (torch.bfloat16, torch.float16)
 CHECKED_TRITON = ("3.6",)
 ENV_SWITCH = "S2ATTN_GLUON_FORWARD"  # "0": never, "1": on any Triton with Gluon, unset: checked
 LN2 = math.log(2.0)
+# Key tiles per work item (mean) up to which the forward runs persistent programs
+# (persistent_programs). On the H100 and H200 the persistent forward ran S2 patterns 1-11%
+# faster (the most at 8k-32k, at block 16 and head_dim 64: items of 20-60 tiles; 128k at
+# block 64: 143) but dense causal ones (257 tiles at 32k, 1024 at 128k) 4-8% slower;
+# docs/benchmarks.md, "Persistent programs".
+FWD_PERSISTENT_TILES = 192
 INT32_LIMIT = 2**31
 INT32_MAX = INT32_LIMIT - 1  # a key's end of attending queries when nothing bounds it
 
@@ -151,32 +162,72 @@ if gluon is not None:
 
     @gluon.jit
     def _item_of_program(order, n_items, num_q_tiles):
-        """(batch row, head, query tile, layout item) of this program: every batch row runs
-        through ``order`` (heaviest items first), as in the ``tl`` kernel."""
+        """(batch row, head, query tile, layout item) of a program that runs one item (the dQ
+        pass): every batch row runs through ``order`` (heaviest items first), as in the ``tl``
+        kernel."""
         pid = gl.program_id(0)
         item = gl.load(order + pid % n_items)
         return pid // n_items, item // num_q_tiles, item % num_q_tiles, item
 
     @gluon.jit
+    def _work_item(t, order, batch, num_q_tiles):
+        """(batch row, head, query tile, layout item) of work item ``t`` of a persistent
+        program: the items of all batch rows in one heaviest-first list (``order``, each item
+        for every batch row in turn), which each program strides through by the grid size, so
+        that the programs' sums of work come out nearly equal."""
+        item = gl.load(order + t // batch)
+        return t % batch, item // num_q_tiles, item % num_q_tiles, item
+
+    @gluon.jit
     def _loader(
-        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
-        order, n_items, num_q_tiles, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h,
-        kv_row_b, kv_col_b, kv_col_h,
+        q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, row_ptr,
+        cols, order, n_work, batch, num_q_tiles, group, key_lo, key_stride, q_row_b, q_col_b,
+        q_col_h, kv_row_b, kv_col_b, kv_col_h,
     ):  # fmt: skip
+        """This program's work items one after another: each item's two Q halves once the
+        consumers are done with the previous item's, then its K/V tiles into the ring, whose
+        positions run on across items (``ring``)."""
         BM: gl.constexpr = q_smem.type.shape[1]
-        b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
-        q_row = b * q_row_b + qt * 2 * BM
-        q_col = b * q_col_b + h * q_col_h
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-        _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
-        e0 = gl.load(row_ptr + item)
-        e2 = gl.load(row_ptr + item + 1)
-        kv_col = b * kv_col_b + (h // group) * kv_col_h
-        _load_kv_ring(
-            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, b * kv_row_b, kv_col,
-            key_lo + h * key_stride,
-        )  # fmt: skip
+        ring = 0
+        n = 0
+        for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            b, h, qt, item = _work_item(t, order, batch, num_q_tiles)
+            q_row = b * q_row_b + qt * 2 * BM
+            q_col = b * q_col_b + h * q_col_h
+            mbarrier.wait(q_empty, (n & 1) ^ 1)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+            _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
+            e0 = gl.load(row_ptr + item)
+            e2 = gl.load(row_ptr + item + 1)
+            kv_col = b * kv_col_b + (h // group) * kv_col_h
+            _load_kv_ring(
+                k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, e0 - ring,
+                b * kv_row_b, kv_col, key_lo + h * key_stride,
+            )  # fmt: skip
+            ring += e2 - e0
+            n += 1
+
+    @gluon.jit
+    def _storer(
+        o_desc, o_smem, o_ready, o_empty, order, n_work, batch, num_q_tiles, o_row_b, o_col_b,
+        o_col_h,
+    ):  # fmt: skip
+        """TMA-stores each work item's output once both consumers have written their halves
+        to ``o_smem``, and frees the buffers for the next item when the copy has read them:
+        the consumers go on to the next item meanwhile."""
+        BM: gl.constexpr = o_smem.type.shape[1]
+        n = 0
+        for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            b, h, qt, item = _work_item(t, order, batch, num_q_tiles)
+            row = b * o_row_b + qt * 2 * BM
+            col = b * o_col_b + h * o_col_h
+            mbarrier.wait(o_ready, n & 1)
+            _tma_store(o_desc, [row, col], o_smem.index(0))
+            _tma_store(o_desc, [row + BM, col], o_smem.index(1))
+            tma.store_wait(0)
+            mbarrier.arrive(o_empty, count=1)
+            n += 1
 
     @gluon.jit
     def _load_kv_tile(desc, row0, col, kt, key_lo, bar, buf):
@@ -206,16 +257,18 @@ if gluon is not None:
 
     @gluon.jit
     def _load_kv_ring(
-        k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, kv_row, kv_col, key_lo
+        k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, origin, kv_row, kv_col,
+        key_lo,
     ):  # fmt: skip
         """TMA-load the K and V tiles of row-list entries ``e0 .. e2`` into the ``STAGES`` ring
-        that both consumer warpgroups read (the forward's and the dQ pass's loader); gathered
-        tiles (``key_lo``: this head's key positions) box by box (:func:`_load_kv_tile`)."""
+        that both consumer warpgroups read (the forward's and the dQ pass's loader), entry
+        ``e`` at ring position ``e - origin``; gathered tiles (``key_lo``: this head's key
+        positions) box by box (:func:`_load_kv_tile`)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BOXES: gl.constexpr = BN // k_desc.block_type.shape[0]
         for e in range(e0, e2):
-            i = e - e0
+            i = e - origin
             stage = i % STAGES
             # A stage is free once both consumers released its previous use; the first pass
             # waits on the phase before the barrier's first, which counts as completed.
@@ -327,10 +380,11 @@ if gluon is not None:
     @gluon.jit
     def _consume_row_list(
         q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his, e0, e1, e2,
-        qk_scale, key_lo, key_hi, gathered,
+        origin, qk_scale, key_lo, key_hi, gathered,
     ):  # fmt: skip
-        """The item's row-list entries ``e0 .. e2`` (from ``e1`` on partial: masked); returns
-        the unnormalised output, the row max and the row sum.
+        """The item's row-list entries ``e0 .. e2`` (from ``e1`` on partial: masked), entry
+        ``e`` at ring position ``e - origin``; returns the unnormalised output, the row max and
+        the row sum.
 
         Software-pipelined as FlashAttention-3's intra-warpgroup overlap: step ``j`` issues
         ``S_j = Q K_j^T`` and then ``O += P_{j-1} V_{j-1}``, and the softmax of ``S_j`` runs
@@ -349,9 +403,11 @@ if gluon is not None:
         l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         # Step 0 alone: nothing is accumulated yet to overlap its scores with. Every query tile
         # attends its own diagonal block, so the list is never empty.
-        mbarrier.wait(ready.index(0), 0)
+        i0 = e0 - origin
+        mbarrier.wait(ready.index(i0 % STAGES), (i0 // STAGES) & 1)
         s_tok = warpgroup_mma(
-            q, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+            q, k_bufs.index(i0 % STAGES).permute((1, 0)),
+            gl.zeros([BM, BN], gl.float32, s_layout),
             use_acc=False, is_async=True,
         )  # fmt: skip
         n = gl.load(cols + e0) * BN + offs_n
@@ -368,13 +424,13 @@ if gluon is not None:
         e_mid = gl.maximum(e1, e0 + 1)
         acc, p_op, m_i, l_i = _pipelined_steps(
             q, k_bufs, v_bufs, ready, empty, acc, p_op, m_i, l_i, q_abs, offs_n, cols, los, his,
-            e0 + 1, e_mid, e0, qk_scale, key_lo, key_hi, gathered, False,
+            e0 + 1, e_mid, origin, qk_scale, key_lo, key_hi, gathered, False,
         )  # fmt: skip
         acc, p_op, m_i, l_i = _pipelined_steps(
             q, k_bufs, v_bufs, ready, empty, acc, p_op, m_i, l_i, q_abs, offs_n, cols, los, his,
-            e_mid, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
+            e_mid, e2, origin, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
-        last = (e2 - 1 - e0) % STAGES
+        last = (e2 - 1 - origin) % STAGES
         o_tok = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
         mbarrier.arrive(empty.index(last), count=1)
@@ -382,12 +438,12 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(
-        q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b, stride_lse_h,
-        row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles, qk_scale, q_start,
-        key_lo, key_hi, key_stride, WG,
+        q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, o_smem, o_ready, o_empty, LSE,
+        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_work, batch,
+        num_q_tiles, qk_scale, q_start, key_lo, key_hi, key_stride, WG,
     ):  # fmt: skip
         """Consumer warpgroup ``WG`` (0 or 1, a run-time value: it only selects the rows and
-        buffers): its 64 rows of the item's query tile, at absolute positions from
+        buffers): its 64 rows of each work item's query tile, at absolute positions from
         ``q_start`` (the masks') and local rows from 0 (the LSE's)."""
         # Sizes from the shared-memory types: constexprs passed to a worker arrive as tensors.
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -399,46 +455,60 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
-        b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
-        e0 = gl.load(row_ptr + item)
-        e1 = gl.load(row_split + item)
-        e2 = gl.load(row_ptr + item + 1)
-        q_loc = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-        q_abs = q_start + q_loc
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        acc = gl.zeros([BM, D], gl.float32, o_layout)
-        mbarrier.wait(q_bar, 0)
-        # Q as the scores' register operand on 64-key tiles: read from shared memory once, not
-        # by every S = Q K^T wgmma, which with both operands there reads 128 bytes a clock (an
-        # SM's whole shared-memory bandwidth, shared with the K/V TMA writes and P V's reads
-        # of V). 128-key tiles' scores take the registers Q would need (ptxas spills).
-        q = q_smem.index(WG)
-        if BN <= Q_IN_REGISTERS_MAX_N:
-            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        acc, m_i, l_i = _consume_row_list(
-            q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
-            e0, e1, e2, qk_scale, key_lo + h * key_stride, key_hi + h * key_stride,
-            key_stride > 0,
-        )  # fmt: skip
-        nothing = l_i == 0.0
-        l_safe = gl.where(nothing, 1.0, l_i)
-        lse = gl.where(
-            nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453
-        )
-        gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_loc, lse)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        o_smem.index(WG).store(out.to(o_smem.dtype))
-        fence_async_shared()
+        ring = 0
+        n = 0
+        for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            b, h, qt, item = _work_item(t, order, batch, num_q_tiles)
+            e0 = gl.load(row_ptr + item)
+            e1 = gl.load(row_split + item)
+            e2 = gl.load(row_ptr + item + 1)
+            q_loc = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+            q_abs = q_start + q_loc
+            acc = gl.zeros([BM, D], gl.float32, o_layout)
+            mbarrier.wait(q_bar, n & 1)
+            # Q as the scores' register operand on 64-key tiles: read from shared memory once,
+            # not by every S = Q K^T wgmma, which with both operands there reads 128 bytes a
+            # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
+            # P V's reads of V); its buffer is then free for the next item's Q. 128-key tiles'
+            # scores take the registers Q would need (ptxas spills).
+            q = q_smem.index(WG)
+            if BN <= Q_IN_REGISTERS_MAX_N:
+                q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+                fence_async_shared()  # the reads above before the next TMA write
+                mbarrier.arrive(q_empty, count=1)
+            acc, m_i, l_i = _consume_row_list(
+                q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
+                e0, e1, e2, e0 - ring, qk_scale, key_lo + h * key_stride,
+                key_hi + h * key_stride, key_stride > 0,
+            )  # fmt: skip
+            if BN > Q_IN_REGISTERS_MAX_N:
+                mbarrier.arrive(q_empty, count=1)  # the wgmma that read Q have completed
+            ring += e2 - e0
+            nothing = l_i == 0.0
+            l_safe = gl.where(nothing, 1.0, l_i)
+            lse = gl.where(
+                nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453
+            )
+            gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_loc, lse)
+            out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.wait(o_empty, (n & 1) ^ 1)  # the previous item's output has left
+            o_smem.index(WG).store(out.to(o_smem.dtype))
+            fence_async_shared()
+            mbarrier.arrive(o_ready, count=1)
+            n += 1
 
     @gluon.jit
     def _s2_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
-        cols, los, his, order, n_items, num_q_tiles, group, qk_scale, q_start, key_lo, key_hi,
-        key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b,
-        o_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        cols, los, his, order, n_work, batch, num_q_tiles, group, qk_scale, q_start, key_lo,
+        key_hi, key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b,
+        o_col_b, o_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """One program per (batch row, layout item): a 128-row query tile of one head."""
-        BM: gl.constexpr = q_desc.block_type.shape[0]
+        """A persistent program per SM, striding through the ``n_work`` work items (a 128-row
+        query tile of one head and batch row each, :func:`_work_item`): the loader fetches the
+        next item's Q and first K/V tiles while the consumers finish the current one, and the
+        output leaves through the storer while they start the next."""
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
         )
@@ -450,40 +520,45 @@ if gluon is not None:
             o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
         )
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        o_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        o_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumer warpgroups release Q
+        mbarrier.init(o_ready, count=2)  # both have written their output rows
+        mbarrier.init(o_empty, count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
         fence_async_shared()
         consumer_args = (
-            q_smem, k_bufs, v_bufs, q_bar, ready, empty, o_smem, LSE, stride_lse_b,
-            stride_lse_h, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-            qk_scale, q_start, key_lo, key_hi, key_stride,
+            q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, o_smem, o_ready, o_empty,
+            LSE, stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order,
+            n_work, batch, num_q_tiles, qk_scale, q_start, key_lo, key_hi, key_stride,
         )  # fmt: skip
         loader_args = (
-            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, row_ptr, cols,
-            order, n_items, num_q_tiles, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h,
-            kv_row_b, kv_col_b, kv_col_h,
+            q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
+            row_ptr, cols, order, n_work, batch, num_q_tiles, group, key_lo, key_stride,
+            q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
         )  # fmt: skip
-        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps)
-        # and the loader (1 warp), with their register budgets.
+        storer_args = (
+            o_desc, o_smem, o_ready, o_empty, order, n_work, batch, num_q_tiles, o_row_b,
+            o_col_b, o_col_h,
+        )  # fmt: skip
+        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps),
+        # the loader and the storer (1 warp each), with their register budgets.
         gl.warp_specialize(
             [
                 (_consumer, consumer_args + (gl.to_tensor(0),)),
                 (_consumer, consumer_args + (gl.to_tensor(1),)),
                 (_loader, loader_args),
+                (_storer, storer_args),
             ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
+            [4, 1, 1],
+            [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
         )
-        b, h, qt, item = _item_of_program(order, n_items, num_q_tiles)
-        row = b * o_row_b + qt * 2 * BM
-        col = b * o_col_b + h * o_col_h
-        _tma_store(o_desc, [row, col], o_smem.index(0))
-        _tma_store(o_desc, [row + BM, col], o_smem.index(1))
-        tma.store_wait(0)
 
 
 # ------------------------------------------------------------------------------------ wrapper
@@ -573,7 +648,9 @@ def key_arrays(keys, fallback: torch.Tensor):
     return keys.key_lo, keys.key_hi, keys.seq
 
 
-def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0, keys=None):
+def s2_forward_gluon(
+    q, k, v, pattern, scale: float, lay=None, q_start: int = 0, keys=None, programs=None
+):
     """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, sk, hkv, d]`` (bf16
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
@@ -582,7 +659,9 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
     when None). With ``keys`` (a :class:`gathered_keys.GatheredKeys`, block 16/32) the key
     tiles are gathered ones (their own layout), each loaded from k/v block by block. Returns ``out``
     like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
-    ``triton_attention.s2_forward`` does. The caller checks :func:`unsupported_reason` first."""
+    ``triton_attention.s2_forward`` does. ``programs``: how many programs share the work items
+    (None: :func:`persistent_programs`' choice; the tests pass a few, so that each program
+    runs many items). The caller checks :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     check_chunk("s2_forward_gluon", q, k, q_start)
     gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1], lay)
@@ -609,7 +688,10 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
     n_items = lay.q_order.numel()
     if n_items == 0:
         return out, lse
-    _s2_fwd_gluon_kernel[(n_items * b,)](
+    n_work = n_items * b
+    if programs is None:
+        programs = persistent_programs(n_work, lay.nnz / n_items, q.device, FWD_PERSISTENT_TILES)
+    _s2_fwd_gluon_kernel[(programs,)](
         _descriptor(qv, WG_ROWS, d),
         _descriptor(kv_, box, d),
         _descriptor(vv, box, d),
@@ -623,7 +705,8 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
         lay.lo,
         lay.hi,
         lay.q_order,
-        n_items,
+        n_work,
+        b,
         lay.num_q_tiles,
         group,
         scale / LN2,
@@ -639,15 +722,28 @@ def s2_forward_gluon(q, k, v, pattern, scale: float, lay=None, q_start: int = 0,
     return out, lse
 
 
+def persistent_programs(n_work: int, mean_tiles: float, device, max_mean_tiles: int) -> int:
+    """How many programs a row-list kernel launches for ``n_work`` work items of
+    ``mean_tiles`` key tiles on average: one per SM, each striding through the items, where
+    items are short (up to ``max_mean_tiles``; S2 patterns: the next item's loads and the last
+    one's output overlap the work instead of a new program's start-up), else one per item,
+    the GPU's dispatcher starting each as an SM frees up (long causal rows: the programs that
+    run together stay in step through each head's K/V, which L2 then serves once for all)."""
+    if mean_tiles > max_mean_tiles:
+        return n_work
+    return min(n_work, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """Compile the kernel for an H100 (sm_90a) without a GPU, bf16 tiles; the cubin goes to
     ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` and
     ``stack_bytes`` (a thread's local memory and stack frame: spilled registers land in the
-    latter), ``hgmma_register_a`` (those whose A operand is in registers), ``full_waits``
-    (``wgmma.wait_group 0`` in the SASS: as many as ``hgmma`` when ptxas serialized the wgmma,
-    C7512/C7514), ``shared_bytes``, ``registers`` (the default partition's). Needs
-    ``cuobjdump`` next to Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``: the
-    pattern's (blocks 16 and 32 load gathered 64-key tiles box by box)."""
+    latter), ``key_loop_spills`` (:func:`_innermost_mma_loop_spills`), ``hgmma_register_a``
+    (those whose A operand is in registers), ``full_waits`` (``wgmma.wait_group 0`` in the
+    SASS: as many as ``hgmma`` when ptxas serialized the wgmma, C7512/C7514),
+    ``shared_bytes``, ``registers`` (the default partition's). Needs ``cuobjdump`` next to
+    Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``: the pattern's (blocks 16
+    and 32 load gathered 64-key tiles box by box)."""
     tile = max(block, gathered_keys.TILE_N)
     return compile_kernel_for_sm90(
         _s2_fwd_gluon_kernel,
@@ -701,6 +797,7 @@ def compile_kernel_for_sm90(
     stack = [int(x) for x in re.findall(r"STACK:(\d+)", usage)]
     regs = [int(x) for x in re.findall(r"REG:(\d+)", usage)]
     return {
+        "key_loop_spills": _innermost_mma_loop_spills(sass.stdout),
         "hgmma": sass.stdout.count("HGMMA"),
         # wgmma whose A operand is in registers (``HGMMA... Rd, Ra, gdesc[..]``), not shared memory
         "hgmma_register_a": len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass.stdout)),
@@ -710,6 +807,32 @@ def compile_kernel_for_sm90(
         "shared_bytes": compiled.metadata.shared,
         "registers": max(regs, default=0),
     }
+
+
+def _innermost_mma_loop_spills(sass: str) -> int:
+    """Local-memory loads and stores (``LDL``/``STL``: spilled registers) inside the innermost
+    SASS loops that issue wgmma, the key-tile loops, where a spill costs every step; the
+    persistent programs' item loop around them may keep a few values there (reloaded once
+    an item). A loop is a backward ``BRA`` and the code from its target to it."""
+    import re
+
+    code = [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
+    loops = []
+    for addr, ins in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", ins)
+        if target and int(target.group(1), 16) < addr:
+            body = [i for a, i in code if int(target.group(1), 16) <= a <= addr]
+            if any("HGMMA" in i for i in body):
+                loops.append((int(target.group(1), 16), addr, body))
+    innermost = [
+        body
+        for lo, hi, body in loops
+        if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2, _ in loops)
+    ]
+    return sum(i.lstrip("@!P0123456789T ").startswith(("LDL", "STL")) for b in innermost for i in b)
 
 
 # ------------------------------------------------------------------------------ CPU emulation

@@ -50,10 +50,18 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     # Per key tile: S and dP in head_dim/16 k-steps, dQ in 64/16; the loop is compiled for
     # full and for partial entries, in each of the two consumer warpgroups.
     assert got["hgmma"] >= 2 * 2 * (2 * head_dim // 16 + 64 // 16)
-    assert got["local_memory"] == got["stack_bytes"] == 0  # no register spills
-    # S = Q K^T takes Q from registers (and dP = dO V^T dO at head_dim 64), as dQ += dS K
-    # takes dS: with both operands in shared memory a 64-key product reads 128 bytes a clock.
-    register_a = 2 * 2 * ((1 + (head_dim == 64)) * head_dim // 16 + 64 // 16)
+    assert got["local_memory"] == 0
+    # No spills but, at head_dim 128 with Triton 3.9, two scalars (8 bytes; read once a step
+    # in the masked loop, none in the full entries' loop; Triton 3.6: none).
+    assert got["stack_bytes"] <= (8 if head_dim == 128 else 0)
+    # S = Q K^T takes Q from registers (and dO in dP = dO V^T in the full entries' loop), as
+    # dQ += dS K takes dS: with both operands in shared memory a 64-key product reads 128
+    # bytes a clock. Per consumer: the full entries' loop, then the masked one (dO from
+    # shared memory there at head_dim 128).
+    masked_do = head_dim == 64
+    full_loop = 2 * head_dim // 16 + 64 // 16
+    masked_loop = (1 + masked_do) * head_dim // 16 + 64 // 16
+    register_a = 2 * (full_loop + masked_loop)
     assert got["hgmma_register_a"] >= register_a
     # ptxas kept the wgmma asynchronous: a serialized kernel waits for each one
     assert got["full_waits"] <= got["hgmma"] // 4

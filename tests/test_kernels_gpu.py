@@ -454,12 +454,14 @@ def _gluon_or_skip():
     ],
 )
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("programs", [None, 5])
 def test_gluon_forward_matches_tl_kernel_and_reference(
-    batch, seq, heads, kv_heads, head_dim, block, local, stride, layout
+    batch, seq, heads, kv_heads, head_dim, block, local, stride, layout, programs
 ):
     """Output and LSE of the Gluon kernel against the fp32 reference, no further off than the
     ``tl`` forward on the same inputs; ``[s, b, h, d]`` storage (Megatron's) read in place and
-    written back in that layout."""
+    written back in that layout. ``programs=5``: every program runs dozens of work items
+    (its K/V ring, Q and output buffers reused across them)."""
     import dataclasses
 
     from s2attn import triton_attention as ta
@@ -482,7 +484,7 @@ def test_gluon_forward_matches_tl_kernel_and_reference(
 
     q, k, v = mk(heads), mk(kv_heads), mk(kv_heads)
     scale = head_dim**-0.5
-    out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale)
+    out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale, programs=programs)
     assert out.stride() == q.stride()
     cfg = dataclasses.replace(ta.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False)
     tl_out, tl_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
