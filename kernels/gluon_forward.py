@@ -171,10 +171,10 @@ if gluon is not None:
 
     @gluon.jit
     def _work_item(t, order, batch, num_q_tiles):
-        """(batch row, head, query tile, layout item) of work item ``t`` of a persistent
-        program: the items of all batch rows in one heaviest-first list (``order``, each item
-        for every batch row in turn), which each program strides through by the grid size, so
-        that the programs' sums of work come out nearly equal."""
+        """(batch row, head, query tile, layout item) of work item ``t``: the layout's items in
+        ``order`` (head by head, heaviest first within a head, so that programs running at the
+        same time share a head's K/V in L2), each for every batch row in turn; a program strides
+        through them by the grid size."""
         item = gl.load(order + t // batch)
         return t % batch, item // num_q_tiles, item % num_q_tiles, item
 
@@ -727,8 +727,10 @@ def persistent_programs(n_work: int, mean_tiles: float, device, max_mean_tiles: 
     ``mean_tiles`` key tiles on average: one per SM, each striding through the items, where
     items are short (up to ``max_mean_tiles``; S2 patterns: the next item's loads and the last
     one's output overlap the work instead of a new program's start-up), else one per item,
-    the GPU's dispatcher starting each as an SM frees up (long causal rows: the programs that
-    run together stay in step through each head's K/V, which L2 then serves once for all)."""
+    the GPU's dispatcher starting each as an SM frees up (long causal rows: items from a few
+    to a thousand tiles, which a fixed stride through the head-by-head order shares out
+    unevenly, and programs that drift apart on a head's K/V, which L2 serves once for the
+    programs in step)."""
     if mean_tiles > max_mean_tiles:
         return n_work
     return min(n_work, torch.cuda.get_device_properties(device).multi_processor_count)
