@@ -188,6 +188,30 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     assert got["shared_bytes"] <= 227 * 1024
 
 
+def test_loop_spill_count_reads_only_the_innermost_wgmma_loops():
+    """Spills (LDL/STL) count inside the innermost loops that issue wgmma, not in the item
+    loop around them nor in loops without wgmma; predicated ones count too."""
+    sass = """
+        /*0000*/                   STL [R1], R2 ;
+        /*0010*/                   LDL R3, [R1] ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR4], RZ ;
+        /*0030*/                   LDL R4, [R1+0x4] ;
+        /*0040*/               @P0 STL [R1+0x8], R5 ;
+        /*0050*/               @P1 BRA 0x20 ;
+        /*0060*/                   LDL R6, [R1] ;
+        /*0070*/                   HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR4], RZ ;
+        /*0080*/                   LDL R7, [R1] ;
+        /*0090*/               @P2 BRA 0x70 ;
+        /*00a0*/              @!P3 BRA 0x10 ;
+        /*00b0*/                   LDL R8, [R1] ;
+        /*00c0*/               @P4 BRA 0xb0 ;
+        /*00d0*/                   EXIT ;
+    """
+    # loops 0x20-0x50 (2 spills) and 0x70-0x90 (1); 0x10-0xa0 holds both (outer); 0xb0-0xc0
+    # issues no wgmma
+    assert gf._innermost_mma_loop_spills(sass) == 3
+
+
 def test_persistent_programs_one_per_sm_for_short_items_one_per_item_for_long(monkeypatch):
     """S2 work items (a few dozen key tiles) share one program per SM; long causal rows get a
     program each, as does work with fewer items than SMs."""
