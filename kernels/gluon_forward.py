@@ -86,7 +86,7 @@ LN2 = math.log(2.0)
 # (persistent_programs). On the H100 and H200 the persistent forward ran S2 patterns 1-11%
 # faster (the most at 8k-32k, at block 16 and head_dim 64: items of 20-60 tiles; 128k at
 # block 64: 143) but dense causal ones (257 tiles at 32k, 1024 at 128k) 4-8% slower;
-# docs/benchmarks.md, "Persistent programs".
+# docs/benchmarks.md, "Persistent forward".
 FWD_PERSISTENT_TILES = 192
 INT32_LIMIT = 2**31
 INT32_MAX = INT32_LIMIT - 1  # a key's end of attending queries when nothing bounds it
@@ -505,10 +505,11 @@ if gluon is not None:
         key_hi, key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b,
         o_col_b, o_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """A persistent program per SM, striding through the ``n_work`` work items (a 128-row
-        query tile of one head and batch row each, :func:`_work_item`): the loader fetches the
-        next item's Q and first K/V tiles while the consumers finish the current one, and the
-        output leaves through the storer while they start the next."""
+        """Programs striding through the ``n_work`` work items (a 128-row query tile of one head
+        and batch row each, :func:`_work_item`): one per SM on S2 patterns, one per item on
+        long causal rows (:func:`persistent_programs`). Within a program the loader fetches
+        the next item's Q and first K/V tiles while the consumers finish the current one, and
+        the output leaves through the storer while they start the next."""
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
         )
@@ -690,7 +691,7 @@ def s2_forward_gluon(
         return out, lse
     n_work = n_items * b
     if programs is None:
-        programs = persistent_programs(n_work, lay.nnz / n_items, q.device, FWD_PERSISTENT_TILES)
+        programs = persistent_programs(n_work, lay.nnz / n_items, q.device)
     _s2_fwd_gluon_kernel[(programs,)](
         _descriptor(qv, WG_ROWS, d),
         _descriptor(kv_, box, d),
@@ -722,16 +723,16 @@ def s2_forward_gluon(
     return out, lse
 
 
-def persistent_programs(n_work: int, mean_tiles: float, device, max_mean_tiles: int) -> int:
-    """How many programs a row-list kernel launches for ``n_work`` work items of
-    ``mean_tiles`` key tiles on average: one per SM, each striding through the items, where
-    items are short (up to ``max_mean_tiles``; S2 patterns: the next item's loads and the last
+def persistent_programs(n_work: int, mean_tiles: float, device) -> int:
+    """How many programs the forward launches for ``n_work`` work items of ``mean_tiles`` key
+    tiles on average: one per SM, each striding through the items, where items are short (up
+    to ``FWD_PERSISTENT_TILES``; S2 patterns: the next item's loads and the last
     one's output overlap the work instead of a new program's start-up), else one per item,
     the GPU's dispatcher starting each as an SM frees up (long causal rows: items from a few
     to a thousand tiles, which a fixed stride through the head-by-head order shares out
     unevenly, and programs that drift apart on a head's K/V, which L2 serves once for the
     programs in step)."""
-    if mean_tiles > max_mean_tiles:
+    if mean_tiles > FWD_PERSISTENT_TILES:
         return n_work
     return min(n_work, torch.cuda.get_device_properties(device).multi_processor_count)
 
@@ -825,10 +826,11 @@ def _innermost_mma_loop_spills(sass: str) -> int:
     loops = []
     for addr, ins in code:
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", ins)
-        if target and int(target.group(1), 16) < addr:
-            body = [i for a, i in code if int(target.group(1), 16) <= a <= addr]
+        start = int(target.group(1), 16) if target else addr
+        if start < addr:
+            body = [i for a, i in code if start <= a <= addr]
             if any("HGMMA" in i for i in body):
-                loops.append((int(target.group(1), 16), addr, body))
+                loops.append((start, addr, body))
     innermost = [
         body
         for lo, hi, body in loops

@@ -218,10 +218,10 @@ def test_persistent_programs_one_per_sm_for_short_items_one_per_item_for_long(mo
     sms = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: sms)
     limit = gf.FWD_PERSISTENT_TILES
-    assert gf.persistent_programs(32768, 46.8, "cuda", limit) == 132
-    assert gf.persistent_programs(100, 46.8, "cuda", limit) == 100
-    assert gf.persistent_programs(32768, 257.0, "cuda", limit) == 32768
-    assert gf.persistent_programs(32768, limit, "cuda", limit) == 132
+    assert gf.persistent_programs(32768, 46.8, "cuda") == 132
+    assert gf.persistent_programs(100, 46.8, "cuda") == 100
+    assert gf.persistent_programs(32768, 257.0, "cuda") == 32768
+    assert gf.persistent_programs(32768, limit, "cuda") == 132
 
 
 @pytest.mark.parametrize(
