@@ -539,3 +539,27 @@ def test_timed_records_keep_the_row_order_and_report_a_failing_row(monkeypatch, 
     assert "out of memory" in got[1]["error"] and "fwd_ms" not in got[1]
     assert got[2]["fwd_tflops"] == bench.tflops(2 * 10**6, 64, 3.0, False)
     assert "base s2attn: failed (RuntimeError" in capsys.readouterr().out
+
+
+# ---- --passes ----------------------------------------------------------------------------------
+def test_passes_option_parses_and_names_what_it_cannot_time(monkeypatch):
+    assert bench.build_arg_parser().parse_args(["--passes"]).passes
+    assert not bench.build_arg_parser().parse_args([]).passes
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert bench.passes_unsupported(64, "cuda") is None
+    assert bench.passes_unsupported(128, "cuda") is None
+    assert "block 16" in bench.passes_unsupported(16, "cuda")  # gathered key tiles
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "sm_90" in bench.passes_unsupported(64, "cuda")
+
+
+def test_pass_records_stay_out_of_the_table():
+    rs = case_records()
+    passes = [
+        dict(row="pass", name=f"s2attn {n}", seq=32768, batch=4, d=128, block=64, ms=1.0,
+             tflops=500.0, kernel="s2attn", pass_name=n)
+        for n in bench.PASS_PRODUCTS
+    ]  # fmt: skip
+    assert bench.summarize({(32768, 128, 64, 0.177): rs + passes}) == bench.summarize(
+        {(32768, 128, 64, 0.177): rs}
+    )

@@ -218,8 +218,6 @@ def test_layout_128k_builds_well_under_a_second_on_gpu():
 PHI3 = dict(block_size=64, local_blocks=16, vert_stride=8, head_offset=1)
 # Varlen may be at most this much slower than the fixed-length kernel at equal tokens.
 VARLEN_SLOWDOWN = 1.10
-# Interleaved timing rounds of the throughput tests (their best is compared).
-VARLEN_BENCH_ROUNDS = 3
 # Sizes (module constants so the tests' code can be dry-run small on a CPU).
 VARLEN_ACCURACY_LENS = [3001, 1, 0, 6000, 517, 64, 4133, 2331]
 VARLEN_ACCURACY_HEADS = (16, 4, 128)  # heads, kv heads, head dim
@@ -243,12 +241,6 @@ def _packed(lens, h, hkv, d, seed):
     return (q, k, v), torch.randn(total, h, d, device=DEV, generator=g, dtype=torch.float64)
 
 
-def _bench_ms(fn):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
 def _forward(run):
     def step():
         with torch.no_grad():
@@ -266,16 +258,16 @@ def _fwd_bwd(run, inputs, grad):
     return step
 
 
-def _timings(name, runs, rounds=VARLEN_BENCH_ROUNDS):
-    """Median ms of each ``(label, fn)`` in each of ``rounds`` interleaved rounds (clock and
-    thermal drift then reach every label alike); each label's best round, printed with all."""
-    per = {label: [] for label, _ in runs}
-    for _ in range(rounds):
-        for label, fn in runs:
-            per[label].append(_bench_ms(fn))
-    ms = {label: min(v) for label, v in per.items()}
-    rounds_ms = {k: "/".join(f"{x:.3f}" for x in v) for k, v in per.items()}
-    print(f"\n{name}: " + ", ".join(f"{k} {ms[k]:.3f} ms ({rounds_ms[k]})" for k in ms))
+def _timings(name, runs):
+    """Median ms of each ``(label, fn)``, all timed round by round with each other
+    (``tools/gpu_timing.time_rows``, the benchmark tools' timing: clock and thermal drift reach
+    every label alike), printed."""
+    from megatron_helpers import import_tool
+
+    ms = dict(
+        zip((label for label, _ in runs), import_tool("gpu_timing").time_rows([f for _, f in runs]))
+    )
+    print(f"\n{name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
     return ms
 
 

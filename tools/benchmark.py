@@ -3,6 +3,7 @@
     python tools/benchmark.py                       # the docs/benchmarks.md table (GPU)
     python tools/benchmark.py --seqs 32768 --sweep  # also try alternative kernel configs
     python tools/benchmark.py --list-rows           # which rows this machine can run (no GPU)
+    python tools/benchmark.py --seqs 32768 --rows= --passes  # also each Gluon pass alone
 
 For each sequence length (batch x seq = --tokens), times forward and forward+backward with CUDA
 events (median of at least 10 runs after 2 warm-up runs, L2 flushed) for the row ``s2attn`` (this
@@ -30,7 +31,10 @@ each row the median of at least 10 runs), so that all see the same clocks as the
 Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
 attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
 row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
-and a footer per case with our rows' forward and forward+backward fractions.
+and a footer per case with our rows' forward and forward+backward fractions. ``--passes`` also
+times our three Gluon passes (forward, dQ, dK/dV) one by one, round by round (and the
+``--baseline`` copy's), each rated by its own matrix products over the attended pairs: which
+pass is furthest from the tensor cores' rate.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ DENSE_BASELINES = ("flash", "cudnn", "fa4")
 # --baseline copy of the package).
 OUR_ROWS = ("s2attn", "s2dense", "base-s2attn", "base-s2dense")
 BASELINE_PACKAGE = "s2attn_baseline"
+# Matrix products per attended pair in each Gluon pass (--passes): the forward's S and PV, the
+# dQ pass's S, dP and dQ, the dK/dV pass's S^T, dP^T, dV and dK (2 * d FLOPs each).
+PASS_PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
 FA4_MODULE = "flash_attn.cute"
 STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
 # Rate keys of a result record: forward alone and forward+backward.
@@ -365,8 +372,8 @@ def baseline_pattern(base, pattern: S2Pattern):
 
 def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
     """Time the s2attn row (and ``--sweep`` configs) and ``rows`` (``ROWS`` keys that can run)
-    at one shape; ``skipped``: ``[(row, reason)]`` recorded as skipped. Returns (records,
-    density of the S2 pattern at ``seq``)."""
+    at one shape, and with ``args.passes`` each Gluon pass alone; ``skipped``: ``[(row,
+    reason)]`` recorded as skipped. Returns (records, density of the S2 pattern at ``seq``)."""
     dev = torch.device("cuda")
     batch = max(1, args.tokens // seq)
     H, Hkv = args.heads, args.kv_heads or args.heads
@@ -481,9 +488,78 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
         pairs = row_pairs("fa4", pat, seq, batch)
         record("fa4", ROWS["fa4"], pairs, run, fwd_bwd(run, (q, k, v), grad))
     res += timed_records(pending, shape)
+    if getattr(args, "passes", False):
+        why = passes_unsupported(block, dev)
+        if why:
+            print(f"  passes: skipped ({why})")
+        else:
+            for r in time_passes(pat, q, k, v, grad, baseline):
+                res.append(dict(row="pass", name=f"{r['kernel']} {r['pass_name']}", **shape, **r))
     # Skipped rows close the case's table lines, so the timed ones keep their usual order.
     res += [dict(row=row, name=ROWS[row], **shape, skipped=why) for row, why in skipped]
     return res, pat.density(seq)
+
+
+def passes_unsupported(block: int, device) -> Optional[str]:
+    """Why ``--passes`` cannot time the Gluon passes one by one here, or None: they run on
+    sm_90 at blocks 64 and 128 (blocks 16 and 32 gather key tiles first)."""
+    if block not in GLUON_BWD_BLOCKS or block < 64:
+        return f"block {block}: the passes alone are timed at blocks 64 and 128"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "the Gluon passes run on sm_90 only"
+    return None
+
+
+def pass_calls(package: str, pat, q, k, v, do) -> list:
+    """``[(name, call)]``: the forward, dQ and dK/dV Gluon passes of ``package`` (``s2attn``
+    or the ``--baseline`` copy; ``pat`` its own S2Pattern) on ``q [b, s, hq, d]``, ``k, v
+    [b, s, hkv, d]`` and upstream ``do`` like q, with their layouts built once beforehand and
+    the backward's inputs (out, LSE, delta) from one run of the passes before them."""
+    gf, gq, gd, lay = (
+        importlib.import_module(f"{package}.{m}")
+        for m in ("gluon_forward", "gluon_dq", "gluon_dkdv", "layout")
+    )
+    seq, dev, scale = q.shape[1], q.device, q.shape[-1] ** -0.5
+    lf = lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, pat.block_size, dev)
+    lq = lay.layout_for(pat, seq, seq, 0, 0, gq.TILE_M, gd.BLOCK_N, dev)
+    lk = lay.layout_for(pat, seq, seq, 0, 0, gd.TILE_M, gd.BLOCK_N, dev, with_csc=True)
+    out, lse = gf.s2_forward_gluon(q, k, v, pat, scale, lf)
+    _, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, lq)
+    return [
+        ("fwd", lambda: gf.s2_forward_gluon(q, k, v, pat, scale, lf)),
+        ("dq", lambda: gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, lq)),
+        ("dkdv", lambda: gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pat, scale, lk)),
+    ]
+
+
+def time_passes(pat, q, k, v, do, baseline=None) -> list[dict]:
+    """Time :func:`pass_calls` of s2attn (and of ``baseline``, a package module) round by
+    round; print and return one record per package and pass: ``ms`` and ``tflops``, the
+    pass's own matrix products (``PASS_PRODUCTS``) over the attended pairs."""
+    q, k, v, do = (x.detach() for x in (q, k, v, do))
+    packages = [("s2attn", "s2attn", pat)]
+    if baseline is not None:
+        packages.append(("base s2attn", baseline.__name__, baseline_pattern(baseline, pat)))
+    calls = [(label, *c) for label, pkg, p in packages for c in pass_calls(pkg, p, q, k, v, do)]
+    ms = time_rows([c[2] for c in calls])
+    flops_per_product = 2 * q.shape[-1] * pat.attended_pairs(q.shape[1]) * q.shape[0]
+    recs = [
+        dict(
+            kernel=label,
+            pass_name=name,
+            ms=t,
+            tflops=PASS_PRODUCTS[name] * flops_per_product / t / 1e9,
+        )
+        for (label, name, _), t in zip(calls, ms)
+    ]
+    for label, _, _ in packages:
+        cells = [
+            f"{r['pass_name']} {r['ms']:7.2f} ms {r['tflops']:4.0f} TF/s"
+            for r in recs
+            if r["kernel"] == label
+        ]
+        print(f"  passes, {label:<11} " + " | ".join(cells), flush=True)
+    return recs
 
 
 def timed_records(pending, shape: dict) -> list[dict]:
@@ -580,6 +656,7 @@ def summarize(results) -> str:
     ]
     footer = []
     for (seq, d, block, dens), rs in results.items():
+        rs = [r for r in rs if r.get("row") != "pass"]  # --passes: printed as they ran
         ours = next((r for r in rs if r["name"] == "s2attn" and "fwdbwd_ms" in r), None)
         for r in rs:
             row = f"| {seq} x {r['batch']} | {d} | {block} | {dens:.3f} | {r['name']} |"
@@ -655,6 +732,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="another copy of the s2attn package (e.g. `git archive COMMIT kernels`) timed in "
         "the same run as rows 'base s2attn' / 'base s2attn dense (V=1)'",
+    )
+    ap.add_argument(
+        "--passes",
+        action="store_true",
+        help="also time each Gluon pass (forward, dQ, dK/dV) alone, rated by its own matrix "
+        "products (sm_90, blocks 64 and 128)",
     )
     ap.add_argument("--json", default=None, help="write raw results here")
     ap.add_argument(
