@@ -35,14 +35,13 @@ timings in ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 
 import torch
 
 from . import gluon_forward as gf
-from .layout import full_descending_columns, layout_for, light_columns_last
+from .layout import full_descending_columns, layout_for
 
 gluon, gl = gf.gluon, (gf.gl if gf.gluon is not None else None)
 if gluon is not None:
@@ -57,11 +56,6 @@ if gluon is not None:
 BLOCK_N = 64  # keys per item (the pattern block): one wgmma M extent per warpgroup
 TILE_M = 64  # query rows per listed tile (the CSC layout's block_m)
 NUM_STAGES = 2  # Q/dO ring depth: 2 x (Q + dO) tiles of 64 x 128 bf16 is 64 KiB
-# Light items (local-only columns: 16-17 entries at local 16; 88% of the items and 30% of the
-# work at 32k, MHA) run CHAIN to a pipeline: a program's start, its first loads and its last
-# store cost a few steps' time, which items this short would pay every few dozen steps.
-CHAIN_MAX_WORK = 48
-CHAIN = 4
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -74,34 +68,22 @@ if gluon is not None:
     KV_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
-    def _chain_steps(heavy_programs, light_programs, chain):
-        """Items each pipeline of this program runs: 1 in a heavy program, ``chain`` in a
-        light one (:func:`program_counts`)."""
-        light = gl.program_id(0) % (heavy_programs + light_programs) >= heavy_programs
-        return gl.where(light, chain, 1)
-
-    @gluon.jit
-    def _item_of(
-        order, n_items, n_heavy, num_k_tiles, heavy_programs, light_programs, c, WG
-    ):  # fmt: skip
+    def _item_of(order, n_items, num_k_tiles, WG):
         """(batch row, KV head (query head on gathered tiles), key tile, valid) of pipeline
-        ``WG``'s ``c``-th item in this program, :func:`item_index`'s mapping."""
+        ``WG`` of this program: programs take consecutive pairs of ``order`` (heaviest first,
+        so a pair's work is alike)."""
         pid = gl.program_id(0)
-        per_batch = heavy_programs + light_programs
-        p = pid % per_batch
-        light = p >= heavy_programs
-        chained = n_heavy + (c * light_programs + p - heavy_programs) * 2 + WG
-        idx = gl.where(light, chained, p * 2 + WG)
-        valid = gl.where(light, idx < n_items, idx < n_heavy)
+        n_pairs = (n_items + 1) // 2
+        idx = (pid % n_pairs) * 2 + WG
+        valid = idx < n_items
         item = gl.load(order + gl.minimum(idx, n_items - 1))
-        return pid // per_batch, item // num_k_tiles, item % num_k_tiles, valid
+        return pid // n_pairs, item // num_k_tiles, item % num_k_tiles, valid
 
     @gluon.jit
     def _loader(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-        delta_bufs, k_smem, v_smem, kv_bar, kv_empty, ready, empty, col_ptr, rows, order,
-        n_items, n_heavy, heavy_programs, light_programs, num_k_tiles, group, kv_group, key_lo,
-        key_stride, stride_lse_b, stride_lse_h, views, WG, chain,
+        delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, rows, order, n_items,
+        num_k_tiles, group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -110,43 +92,37 @@ if gluon is not None:
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         stat_bytes: gl.constexpr = lse_desc.block_type.nbytes
-        i = 0  # ring steps: the Q/dO ring runs on from item to item
-        for step in range(_chain_steps(heavy_programs, light_programs, chain)):
-            b, kvh, kt, valid = _item_of(
-                order, n_items, n_heavy, num_k_tiles, heavy_programs, light_programs, step, WG
-            )  # fmt: skip
-            if valid:
-                # Gathered tiles are per query head (kvh), read from its KV head's K and V. The
-                # buffers hold the previous item's dK/dV until the consumer's store is done.
-                kv_col = b * kv_col_b + (kvh // kv_group) * kv_col_h
-                mbarrier.wait(kv_empty.index(WG), (step & 1) ^ 1)
-                bar = kv_bar.index(WG)
-                kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                mbarrier.expect(bar, BOXES * kv_bytes)
-                keys = key_lo + kvh * key_stride
-                gf._load_kv_tile(k_desc, b * kv_row_b, kv_col, kt, keys, bar, k_smem.index(WG))
-                gf._load_kv_tile(v_desc, b * kv_row_b, kv_col, kt, keys, bar, v_smem.index(WG))
-                for g in range(group):
-                    h = kvh * group + g
-                    c = h * num_k_tiles + kt
-                    e0 = gl.load(col_ptr + c)
-                    e2 = gl.load(col_ptr + c + 1)
-                    col = b * q_col_b + h * q_col_h
-                    for e in range(e0, e2):
-                        slot = WG * STAGES + i % STAGES
-                        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-                        tile = gl.load(rows + e)
-                        row = b * q_row_b + tile * BM
-                        bar = ready.index(slot)
-                        mbarrier.expect(bar, tile_bytes + 2 * stat_bytes)
-                        gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
-                        gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
-                        # The rows' LSE and delta travel with Q and dO: read by the consumer
-                        # from global memory, they cost a load latency in every step's softmax.
-                        stat = b * stride_lse_b + h * stride_lse_h + tile * BM
-                        gf._tma_load(lse_desc, [stat], bar, lse_bufs.index(slot))
-                        gf._tma_load(delta_desc, [stat], bar, delta_bufs.index(slot))
-                        i += 1
+        b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
+        if valid:
+            # Gathered tiles are per query head (kvh), read from its KV head's K and V.
+            kv_col = b * kv_col_b + (kvh // kv_group) * kv_col_h
+            bar = kv_bar.index(WG)
+            mbarrier.expect(bar, BOXES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+            keys = key_lo + kvh * key_stride
+            gf._load_kv_tile(k_desc, b * kv_row_b, kv_col, kt, keys, bar, k_smem.index(WG))
+            gf._load_kv_tile(v_desc, b * kv_row_b, kv_col, kt, keys, bar, v_smem.index(WG))
+            i = 0
+            for g in range(group):
+                h = kvh * group + g
+                c = h * num_k_tiles + kt
+                e0 = gl.load(col_ptr + c)
+                e2 = gl.load(col_ptr + c + 1)
+                col = b * q_col_b + h * q_col_h
+                for e in range(e0, e2):
+                    slot = WG * STAGES + i % STAGES
+                    mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                    tile = gl.load(rows + e)
+                    row = b * q_row_b + tile * BM
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, tile_bytes + 2 * stat_bytes)
+                    gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
+                    gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
+                    # The rows' LSE and delta travel with Q and dO: read by the consumer from
+                    # global memory, they cost a load latency in every step's softmax.
+                    stat = b * stride_lse_b + h * stride_lse_h + tile * BM
+                    gf._tma_load(lse_desc, [stat], bar, lse_bufs.index(slot))
+                    gf._tma_load(delta_desc, [stat], bar, delta_bufs.index(slot))
+                    i += 1
 
     @gluon.jit
     def _tiles(
@@ -213,10 +189,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(
-        dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, kv_empty,
-        ready, empty, col_ptr, col_split, rows, los, his, order, n_items, n_heavy,
-        heavy_programs, light_programs, num_k_tiles, group, qk_scale, sm_scale, q_start, key_lo,
-        key_hi, key_stride, dkv_row_b, dkv_col_b, dkv_col_h, WG, chain,
+        dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready,
+        empty, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group, qk_scale,
+        sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b, dkv_col_h, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -227,65 +202,60 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-        i = 0
-        for step in range(_chain_steps(heavy_programs, light_programs, chain)):
-            b, kvh, kt, valid = _item_of(
-                order, n_items, n_heavy, num_k_tiles, heavy_programs, light_programs, step, WG
-            )  # fmt: skip
-            if valid:
-                k_abs = kt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
-                dk = gl.zeros([BN, D], gl.float32, acc_layout)
-                dv = gl.zeros([BN, D], gl.float32, acc_layout)
-                k = k_smem.index(WG)
-                v = v_smem.index(WG)
-                mbarrier.wait(kv_bar.index(WG), step & 1)
-                if D <= KV_IN_REGISTERS_MAX_D:
-                    kv_op: gl.constexpr = gl.DotOperandLayout(
-                        operand_index=0, parent=s_layout, k_width=2
-                    )
-                    k = k.load(kv_op)
-                    v = v.load(kv_op)
-                for g in range(group):
-                    h = kvh * group + g
-                    c = h * num_k_tiles + kt
-                    e0 = gl.load(col_ptr + c)
-                    e1 = gl.load(col_split + c)
-                    e2 = gl.load(col_ptr + c + 1)
-                    k_lo, k_hi = gf._key_bounds(
-                        k_abs, key_lo + h * key_stride, key_hi + h * key_stride, key_stride > 0
-                    )
-                    dk, dv, i = _tiles(
-                        k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows,
-                        los, his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, False,
-                    )  # fmt: skip
-                    dk, dv, i = _tiles(
-                        k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows,
-                        los, his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, True,
-                    )  # fmt: skip
-                # K and V are read for the last time above (every MMA waited): their buffers
-                # take dK and dV on the way out, and go back to the loader once stored.
-                k_smem.index(WG).store((dk * sm_scale).to(k_smem.dtype))
-                v_smem.index(WG).store(dv.to(v_smem.dtype))
-                fence_async_shared()
-                col = b * dkv_col_b + kvh * dkv_col_h
-                keys = key_lo + kvh * key_stride
-                gf._store_kv_tile(dk_desc, b * dkv_row_b, col, kt, keys, k_smem.index(WG))
-                gf._store_kv_tile(dv_desc, b * dkv_row_b, col, kt, keys, v_smem.index(WG))
-                tma.store_wait(0)
-                mbarrier.arrive(kv_empty.index(WG), count=1)
+        b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
+        if valid:
+            k_abs = kt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+            offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+            dk = gl.zeros([BN, D], gl.float32, acc_layout)
+            dv = gl.zeros([BN, D], gl.float32, acc_layout)
+            k = k_smem.index(WG)
+            v = v_smem.index(WG)
+            mbarrier.wait(kv_bar.index(WG), 0)
+            if D <= KV_IN_REGISTERS_MAX_D:
+                kv_op: gl.constexpr = gl.DotOperandLayout(
+                    operand_index=0, parent=s_layout, k_width=2
+                )
+                k = k.load(kv_op)
+                v = v.load(kv_op)
+            i = 0
+            for g in range(group):
+                h = kvh * group + g
+                c = h * num_k_tiles + kt
+                e0 = gl.load(col_ptr + c)
+                e1 = gl.load(col_split + c)
+                e2 = gl.load(col_ptr + c + 1)
+                k_lo, k_hi = gf._key_bounds(
+                    k_abs, key_lo + h * key_stride, key_hi + h * key_stride, key_stride > 0
+                )
+                dk, dv, i = _tiles(
+                    k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los,
+                    his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, False,
+                )  # fmt: skip
+                dk, dv, i = _tiles(
+                    k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los,
+                    his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, True,
+                )  # fmt: skip
+            # K and V are read for the last time above (every MMA waited): their buffers take
+            # dK and dV on the way out.
+            k_smem.index(WG).store((dk * sm_scale).to(k.dtype))
+            v_smem.index(WG).store(dv.to(v.dtype))
+            fence_async_shared()
+            col = b * dkv_col_b + kvh * dkv_col_h
+            keys = key_lo + kvh * key_stride
+            gf._store_kv_tile(dk_desc, b * dkv_row_b, col, kt, keys, k_smem.index(WG))
+            gf._store_kv_tile(dv_desc, b * dkv_row_b, col, kt, keys, v_smem.index(WG))
+            tma.store_wait(0)
 
     @gluon.jit
     def _s2_dkdv_gluon_kernel(
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, stride_lse_b,
-        stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, n_heavy,
-        heavy_programs, light_programs, num_k_tiles, group, qk_scale, sm_scale, q_start, key_lo,
-        key_hi, key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, dkv_row_b,
-        dkv_col_b, dkv_col_h, kv_group, chain, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
+        qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
+        kv_row_b, kv_col_b, kv_col_h, dkv_row_b, dkv_col_b, dkv_col_h, kv_group,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """Two independent pipelines (a loader warp and a consumer warpgroup each) per program,
-        each running one heavy (batch row, KV head, key tile) item or ``chain`` light ones
-        (:func:`item_index`)."""
+        """One program per pair of (batch row, KV head, key tile) items: two independent
+        pipelines (a loader warp and a consumer warpgroup each), one item each."""
         q_bufs = gl.allocate_shared_memory(
             q_desc.dtype, [2 * STAGES] + q_desc.block_type.shape, q_desc.layout
         )
@@ -303,12 +273,10 @@ if gluon is not None:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, D], v_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(kv_bar.index(s), count=1)
-            mbarrier.init(kv_empty.index(s), count=1)
         for s in gl.static_range(2 * STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
@@ -316,26 +284,24 @@ if gluon is not None:
         views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
         loader_args = (
             q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-            delta_bufs, k_smem, v_smem, kv_bar, kv_empty, ready, empty, col_ptr, rows, order,
-            n_items, n_heavy, heavy_programs, light_programs, num_k_tiles, group, kv_group,
-            key_lo, key_stride, stride_lse_b, stride_lse_h, views,
+            delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, rows, order, n_items,
+            num_k_tiles, group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views,
         )  # fmt: skip
         consumer_args = (
-            dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar,
-            kv_empty, ready, empty, col_ptr, col_split, rows, los, his, order, n_items, n_heavy,
-            heavy_programs, light_programs, num_k_tiles, group, qk_scale, sm_scale, q_start,
-            key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b, dkv_col_h,
+            dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready,
+            empty, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
+            qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b,
+            dkv_col_h,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
-        # two loaders, with their register budgets. The pipeline index reaches a partition as
-        # a run-time value (it only selects buffers, barriers and the item), as does the chain
-        # length (a constexpr where Triton specializes it, at 1, cannot be passed).
+        # two loaders, with their register budgets. The pipeline index (last argument) reaches
+        # a partition as a run-time value: it only selects buffers, barriers and the item.
         gl.warp_specialize(
             [
-                (_consumer, consumer_args + (gl.to_tensor(0), gl.to_tensor(chain))),
-                (_consumer, consumer_args + (gl.to_tensor(1), gl.to_tensor(chain))),
-                (_loader, loader_args + (gl.to_tensor(0), gl.to_tensor(chain))),
-                (_loader, loader_args + (gl.to_tensor(1), gl.to_tensor(chain))),
+                (_consumer, consumer_args + (gl.to_tensor(0),)),
+                (_consumer, consumer_args + (gl.to_tensor(1),)),
+                (_loader, loader_args + (gl.to_tensor(0),)),
+                (_loader, loader_args + (gl.to_tensor(1),)),
             ],
             [4, 1, 1],
             [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
@@ -356,29 +322,8 @@ def _row_stats_descriptor(stat: torch.Tensor):
     return gf.TensorDescriptor.from_tensor(flat, [TILE_M], _row_stats_layout())
 
 
-def program_counts(n_items: int, n_heavy: int, chain: int) -> tuple:
-    """``(heavy_programs, light_programs)`` of one batch row: a program per pair of the
-    ``n_heavy`` heavy items, one per ``2 * chain`` light ones."""
-    return (n_heavy + 1) // 2, -(-(n_items - n_heavy) // (2 * chain))
-
-
-def item_index(p: int, wg: int, step: int, n_items, n_heavy, chain: int):
-    """Index into the pass's order (:func:`layout.light_columns_last`) of pipeline ``wg``'s
-    ``step``-th item in program ``p`` of a batch row, or None: heavy programs run one item
-    (pairs of consecutive ones, alike in work); light program ``l`` runs items ``n_heavy + (step
-    * light_programs + l) * 2 + wg``, so that the programs running at the same time hold
-    neighbouring columns, whose query tiles they share in L2. The kernel's ``_item_of``."""
-    heavy, light = program_counts(n_items, n_heavy, chain)
-    if p < heavy:
-        idx = p * 2 + wg
-        return idx if step == 0 and idx < n_heavy else None
-    idx = n_heavy + (step * light + p - heavy) * 2 + wg
-    return idx if step < chain and idx < n_items else None
-
-
 def s2_dkdv_gluon(
-    do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0, keys=None,
-    chain: int | None = None,
+    do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0, keys=None
 ):
     """The dK/dV pass through the Gluon kernel: ``do`` and ``q [b, s, hq, d]``, ``k, v [b, sk,
     hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
@@ -387,8 +332,7 @@ def s2_dkdv_gluon(
     pattern's CSC layout at ``TILE_M`` x ``BLOCK_N`` tiles (built when None). ``keys``:
     gathered key tiles (blocks 16 and 32), as :func:`gluon_forward.s2_forward_gluon` takes
     them: dK/dV then come per query head, ``[b, sk, hq, d]``, each rounded to k's dtype (the
-    caller sums each KV group's heads). ``chain``: light items a pipeline runs (None:
-    ``CHAIN``; 1: a program per pair of items throughout). Returns ``dk, dv`` like k and v (zero on keys no query
+    caller sums each KV group's heads). Returns ``dk, dv`` like k and v (zero on keys no query
     attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
@@ -431,14 +375,12 @@ def s2_dkdv_gluon(
     # in every step of the kernel, where it sat between the ring's wait and the step's MMAs.
     lse = torch.where(torch.isneginf(lse), 0.0, lse * LOG2E).contiguous()
     delta = delta.contiguous()
-    chain = CHAIN if chain is None else chain
-    order, n_heavy = light_columns_last(lay, CHAIN_MAX_WORK)
-    heavy_programs, light_programs = program_counts(n_items, n_heavy, chain)
+    n_pairs = (n_items + 1) // 2
 
     def desc(name, rows):
         return gf._descriptor(views[name], rows, d)
 
-    _s2_dkdv_gluon_kernel[((heavy_programs + light_programs) * b,)](
+    _s2_dkdv_gluon_kernel[(n_pairs * b,)](
         desc("q", TILE_M),
         desc("do", TILE_M),
         desc("k", box),
@@ -452,11 +394,8 @@ def s2_dkdv_gluon(
         lay.col_ptr,
         lay.col_split,
         *full_descending_columns(lay),
-        order,
+        lay.kv_order,
         n_items,
-        n_heavy,
-        heavy_programs,
-        light_programs,
         lay.num_k_tiles,
         lay.group,
         scale * LOG2E,
@@ -467,7 +406,6 @@ def s2_dkdv_gluon(
         *views["k"][1:],
         *views["dk"][1:],
         kv_group,
-        chain,
         STAGES=NUM_STAGES,
         BLOCK_N=BLOCK_N,
         num_warps=4,
@@ -495,13 +433,10 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     )
 
 
-def emulate_dkdv(
-    do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0, keys=None, chain=CHAIN
-):
+def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0, keys=None):
     """The kernel's schedule in float64 PyTorch on any device: same CSC arrays, programs of two
-    pipelines and their chains of items, head loop, full/partial entries and masks. Shapes,
-    ``q_start``, ``keys`` and ``chain`` as :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in
-    float64 (per query head with ``keys``). Raises if the programs miss or repeat an item."""
+    items, head loop, full/partial entries and masks. Shapes, ``q_start`` and ``keys`` as
+    :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64 (per query head with ``keys``)."""
     b, s, hq, d = q.shape
     bn = BLOCK_N
     kv_group = 1
@@ -516,18 +451,17 @@ def emulate_dkdv(
     dv = torch.zeros(out_shape, dtype=torch.float64)
     col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()
     rows, los, his = (x.tolist() for x in full_descending_columns(lay))
-    order, n_heavy = light_columns_last(lay, CHAIN_MAX_WORK)
-    order = order.tolist()
+    order = lay.kv_order.tolist()
     n_items = len(order)
-    per_batch = sum(program_counts(n_items, n_heavy, chain))
+    n_pairs = (n_items + 1) // 2
     offs_m = torch.arange(TILE_M)
-    seen = []
-    for pid, wg, step in itertools.product(range(per_batch * b), range(2), range(chain)):
-        idx = item_index(pid % per_batch, wg, step, n_items, n_heavy, chain)
-        if idx is not None:
-            seen.append((pid // per_batch, idx))
+    for pid in range(n_pairs * b):
+        for wg in range(2):
+            idx = (pid % n_pairs) * 2 + wg
+            if idx >= n_items:
+                continue
             item = order[idx]
-            bb, kvh, kt = pid // per_batch, item // lay.num_k_tiles, item % lay.num_k_tiles
+            bb, kvh, kt = pid // n_pairs, item // lay.num_k_tiles, item % lay.num_k_tiles
             k_abs = kt * bn + torch.arange(bn)
             k_rows = gf.emulated_key_rows(keys, kvh, k_abs)
             kk = k[bb, k_rows, kvh // kv_group].double()
@@ -551,6 +485,4 @@ def emulate_dkdv(
                     acc_k += (pt * (vv @ dd.T - delta[bb, h, m_idx].double()[None, :])) @ qq
             dk[bb, k_rows, kvh] = acc_k * scale
             dv[bb, k_rows, kvh] = acc_v
-    if sorted(seen) != [(bb, idx) for bb in range(b) for idx in range(n_items)]:
-        raise AssertionError("emulate_dkdv: the programs do not run every item exactly once")
     return dk, dv

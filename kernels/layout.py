@@ -26,7 +26,7 @@ in :mod:`s2attn.triton_attention`; :func:`varlen_programs` is its torch referenc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -76,7 +76,6 @@ class TileLayout:
     kv_order: torch.Tensor = None
     kv_work: torch.Tensor = None
     _csc_descending: tuple = None  # full_descending_columns' arrays, built on first use
-    _light_last: dict = field(default_factory=dict)  # light_columns_last's, by max_work
 
     @property
     def nnz(self) -> int:
@@ -104,18 +103,6 @@ def full_descending_columns(lay: TileLayout) -> tuple:
         perm = torch.where(idx < split, start + split - 1 - idx, idx)
         lay._csc_descending = tuple(x[perm].contiguous() for x in (lay.rows, lay.lo_c, lay.hi_c))
     return lay._csc_descending
-
-
-def light_columns_last(lay: TileLayout, max_work: int) -> tuple:
-    """``(order, n_heavy)``: ``lay.kv_order`` with its light items (at most ``max_work``
-    entries) moved behind the ``n_heavy`` others, each part in its own order (head by head,
-    heaviest first). The Gluon dK/dV pass runs the heavy items a program per pair and chains
-    the light ones, several to a pipeline. Built once per layout and ``max_work``."""
-    if max_work not in lay._light_last:
-        light = lay.kv_work[lay.kv_order.long()] <= max_work
-        order = torch.cat((lay.kv_order[~light], lay.kv_order[light])).contiguous()
-        lay._light_last[max_work] = order, int((~light).sum())
-    return lay._light_last[max_work]
 
 
 def _s2_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device):

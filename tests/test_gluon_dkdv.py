@@ -38,43 +38,6 @@ def test_emulated_schedule_matches_reference_gradients(
     torch.testing.assert_close(dv, dv_ref, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("n_items,n_heavy,chain", [(9, 0, 4), (9, 9, 4), (40, 7, 3), (41, 12, 1)])
-def test_item_index_runs_every_item_once(n_items, n_heavy, chain):
-    """Heavy programs take pairs, light ones chains: every item of a batch row exactly once."""
-    heavy, light = gd.program_counts(n_items, n_heavy, chain)
-    got = [
-        gd.item_index(p, wg, step, n_items, n_heavy, chain)
-        for p in range(heavy + light)
-        for wg in range(2)
-        for step in range(chain + 1)  # a step past the chain runs nothing
-    ]
-    got = [i for i in got if i is not None]
-    assert sorted(got) == list(range(n_items))
-    # Heavy programs run one item a pipeline; light ones several once there are enough.
-    assert all(gd.item_index(p, 0, 1, n_items, n_heavy, chain) is None for p in range(heavy))
-    if n_items - n_heavy > 2 * light:
-        assert gd.item_index(heavy, 0, 1, n_items, n_heavy, chain) is not None
-
-
-@pytest.mark.parametrize("chain", [1, 3])
-def test_emulated_chains_of_light_items_match_reference_gradients(chain, monkeypatch):
-    """Heavy items a program per pair, light ones ``chain`` to a pipeline (the split moved down
-    so that a small GQA case has both kinds): the reference's gradients."""
-    from s2attn.layout import layout_for, light_columns_last
-
-    monkeypatch.setattr(gd, "CHAIN_MAX_WORK", 6)
-    pattern, q, k, v, do, scale, out, lse = float64_s2_case(2, 1024, 4, 2, 2, 4, 1)
-    lay = layout_for(pattern, 1024, 1024, 0, 0, gd.TILE_M, gd.BLOCK_N, "cpu", with_csc=True)
-    _, n_heavy = light_columns_last(lay, gd.CHAIN_MAX_WORK)
-    assert 0 < n_heavy < lay.kv_order.numel() - 2 * chain  # both kinds, and real chains
-    dk_ref, dv_ref = torch.autograd.grad(out, (k, v), do)
-    delta = (do * out.detach()).sum(-1).transpose(1, 2)
-    q, k, v, lse = (x.detach() for x in (q, k, v, lse))
-    dk, dv = gd.emulate_dkdv(do, q, k, v, lse, delta, pattern, scale, chain=chain)
-    torch.testing.assert_close(dk, dk_ref, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(dv, dv_ref, rtol=1e-9, atol=1e-9)
-
-
 def test_block_128_runs_on_64_key_tiles():
     """Block 128: the dQ and dK/dV schedules on 64-key tiles (half a block each) give the
     reference's gradients (GQA 4/2, an LSE-free delta)."""

@@ -725,35 +725,6 @@ def test_gluon_dkdv_matches_tl_pass_and_reference(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kv_heads,head_dim", [(4, 128), (2, 64)])
-def test_gluon_dkdv_chains_give_the_same_bits(kv_heads, head_dim):
-    """Light items chained to a pipeline (the default, and 2 or 7 to one) or a program per
-    pair (``chain=1``): every item is computed by one pipeline in one order, so dK and dV are
-    bit for bit the same (deterministic backward), on a case with heavy and light items."""
-    import s2attn.gluon_dkdv as gd
-    from s2attn import triton_attention as ta
-    from s2attn.layout import layout_for, light_columns_last
-
-    _gluon_or_skip()
-    pattern, q, k, v, do, scale, cfg, out, lse = _gluon_bwd_case(
-        2, 8192, 4, kv_heads, head_dim, 16, 8, torch.bfloat16, "bshd", 31 + kv_heads
-    )
-    lay = layout_for(pattern, 8192, 8192, 0, 0, gd.TILE_M, gd.BLOCK_N, DEV, with_csc=True)
-    _, n_heavy = light_columns_last(lay, gd.CHAIN_MAX_WORK)
-    assert 0 < n_heavy < lay.kv_order.numel() // 2
-    _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
-    want = gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, chain=1)
-    for chain in (gd.CHAIN, 2, 7):
-        got = gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, chain=chain)
-        for name, a, b in zip(("dk", "dv"), got, want):
-            assert torch.equal(a, b), (name, chain)
-    f32 = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
-    ref = s2_attention_reference(*f32, pattern, scale)
-    ref_dk, ref_dv = torch.autograd.grad(ref, f32[1:], do.float())
-    assert norm_err(want[0], ref_dk) < 1e-2 and norm_err(want[1], ref_dv) < 1e-2
-
-
-@pytest.mark.timeout(300)
 def test_gluon_dkdv_config_flag_runs_it_in_the_autograd_path(monkeypatch):
     """``KernelConfig.gluon_dkdv`` sends the backward's dK/dV pass to the Gluon kernel; every
     gradient as close to the fp32 reference as with the ``tl`` pass."""
