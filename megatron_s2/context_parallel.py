@@ -427,133 +427,7 @@ class _RankChunksCudnn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _merge_into(dest, outs, lses):
-    """Attention over the union of disjoint key sets from each set's output and LSE
-    ``[b, h, sq, 1]`` (fp32 math): the output written into ``dest``; returns the merged LSE."""
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    acc = torch.promote_types(outs[0].dtype, torch.float32)
-    mixed = outs[0].to(acc) * torch.exp(lses[0] - lse)
-    for out, part_lse in zip(outs[1:], lses[1:]):
-        mixed.addcmul_(out.to(acc), torch.exp(part_lse - lse))
-    dest.copy_(mixed)
-    return lse
-
-
-class _RankSquareCudnn(torch.autograd.Function):
-    """A CP rank's two query chunks against the whole K/V, dense and causal, in at most three
-    cuDNN calls: the rank's own ``2 * chunk`` keys as one causal square, the keys before the
-    early chunk for both chunks as one rectangle, and the keys between the chunks for the late
-    chunk as another; merged by LSE.
-
-    The square is exact with cuDNN's top-left mask because the early chunk (``rank``) comes
-    before the late one (``2 * cp - 1 - rank``) in the sequence: in the rank's own order the
-    early chunk's rows see their own keys causally, the late chunk's rows all of the early
-    chunk's keys and their own causally. Against :class:`_RankChunksCudnn`'s four calls (two
-    ``chunk``-sized causal squares, which cuDNN runs at 80% of its whole-sequence rate, and two
-    prefixes) these are fewer and larger, the square reads Q as it is, and the three calls'
-    dK/dV cover disjoint key ranges (copied into the K-sized buffers, not summed). With
-    ``streams`` the square runs beside the rectangles. Shapes as :class:`_RankChunksCudnn`.
-    """
-
-    @staticmethod
-    def forward(ctx, query, key, value, rank, cp, chunk, scale, streams):
-        rep = query.shape[2] // key.shape[2]
-        if rep > 1:  # cuDNN's call takes equal head counts
-            key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
-        early_end, late_start = (rank + 1) * chunk, (2 * cp - 1 - rank) * chunk
-        own_k = torch.cat(
-            (key[early_end - chunk : early_end], key[late_start : late_start + chunk])
-        )
-        own_v = torch.cat(
-            (value[early_end - chunk : early_end], value[late_start : late_start + chunk])
-        )
-        out = torch.empty_like(query)
-        qt, kt, vt, ot, okt, ovt = (
-            x.permute(1, 2, 0, 3) for x in (query, key, value, out, own_k, own_v)
-        )  # [b, h, s, d]
-        late = slice(chunk, 2 * chunk)  # the late chunk's rows
-
-        def rectangles():
-            before = between = None
-            if early_end > chunk:  # keys before the early chunk, for both chunks
-                k0, v0 = kt[:, :, : early_end - chunk], vt[:, :, : early_end - chunk]
-                before = _cudnn_part(qt, k0, v0, False, scale)
-            if late_start > early_end:  # keys between the chunks, for the late one
-                k1, v1 = kt[:, :, early_end:late_start], vt[:, :, early_end:late_start]
-                between = _cudnn_part(qt[:, :, late], k1, v1, False, scale)
-            return before, between
-
-        (before, between), square = _concurrently(
-            rectangles, lambda: _cudnn_part(qt, okt, ovt, True, scale), streams
-        )
-        early = slice(0, chunk)
-        lse = torch.empty_like(square[1])
-        for rows, parts in (
-            (early, [square, before]),
-            (late, [square, before, between]),
-        ):
-            parts = [p for p in parts if p is not None]
-            outs = [p[0][:, :, rows] if p is not between else p[0] for p in parts]
-            lses = [p[1][:, :, rows] if p is not between else p[1] for p in parts]
-            lse[:, :, rows] = _merge_into(ot[:, :, rows], outs, lses)
-        ctx.save_for_backward(query, key, value, out, own_k, own_v, lse)
-        ctx.args = tuple(None if p is None else p[2] for p in (square, before, between))
-        ctx.bounds, ctx.scale, ctx.rep, ctx.streams = (early_end, late_start), scale, rep, streams
-        return out.view(out.shape[0], out.shape[1], -1)
-
-    @staticmethod
-    def backward(ctx, dout):
-        query, key, value, out, own_k, own_v, lse = ctx.saved_tensors
-        (early_end, late_start), scale = ctx.bounds, ctx.scale
-        chunk = query.shape[0] // 2
-        square_args, before_args, between_args = ctx.args
-        dout = dout.contiguous().view(out.shape)
-        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        qt, kt, vt, ot, dot, okt, ovt, dqt, dkt, dvt = (
-            x.permute(1, 2, 0, 3) for x in (query, key, value, out, dout, own_k, own_v, dq, dk, dv)
-        )
-        late = slice(chunk, 2 * chunk)
-
-        def rectangles():
-            before = between = None
-            if before_args is not None:
-                k0, v0 = kt[:, :, : early_end - chunk], vt[:, :, : early_end - chunk]
-                before = _cudnn_part_grads(dot, qt, k0, v0, ot, lse, False, before_args, scale)
-            if between_args is not None:
-                k1, v1 = kt[:, :, early_end:late_start], vt[:, :, early_end:late_start]
-                between = _cudnn_part_grads(
-                    dot[:, :, late], qt[:, :, late], k1, v1, ot[:, :, late], lse[:, :, late],
-                    False, between_args, scale,
-                )  # fmt: skip
-            return before, between
-
-        def square():
-            return _cudnn_part_grads(dot, qt, okt, ovt, ot, lse, True, square_args, scale)
-
-        (before, between), (dq_s, dk_s, dv_s) = _concurrently(rectangles, square, ctx.streams)
-        if before is None:
-            dqt.copy_(dq_s)
-        else:
-            torch.add(dq_s, before[0], out=dqt)
-        if between is not None:
-            dqt[:, :, late].add_(between[0])
-        # The calls' keys are disjoint: each fills its range of the K-sized buffers.
-        for buf, d_sq, i in ((dkt, dk_s, 1), (dvt, dv_s, 2)):
-            if before is not None:
-                buf[:, :, : early_end - chunk].copy_(before[i])
-            buf[:, :, early_end - chunk : early_end].copy_(d_sq[:, :, :chunk])
-            if between is not None:
-                buf[:, :, early_end:late_start].copy_(between[i])
-            buf[:, :, late_start : late_start + chunk].copy_(d_sq[:, :, chunk:])
-            buf[:, :, late_start + chunk :].zero_()
-        if ctx.rep > 1:  # repeat_interleave put group g's copies at heads g * rep ..
-            s_len, b, _, hn = dk.shape
-            dk = dk.view(s_len, b, -1, ctx.rep, hn).sum(3)
-            dv = dv.view(s_len, b, -1, ctx.rep, hn).sum(3)
-        return dq, dk, dv, None, None, None, None, None
-
-
-RANK_IMPLS = ("auto", "fa4", "cudnn", "cudnn-one-stream", "cudnn-square", "per-chunk")
+RANK_IMPLS = ("auto", "fa4", "cudnn", "cudnn-one-stream", "per-chunk")
 
 
 def dense_rank_chunks(
@@ -599,8 +473,7 @@ def dense_rank_chunks(
     if impl.startswith("cudnn") or (impl == "auto" and usable):
         # CPU tensors (the bookkeeping tests' stand-ins) run one after the other.
         streams = query.is_cuda and impl != "cudnn-one-stream"
-        function = _RankSquareCudnn if impl == "cudnn-square" else _RankChunksCudnn
-        return function.apply(query, key, value, rank, cp, chunk, scale, streams)
+        return _RankChunksCudnn.apply(query, key, value, rank, cp, chunk, scale, streams)
 
     def attend(q, k, v, q_start):
         return dense_causal_suffix(q, k, v, scale)

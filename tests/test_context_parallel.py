@@ -122,11 +122,10 @@ def test_config_rejects_cp_size_the_sequence_cannot_serve():
 @pytest.mark.parametrize("heads, groups", [(16, 16), (32, 8)])
 def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
     """bf16 on CUDA, 8k tokens split for CP=2 and CP=4: every rank's chunks (S2: the kernels at
-    q_start; dense: cuDNN parts merged by LSE, rank-level (per chunk, or the rank's own keys as
-    one square) and per chunk, and FlashAttention varlen) equal the whole-sequence layer's
-    rows, forward and dq; dk/dv summed over the ranks equal the whole layer's (what the
-    reduce-scatter of the gather's backward computes). Also FlashAttention-4, one call a chunk,
-    where it is installed."""
+    q_start; dense: cuDNN parts merged by LSE, rank-level and per chunk, and FlashAttention
+    varlen) equal the whole-sequence layer's rows, forward and dq; dk/dv summed over the ranks
+    equal the whole layer's (what the reduce-scatter of the gather's backward computes). Also
+    FlashAttention-4, one call a chunk, where it is installed."""
     from megatron_s2.context_parallel import (
         attend_rank_chunks,
         dense_causal_suffix,
@@ -164,7 +163,6 @@ def test_gpu_rank_chunks_match_whole_sequence(heads, groups):
         "s2": per_chunk(lambda a, b, c, start: s2_attention(a, b, c, pattern, q_start=start)),
         "cudnn": lambda *args: dense_rank_chunks(*args, scale, impl="cudnn"),
         "cudnn one stream": lambda *args: dense_rank_chunks(*args, scale, "cudnn-one-stream"),
-        "cudnn square": lambda *args: dense_rank_chunks(*args, scale, "cudnn-square"),
         "cudnn per chunk": per_chunk(
             lambda a, b, c, start: dense_causal_suffix(a, b, c, scale, impl="cudnn")
         ),
@@ -322,16 +320,13 @@ def _fake_cudnn_part_grads(dout, q, k, v, out, lse, causal, args, scale):
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout
 
 
-@pytest.mark.parametrize("impl", ["cudnn", "cudnn-square"])
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
-def test_rank_chunks_cudnn_bookkeeping_matches_whole_sequence(monkeypatch, heads, groups, impl):
-    """The rank-level cuDNN functions' bookkeeping (GQA heads repeated once; "cudnn": each
-    chunk's own keys causally and earlier keys in full; "cudnn-square": the rank's own keys as
-    one causal square, the keys before and between the chunks as rectangles; LSE merges written
-    in place, dK/dV in one K-sized buffer, repeated heads summed back) on the CPU, with the
-    cuDNN calls played by float64 math: every rank's output and dq equal the whole causal
-    layer's rows, and dk/dv summed over the ranks equal its dk/dv, for CP 2 and 4, MHA and
-    GQA."""
+def test_rank_chunks_cudnn_bookkeeping_matches_whole_sequence(monkeypatch, heads, groups):
+    """The rank-level cuDNN function's bookkeeping (GQA heads repeated once, each chunk's own
+    keys causally and earlier keys in full, LSE merges written in place, dK/dV of both chunks
+    in one K-sized buffer, repeated heads summed back) on the CPU, with the cuDNN calls played
+    by float64 math: every rank's output and dq equal the whole causal layer's rows, and dk/dv
+    summed over the ranks equal its dk/dv, for CP 2 and 4, MHA and GQA."""
     import megatron_s2.context_parallel as cpmod
 
     monkeypatch.setattr(cpmod, "_cudnn_part", _fake_cudnn_part)
@@ -351,7 +346,7 @@ def test_rank_chunks_cudnn_bookkeeping_matches_whole_sequence(monkeypatch, heads
         for rank in range(cp):
             rows = _local_rows(q, rank, cp).clone().requires_grad_(True)
             chunk = SEQ // (2 * cp)
-            out = cpmod.dense_rank_chunks(rows, kc, vc, rank, cp, chunk, scale, impl=impl)
+            out = cpmod.dense_rank_chunks(rows, kc, vc, rank, cp, chunk, scale, impl="cudnn")
             out.backward(_local_rows(dout, rank, cp).reshape(out.shape))
             want = _local_rows(whole.detach(), rank, cp).reshape(out.shape)
             torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)

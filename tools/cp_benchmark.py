@@ -104,15 +104,7 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-KINDS = (
-    "S2",
-    "dense",
-    "dense-fa4",
-    "dense-square",
-    "dense-one-stream",
-    "dense-per-chunk",
-    "dense-fa2",
-)
+KINDS = ("S2", "dense", "dense-fa4", "dense-one-stream", "dense-per-chunk", "dense-fa2")
 DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
 
 
@@ -129,8 +121,7 @@ def run(
     one) and ranks 0 and N-1 of each CP size in ``cps``. Kinds: "S2"; "dense" (SDPA at CP=1,
     the rank-level cuDNN function under CP: the module's path with ``dense_attention=sdpa``);
     "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk: the module's path with
-    "auto" where FA4 is installed; skipped with a note where it is not); "dense-square" (the
-    rank-level cuDNN function with the rank's own keys as one causal square); "dense-one-stream"
+    "auto" where FA4 is installed; skipped with a note where it is not); "dense-one-stream"
     (the rank-level cuDNN function with its two chunks one after the other), "dense-per-chunk"
     (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
     earlier paths. ``rel`` is per token against the kind's CP=1 row (the per-chunk and FA2 rows:
@@ -181,12 +172,6 @@ def run(
         "S2": ("S2", s2_full, per_chunk(s2_at), cps),
         "dense": ("dense, SDPA / rank-level cuDNN", dense_full, rank_level("cudnn"), cps),
         "dense-fa4": ("dense, FA4", fa4_full, rank_level("fa4"), cps),
-        "dense-square": (
-            "dense, rank-level cuDNN, own keys as one square",
-            None,
-            rank_level("cudnn-square"),
-            cps,
-        ),
         "dense-one-stream": (
             "dense, rank-level cuDNN, one stream",
             None,
