@@ -234,6 +234,9 @@ def _cudnn_part_grads(dout, q, k, v, out, lse, causal: bool, args, scale: float)
     """cuDNN's backward of one :func:`_cudnn_part` call given the *merged* ``out`` and ``lse``
     of all parts (each part then gets its exact share): ``(dq, dk, dv)``."""
     seed, offset, cu_q, cu_k, max_q, max_k = args
+    # The op reads the LSE as a contiguous [b, h, sq, 1] whatever its strides: a row slice of a
+    # larger LSE gave a wrong dQ on an H100 (docs/context_parallel.md, "one causal square").
+    lse = lse.contiguous()
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, causal,
         scale=scale,
