@@ -105,34 +105,41 @@ if gluon is not None:
         for e in range(e_begin, e_end):
             i = e - e0
             stage = i % STAGES
+            live = True
+            if MASKED:
+                # No row of this warpgroup attends the entry (the window's first block seen by
+                # a tile's second half, its second diagonal block by its first half): dS = 0,
+                # so the warpgroup skips the step's products and only releases the stage.
+                live = (gl.load(his + e) > q_first) & (gl.load(los + e) < q_first + BM)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-            k = k_bufs.index(stage)
-            s_tok = warpgroup_mma(
-                q, k.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                use_acc=False, is_async=True,
-            )  # fmt: skip
-            dp_tok = warpgroup_mma(
-                do, v_bufs.index(stage).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                use_acc=False, is_async=True,
-            )  # fmt: skip
-            if MASKED:
-                key0 = gl.load(cols + e) * BN
-                k_lo, k_hi = gf._key_bounds(key0 + offs_n, key_lo, key_hi, gathered)
-                lo = gl.load(los + e)
-                hi = gl.load(his + e)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            s = s * qk_scale - lse2[:, None]
-            if MASKED:
-                s = gf._mask_partial(
-                    s, lo, hi, q_abs, k_lo, k_hi, q_first, key0 + BN - 1, gathered
+            if live:
+                k = k_bufs.index(stage)
+                s_tok = warpgroup_mma(
+                    q, k.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                    use_acc=False, is_async=True,
                 )  # fmt: skip
-            p = gl.exp2(s)
-            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
-            ds = p * (dp - delta[:, None])
-            dq_tok = warpgroup_mma(
-                gl.convert_layout(ds.to(q.dtype), op_layout), k, dq, is_async=True
-            )
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
+                dp_tok = warpgroup_mma(
+                    do, v_bufs.index(stage).permute((1, 0)),
+                    gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True,
+                )  # fmt: skip
+                if MASKED:  # read again here, not held across the products (ptxas spilled them)
+                    key0 = gl.load(cols + e) * BN
+                    k_lo, k_hi = gf._key_bounds(key0 + offs_n, key_lo, key_hi, gathered)
+                    lo = gl.load(los + e)
+                    hi = gl.load(his + e)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                s = s * qk_scale - lse2[:, None]
+                if MASKED:
+                    s = gf._mask_partial(
+                        s, lo, hi, q_abs, k_lo, k_hi, q_first, key0 + BN - 1, gathered
+                    )  # fmt: skip
+                p = gl.exp2(s)
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+                ds = p * (dp - delta[:, None])
+                dq_tok = warpgroup_mma(
+                    gl.convert_layout(ds.to(q.dtype), op_layout), k, dq, is_async=True
+                )
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
             mbarrier.arrive(empty.index(stage), count=1)
         return dq
 
@@ -391,12 +398,16 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
             row_lse = lse[bb, h, q_loc].double()
             lse2 = torch.where(row_lse == -math.inf, 0.0, row_lse * LOG2E)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
+            first = q_start + qt * TILE_M + wg * WG_ROWS
             for e in range(row_ptr[item], row_ptr[item + 1]):
+                masked = e >= row_split[item]
+                if masked and not (his[e] > first and los[e] < first + WG_ROWS):
+                    continue  # the kernel's skip: no row of this warpgroup attends the entry
                 n_abs = cols[e] * bn + offs_n
                 rows = gf.emulated_key_rows(keys, h, n_abs)
                 kk, vv = k[bb, rows, kvh].double(), v[bb, rows, kvh].double()
                 sc = (qq @ kk.T) * qk_scale - lse2[:, None]
-                if e >= row_split[item]:
+                if masked:
                     sc = gf.emulated_mask_partial(sc, los[e], his[e], q_abs, keys, h, n_abs)
                 p = torch.exp2(sc)
                 acc += (p * (dd @ vv.T - row_delta[:, None])) @ kk
