@@ -10,7 +10,8 @@ layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
   from the shared-memory tiles (written out for the dK/dV pass), then per key tile run ``S = Q
   K^T`` and ``dP = dO V^T`` (async wgmma, both in flight; Q, and dO in the full entries' loop,
   read once into registers), ``P = exp2(S - lse)`` (masked on partial entries), ``dS = P (dP -
-  delta)`` and ``dQ += dS K`` (dS as a register operand);
+  delta)`` and ``dQ += dS K`` (dS as a register operand), skipping the partial entries that
+  none of its rows attends;
 * each then writes dQ (times the softmax scale) through its O buffer, free once delta is
   formed, and the program stores both halves by TMA.
 
