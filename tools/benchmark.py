@@ -85,6 +85,8 @@ BASELINE_PACKAGE = "s2attn_baseline"
 # Matrix products per attended pair in each Gluon pass (--passes): the forward's S and PV, the
 # dQ pass's S, dP and dQ, the dK/dV pass's S^T, dP^T, dV and dK (2 * d FLOPs each).
 PASS_PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
+# Blocks whose passes take plain 64-key tiles (16 and 32 need gathered key tiles built first).
+PASS_BLOCKS = (64, 128)
 FA4_MODULE = "flash_attn.cute"
 STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
 # Rate keys of a result record: forward alone and forward+backward.
@@ -488,7 +490,7 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
         pairs = row_pairs("fa4", pat, seq, batch)
         record("fa4", ROWS["fa4"], pairs, run, fwd_bwd(run, (q, k, v), grad))
     res += timed_records(pending, shape)
-    if getattr(args, "passes", False):
+    if args.passes:
         why = passes_unsupported(block, dev)
         if why:
             print(f"  passes: skipped ({why})")
@@ -503,7 +505,7 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
 def passes_unsupported(block: int, device) -> Optional[str]:
     """Why ``--passes`` cannot time the Gluon passes one by one here, or None: they run on
     sm_90 at blocks 64 and 128 (blocks 16 and 32 gather key tiles first)."""
-    if block not in GLUON_BWD_BLOCKS or block < 64:
+    if block not in PASS_BLOCKS:
         return f"block {block}: the passes alone are timed at blocks 64 and 128"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "the Gluon passes run on sm_90 only"
