@@ -97,7 +97,15 @@ if gluon is not None:
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
     NO_KEY_END = gl.constexpr(INT32_MAX)
-    Q_IN_REGISTERS_MAX_N = gl.constexpr(64)  # key tiles up to which Q is a register operand
+    # Q is the scores' register operand on key tiles of up to Q_IN_REGISTERS_MAX_N keys whose
+    # scores and Q together fit (tile x head_dim up to Q_IN_REGISTERS_MAX_ND): 64-key tiles,
+    # and 128-key ones at head_dim 64 with the checked Triton (3.6: no spills, forward 3-6%
+    # faster on an H100; 3.9's ptxas spills 96 bytes in the key loops there). At 128 x 128
+    # the scores take the registers Q would need.
+    Q_IN_REGISTERS_MAX_ND = gl.constexpr(64 * 128)
+    Q_IN_REGISTERS_MAX_N = gl.constexpr(
+        128 if triton.__version__.startswith(CHECKED_TRITON) else 64
+    )
     # Triton 3.7 renamed the TMA copies; the old names raise there.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -306,18 +314,16 @@ if gluon is not None:
 
     @gluon.jit
     def _mask_partial(s, lo, hi, q_abs, k_lo, k_hi, q_first, key_last, gathered):
-        """:func:`_mask_rows` where one warpgroup's rows need it (the dQ pass's masked loop).
-        A partial entry is partial for the 128-row query tile, but for a warpgroup's 64 rows
-        ``q_first ..`` it is often all allowed (the rows inside ``[lo, hi)`` and at or after
-        ``key_last``, the tile's last key, in sequence order) or all masked (the rows outside
-        ``[lo, hi)``): at block 64 a third each. Those skip the elementwise compares and the
-        key ranges' use; the branch is uniform per warpgroup. (The forward keeps
-        :func:`_mask_rows`: in its partial entries' loop this gained nothing and lost at
-        block 128; ``docs/benchmarks.md``.)"""
+        """:func:`_mask_rows` where one warpgroup's rows need it (the dQ pass's masked loop,
+        which skips the entries that none of its rows attends). A partial entry is partial for
+        the 128-row query tile, but for a warpgroup's 64 rows ``q_first ..`` it is often all
+        allowed (the rows inside ``[lo, hi)`` and at or after ``key_last``, the tile's last
+        key, in sequence order): those skip the elementwise compares and the key ranges' use;
+        the branch is uniform per warpgroup. (The forward keeps :func:`_mask_rows`: in its
+        partial entries' loop this gained nothing and lost at block 128;
+        ``docs/benchmarks.md``.)"""
         q_last = q_first + s.type.shape[0] - 1
-        if (hi <= q_first) | (lo > q_last):
-            s = gl.full_like(s, -float("inf"))
-        elif gathered | (lo > q_first) | (hi <= q_last) | (key_last > q_first):
+        if gathered | (lo > q_first) | (hi <= q_last) | (key_last > q_first):
             s = _mask_rows(s, lo, hi, q_abs, k_lo, k_hi)
         return s
 
@@ -471,9 +477,12 @@ if gluon is not None:
             # not by every S = Q K^T wgmma, which with both operands there reads 128 bytes a
             # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
             # P V's reads of V); its buffer is then free for the next item's Q. 128-key tiles'
-            # scores take the registers Q would need (ptxas spills).
+            # scores at head_dim 128 take the registers Q would need (ptxas spills).
             q = q_smem.index(WG)
-            if BN <= Q_IN_REGISTERS_MAX_N:
+            q_in_registers: gl.constexpr = (BN * D <= Q_IN_REGISTERS_MAX_ND) & (
+                BN <= Q_IN_REGISTERS_MAX_N
+            )
+            if q_in_registers:
                 q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
                 fence_async_shared()  # the reads above before the next TMA write
                 mbarrier.arrive(q_empty, count=1)
@@ -482,7 +491,7 @@ if gluon is not None:
                 e0, e1, e2, e0 - ring, qk_scale, key_lo + h * key_stride,
                 key_hi + h * key_stride, key_stride > 0,
             )  # fmt: skip
-            if BN > Q_IN_REGISTERS_MAX_N:
+            if not q_in_registers:
                 mbarrier.arrive(q_empty, count=1)  # the wgmma that read Q have completed
             ring += e2 - e0
             nothing = l_i == 0.0
@@ -869,11 +878,10 @@ def emulated_mask_rows(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch.Te
 
 
 def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch.Tensor:
-    """:func:`_mask_partial` in PyTorch, its three cases included (all allowed, all masked,
-    elementwise: :func:`emulated_mask_rows`); ``q_abs`` ascending, the rest as there."""
+    """:func:`_mask_partial` in PyTorch, both its cases (all allowed, elementwise:
+    :func:`emulated_mask_rows`); ``q_abs`` ascending, at least one of its rows in ``[lo, hi)``
+    (the caller skips the entries none attends), the rest as there."""
     q_first, q_last = int(q_abs[0]), int(q_abs[-1])
-    if hi <= q_first or lo > q_last:
-        return torch.full_like(sc, -math.inf)
     if keys is None and lo <= q_first and hi > q_last and int(n.max()) <= q_first:
         return sc
     return emulated_mask_rows(sc, lo, hi, q_abs, keys, h, n)
