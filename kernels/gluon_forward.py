@@ -23,9 +23,10 @@ finishes (:func:`persistent_programs`).
 
 :func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
 (``q_start = k_start = 0``, equal lengths, no packed documents) or a context-parallel chunk,
-bf16/fp16, ``s`` a multiple of 128, head_dim 64 or 128, block 64 or 128, or block 16 or 32
-on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
-box by box, one TMA box per pattern block), on an sm_90 GPU. ``triton_attention.s2_forward`` calls
+bf16/fp16, ``s`` a multiple of 128, head_dim 64 or 128, block 64 or 128 (key tiles of 64
+keys at head_dim 128, of the block at 64: :func:`key_tile`), or block 16 or 32 on gathered
+64-key tiles (``gathered_keys.py``: the loader fetches a tile box by box, one TMA box per
+pattern block), on an sm_90 GPU. ``triton_attention.s2_forward`` calls
 it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl`` kernel
 otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes) reads only
 ``out`` and ``lse``.
@@ -74,6 +75,7 @@ TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m
 MAX_STAGES = 3
 SHARED_BUDGET_BYTES = 200 * 1024  # of the H100's 227 KiB a block may take
 HEAD_DIMS = (64, 128)
+MAX_D_FOR_128_KEY_TILES = 64  # key_tile
 BLOCK_SIZES = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # Triton versions whose Gluon kernels have been checked on an H100/H200 (tests/test_kernels_gpu.py);
@@ -99,9 +101,8 @@ if gluon is not None:
     NO_KEY_END = gl.constexpr(INT32_MAX)
     # Q is the scores' register operand on key tiles of up to Q_IN_REGISTERS_MAX_N keys whose
     # scores and Q together fit (tile x head_dim up to Q_IN_REGISTERS_MAX_ND): 64-key tiles,
-    # and 128-key ones at head_dim 64 with the checked Triton (3.6: no spills, forward 3-6%
-    # faster on an H100; 3.9's ptxas spills 96 bytes in the key loops there). At 128 x 128
-    # the scores take the registers Q would need.
+    # and 128-key ones (head_dim 64, key_tile) with the checked Triton (3.6: no spills,
+    # forward 4% faster at 32k on an H100; 3.9's ptxas spills 96 bytes in the key loops there).
     Q_IN_REGISTERS_MAX_ND = gl.constexpr(64 * 128)
     Q_IN_REGISTERS_MAX_N = gl.constexpr(
         128 if triton.__version__.startswith(CHECKED_TRITON) else 64
@@ -109,6 +110,15 @@ if gluon is not None:
     # Triton 3.7 renamed the TMA copies; the old names raise there.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+def key_tile(block_size: int, head_dim: int) -> int:
+    """Keys per K/V tile (and TMA box) of the forward on a pattern of ``block_size`` (64 or
+    128; blocks 16 and 32 take gathered tiles): the block, but at most 64 at head_dim 128,
+    where a 128-key tile leaves shared memory for two K/V stages only and the forward ran
+    25-26% slower than on 64-key halves of each block (H100, ``docs/benchmarks.md``); at head
+    dim 64, 128-key tiles in three stages ran 15% faster."""
+    return block_size if head_dim <= MAX_D_FOR_128_KEY_TILES else min(block_size, 64)
 
 
 def triton_checked() -> bool:
@@ -476,8 +486,7 @@ if gluon is not None:
             # Q as the scores' register operand on 64-key tiles: read from shared memory once,
             # not by every S = Q K^T wgmma, which with both operands there reads 128 bytes a
             # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
-            # P V's reads of V); its buffer is then free for the next item's Q. 128-key tiles'
-            # scores at head_dim 128 take the registers Q would need (ptxas spills).
+            # P V's reads of V); its buffer is then free for the next item's Q.
             q = q_smem.index(WG)
             q_in_registers: gl.constexpr = (BN * D <= Q_IN_REGISTERS_MAX_ND) & (
                 BN <= Q_IN_REGISTERS_MAX_N
@@ -665,17 +674,18 @@ def s2_forward_gluon(
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
     self-attention, a context-parallel chunk's start otherwise); ``scale`` the softmax scale;
-    ``lay`` the pattern's layout at 128-row query tiles for this ``(s, sk, q_start)`` (built
-    when None). With ``keys`` (a :class:`gathered_keys.GatheredKeys`, block 16/32) the key
-    tiles are gathered ones (their own layout), each loaded from k/v block by block. Returns ``out``
-    like q (q's layout where q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
+    ``lay`` the pattern's layout at 128-row query tiles and :func:`key_tile` keys for this
+    ``(s, sk, q_start)`` (built when None). With ``keys`` (a
+    :class:`gathered_keys.GatheredKeys`, block 16/32) the key tiles are gathered ones (their
+    own layout), each loaded from k/v block by block. Returns ``out`` like q (q's layout where
+    q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
     ``triton_attention.s2_forward`` does. ``programs``: how many programs share the work items
     (None: :func:`persistent_programs`' choice; the tests pass a few, so that each program
     runs many items). The caller checks :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     check_chunk("s2_forward_gluon", q, k, q_start)
     gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1], lay)
-    box = bn = pattern.block_size  # TMA box rows: a pattern block
+    box = bn = key_tile(pattern.block_size, d)  # TMA box rows: a pattern block or half of one
     group = pattern.group_size
     if keys is not None:
         lay = keys.layout(TILE_M, q_start=q_start)
@@ -756,11 +766,12 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     ``shared_bytes``, ``registers`` (the default partition's). Needs ``cuobjdump`` next to
     Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``: the pattern's (blocks 16
     and 32 load gathered 64-key tiles box by box)."""
-    tile = max(block, gathered_keys.TILE_N)
+    box = key_tile(block, head_dim)
+    tile = max(box, gathered_keys.TILE_N)
     return compile_kernel_for_sm90(
         _s2_fwd_gluon_kernel,
         head_dim,
-        {"q_desc": WG_ROWS, "k_desc": block, "v_desc": block, "o_desc": WG_ROWS},
+        {"q_desc": WG_ROWS, "k_desc": box, "v_desc": box, "o_desc": WG_ROWS},
         {"LSE": "*fp32", "qk_scale": "fp32", **ROW_LIST_TYPES},
         ring_stages(tile, head_dim),
         os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"),
@@ -893,7 +904,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
     online softmax, so that its index logic is checked where no GPU is. Shapes, ``q_start``
     and ``keys`` as :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
     b, s, hq, d = q.shape
-    bn = pattern.block_size
+    bn = key_tile(pattern.block_size, d)
     if keys is not None:
         lay = keys.layout(TILE_M, q_start=q_start)
         bn = lay.block_n

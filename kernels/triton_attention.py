@@ -1485,7 +1485,7 @@ def s2_forward(
             return gluon_forward.s2_forward_gluon(
                 q, k, v, pattern, scale, q_start=q_start, keys=keys
             )
-        tile, bn = gluon_forward.TILE_M, pattern.block_size
+        tile, bn = gluon_forward.TILE_M, gluon_forward.key_tile(pattern.block_size, d)
         lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device)
         # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
         # tiles, which the Gluon kernel does not take.

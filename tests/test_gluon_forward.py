@@ -30,6 +30,7 @@ needs_gluon = pytest.mark.skipif(gf.gluon is None, reason="this Triton has no Gl
         (2, 512, 4, 4, 16, 64, 2, 4, 0),  # MHA, two batch rows
         (1, 1024, 8, 2, 16, 64, 4, 8, 0),  # GQA 8/2
         (1, 768, 4, 4, 16, 128, 2, 2, 0),  # 128-token blocks: one block a query tile
+        (1, 768, 2, 2, 128, 128, 2, 2, 0),  # the same at head_dim 128: 64-key halves of blocks
         (1, 512, 2, 2, 16, 64, 16, 1, 0),  # dense causal
         (1, 640, 4, 2, 16, 64, 2, 4, 3),  # a TP rank's heads (phase from head 3)
     ],

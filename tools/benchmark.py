@@ -522,7 +522,9 @@ def pass_calls(package: str, pat, q, k, v, do) -> list:
         for m in ("gluon_forward", "gluon_dq", "gluon_dkdv", "layout")
     )
     seq, dev, scale = q.shape[1], q.device, q.shape[-1] ** -0.5
-    lf = lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, pat.block_size, dev)
+    # The forward's key tile (before key_tile existed, a copy's was the pattern's block).
+    bn = getattr(gf, "key_tile", lambda block, d: block)(pat.block_size, q.shape[-1])
+    lf = lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, bn, dev)
     lq = lay.layout_for(pat, seq, seq, 0, 0, gq.TILE_M, gd.BLOCK_N, dev)
     lk = lay.layout_for(pat, seq, seq, 0, 0, gd.TILE_M, gd.BLOCK_N, dev, with_csc=True)
     out, lse = gf.s2_forward_gluon(q, k, v, pat, scale, lf)
