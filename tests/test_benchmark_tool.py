@@ -548,7 +548,8 @@ def test_passes_option_parses_and_names_what_it_cannot_time(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert bench.passes_unsupported(64, "cuda") is None
     assert bench.passes_unsupported(128, "cuda") is None
-    assert "block 16" in bench.passes_unsupported(16, "cuda")  # gathered key tiles
+    assert bench.passes_unsupported(16, "cuda") is None  # gathered key tiles
+    assert "block 8" in bench.passes_unsupported(8, "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert "sm_90" in bench.passes_unsupported(64, "cuda")
 

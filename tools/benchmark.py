@@ -85,8 +85,9 @@ BASELINE_PACKAGE = "s2attn_baseline"
 # Matrix products per attended pair in each Gluon pass (--passes): the forward's S and PV, the
 # dQ pass's S, dP and dQ, the dK/dV pass's S^T, dP^T, dV and dK (2 * d FLOPs each).
 PASS_PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
-# Blocks whose passes take plain 64-key tiles (16 and 32 need gathered key tiles built first).
-PASS_BLOCKS = (64, 128)
+# Blocks the Gluon passes take: 64 and 128 on tiles in sequence order, 16 and 32 on gathered
+# key tiles (gathered_keys.py).
+PASS_BLOCKS = (16, 32, 64, 128)
 FA4_MODULE = "flash_attn.cute"
 STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
 # Rate keys of a result record: forward alone and forward+backward.
@@ -504,9 +505,9 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
 
 def passes_unsupported(block: int, device) -> Optional[str]:
     """Why ``--passes`` cannot time the Gluon passes one by one here, or None: they run on
-    sm_90 at blocks 64 and 128 (blocks 16 and 32 gather key tiles first)."""
+    sm_90 at the blocks of ``PASS_BLOCKS``."""
     if block not in PASS_BLOCKS:
-        return f"block {block}: the passes alone are timed at blocks 64 and 128"
+        return f"block {block}: the Gluon passes take blocks {PASS_BLOCKS}"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "the Gluon passes run on sm_90 only"
     return None
@@ -516,12 +517,23 @@ def pass_calls(package: str, pat, q, k, v, do) -> list:
     """``[(name, call)]``: the forward, dQ and dK/dV Gluon passes of ``package`` (``s2attn``
     or the ``--baseline`` copy; ``pat`` its own S2Pattern) on ``q [b, s, hq, d]``, ``k, v
     [b, s, hkv, d]`` and upstream ``do`` like q, with their layouts built once beforehand and
-    the backward's inputs (out, LSE, delta) from one run of the passes before them."""
-    gf, gq, gd, lay = (
+    the backward's inputs (out, LSE, delta) from one run of the passes before them. Blocks 16
+    and 32 run on the gathered key tiles, whose dK/dV pass leaves per-query-head gradients
+    (the group sum after it is not timed)."""
+    gf, gq, gd, lay, gk = (
         importlib.import_module(f"{package}.{m}")
-        for m in ("gluon_forward", "gluon_dq", "gluon_dkdv", "layout")
+        for m in ("gluon_forward", "gluon_dq", "gluon_dkdv", "layout", "gathered_keys")
     )
     seq, dev, scale = q.shape[1], q.device, q.shape[-1] ** -0.5
+    if pat.block_size in gk.BLOCK_SIZES:
+        keys = gk.gathered_keys(pat, seq, dev)
+        out, lse = gf.s2_forward_gluon(q, k, v, pat, scale, keys=keys)
+        _, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, keys=keys)
+        return [
+            ("fwd", lambda: gf.s2_forward_gluon(q, k, v, pat, scale, keys=keys)),
+            ("dq", lambda: gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, keys=keys)),
+            ("dkdv", lambda: gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pat, scale, keys=keys)),
+        ]
     # The forward's key tile (before key_tile existed, a copy's was the pattern's block).
     bn = getattr(gf, "key_tile", lambda block, d: block)(pat.block_size, q.shape[-1])
     lf = lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, bn, dev)
@@ -741,7 +753,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--passes",
         action="store_true",
         help="also time each Gluon pass (forward, dQ, dK/dV) alone, rated by its own matrix "
-        "products (sm_90, blocks 64 and 128)",
+        "products (sm_90, blocks 16, 32, 64 and 128)",
     )
     ap.add_argument("--json", default=None, help="write raw results here")
     ap.add_argument(
