@@ -180,4 +180,6 @@ def sum_groups(g: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
         return g.to(dtype)
     b, s, h, d = g.shape
     acc = torch.promote_types(g.dtype, torch.float32)
-    return g.view(b, s, h // group, group, d).to(acc).sum(3).to(dtype)
+    # sum(dtype=) widens each element as the reduction reads it: g.to(acc).sum(3) wrote and
+    # read a float32 copy of g first, 3-4 ms of a 45 ms fwd+bwd (32k, GQA 32/8, H100).
+    return g.view(b, s, h // group, group, d).sum(3, dtype=acc).to(dtype)
