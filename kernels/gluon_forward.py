@@ -145,13 +145,19 @@ def enabled_by_default(head_dim: int, block_size: int, device, dtype=None) -> bo
     return shapes_ok and (dtype is None or dtype in DTYPES)
 
 
-def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> Optional[str]:
+def unsupported_reason(
+    q, k, v, pattern, q_start: int, k_start: int, varlen, varlen_ok: bool = False
+) -> Optional[str]:
     """Why this call cannot take the Gluon forward (None: it can). q ``[b, sq, hq, d]``, k/v
-    ``[b, sk, hkv, d]``; the pattern and head counts are already validated by the caller."""
+    ``[b, sk, hkv, d]``; the pattern and head counts are already validated by the caller.
+    Packed documents (``varlen``) only with ``varlen_ok`` (the forward takes them, the Gluon
+    backward passes, which ask with the default, not yet), at blocks 64 and 128."""
     if gluon is None:
         return "this Triton has no Gluon Hopper API"
-    if varlen is not None:
+    if varlen is not None and not varlen_ok:
         return "packed documents (varlen)"
+    if varlen is not None and pattern.block_size not in BLOCK_SIZES:
+        return f"packed documents (varlen) at block_size {pattern.block_size} (not {BLOCK_SIZES})"
     if k_start or q_start + q.shape[1] != k.shape[1]:
         # Self-attention, or a context-parallel chunk: the last sq of sk positions from 0.
         return (
@@ -161,7 +167,7 @@ def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> 
         return "not an sm_90 GPU"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}: bf16 or fp16"
-    if q.shape[1] % TILE_M or k.shape[1] % TILE_M:
+    if varlen is None and (q.shape[1] % TILE_M or k.shape[1] % TILE_M):
         return f"sequence lengths {q.shape[1]}, {k.shape[1]}: not multiples of {TILE_M}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}: not one of {HEAD_DIMS}"
@@ -188,19 +194,29 @@ if gluon is not None:
         return pid // n_items, item // num_q_tiles, item % num_q_tiles, item
 
     @gluon.jit
-    def _work_item(t, order, batch, num_q_tiles):
-        """(batch row, head, query tile, layout item) of work item ``t``: the layout's items in
-        ``order`` (head by head, heaviest first within a head, so that programs running at the
-        same time share a head's K/V in L2), each for every batch row in turn; a program strides
-        through them by the grid size."""
+    def _work_item(t, work):
+        """(batch row, head, query tile, layout item, first row, rows) of work item ``t``. Fixed
+        lengths: the layout's items in ``order`` (head by head, heaviest first within a head,
+        so that programs running at the same time share a head's K/V in L2), each for every
+        batch row in turn; the item's sequence starts at row 0 of its batch row and has
+        ``seq_q`` query rows. Packed documents (``varlen``): ``order``, ``prog_tok`` and
+        ``prog_len`` are the program map (layout item, document start, document length: 0 for
+        a padding slot, which every role skips). A program strides through the items by the
+        grid size."""
+        order, prog_tok, prog_len, n_work, batch, num_q_tiles, seq_q, varlen = work
         item = gl.load(order + t // batch)
-        return t % batch, item // num_q_tiles, item % num_q_tiles, item
+        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
+        rows = gl.to_tensor(seq_q)
+        if varlen:
+            tok = gl.load(prog_tok + t)
+            rows = gl.load(prog_len + t)
+        return t % batch, item // num_q_tiles, item % num_q_tiles, item, tok, rows
 
     @gluon.jit
     def _loader(
         q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, row_ptr,
-        cols, order, n_work, batch, num_q_tiles, group, key_lo, key_stride, q_row_b, q_col_b,
-        q_col_h, kv_row_b, kv_col_b, kv_col_h,
+        cols, work, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
+        kv_col_h,
     ):  # fmt: skip
         """This program's work items one after another: each item's two Q halves once the
         consumers are done with the previous item's, then its K/V tiles into the ring, whose
@@ -208,44 +224,50 @@ if gluon is not None:
         BM: gl.constexpr = q_smem.type.shape[1]
         ring = 0
         n = 0
-        for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            b, h, qt, item = _work_item(t, order, batch, num_q_tiles)
-            q_row = b * q_row_b + qt * 2 * BM
-            q_col = b * q_col_b + h * q_col_h
-            mbarrier.wait(q_empty, (n & 1) ^ 1)
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-            _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
-            e0 = gl.load(row_ptr + item)
-            e2 = gl.load(row_ptr + item + 1)
-            kv_col = b * kv_col_b + (h // group) * kv_col_h
-            _load_kv_ring(
-                k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, e0 - ring,
-                b * kv_row_b, kv_col, key_lo + h * key_stride,
-            )  # fmt: skip
-            ring += e2 - e0
-            n += 1
+        for t in range(gl.program_id(0), work[3], gl.num_programs(0)):
+            b, h, qt, item, tok, rows = _work_item(t, work)
+            if rows > 0:
+                # A document's last tile reads on into the next document's rows (or zeros past
+                # the tensor's end): its queries' outputs are not stored, and its keys lie
+                # after every query of the document (masked as causal).
+                q_row = b * q_row_b + tok + qt * 2 * BM
+                q_col = b * q_col_b + h * q_col_h
+                mbarrier.wait(q_empty, (n & 1) ^ 1)
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+                _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
+                e0 = gl.load(row_ptr + item)
+                e2 = gl.load(row_ptr + item + 1)
+                kv_col = b * kv_col_b + (h // group) * kv_col_h
+                _load_kv_ring(
+                    k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, e0 - ring,
+                    b * kv_row_b + tok, kv_col, key_lo + h * key_stride,
+                )  # fmt: skip
+                ring += e2 - e0
+                n += 1
 
     @gluon.jit
     def _storer(
-        o_desc, o_smem, o_ready, o_empty, order, n_work, batch, num_q_tiles, o_row_b, o_col_b,
-        o_col_h,
+        o_desc, o_smem, o_ready, o_empty, work, o_row_b, o_col_b, o_col_h,
     ):  # fmt: skip
         """TMA-stores each work item's output once both consumers have written their halves
         to ``o_smem``, and frees the buffers for the next item when the copy has read them:
-        the consumers go on to the next item meanwhile."""
+        the consumers go on to the next item meanwhile. A document's tile that runs past its
+        end is stored by the consumers themselves (:func:`_consumer`)."""
         BM: gl.constexpr = o_smem.type.shape[1]
         n = 0
-        for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            b, h, qt, item = _work_item(t, order, batch, num_q_tiles)
-            row = b * o_row_b + qt * 2 * BM
-            col = b * o_col_b + h * o_col_h
-            mbarrier.wait(o_ready, n & 1)
-            _tma_store(o_desc, [row, col], o_smem.index(0))
-            _tma_store(o_desc, [row + BM, col], o_smem.index(1))
-            tma.store_wait(0)
-            mbarrier.arrive(o_empty, count=1)
-            n += 1
+        for t in range(gl.program_id(0), work[3], gl.num_programs(0)):
+            b, h, qt, item, tok, rows = _work_item(t, work)
+            if rows > 0:
+                row = b * o_row_b + tok + qt * 2 * BM
+                col = b * o_col_b + h * o_col_h
+                mbarrier.wait(o_ready, n & 1)
+                if qt * 2 * BM + 2 * BM <= rows:
+                    _tma_store(o_desc, [row, col], o_smem.index(0))
+                    _tma_store(o_desc, [row + BM, col], o_smem.index(1))
+                    tma.store_wait(0)
+                mbarrier.arrive(o_empty, count=1)
+                n += 1
 
     @gluon.jit
     def _load_kv_tile(desc, row0, col, kt, key_lo, bar, buf):
@@ -455,12 +477,33 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, o_smem, o_ready, o_empty, LSE,
-        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order, n_work, batch,
-        num_q_tiles, qk_scale, q_start, key_lo, key_hi, key_stride, WG,
+        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, work, qk_scale, q_start,
+        key_lo, key_hi, key_stride, o_view, WG,
     ):  # fmt: skip
         """Consumer warpgroup ``WG`` (0 or 1, a run-time value: it only selects the rows and
         buffers): its 64 rows of each work item's query tile, at absolute positions from
-        ``q_start`` (the masks') and local rows from 0 (the LSE's)."""
+        ``q_start`` (the masks': from the document's start for packed documents) and local
+        rows from 0 (the LSE's, after the document's first row ``tok``)."""
+        ring = 0
+        n = 0
+        for t in range(gl.program_id(0), work[3], gl.num_programs(0)):
+            b, h, qt, item, tok, rows = _work_item(t, work)
+            if rows > 0:
+                ring, n = _consume_item(
+                    q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, o_smem, o_ready,
+                    o_empty, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los,
+                    his, qk_scale, q_start, key_lo, key_hi, key_stride, o_view, WG, b, h, qt,
+                    item, tok, rows, ring, n,
+                )  # fmt: skip
+
+    @gluon.jit
+    def _consume_item(
+        q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, o_smem, o_ready, o_empty, LSE,
+        stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, qk_scale, q_start,
+        key_lo, key_hi, key_stride, o_view, WG, b, h, qt, item, tok, rows, ring, n,
+    ):  # fmt: skip
+        """One work item of :func:`_consumer`; returns the ring position and item count after
+        it."""
         # Sizes from the shared-memory types: constexprs passed to a worker arrive as tensors.
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -472,62 +515,81 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        ring = 0
-        n = 0
-        for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            b, h, qt, item = _work_item(t, order, batch, num_q_tiles)
-            e0 = gl.load(row_ptr + item)
-            e1 = gl.load(row_split + item)
-            e2 = gl.load(row_ptr + item + 1)
-            q_loc = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-            q_abs = q_start + q_loc
-            acc = gl.zeros([BM, D], gl.float32, o_layout)
-            mbarrier.wait(q_bar, n & 1)
-            # Q as the scores' register operand on 64-key tiles: read from shared memory once,
-            # not by every S = Q K^T wgmma, which with both operands there reads 128 bytes a
-            # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
-            # P V's reads of V); its buffer is then free for the next item's Q.
-            q = q_smem.index(WG)
-            q_in_registers: gl.constexpr = (BN * D <= Q_IN_REGISTERS_MAX_ND) & (
-                BN <= Q_IN_REGISTERS_MAX_N
-            )
-            if q_in_registers:
-                q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-                fence_async_shared()  # the reads above before the next TMA write
-                mbarrier.arrive(q_empty, count=1)
-            acc, m_i, l_i = _consume_row_list(
-                q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
-                e0, e1, e2, e0 - ring, qk_scale, key_lo + h * key_stride,
-                key_hi + h * key_stride, key_stride > 0,
-            )  # fmt: skip
-            if not q_in_registers:
-                mbarrier.arrive(q_empty, count=1)  # the wgmma that read Q have completed
-            ring += e2 - e0
-            nothing = l_i == 0.0
-            l_safe = gl.where(nothing, 1.0, l_i)
-            lse = gl.where(
-                nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453
-            )
-            gl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_loc, lse)
-            out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-            mbarrier.wait(o_empty, (n & 1) ^ 1)  # the previous item's output has left
+        e0 = gl.load(row_ptr + item)
+        e1 = gl.load(row_split + item)
+        e2 = gl.load(row_ptr + item + 1)
+        q_loc = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        q_abs = q_start + q_loc
+        acc = gl.zeros([BM, D], gl.float32, o_layout)
+        mbarrier.wait(q_bar, n & 1)
+        # Q as the scores' register operand on 64-key tiles: read from shared memory once,
+        # not by every S = Q K^T wgmma, which with both operands there reads 128 bytes a
+        # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
+        # P V's reads of V); its buffer is then free for the next item's Q.
+        q = q_smem.index(WG)
+        q_in_registers: gl.constexpr = (BN * D <= Q_IN_REGISTERS_MAX_ND) & (
+            BN <= Q_IN_REGISTERS_MAX_N
+        )
+        if q_in_registers:
+            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            fence_async_shared()  # the reads above before the next TMA write
+            mbarrier.arrive(q_empty, count=1)
+        acc, m_i, l_i = _consume_row_list(
+            q, k_bufs, v_bufs, ready, empty, acc, q_abs, offs_n, cols, los, his,
+            e0, e1, e2, e0 - ring, qk_scale, key_lo + h * key_stride,
+            key_hi + h * key_stride, key_stride > 0,
+        )  # fmt: skip
+        if not q_in_registers:
+            mbarrier.arrive(q_empty, count=1)  # the wgmma that read Q have completed
+        ring += e2 - e0
+        nothing = l_i == 0.0
+        l_safe = gl.where(nothing, 1.0, l_i)
+        lse = gl.where(
+            nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453
+        )
+        gl.store(LSE + b * stride_lse_b + h * stride_lse_h + tok + q_loc, lse, q_loc < rows)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(o_empty, (n & 1) ^ 1)  # the previous item's output has left
+        if qt * 2 * BM + 2 * BM <= rows:
             o_smem.index(WG).store(out.to(o_smem.dtype))
             fence_async_shared()
-            mbarrier.arrive(o_ready, count=1)
-            n += 1
+        else:
+            # The tile runs past its document's end: a TMA store would write over the next
+            # document's rows, so the rows inside go out through a masked store.
+            _store_rows(out, o_view, b, h, tok, qt * 2 * BM + WG * BM, rows)
+        mbarrier.arrive(o_ready, count=1)
+        n += 1
+        return ring, n
+
+    @gluon.jit
+    def _store_rows(out, o_view, b, h, tok, first, rows):
+        """Store rows ``first ..`` of ``out [BM, D]`` (an item's output, document-relative)
+        that are before ``rows``, at the document's row ``tok`` on: ``o_view`` is the output's
+        pointer, row stride and :class:`TmaView` offsets."""
+        out_ptr, o_stride, o_row_b, o_col_b, o_col_h = o_view
+        BM: gl.constexpr = out.type.shape[0]
+        D: gl.constexpr = out.type.shape[1]
+        layout: gl.constexpr = out.type.layout
+        r = first + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        row = (b * o_row_b + tok + r).to(gl.int64) * o_stride
+        ptr = out_ptr + row[:, None] + (b * o_col_b + h * o_col_h + c)[None, :]
+        gl.store(ptr, out.to(out_ptr.dtype.element_ty), (r < rows)[:, None])
 
     @gluon.jit
     def _s2_fwd_gluon_kernel(
-        q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, row_ptr, row_split,
-        cols, los, his, order, n_work, batch, num_q_tiles, group, qk_scale, q_start, key_lo,
-        key_hi, key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h, o_row_b,
-        o_col_b, o_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        q_desc, k_desc, v_desc, o_desc, out_ptr, o_stride, LSE, stride_lse_b, stride_lse_h, row_ptr,
+        row_split, cols, los, his, order, prog_tok, prog_len, n_work, batch, num_q_tiles, seq_q,
+        varlen, group, qk_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
+        kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b, o_col_h, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """Programs striding through the ``n_work`` work items (a 128-row query tile of one head
-        and batch row each, :func:`_work_item`): one per SM on S2 patterns, one per item on
-        long causal rows (:func:`persistent_programs`). Within a program the loader fetches
-        the next item's Q and first K/V tiles while the consumers finish the current one, and
-        the output leaves through the storer while they start the next."""
+        and batch row, or of one document, each: :func:`_work_item`): one per SM on S2
+        patterns, one per item on long causal rows (:func:`persistent_programs`). Within a
+        program the loader fetches the next item's Q and first K/V tiles while the consumers
+        finish the current one, and the output leaves through the storer while they start the
+        next."""
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
         )
@@ -552,20 +614,19 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
         fence_async_shared()
+        work = (order, prog_tok, prog_len, n_work, batch, num_q_tiles, seq_q, varlen)
+        o_view = (out_ptr, o_stride, o_row_b, o_col_b, o_col_h)
         consumer_args = (
             q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty, o_smem, o_ready, o_empty,
-            LSE, stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, order,
-            n_work, batch, num_q_tiles, qk_scale, q_start, key_lo, key_hi, key_stride,
+            LSE, stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, work,
+            qk_scale, q_start, key_lo, key_hi, key_stride, o_view,
         )  # fmt: skip
         loader_args = (
             q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, ready, empty,
-            row_ptr, cols, order, n_work, batch, num_q_tiles, group, key_lo, key_stride,
-            q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h,
+            row_ptr, cols, work, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h,
+            kv_row_b, kv_col_b, kv_col_h,
         )  # fmt: skip
-        storer_args = (
-            o_desc, o_smem, o_ready, o_empty, order, n_work, batch, num_q_tiles, o_row_b,
-            o_col_b, o_col_h,
-        )  # fmt: skip
+        storer_args = (o_desc, o_smem, o_ready, o_empty, work, o_row_b, o_col_b, o_col_h)
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps),
         # the loader and the storer (1 warp each), with their register budgets.
         gl.warp_specialize(
@@ -668,8 +729,9 @@ def key_arrays(keys, fallback: torch.Tensor):
 
 
 def s2_forward_gluon(
-    q, k, v, pattern, scale: float, lay=None, q_start: int = 0, keys=None, programs=None
-):
+    q, k, v, pattern, scale: float, lay=None, q_start: int = 0, keys=None, programs=None,
+    varlen=None,
+):  # fmt: skip
     """S2 forward through the Gluon kernel. q ``[b, s, hq, d]``, k/v ``[b, sk, hkv, d]`` (bf16
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
@@ -681,7 +743,10 @@ def s2_forward_gluon(
     q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
     ``triton_attention.s2_forward`` does. ``programs``: how many programs share the work items
     (None: :func:`persistent_programs`' choice; the tests pass a few, so that each program
-    runs many items). The caller checks :func:`unsupported_reason` first."""
+    runs many items). ``varlen`` (a ``triton_attention.Varlen``): q, k, v are one packed row
+    ``[1, total, h, d]`` of documents, each attended on its own (``lay``: the layout that
+    serves every document, ``varlen.layout``), through the same program map as the ``tl``
+    kernels. The caller checks :func:`unsupported_reason` first."""
     b, s, hq, d = q.shape
     check_chunk("s2_forward_gluon", q, k, q_start)
     gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1], lay)
@@ -690,6 +755,8 @@ def s2_forward_gluon(
     if keys is not None:
         lay = keys.layout(TILE_M, q_start=q_start)
         bn = lay.block_n
+    if lay is None and varlen is not None:
+        lay = varlen.layout(pattern, TILE_M, bn, q.device)
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     if lay.block_m != TILE_M or lay.block_n != bn:
@@ -706,9 +773,13 @@ def s2_forward_gluon(
     qv = tma_view(q) or tma_view(q.contiguous())
     _, _, kv_, vv = paired_tma_views(k, v)  # one set of coordinates serves K and V
     n_items = lay.q_order.numel()
-    if n_items == 0:
+    if varlen is None:
+        n_work, order = n_items * b, lay.q_order
+        prog_tok = prog_len = order  # unread
+    else:
+        n_work, order, prog_tok, prog_len = varlen.programs(lay, kv=False)
+    if n_work == 0:
         return out, lse
-    n_work = n_items * b
     if programs is None:
         programs = persistent_programs(n_work, lay.nnz / n_items, q.device)
     _s2_fwd_gluon_kernel[(programs,)](
@@ -716,6 +787,8 @@ def s2_forward_gluon(
         _descriptor(kv_, box, d),
         _descriptor(vv, box, d),
         _descriptor(ov, WG_ROWS, d),
+        ov.matrix,
+        ov.matrix.stride(0),
         lse,
         lse.stride(0),
         lse.stride(1),
@@ -724,10 +797,14 @@ def s2_forward_gluon(
         lay.cols,
         lay.lo,
         lay.hi,
-        lay.q_order,
+        order,
+        prog_tok,
+        prog_len,
         n_work,
         b,
         lay.num_q_tiles,
+        s,
+        int(varlen is not None),
         group,
         scale / LN2,
         q_start,
@@ -772,7 +849,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
         _s2_fwd_gluon_kernel,
         head_dim,
         {"q_desc": WG_ROWS, "k_desc": box, "v_desc": box, "o_desc": WG_ROWS},
-        {"LSE": "*fp32", "qk_scale": "fp32", **ROW_LIST_TYPES},
+        {"LSE": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32", **ROW_LIST_TYPES},
         ring_stages(tile, head_dim),
         os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"),
         block_n=tile,
@@ -781,8 +858,12 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
 
 # The layout arrays a row-list kernel takes (int32 pointers).
 ROW_LIST_TYPES = {
-    n: "*i32" for n in ("row_ptr", "row_split", "cols", "los", "his", "order", "key_lo", "key_hi")
-}
+    n: "*i32"
+    for n in (
+        "row_ptr", "row_split", "cols", "los", "his", "order", "key_lo", "key_hi", "prog_tok",
+        "prog_len",
+    )
+}  # fmt: skip
 
 
 def compile_kernel_for_sm90(
@@ -898,16 +979,20 @@ def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch
     return emulated_mask_rows(sc, lo, hi, q_abs, keys, h, n)
 
 
-def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None):
+def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None, varlen=None):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
-    order, warpgroup split of each 128-row tile, full/partial entry split, masks and base-2
-    online softmax, so that its index logic is checked where no GPU is. Shapes, ``q_start``
-    and ``keys`` as :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
+    order (with ``varlen``, the program map), warpgroup split of each 128-row tile, full/partial
+    entry split, masks, base-2 online softmax and reads past a document's end (the next
+    document's rows, zeros past the tensor's, as TMA gives), so that its index logic is
+    checked where no GPU is. Shapes, ``q_start``, ``keys`` and ``varlen`` as
+    :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
     b, s, hq, d = q.shape
     bn = key_tile(pattern.block_size, d)
     if keys is not None:
         lay = keys.layout(TILE_M, q_start=q_start)
         bn = lay.block_n
+    elif varlen is not None:
+        lay = varlen.layout(pattern, TILE_M, bn, q.device)
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     qk_scale = scale / LN2
@@ -917,23 +1002,36 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
     cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
     n_items = lay.q_order.numel()
     order = lay.q_order.tolist()
+    if varlen is None:  # (batch row, layout item, first row, rows) of each work item
+        work = [(pid // n_items, order[pid % n_items], 0, s) for pid in range(n_items * b)]
+    else:
+        item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=False)[1:])
+        # Last document first: a tile that stored past its document's end would then write
+        # over rows already final, as it may in the kernel, whose programs finish in any order.
+        work = [(0, i, t, n) for i, t, n in zip(item_of, tok_of, len_of) if n > 0][::-1]
+
+    def rows_of(x, bb, r, head):
+        """x's rows ``r`` (zeros past the end, as a TMA load gives them)."""
+        inside = r < x.shape[1]
+        got = x[bb, torch.where(inside, r, 0), head].double()
+        return torch.where(inside[:, None], got, 0.0)
+
     offs_n = torch.arange(bn)
-    for pid in range(n_items * b):
-        item = order[pid % n_items]
-        bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
+    for bb, item, tok, n_rows in work:
+        h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // pattern.group_size
         e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
         for wg in range(NUM_CONSUMERS):
             q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
-            qq = q[bb, q_loc, h].double()
+            qq = rows_of(q, bb, tok + q_loc, h)
             m_i = torch.full((WG_ROWS,), -math.inf, dtype=torch.float64)
             l_i = torch.zeros(WG_ROWS, dtype=torch.float64)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             for e in range(e0, e2):
                 n = cols[e] * bn + offs_n
-                rows = emulated_key_rows(keys, h, n)
-                sc = (qq @ k[bb, rows, kvh].double().T) * qk_scale
+                rows = tok + emulated_key_rows(keys, h, n)
+                sc = (qq @ rows_of(k, bb, rows, kvh).T) * qk_scale
                 if e >= e1:
                     sc = emulated_mask_rows(sc, los[e], his[e], q_abs, keys, h, n)
                 m_new = torch.maximum(m_i, sc.max(1).values)
@@ -941,10 +1039,13 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None)
                 p = torch.exp2(sc - m_use[:, None])
                 alpha = torch.exp2(m_i - m_use)
                 l_i = l_i * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ v[bb, rows, kvh].double()
+                acc = acc * alpha[:, None] + p @ rows_of(v, bb, rows, kvh)
                 m_i = m_new
             nothing = l_i == 0
             l_safe = torch.where(nothing, 1.0, l_i)
-            lse[bb, h, q_loc] = torch.where(nothing, -math.inf, (m_i + torch.log2(l_safe)) * LN2)
-            out[bb, q_loc, h] = acc / l_safe[:, None]
+            keep = q_loc < n_rows  # rows past the document's end are not stored
+            dst = tok + q_loc[keep]
+            lse_rows = torch.where(nothing, -math.inf, (m_i + torch.log2(l_safe)) * LN2)
+            lse[bb, h, dst] = lse_rows[keep]
+            out[bb, dst, h] = (acc / l_safe[:, None])[keep]
     return out, lse

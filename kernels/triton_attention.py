@@ -1478,7 +1478,7 @@ def s2_forward(
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     if cfg.gluon_fwd and not gluon_forward.unsupported_reason(
-        q, k, v, pattern, q_start, k_start, varlen
+        q, k, v, pattern, q_start, k_start, varlen, varlen_ok=True
     ):
         if pattern.block_size in gathered_keys.BLOCK_SIZES:
             keys = gathered_keys.gathered_keys(pattern, sk, q.device)
@@ -1486,11 +1486,13 @@ def s2_forward(
                 q, k, v, pattern, scale, q_start=q_start, keys=keys
             )
         tile, bn = gluon_forward.TILE_M, gluon_forward.key_tile(pattern.block_size, d)
-        lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device)
+        lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, bn, q.device, varlen)
         # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
         # tiles, which the Gluon kernel does not take.
         if lay.block_m == gluon_forward.TILE_M:
-            return gluon_forward.s2_forward_gluon(q, k, v, pattern, scale, lay, q_start)
+            return gluon_forward.s2_forward_gluon(
+                q, k, v, pattern, scale, lay, q_start, varlen=varlen
+            )
     lay = _pass_layout(
         pattern, sq, sk, q_start, k_start, cfg.fwd.block_m, cfg.block_n, q.device, varlen
     )

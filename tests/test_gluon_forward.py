@@ -16,8 +16,8 @@ import torch
 from conftest import sm90_compile_stats
 
 import s2attn.gluon_forward as gf
-from s2attn import S2Pattern, s2_attention_reference
-from s2attn.triton_attention import kernel_config
+from s2attn import S2Pattern, s2_attention_reference, s2_attention_varlen_reference
+from s2attn.triton_attention import Varlen, kernel_config
 
 pytestmark = pytest.mark.version_independent
 
@@ -56,6 +56,44 @@ def test_emulated_schedule_matches_reference(
     ref, ref_lse = s2_attention_reference(q, k, v, pattern, scale, return_lse=True)
     assert (out - ref).abs().max().item() < 1e-10
     assert (lse - ref_lse.double()).abs().max().item() < 1e-5  # the reference's LSE is fp32
+
+
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads,head_dim,block",
+    [
+        ([300, 0, 1, 128, 77, 640], 4, 2, 16, 64),  # odd, empty and one-token documents, GQA
+        ([200, 450], 2, 2, 128, 128),  # head_dim 128 at block 128: 64-key halves of blocks
+    ],
+)
+def test_emulated_schedule_on_packed_documents_matches_reference(
+    lens, heads, kv_heads, head_dim, block
+):
+    """Packed documents through the program map: each document attended on its own, the
+    tiles that run past a document's end reading the next one's rows (or zeros past the
+    tensor's end) and storing only their own rows."""
+    g = torch.Generator().manual_seed(sum(lens) + heads)
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        local_blocks=2,
+        vert_stride=2,
+        head_offset=1,
+    )
+    total = sum(lens)
+    q, k, v = (
+        torch.randn(1, total, h, head_dim, dtype=torch.float64, generator=g)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = head_dim**-0.5
+    varlen = Varlen(cu, max(lens), total)
+    out, lse = gf.emulate_forward(q, k, v, pattern, scale, varlen=varlen)
+    ref, ref_lse = s2_attention_varlen_reference(
+        q[0], k[0], v[0], cu, pattern, softmax_scale=scale, return_lse=True
+    )
+    assert (out[0] - ref).abs().max().item() < 1e-10
+    assert (lse[0] - ref_lse.double()).abs().max().item() < 1e-5  # the reference's is fp32
 
 
 def _read_through(view: gf.TmaView, t: torch.Tensor) -> torch.Tensor:

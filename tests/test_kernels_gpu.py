@@ -313,16 +313,16 @@ def test_varlen_bf16_no_worse_than_dense_bf16_per_document():
     assert_matches(ours, ref, 3e-2, names=("out", "dq", "dk", "dv"))
 
 
-def _tl_config(pattern, head_dim):
-    """The default config with the ``tl`` kernels in all three passes: packed documents take
-    them (the Gluon passes run fixed-length calls only), so the varlen overhead is measured
-    against the same kernels."""
+def _varlen_kernels_config(pattern, head_dim):
+    """The default config with the ``tl`` kernels in the backward passes: the kernels packed
+    documents take (the Gluon forward where it runs, the ``tl`` dQ and dK/dV passes), so the
+    varlen overhead is measured against the same kernels."""
     import dataclasses
 
     from s2attn.triton_attention import kernel_config
 
     cfg = kernel_config(pattern, head_dim, DEV, torch.bfloat16)
-    return dataclasses.replace(cfg, gluon_fwd=False, gluon_dq=False, gluon_dkdv=False)
+    return dataclasses.replace(cfg, gluon_dq=False, gluon_dkdv=False)
 
 
 @pytest.mark.timeout(600)
@@ -343,9 +343,9 @@ def test_varlen_throughput_equal_documents_as_batch():
     grad = torch.randn_like(q)
     var = lambda: s2_attention_varlen(q, k, v, cu, S, p, check_cu_seqlens=False)
     var_checked = lambda: s2_attention_varlen(q, k, v, cu, S, p)
-    tl_cfg = _tl_config(p, D)
+    same_cfg = _varlen_kernels_config(p, D)
     fixed = lambda: s2_attention(
-        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p, kernel_config=tl_cfg
+        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p, kernel_config=same_cfg
     ).view(N * S, H, D)
     with torch.no_grad():
         assert torch.equal(var(), fixed())
@@ -388,9 +388,9 @@ def test_varlen_throughput_mixed_documents_vs_fixed_per_length():
         ]
         for n, c in VARLEN_MIXED_DOCS.items()
     ]
-    tl_cfg = _tl_config(p, D)
+    same_cfg = _varlen_kernels_config(p, D)
     fixed_runs = [
-        lambda b=b: s2_attention(b[0], b[1], b[2], p, kernel_config=tl_cfg) for b in batches
+        lambda b=b: s2_attention(b[0], b[1], b[2], p, kernel_config=same_cfg) for b in batches
     ]
     fixed_steps = [_fwd_bwd(run, b[:3], b[3].detach()) for run, b in zip(fixed_runs, batches)]
 
@@ -487,6 +487,59 @@ def test_gluon_forward_matches_tl_kernel_and_reference(
     assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
     assert (lse - ref_lse).abs().max().item() < 1e-3
     assert (lse - tl_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads,head_dim,block",
+    [
+        ([1], 4, 4, 128, 64),  # one token: every load but one row past the tensor's end
+        ([0, 300, 1, 128, 77, 1000, 0, 64], 8, 2, 128, 64),  # odd, empty, one-token; GQA
+        ([200, 450, 1023], 4, 4, 64, 128),  # head_dim 64 at block 128: 128-key tiles
+        ([513, 700], 4, 2, 128, 128),  # head_dim 128 at block 128: 64-key halves
+    ],
+)
+@pytest.mark.parametrize("programs", [None, 3])
+def test_gluon_forward_on_packed_documents(lens, heads, kv_heads, head_dim, block, programs):
+    """Packed documents through the Gluon forward (the program map, loads past a document's
+    end, masked stores of the last tile): against the fp32 reference document by document,
+    no further off than the ``tl`` varlen forward, the same LSE, and what the default path
+    returns. ``programs=3``: each program runs many work items."""
+    import dataclasses
+
+    from s2attn import triton_attention as ta
+
+    gf = _gluon_or_skip()
+    pattern = S2Pattern(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        local_blocks=4,
+        vert_stride=4,
+        head_offset=1,
+    )
+    total = sum(lens)
+    g = torch.Generator(device=DEV).manual_seed(total + heads)
+    q, k, v = (
+        torch.randn(1, total, h, head_dim, device=DEV, generator=g).to(torch.bfloat16)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    cu = _cu(lens)
+    varlen = ta.Varlen(cu, max(lens), total)
+    scale = head_dim**-0.5
+    out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale, programs=programs, varlen=varlen)
+    cfg = dataclasses.replace(ta.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False)
+    tl_out, tl_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg, varlen)
+    ref_out, ref_lse = s2_attention_varlen_reference(
+        q[0].float(), k[0].float(), v[0].float(), cu, pattern, scale, return_lse=True
+    )
+    err, tl_err = norm_err(out[0], ref_out), norm_err(tl_out[0], ref_out)
+    assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
+    assert (lse[0] - ref_lse).abs().max().item() < 1e-3
+    assert (lse - tl_lse).abs().max().item() < 1e-3
+    # The default path takes the Gluon forward for packed documents: the same bits.
+    d_out, d_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, None, varlen)
+    assert torch.equal(d_out, out) and torch.equal(d_lse, lse)
 
 
 @pytest.mark.timeout(300)
