@@ -22,14 +22,15 @@ positions running on from item to item and the next item's Q loaded while the cu
 finishes (:func:`persistent_programs`).
 
 :func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
-(``q_start = k_start = 0``, equal lengths, no packed documents) or a context-parallel chunk,
-bf16/fp16, ``s`` a multiple of 128, head_dim 64 or 128, block 64 or 128 (key tiles of 64
-keys at head_dim 128, of the block at 64: :func:`key_tile`), or block 16 or 32 on gathered
-64-key tiles (``gathered_keys.py``: the loader fetches a tile box by box, one TMA box per
-pattern block), on an sm_90 GPU. ``triton_attention.s2_forward`` calls
-it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl`` kernel
-otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes) reads only
-``out`` and ``lse``.
+(``q_start = k_start = 0``, equal lengths) or a context-parallel chunk, ``s`` a multiple of 128,
+or packed documents of any lengths (``varlen``, blocks 64 and 128: the ``tl`` path's program
+map, a document's last tile stored through a masked store); bf16/fp16, head_dim 64 or 128,
+block 64 or 128 (key tiles of 64 keys at head_dim 128, of the block at 64: :func:`key_tile`),
+or block 16 or 32 on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
+box by box, one TMA box per pattern block), on an sm_90 GPU. ``triton_attention.s2_forward``
+calls it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl``
+kernel otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes)
+reads only ``out`` and ``lse``.
 
 Tensors reach the kernel as 2-D TMA views ``[rows, columns]`` whose rows are tokens: the batch
 is either in the rows (``[b, s, h, d]`` contiguous: ``[b * s, h * d]``) or in the columns

@@ -213,9 +213,11 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     assert got["local_memory"] == 0
     # No spills in the key-tile loops with the Triton the kernel was checked with on a GPU
     # (3.6); 3.9 keeps a few scalars of the persistent programs' item loop on the stack,
-    # some reloaded in the key-tile loops (its Gluon kernels are off by default).
-    assert got["key_loop_spills"] <= (0 if gf.triton_checked() else 32)
-    assert got["stack_bytes"] <= (0 if gf.triton_checked() else 64)
+    # some reloaded in the key-tile loops (its Gluon kernels are off by default): up to 39
+    # reloads and 80 bytes at head_dim 64, block 128 since the item loop also carries a packed
+    # document's start and length. A spilled tile would take hundreds.
+    assert got["key_loop_spills"] <= (0 if gf.triton_checked() else 48)
+    assert got["stack_bytes"] <= (0 if gf.triton_checked() else 96)
     # O += P V takes P from registers and S = Q K^T takes Q on 64-key tiles (and, with the
     # checked Triton, on 128-key ones at head_dim 64): with both operands in shared memory a
     # 64-key product reads 128 bytes a clock.
