@@ -60,17 +60,48 @@ if gluon is not None:
     MASKED_DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
+    def _program_item(items):
+        """(batch row, head, query tile, layout item, first row, rows) of this program: one
+        item of the layout for every batch row (:func:`gluon_forward._item_of_program`), its
+        sequence from row 0 with ``seq_q`` query rows; packed documents (``varlen``): the
+        program map's item, document start and length (0: a padding slot, which every role
+        skips)."""
+        order, n_items, num_q_tiles, prog_tok, prog_len, seq_q, varlen = items
+        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
+        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
+        rows = gl.to_tensor(seq_q)
+        if varlen:
+            tok = gl.load(prog_tok + gl.program_id(0))
+            rows = gl.load(prog_len + gl.program_id(0))
+        return b, h, qt, item, tok, rows
+
+    @gluon.jit
     def _loader(
         q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
-        row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, key_lo,
-        key_stride, views,
+        row_bar, ready, empty, row_ptr, cols, items, group, key_lo, key_stride, views,
     ):  # fmt: skip
+        b, h, qt, item, tok, rows = _program_item(items)
+        if rows > 0:
+            _load_item(
+                q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs,
+                v_bufs, row_bar, ready, empty, row_ptr, cols, group, key_lo, key_stride, views,
+                b, h, qt, item, tok,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _load_item(
+        q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
+        row_bar, ready, empty, row_ptr, cols, group, key_lo, key_stride, views, b, h, qt, item,
+        tok,
+    ):  # fmt: skip
+        """The loader's work for one item: Q, dO and O rows (a document's last tile reads on
+        into the next document's rows, or zeros past the tensor's end: rows whose results are
+        not stored), then the item's K/V tiles into the ring."""
         BM: gl.constexpr = q_smem.type.shape[1]
         q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h = views
-        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
-        q_row = b * q_row_b + qt * 2 * BM
+        q_row = b * q_row_b + tok + qt * 2 * BM
         q_col = b * q_col_b + h * q_col_h
-        o_row = b * o_row_b + qt * 2 * BM
+        o_row = b * o_row_b + tok + qt * 2 * BM
         o_col = b * o_col_b + h * o_col_h
         mbarrier.expect(
             row_bar,
@@ -84,7 +115,7 @@ if gluon is not None:
         e2 = gl.load(row_ptr + item + 1)
         kv_col = b * kv_col_b + (h // group) * kv_col_h
         gf._load_kv_ring(
-            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, e0, b * kv_row_b,
+            k_desc, v_desc, k_bufs, v_bufs, ready, empty, cols, e0, e2, e0, b * kv_row_b + tok,
             kv_col, key_lo + h * key_stride,
         )  # fmt: skip
 
@@ -147,9 +178,28 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
-        stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
-        n_items, num_q_tiles, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, WG,
+        stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, items,
+        qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dq_view, WG,
     ):  # fmt: skip
+        b, h, qt, item, tok, rows = _program_item(items)
+        if rows > 0:
+            _consume_item(
+                q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE,
+                DELTA, stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his,
+                qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dq_view, WG, b, h, qt,
+                item, tok, rows,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _consume_item(
+        q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
+        stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, qk_scale,
+        sm_scale, q_start, key_lo, key_hi, key_stride, dq_view, WG, b, h, qt, item, tok, rows,
+    ):  # fmt: skip
+        """Consumer warpgroup ``WG``'s 64 rows of the item: document-relative positions (the
+        masks'), rows from the document's first row ``tok`` (Q, dO, O, LSE, delta, dQ); rows
+        past the document's end (``rows``) read an LSE of +inf, so their P is 0, and are not
+        stored."""
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
@@ -159,11 +209,10 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
-        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
         e0 = gl.load(row_ptr + item)
         e1 = gl.load(row_split + item)
         e2 = gl.load(row_ptr + item + 1)
-        row_off = b * stride_lse_b + h * stride_lse_h
+        row_off = b * stride_lse_b + h * stride_lse_h + tok
         first = qt * 2 * BM + WG * BM
         # Local rows index Q, dO, O, LSE and delta; absolute positions (from q_start) the masks.
         q_loc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
@@ -188,10 +237,10 @@ if gluon is not None:
         rows_acc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
         delta = gl.sum(do_s.load(acc_layout).to(gl.float32) * o.load(acc_layout).to(gl.float32), 1)
         if has_dlse != 0:
-            delta -= gl.load(DLSE + row_off + rows_acc)
-        gl.store(DELTA + row_off + rows_acc, delta)
+            delta -= gl.load(DLSE + row_off + rows_acc, rows_acc < rows, 0.0)
+        gl.store(DELTA + row_off + rows_acc, delta, rows_acc < rows)
         delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
-        lse = gl.load(LSE + row_off + q_loc)
+        lse = gl.load(LSE + row_off + q_loc, q_loc < rows, float("inf"))
         # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
         lse2 = gl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
         dq = gl.zeros([BM, D], gl.float32, acc_layout)
@@ -206,19 +255,25 @@ if gluon is not None:
             q, do_masked, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first,
             offs_n, cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
-        # O was last read for delta: its buffer takes dQ on the way out.
-        o.store((dq * sm_scale).to(o.dtype))
-        fence_async_shared()
+        if qt * 2 * BM + 2 * BM <= rows:
+            # O was last read for delta: its buffer takes dQ on the way out.
+            o.store((dq * sm_scale).to(o.dtype))
+            fence_async_shared()
+        else:
+            # The tile runs past its document's end: a masked store, not TMA (which would
+            # write over the next document's rows).
+            gf._store_rows(dq * sm_scale, dq_view, b, h, tok, first, rows)
 
     @gluon.jit
     def _s2_dq_gluon_kernel(
-        q_desc, do_desc, o_desc, k_desc, v_desc, dq_desc, LSE, DLSE, DELTA, stride_lse_b,
-        stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order, n_items, num_q_tiles,
-        group, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b,
-        q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        q_desc, do_desc, o_desc, k_desc, v_desc, dq_desc, dq_ptr, dq_stride, LSE, DLSE, DELTA,
+        stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
+        prog_tok, prog_len, n_items, num_q_tiles, seq_q, varlen, group, qk_scale, sm_scale,
+        q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b,
+        o_col_h, kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """One program per (batch row, layout item): a 128-row query tile of one head."""
+        """One program per (batch row, layout item), a 128-row query tile of one head, or per
+        slot of a packed-documents program map (:func:`_program_item`)."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
@@ -242,15 +297,16 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
         fence_async_shared()
         views = (q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h)
+        items = (order, n_items, num_q_tiles, prog_tok, prog_len, seq_q, varlen)
+        dq_view = (dq_ptr, dq_stride, q_row_b, q_col_b, q_col_h)  # dQ shares Q's coordinates
         loader_args = (
             q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
-            row_bar, ready, empty, row_ptr, cols, order, n_items, num_q_tiles, group, key_lo,
-            key_stride, views,
+            row_bar, ready, empty, row_ptr, cols, items, group, key_lo, key_stride, views,
         )  # fmt: skip
         consumer_args = (
             q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty, LSE, DLSE, DELTA,
-            stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, order,
-            n_items, num_q_tiles, qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride,
+            stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, items,
+            qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dq_view,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # loader. The warpgroup index reaches a partition as a run-time value: it only selects
@@ -264,18 +320,20 @@ if gluon is not None:
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
         )
-        b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
-        row = b * q_row_b + qt * 2 * BM
-        col = b * q_col_b + h * q_col_h
-        # dQ shares Q's coordinates (the wrapper makes it so).
-        gf._tma_store(dq_desc, [row, col], o_smem.index(0))
-        gf._tma_store(dq_desc, [row + BM, col], o_smem.index(1))
-        tma.store_wait(0)
+        b, h, qt, item, tok, rows = _program_item(items)
+        if qt * 2 * BM + 2 * BM <= rows:  # else the consumers stored their rows themselves
+            row = b * q_row_b + tok + qt * 2 * BM
+            col = b * q_col_b + h * q_col_h
+            # dQ shares Q's coordinates (the wrapper makes it so).
+            gf._tma_store(dq_desc, [row, col], o_smem.index(0))
+            gf._tma_store(dq_desc, [row + BM, col], o_smem.index(1))
+            tma.store_wait(0)
 
 
 def s2_dq_gluon(
-    do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_start: int = 0, keys=None
-):
+    do, dlse, q, k, v, out, lse, pattern, scale: float, lay=None, q_start: int = 0, keys=None,
+    varlen=None,
+):  # fmt: skip
     """The dQ pass through the Gluon kernel: ``do``, ``out`` and ``q [b, s, hq, d]``, ``k, v [b,
     sk, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None; the
@@ -284,7 +342,8 @@ def s2_dq_gluon(
     64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
     :func:`gluon_forward.s2_forward_gluon` takes them. Returns ``dq`` like q and ``delta [b, hq,
     s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``triton_attention.bwd_dq``
-    does. The caller checks :func:`gluon_forward.unsupported_reason`."""
+    does. ``varlen``: packed documents, as :func:`gluon_forward.s2_forward_gluon` takes them.
+    The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dq_gluon", q, k, q_start)
     gf.gathered_keys.check_call("s2_dq_gluon", keys, pattern, hq, k.shape[1], lay)
@@ -293,6 +352,8 @@ def s2_dq_gluon(
     box = min(pattern.block_size, BLOCK_N)
     if keys is not None:
         lay = keys.layout(TILE_M, q_start=q_start)
+    if lay is None and varlen is not None:
+        lay = varlen.layout(pattern, TILE_M, BLOCK_N, q.device)
     if lay is None:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, BLOCK_N, q.device)
     if lay.block_m != TILE_M or lay.block_n != BLOCK_N:
@@ -307,19 +368,27 @@ def s2_dq_gluon(
     *_, kv_, vv = gf.paired_tma_views(k, v)
     delta = torch.empty_like(lse)
     n_items = lay.q_order.numel()
-    if n_items == 0:
+    if varlen is None:
+        grid, order = n_items * b, lay.q_order
+        prog_tok = prog_len = order  # unread
+    else:
+        grid, order, prog_tok, prog_len = varlen.programs(lay, kv=False)
+        n_items = grid  # a program per map slot
+    if grid == 0:
         return dq.zero_(), delta.copy_(-dlse if dlse is not None else torch.zeros_like(lse))
 
     def desc(view, rows):
         return gf._descriptor(view, rows, d)
 
-    _s2_dq_gluon_kernel[(n_items * b,)](
+    _s2_dq_gluon_kernel[(grid,)](
         desc(qv, WG_ROWS),
         desc(dov, WG_ROWS),
         desc(ov, WG_ROWS),
         desc(kv_, box),
         desc(vv, box),
         desc(dqv, WG_ROWS),
+        dqv.matrix,
+        dqv.matrix.stride(0),
         lse,
         dlse if dlse is not None else lse,
         delta,
@@ -331,9 +400,13 @@ def s2_dq_gluon(
         lay.cols,
         lay.lo,
         lay.hi,
-        lay.q_order,
+        order,
+        prog_tok,
+        prog_len,
         n_items,
         lay.num_q_tiles,
+        s,
+        int(varlen is not None),
         pattern.group_size,
         scale * LOG2E,
         scale,
@@ -353,6 +426,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
     tiles = {n: WG_ROWS for n in ("q_desc", "do_desc", "o_desc", "dq_desc")}
     types = {n: "*fp32" for n in ("LSE", "DLSE", "DELTA")}
+    types["dq_ptr"] = "*bf16"
     types.update(qk_scale="fp32", sm_scale="fp32", **gf.ROW_LIST_TYPES)
     return gf.compile_kernel_for_sm90(
         _s2_dq_gluon_kernel,
@@ -365,14 +439,20 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     )
 
 
-def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int = 0, keys=None):
+def emulate_dq(
+    do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int = 0, keys=None, varlen=None
+):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
-    order, warpgroup split of each 128-row tile, full/partial entries and masks. Shapes,
-    ``q_start`` and ``keys`` as :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
+    order (with ``varlen``, the program map), warpgroup split of each 128-row tile, full/partial
+    entries, masks, and reads past a document's end (the next document's rows, zeros past the
+    tensor's; their LSE as +inf). Shapes, ``q_start``, ``keys`` and ``varlen`` as
+    :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
     b, s, hq, d = q.shape
     bn = BLOCK_N
     if keys is not None:
         lay = keys.layout(TILE_M, q_start=q_start)
+    elif varlen is not None:
+        lay = varlen.layout(pattern, TILE_M, bn, q.device)
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
     group = pattern.group_size
@@ -383,20 +463,36 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
     cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
     order = lay.q_order.tolist()
     n_items = len(order)
+    if varlen is None:  # (batch row, layout item, first row, rows) of each program
+        work = [(pid // n_items, order[pid % n_items], 0, s) for pid in range(n_items * b)]
+    else:
+        item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=False)[1:])
+        # Last document first: a tile that stored past its document's end would then write
+        # over rows already final, as it may in the kernel.
+        work = [(0, i, t, n) for i, t, n in zip(item_of, tok_of, len_of) if n > 0][::-1]
+
+    def rows_of(x, bb, r, head, fill=0.0):
+        """x's rows ``r`` of ``head`` (``fill`` past the end, as a TMA load gives zeros)."""
+        inside = r < x.shape[1]
+        got = x[bb, torch.where(inside, r, 0), head].double()
+        return torch.where(inside.view(-1, *[1] * (got.dim() - 1)), got, fill)
+
     offs_n = torch.arange(bn)
-    for pid in range(n_items * b):
-        item = order[pid % n_items]
-        bb, h, qt = pid // n_items, item // lay.num_q_tiles, item % lay.num_q_tiles
+    for bb, item, tok, n_rows in work:
+        h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // group
         for wg in range(2):
             q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
-            qq, dd = q[bb, q_loc, h].double(), do[bb, q_loc, h].double()
-            row_delta = (dd * out[bb, q_loc, h].double()).sum(-1)
+            keep = q_loc < n_rows  # rows of the document: read and stored
+            qq, dd = rows_of(q, bb, tok + q_loc, h), rows_of(do, bb, tok + q_loc, h)
+            row_delta = (dd * rows_of(out, bb, tok + q_loc, h)).sum(-1)
             if dlse is not None:
-                row_delta = row_delta - dlse[bb, h, q_loc].double()
-            delta[bb, h, q_loc] = row_delta
-            row_lse = lse[bb, h, q_loc].double()
+                row_dlse = dlse[bb, h].double()
+                row_delta = row_delta - torch.where(keep, row_dlse[(tok + q_loc) * keep], 0.0)
+            dst = tok + q_loc[keep]
+            delta[bb, h, dst] = row_delta[keep]
+            row_lse = torch.where(keep, lse[bb, h].double()[(tok + q_loc) * keep], math.inf)
             lse2 = torch.where(row_lse == -math.inf, 0.0, row_lse * LOG2E)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             first = q_start + qt * TILE_M + wg * WG_ROWS
@@ -405,12 +501,12 @@ def emulate_dq(do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int 
                 if masked and not (his[e] > first and los[e] < first + WG_ROWS):
                     continue  # the kernel's skip: no row of this warpgroup attends the entry
                 n_abs = cols[e] * bn + offs_n
-                rows = gf.emulated_key_rows(keys, h, n_abs)
-                kk, vv = k[bb, rows, kvh].double(), v[bb, rows, kvh].double()
+                rows = tok + gf.emulated_key_rows(keys, h, n_abs)
+                kk, vv = rows_of(k, bb, rows, kvh), rows_of(v, bb, rows, kvh)
                 sc = (qq @ kk.T) * qk_scale - lse2[:, None]
                 if masked:
                     sc = gf.emulated_mask_partial(sc, los[e], his[e], q_abs, keys, h, n_abs)
                 p = torch.exp2(sc)
                 acc += (p * (dd @ vv.T - row_delta[:, None])) @ kk
-            dq[bb, q_loc, h] = acc * scale
+            dq[bb, dst, h] = (acc * scale)[keep]
     return dq, delta

@@ -1728,25 +1728,29 @@ def s2_backward(
     args = (pattern, scale, q_start, k_start, cfg, varlen)
     # The Gluon passes take the calls that the Gluon forward would take (self-attention and
     # context-parallel chunks: keys from 0, queries their last positions from q_start), at the
-    # blocks of GLUON_BWD_BLOCKS.
+    # blocks of GLUON_BWD_BLOCKS; the dQ pass also packed documents (blocks 64 and 128).
     gathered = pattern.block_size in gathered_keys.BLOCK_SIZES
-    gluon_ok = (cfg.gluon_dq or cfg.gluon_dkdv) and (
-        pattern.block_size in GLUON_BWD_BLOCKS
-        and not gluon_forward.unsupported_reason(q, k, v, pattern, q_start, k_start, varlen)
-    )
+
+    def gluon_takes(varlen_ok: bool) -> bool:
+        return pattern.block_size in GLUON_BWD_BLOCKS and not gluon_forward.unsupported_reason(
+            q, k, v, pattern, q_start, k_start, varlen, varlen_ok=varlen_ok
+        )
+
+    dq_ok = cfg.gluon_dq and gluon_takes(varlen_ok=True)
+    dkdv_ok = cfg.gluon_dkdv and gluon_takes(varlen_ok=False)
     sq, sk, bn = q.shape[1], k.shape[1], gluon_dkdv.BLOCK_N
-    if gluon_ok and gathered:
+    if gathered and (dq_ok or dkdv_ok):
         return _gathered_backward(do, dlse, q, k, v, out, lse, cfg, args)
     dq = None
-    if gluon_ok and cfg.gluon_dq:
-        lay = layout_for(pattern, sq, sk, q_start, 0, gluon_dq.TILE_M, bn, q.device)
+    if dq_ok:
+        lay = _pass_layout(pattern, sq, sk, q_start, 0, gluon_dq.TILE_M, bn, q.device, varlen)
         if lay.block_m == gluon_dq.TILE_M:  # not a user mask that forced smaller tiles
             dq, delta = gluon_dq.s2_dq_gluon(
-                do, dlse, q, k, v, out, lse, pattern, scale, lay, q_start
+                do, dlse, q, k, v, out, lse, pattern, scale, lay, q_start, varlen=varlen
             )
     if dq is None:
         dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
-    if gluon_ok and cfg.gluon_dkdv:
+    if dkdv_ok:
         tile = gluon_dkdv.TILE_M
         lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device, with_csc=True)
         if lay.block_m == gluon_dkdv.TILE_M:

@@ -314,15 +314,15 @@ def test_varlen_bf16_no_worse_than_dense_bf16_per_document():
 
 
 def _varlen_kernels_config(pattern, head_dim):
-    """The default config with the ``tl`` kernels in the backward passes: the kernels packed
-    documents take (the Gluon forward where it runs, the ``tl`` dQ and dK/dV passes), so the
-    varlen overhead is measured against the same kernels."""
+    """The default config with the ``tl`` dK/dV pass: the kernels packed documents take (the
+    Gluon forward and dQ pass where they run, the ``tl`` dK/dV pass), so the varlen overhead
+    is measured against the same kernels."""
     import dataclasses
 
     from s2attn.triton_attention import kernel_config
 
     cfg = kernel_config(pattern, head_dim, DEV, torch.bfloat16)
-    return dataclasses.replace(cfg, gluon_dq=False, gluon_dkdv=False)
+    return dataclasses.replace(cfg, gluon_dkdv=False)
 
 
 @pytest.mark.timeout(600)
@@ -500,13 +500,14 @@ def test_gluon_forward_matches_tl_kernel_and_reference(
     ],
 )
 @pytest.mark.parametrize("programs", [None, 3])
-def test_gluon_forward_on_packed_documents(lens, heads, kv_heads, head_dim, block, programs):
-    """Packed documents through the Gluon forward (the program map, loads past a document's
-    end, masked stores of the last tile): against the fp32 reference document by document,
-    no further off than the ``tl`` varlen forward, the same LSE, and what the default path
-    returns. ``programs=3``: each program runs many work items."""
+def test_gluon_forward_and_dq_on_packed_documents(lens, heads, kv_heads, head_dim, block, programs):
+    """Packed documents through the Gluon forward and dQ pass (the program map, loads past a
+    document's end, masked stores of the last tile): against the fp32 reference document by
+    document, no further off than the ``tl`` varlen passes, the same LSE and delta, and what
+    the default path returns. ``programs=3``: each forward program runs many work items."""
     import dataclasses
 
+    from s2attn import gluon_dq as gq
     from s2attn import triton_attention as ta
 
     gf = _gluon_or_skip()
@@ -540,6 +541,16 @@ def test_gluon_forward_on_packed_documents(lens, heads, kv_heads, head_dim, bloc
     # The default path takes the Gluon forward for packed documents: the same bits.
     d_out, d_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, None, varlen)
     assert torch.equal(d_out, out) and torch.equal(d_lse, lse)
+
+    do = torch.randn(q.shape, device=DEV, generator=g).to(torch.bfloat16)
+    dq, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pattern, scale, varlen=varlen)
+    tl_dq, tl_delta = ta.bwd_dq(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg, varlen)
+    qf, kf, vf = (x[0].float().requires_grad_(True) for x in (q, k, v))
+    ref = s2_attention_varlen_reference(qf, kf, vf, cu, pattern, scale)
+    (ref_dq,) = torch.autograd.grad(ref, (qf,), do[0].float())
+    err, tl_err = norm_err(dq[0], ref_dq), norm_err(tl_dq[0], ref_dq)
+    assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
+    assert (delta - tl_delta).abs().max().item() < 1e-3
 
 
 @pytest.mark.timeout(300)
