@@ -16,7 +16,9 @@ layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
   formed, and the program stores both halves by TMA.
 
 It takes what :func:`gluon_forward.unsupported_reason` accepts, on 64-key tiles (blocks 64 and
-128) or gathered ones (blocks 16 and 32, ``gathered_keys.py``), and is
+128; packed documents too, through the forward's program map: a document's last tile reads
+its extra rows' LSE as +inf and stores dQ through a masked store) or gathered ones (blocks 16
+and 32, ``gathered_keys.py``), and is
 the default wherever the Gluon dK/dV pass is (``KernelConfig.gluon_dq``; ``S2ATTN_GLUON_FORWARD=0``
 turns all three Gluon kernels off): checked on the CPU (:func:`emulate_dq`, an sm_90 compile) and
 on an H200 (``tests/test_kernels_gpu.py``), fwd+bwd up to 4% faster than with the ``tl`` dQ
