@@ -463,32 +463,16 @@ def emulate_dq(
     delta = torch.zeros(lse.shape, dtype=torch.float64)
     row_ptr, row_split = lay.row_ptr.tolist(), lay.row_split.tolist()
     cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
-    order = lay.q_order.tolist()
-    n_items = len(order)
-    if varlen is None:  # (batch row, layout item, first row, rows) of each program
-        work = [(pid // n_items, order[pid % n_items], 0, s) for pid in range(n_items * b)]
-    else:
-        item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=False)[1:])
-        # Last document first: a tile that stored past its document's end would then write
-        # over rows already final, as it may in the kernel.
-        work = [(0, i, t, n) for i, t, n in zip(item_of, tok_of, len_of) if n > 0][::-1]
-
-    def rows_of(x, bb, r, head, fill=0.0):
-        """x's rows ``r`` of ``head`` (``fill`` past the end, as a TMA load gives zeros)."""
-        inside = r < x.shape[1]
-        got = x[bb, torch.where(inside, r, 0), head].double()
-        return torch.where(inside.view(-1, *[1] * (got.dim() - 1)), got, fill)
-
     offs_n = torch.arange(bn)
-    for bb, item, tok, n_rows in work:
+    for bb, item, tok, n_rows in gf.emulated_work(lay, b, s, varlen):
         h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // group
         for wg in range(2):
             q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
             keep = q_loc < n_rows  # rows of the document: read and stored
-            qq, dd = rows_of(q, bb, tok + q_loc, h), rows_of(do, bb, tok + q_loc, h)
-            row_delta = (dd * rows_of(out, bb, tok + q_loc, h)).sum(-1)
+            qq, dd, oo = (gf.emulated_rows(x, bb, tok + q_loc, h) for x in (q, do, out))
+            row_delta = (dd * oo).sum(-1)
             if dlse is not None:
                 row_dlse = dlse[bb, h].double()
                 row_delta = row_delta - torch.where(keep, row_dlse[(tok + q_loc) * keep], 0.0)
@@ -504,7 +488,7 @@ def emulate_dq(
                     continue  # the kernel's skip: no row of this warpgroup attends the entry
                 n_abs = cols[e] * bn + offs_n
                 rows = tok + gf.emulated_key_rows(keys, h, n_abs)
-                kk, vv = rows_of(k, bb, rows, kvh), rows_of(v, bb, rows, kvh)
+                kk, vv = gf.emulated_rows(k, bb, rows, kvh), gf.emulated_rows(v, bb, rows, kvh)
                 sc = (qq @ kk.T) * qk_scale - lse2[:, None]
                 if masked:
                     sc = gf.emulated_mask_partial(sc, los[e], his[e], q_abs, keys, h, n_abs)

@@ -980,6 +980,28 @@ def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch
     return emulated_mask_rows(sc, lo, hi, q_abs, keys, h, n)
 
 
+def emulated_work(lay, batch: int, seq_q: int, varlen=None) -> list:
+    """``(batch row, layout item, first row, rows)`` of each work item of the forward and the
+    dQ pass, as the emulations run them: every layout item for every batch row, the sequence
+    from row 0 with ``seq_q`` rows; or (``varlen``) the program map's slots that hold a
+    document, last document first, so that a tile that stored past its document's end would
+    write over rows already final, as it may in the kernels, whose programs finish in any
+    order."""
+    if varlen is None:
+        order, n = lay.q_order.tolist(), lay.q_order.numel()
+        return [(pid // n, order[pid % n], 0, seq_q) for pid in range(n * batch)]
+    item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=False)[1:])
+    return [(0, i, t, n) for i, t, n in zip(item_of, tok_of, len_of) if n > 0][::-1]
+
+
+def emulated_rows(x: torch.Tensor, bb: int, r: torch.Tensor, head: int) -> torch.Tensor:
+    """Rows ``r`` of ``x [b, s, h, d]``'s batch row ``bb`` and head ``head`` in float64, zeros
+    past the end (what a TMA load gives there)."""
+    inside = r < x.shape[1]
+    got = x[bb, torch.where(inside, r, 0), head].double()
+    return torch.where(inside[:, None], got, 0.0)
+
+
 def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None, varlen=None):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
     order (with ``varlen``, the program map), warpgroup split of each 128-row tile, full/partial
@@ -1001,38 +1023,22 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None,
     lse = torch.empty(b, hq, s, dtype=torch.float64)
     row_ptr, row_split = lay.row_ptr.tolist(), lay.row_split.tolist()
     cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
-    n_items = lay.q_order.numel()
-    order = lay.q_order.tolist()
-    if varlen is None:  # (batch row, layout item, first row, rows) of each work item
-        work = [(pid // n_items, order[pid % n_items], 0, s) for pid in range(n_items * b)]
-    else:
-        item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=False)[1:])
-        # Last document first: a tile that stored past its document's end would then write
-        # over rows already final, as it may in the kernel, whose programs finish in any order.
-        work = [(0, i, t, n) for i, t, n in zip(item_of, tok_of, len_of) if n > 0][::-1]
-
-    def rows_of(x, bb, r, head):
-        """x's rows ``r`` (zeros past the end, as a TMA load gives them)."""
-        inside = r < x.shape[1]
-        got = x[bb, torch.where(inside, r, 0), head].double()
-        return torch.where(inside[:, None], got, 0.0)
-
     offs_n = torch.arange(bn)
-    for bb, item, tok, n_rows in work:
+    for bb, item, tok, n_rows in emulated_work(lay, b, s, varlen):
         h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // pattern.group_size
         e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
         for wg in range(NUM_CONSUMERS):
             q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
-            qq = rows_of(q, bb, tok + q_loc, h)
+            qq = emulated_rows(q, bb, tok + q_loc, h)
             m_i = torch.full((WG_ROWS,), -math.inf, dtype=torch.float64)
             l_i = torch.zeros(WG_ROWS, dtype=torch.float64)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
             for e in range(e0, e2):
                 n = cols[e] * bn + offs_n
                 rows = tok + emulated_key_rows(keys, h, n)
-                sc = (qq @ rows_of(k, bb, rows, kvh).T) * qk_scale
+                sc = (qq @ emulated_rows(k, bb, rows, kvh).T) * qk_scale
                 if e >= e1:
                     sc = emulated_mask_rows(sc, los[e], his[e], q_abs, keys, h, n)
                 m_new = torch.maximum(m_i, sc.max(1).values)
@@ -1040,7 +1046,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None,
                 p = torch.exp2(sc - m_use[:, None])
                 alpha = torch.exp2(m_i - m_use)
                 l_i = l_i * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ rows_of(v, bb, rows, kvh)
+                acc = acc * alpha[:, None] + p @ emulated_rows(v, bb, rows, kvh)
                 m_i = m_new
             nothing = l_i == 0
             l_safe = torch.where(nothing, 1.0, l_i)
