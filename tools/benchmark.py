@@ -85,9 +85,6 @@ BASELINE_PACKAGE = "s2attn_baseline"
 # Matrix products per attended pair in each Gluon pass (--passes): the forward's S and PV, the
 # dQ pass's S, dP and dQ, the dK/dV pass's S^T, dP^T, dV and dK (2 * d FLOPs each).
 PASS_PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
-# Blocks the Gluon passes take: 64 and 128 on tiles in sequence order, 16 and 32 on gathered
-# key tiles (gathered_keys.py).
-PASS_BLOCKS = (16, 32, 64, 128)
 FA4_MODULE = "flash_attn.cute"
 STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
 # Rate keys of a result record: forward alone and forward+backward.
@@ -505,9 +502,9 @@ def run_case(seq, args, d, block, rows, sweep, skipped=(), baseline=None):
 
 def passes_unsupported(block: int, device) -> Optional[str]:
     """Why ``--passes`` cannot time the Gluon passes one by one here, or None: they run on
-    sm_90 at the blocks of ``PASS_BLOCKS``."""
-    if block not in PASS_BLOCKS:
-        return f"block {block}: the Gluon passes take blocks {PASS_BLOCKS}"
+    sm_90 at the blocks of ``GLUON_BWD_BLOCKS`` (16 and 32 on gathered key tiles)."""
+    if block not in GLUON_BWD_BLOCKS:
+        return f"block {block}: the Gluon passes take blocks {GLUON_BWD_BLOCKS}"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "the Gluon passes run on sm_90 only"
     return None
@@ -525,26 +522,24 @@ def pass_calls(package: str, pat, q, k, v, do) -> list:
         for m in ("gluon_forward", "gluon_dq", "gluon_dkdv", "layout", "gathered_keys")
     )
     seq, dev, scale = q.shape[1], q.device, q.shape[-1] ** -0.5
-    if pat.block_size in gk.BLOCK_SIZES:
-        keys = gk.gathered_keys(pat, seq, dev)
-        out, lse = gf.s2_forward_gluon(q, k, v, pat, scale, keys=keys)
-        _, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, keys=keys)
-        return [
-            ("fwd", lambda: gf.s2_forward_gluon(q, k, v, pat, scale, keys=keys)),
-            ("dq", lambda: gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, keys=keys)),
-            ("dkdv", lambda: gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pat, scale, keys=keys)),
-        ]
-    # The forward's key tile (before key_tile existed, a copy's was the pattern's block).
-    bn = getattr(gf, "key_tile", lambda block, d: block)(pat.block_size, q.shape[-1])
-    lf = lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, bn, dev)
-    lq = lay.layout_for(pat, seq, seq, 0, 0, gq.TILE_M, gd.BLOCK_N, dev)
-    lk = lay.layout_for(pat, seq, seq, 0, 0, gd.TILE_M, gd.BLOCK_N, dev, with_csc=True)
-    out, lse = gf.s2_forward_gluon(q, k, v, pat, scale, lf)
-    _, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, lq)
+    if pat.block_size in gk.BLOCK_SIZES:  # the passes build the gathered tiles' layouts
+        tiles = dict.fromkeys(("fwd", "dq", "dkdv"), dict(keys=gk.gathered_keys(pat, seq, dev)))
+    else:
+        # The forward's key tile (before key_tile existed, a copy's was the pattern's block).
+        bn = getattr(gf, "key_tile", lambda block, d: block)(pat.block_size, q.shape[-1])
+        tiles = {
+            "fwd": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, bn, dev)),
+            "dq": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, gq.TILE_M, gd.BLOCK_N, dev)),
+            "dkdv": dict(
+                lay=lay.layout_for(pat, seq, seq, 0, 0, gd.TILE_M, gd.BLOCK_N, dev, with_csc=True)
+            ),
+        }
+    out, lse = gf.s2_forward_gluon(q, k, v, pat, scale, **tiles["fwd"])
+    _, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, **tiles["dq"])
     return [
-        ("fwd", lambda: gf.s2_forward_gluon(q, k, v, pat, scale, lf)),
-        ("dq", lambda: gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, lq)),
-        ("dkdv", lambda: gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pat, scale, lk)),
+        ("fwd", lambda: gf.s2_forward_gluon(q, k, v, pat, scale, **tiles["fwd"])),
+        ("dq", lambda: gq.s2_dq_gluon(do, None, q, k, v, out, lse, pat, scale, **tiles["dq"])),
+        ("dkdv", lambda: gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pat, scale, **tiles["dkdv"])),
     ]
 
 
