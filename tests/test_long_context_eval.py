@@ -166,7 +166,12 @@ per_token = np.stack([nll(s) for s in seqs])
 checked.append({"first_bin": position["bins"][0]["loss"],
                 "first_bin_now": float(per_token[:, :32].mean()),
                 "mean": position["loss"], "mean_now": float(per_token.mean())})
-print("CHECKED " + json.dumps(checked))
+print("CHECKED " + json.dumps(checked), flush=True)
+# load_eval_model started torch.distributed (gloo); shut it down as the CLI's main() does,
+# not by interpreter exit, where its threads may abort the process.
+from megatron.core import parallel_state
+parallel_state.destroy_model_parallel()
+torch.distributed.destroy_process_group()
 """
 
 
