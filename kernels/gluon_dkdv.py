@@ -41,7 +41,7 @@ import os
 import torch
 
 from . import gluon_forward as gf
-from .layout import full_descending_columns, layout_for
+from .layout import document_column_entries, full_descending_columns, layout_for
 
 gluon, gl = gf.gluon, (gf.gl if gf.gluon is not None else None)
 if gluon is not None:
@@ -68,22 +68,48 @@ if gluon is not None:
     KV_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
-    def _item_of(order, n_items, num_k_tiles, WG):
-        """(batch row, KV head (query head on gathered tiles), key tile, valid) of pipeline
-        ``WG`` of this program: programs take consecutive pairs of ``order`` (heaviest first,
-        so a pair's work is alike)."""
+    def _item_of(items, WG):
+        """(batch row, KV head (query head on gathered tiles), key tile, slot, first row, rows,
+        valid) of pipeline ``WG`` of this program: programs take consecutive pairs of ``order``
+        (heaviest first, so a pair's work is alike), every batch row in turn, each item's
+        sequence from row 0 with ``seq_k`` rows; packed documents (``varlen``): pairs of the
+        program map's slots (``order`` its items, the document's first row and length from
+        ``prog_tok`` and ``prog_len``; a padding slot, length 0, is not valid)."""
+        order, n_items, num_k_tiles, seq_k = items[0], items[1], items[2], items[3]
         pid = gl.program_id(0)
         n_pairs = (n_items + 1) // 2
         idx = (pid % n_pairs) * 2 + WG
         valid = idx < n_items
-        item = gl.load(order + gl.minimum(idx, n_items - 1))
-        return pid // n_pairs, item // num_k_tiles, item % num_k_tiles, valid
+        slot = gl.minimum(idx, n_items - 1)
+        item = gl.load(order + slot)
+        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
+        rows = gl.to_tensor(seq_k)
+        PACKED: gl.constexpr = len(items) > 4  # packed documents: the program map follows
+        if PACKED:
+            tok = gl.load(items[4] + slot)
+            rows = gl.load(items[5] + slot)
+            valid = valid & (rows > 0)
+        return pid // n_pairs, item // num_k_tiles, item % num_k_tiles, slot, tok, rows, valid
+
+    @gluon.jit
+    def _column_entries(col_ptr, col_split, items, c, slot, g, group):
+        """``(first, split, end)`` entries of column ``c``'s list (full entries before
+        ``split``); packed documents: those of query tiles inside the slot's document, one run
+        (:func:`layout.document_column_entries`)."""
+        first = gl.load(col_ptr + c)
+        split = gl.load(col_split + c)
+        end = gl.load(col_ptr + c + 1)
+        PACKED: gl.constexpr = len(items) > 4
+        if PACKED:
+            first = gl.load(items[6] + (slot * group + g) * 2)
+            end = gl.load(items[6] + (slot * group + g) * 2 + 1)
+        return first, split, end
 
     @gluon.jit
     def _loader(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-        delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, rows, order, n_items,
-        num_k_tiles, group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views, WG,
+        delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, col_split, rows, items,
+        group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -92,34 +118,41 @@ if gluon is not None:
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         stat_bytes: gl.constexpr = lse_desc.block_type.nbytes
-        b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
+        num_k_tiles = items[2]
+        VARLEN: gl.constexpr = len(items) > 4  # packed documents (the kernel's items)
+        b, kvh, kt, item_slot, tok, doc_len, valid = _item_of(items, WG)
         if valid:
-            # Gathered tiles are per query head (kvh), read from its KV head's K and V.
+            # Gathered tiles are per query head (kvh), read from its KV head's K and V. A
+            # document's last key tile reads on into the next document's rows (or zeros past
+            # the tensor's end): keys whose dK/dV are not stored.
             kv_col = b * kv_col_b + (kvh // kv_group) * kv_col_h
             bar = kv_bar.index(WG)
             mbarrier.expect(bar, BOXES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
             keys = key_lo + kvh * key_stride
-            gf._load_kv_tile(k_desc, b * kv_row_b, kv_col, kt, keys, bar, k_smem.index(WG))
-            gf._load_kv_tile(v_desc, b * kv_row_b, kv_col, kt, keys, bar, v_smem.index(WG))
+            kv_row = b * kv_row_b + tok
+            stat_tok = tok
+            if VARLEN:  # the document's rows in the statistics (see document_aligned_stats)
+                stat_tok = gl.load(items[7] + item_slot)
+            gf._load_kv_tile(k_desc, kv_row, kv_col, kt, keys, bar, k_smem.index(WG))
+            gf._load_kv_tile(v_desc, kv_row, kv_col, kt, keys, bar, v_smem.index(WG))
             i = 0
             for g in range(group):
                 h = kvh * group + g
                 c = h * num_k_tiles + kt
-                e0 = gl.load(col_ptr + c)
-                e2 = gl.load(col_ptr + c + 1)
+                e0, _, e2 = _column_entries(col_ptr, col_split, items, c, item_slot, g, group)
                 col = b * q_col_b + h * q_col_h
                 for e in range(e0, e2):
                     slot = WG * STAGES + i % STAGES
                     mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
                     tile = gl.load(rows + e)
-                    row = b * q_row_b + tile * BM
+                    row = b * q_row_b + tok + tile * BM
                     bar = ready.index(slot)
                     mbarrier.expect(bar, tile_bytes + 2 * stat_bytes)
                     gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
                     gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
                     # The rows' LSE and delta travel with Q and dO: read by the consumer from
                     # global memory, they cost a load latency in every step's softmax.
-                    stat = b * stride_lse_b + h * stride_lse_h + tile * BM
+                    stat = b * stride_lse_b + h * stride_lse_h + stat_tok + tile * BM
                     gf._tma_load(lse_desc, [stat], bar, lse_bufs.index(slot))
                     gf._tma_load(delta_desc, [stat], bar, delta_bufs.index(slot))
                     i += 1
@@ -127,11 +160,14 @@ if gluon is not None:
     @gluon.jit
     def _tiles(
         k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los, his,
-        e_begin, e_end, i0, k_lo, k_hi, offs_m, qk_scale, q_start, WG, MASKED: gl.constexpr,
+        e_begin, e_end, i0, k_lo, k_hi, offs_m, qk_scale, q_start, doc_len, WG,
+        MASKED: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
         """List entries ``e_begin .. e_end`` (ring steps from ``i0``): accumulate dK, dV. Query
         rows are local (Q, dO, LSE, delta: the ring's), at absolute positions from ``q_start``
-        (masks); queries ``k_lo <= q < k_hi`` attend each key (``gluon_forward._key_bounds``)."""
+        (masks); queries ``k_lo <= q < k_hi`` attend each key (``gluon_forward._key_bounds``).
+        Rows from ``doc_len`` on (past a packed document's end: the next document's, or zeros)
+        take an LSE of +inf, so that their P and dS are 0."""
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k.type.shape[0]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
@@ -151,6 +187,8 @@ if gluon is not None:
             if MASKED:  # the entry's query range, read before the wait like the index
                 lo = gl.load(los + e)
                 hi = gl.load(his + e)
+                if VARLEN:  # rows past the document's end attend nothing
+                    hi = gl.minimum(hi, q_start + doc_len)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_bufs.index(slot)
             do = do_bufs.index(slot)
@@ -190,8 +228,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready,
-        empty, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group, qk_scale,
-        sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b, dkv_col_h, WG,
+        empty, col_ptr, col_split, rows, los, his, items, group, qk_scale, sm_scale, q_start,
+        key_lo, key_hi, key_stride, dk_view, dv_view, WG,
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
@@ -202,7 +240,9 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
-        b, kvh, kt, valid = _item_of(order, n_items, num_k_tiles, WG)
+        num_k_tiles = items[2]
+        VARLEN: gl.constexpr = len(items) > 4  # packed documents (the kernel's items)
+        b, kvh, kt, item_slot, tok, doc_len, valid = _item_of(items, WG)
         if valid:
             k_abs = kt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
             offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
@@ -221,41 +261,62 @@ if gluon is not None:
             for g in range(group):
                 h = kvh * group + g
                 c = h * num_k_tiles + kt
-                e0 = gl.load(col_ptr + c)
-                e1 = gl.load(col_split + c)
-                e2 = gl.load(col_ptr + c + 1)
+                e0, e1, e2 = _column_entries(col_ptr, col_split, items, c, item_slot, g, group)
                 k_lo, k_hi = gf._key_bounds(
                     k_abs, key_lo + h * key_stride, key_hi + h * key_stride, key_stride > 0
                 )
+                if VARLEN:
+                    # A document's last query tile, when it runs past the document's end, is
+                    # the first of its full entries (they run from the last tile back): masked.
+                    cross = (e0 < e1) & (gl.load(rows + e0) * BM + BM > doc_len)
+                    e_full = e0 + cross.to(gl.int32)
+                    dk, dv, i = _tiles(
+                        k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows,
+                        los, his, e0, e_full, i, k_lo, k_hi, offs_m, qk_scale, q_start, doc_len,
+                        WG, True, VARLEN,
+                    )  # fmt: skip
+                    e0 = e_full
                 dk, dv, i = _tiles(
                     k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los,
-                    his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, False,
+                    his, e0, e1, i, k_lo, k_hi, offs_m, qk_scale, q_start, doc_len, WG, False,
+                    VARLEN,
                 )  # fmt: skip
                 dk, dv, i = _tiles(
                     k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows, los,
-                    his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale, q_start, WG, True,
+                    his, e1, e2, i, k_lo, k_hi, offs_m, qk_scale, q_start, doc_len, WG, True,
+                    VARLEN,
                 )  # fmt: skip
-            # K and V are read for the last time above (every MMA waited): their buffers take
-            # dK and dV on the way out.
-            k_smem.index(WG).store((dk * sm_scale).to(k.dtype))
-            v_smem.index(WG).store(dv.to(v.dtype))
-            fence_async_shared()
-            col = b * dkv_col_b + kvh * dkv_col_h
-            keys = key_lo + kvh * key_stride
-            gf._store_kv_tile(dk_desc, b * dkv_row_b, col, kt, keys, k_smem.index(WG))
-            gf._store_kv_tile(dv_desc, b * dkv_row_b, col, kt, keys, v_smem.index(WG))
-            tma.store_wait(0)
+            if kt * BN + BN > doc_len:
+                # The tile runs past its document's end: a masked store, not TMA (which would
+                # write over the next document's keys).
+                gf._store_rows(dk * sm_scale, dk_view, b, kvh, tok, kt * BN, doc_len)
+                gf._store_rows(dv, dv_view, b, kvh, tok, kt * BN, doc_len)
+            else:
+                # K and V are read for the last time above (every MMA waited): their buffers
+                # take dK and dV on the way out.
+                k_smem.index(WG).store((dk * sm_scale).to(k.dtype))
+                v_smem.index(WG).store(dv.to(v.dtype))
+                fence_async_shared()
+                _, _, dkv_row_b, dkv_col_b, dkv_col_h = dk_view
+                col = b * dkv_col_b + kvh * dkv_col_h
+                keys = key_lo + kvh * key_stride
+                row0 = b * dkv_row_b + tok
+                gf._store_kv_tile(dk_desc, row0, col, kt, keys, k_smem.index(WG))
+                gf._store_kv_tile(dv_desc, row0, col, kt, keys, v_smem.index(WG))
+                tma.store_wait(0)
 
     @gluon.jit
     def _s2_dkdv_gluon_kernel(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, stride_lse_b,
-        stride_lse_h, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, dk_stride, dv_stride,
+        lse_desc, delta_desc, stride_lse_b, stride_lse_h, col_ptr, col_split, rows, los, his,
+        doc_entries, order, prog_tok, prog_len, stat_tok, n_items, num_k_tiles, seq_k, group,
         qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
         kv_row_b, kv_col_b, kv_col_h, dkv_row_b, dkv_col_b, dkv_col_h, kv_group,
-        STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr,
     ):  # fmt: skip
-        """One program per pair of (batch row, KV head, key tile) items: two independent
-        pipelines (a loader warp and a consumer warpgroup each), one item each."""
+        """One program per pair of (batch row, KV head, key tile) items, or of packed-document
+        program-map slots: two independent pipelines (a loader warp and a consumer warpgroup
+        each), one item each."""
         q_bufs = gl.allocate_shared_memory(
             q_desc.dtype, [2 * STAGES] + q_desc.block_type.shape, q_desc.layout
         )
@@ -282,16 +343,27 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
         views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
+        # Packed documents add the program map and the documents' entries to the items: the
+        # partitions tell the two builds apart by the tuple's length (constexprs cannot reach
+        # them), and the fixed-length build keeps no document values in its registers.
+        if VARLEN:
+            items = (
+                order, n_items, num_k_tiles, seq_k, prog_tok, prog_len, doc_entries, stat_tok
+            )  # fmt: skip
+        else:
+            items = (order, n_items, num_k_tiles, seq_k)
+        # dK and dV share their coordinates (the wrapper makes it so), not their row strides.
+        dk_view = (dk_ptr, dk_stride, dkv_row_b, dkv_col_b, dkv_col_h)
+        dv_view = (dv_ptr, dv_stride, dkv_row_b, dkv_col_b, dkv_col_h)
         loader_args = (
             q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-            delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, rows, order, n_items,
-            num_k_tiles, group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views,
+            delta_bufs, k_smem, v_smem, kv_bar, ready, empty, col_ptr, col_split, rows, items,
+            group, kv_group, key_lo, key_stride, stride_lse_b, stride_lse_h, views,
         )  # fmt: skip
         consumer_args = (
             dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready,
-            empty, col_ptr, col_split, rows, los, his, order, n_items, num_k_tiles, group,
-            qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dkv_row_b, dkv_col_b,
-            dkv_col_h,
+            empty, col_ptr, col_split, rows, los, his, items, group, qk_scale, sm_scale,
+            q_start, key_lo, key_hi, key_stride, dk_view, dv_view,
         )  # fmt: skip
         # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
         # two loaders, with their register budgets. The pipeline index (last argument) reaches
@@ -313,6 +385,35 @@ def _row_stats_layout():
     return gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)
 
 
+def document_aligned_stats(varlen, prog_tok: torch.Tensor, *stats: torch.Tensor):
+    """Per-row statistics of packed documents (``[1, hq, total]`` fp32 each) copied so that
+    every document starts at a multiple of 16 bytes, as a TMA box must (a document's rows
+    start anywhere in the flat ``[hq, total]``: at an odd token, or a head's row of an odd
+    total). Returns ``(stat_tok, *padded)``: int32 ``[slots]``, the first row of each
+    program-map slot's document (``prog_tok``'s) in the padded ``[1, hq, length]`` copies.
+    Torch ops on the device, no host sync."""
+    align = gf.TMA_ALIGN_BYTES // 4
+    cu = varlen.cu_seqlens.long()
+    starts = cu[:-1]
+    num_docs = starts.numel()
+    # Each document's start rounded up, plus one aligned gap per earlier document: the starts
+    # stay aligned, and each document ends before the next one starts.
+    aligned = (starts + align - 1) // align * align
+    aligned += align * torch.arange(num_docs, device=cu.device)
+    length = -(-(varlen.total_tokens + align * (num_docs + 1)) // align) * align
+    tokens = torch.arange(varlen.total_tokens, device=cu.device)
+    # right=True: the last document starting at or before a token (empty ones share starts).
+    doc = torch.searchsorted(starts, tokens, right=True) - 1
+    rows = tokens - starts[doc] + aligned[doc]
+    padded = []
+    for x in stats:
+        out = x.new_zeros(x.shape[0], x.shape[1], length)
+        padded.append(out.index_copy_(2, rows, x))
+    slot_doc = torch.searchsorted(starts, prog_tok.long(), right=True) - 1
+    stat_tok = aligned[slot_doc.clamp(0, num_docs - 1)].to(torch.int32)
+    return (stat_tok, *padded)
+
+
 def _row_stats_descriptor(stat: torch.Tensor):
     """A TMA descriptor of per-row statistics ``[b, hq, s]`` (fp32, contiguous) read
     ``TILE_M`` rows at a time: the LSE and delta of one query tile."""
@@ -323,8 +424,9 @@ def _row_stats_descriptor(stat: torch.Tensor):
 
 
 def s2_dkdv_gluon(
-    do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0, keys=None
-):
+    do, q, k, v, lse, delta, pattern, scale: float, lay=None, q_start: int = 0, keys=None,
+    varlen=None,
+):  # fmt: skip
     """The dK/dV pass through the Gluon kernel: ``do`` and ``q [b, s, hq, d]``, ``k, v [b, sk,
     hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse`` and ``delta [b, hq, s]`` fp32 contiguous; the queries are
@@ -332,8 +434,9 @@ def s2_dkdv_gluon(
     pattern's CSC layout at ``TILE_M`` x ``BLOCK_N`` tiles (built when None). ``keys``:
     gathered key tiles (blocks 16 and 32), as :func:`gluon_forward.s2_forward_gluon` takes
     them: dK/dV then come per query head, ``[b, sk, hq, d]``, each rounded to k's dtype (the
-    caller sums each KV group's heads). Returns ``dk, dv`` like k and v (zero on keys no query
-    attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
+    caller sums each KV group's heads). ``varlen``: packed documents (a
+    ``triton_attention.Varlen``, ``b = 1``; blocks 64 and 128). Returns ``dk, dv`` like k and v
+    (zero on keys no query attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
     gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1], lay)
@@ -344,6 +447,8 @@ def s2_dkdv_gluon(
     if keys is not None:
         lay = keys.layout(TILE_M, with_csc=True, q_start=q_start)
         kv_group = pattern.group_size  # an item is one query head's gathered tile
+    if lay is None and varlen is not None:
+        lay = varlen.layout(pattern, TILE_M, BLOCK_N, q.device, with_csc=True)
     if lay is None:
         lay = layout_for(
             pattern, s, k.shape[1], q_start, 0, TILE_M, BLOCK_N, q.device, with_csc=True
@@ -368,6 +473,13 @@ def s2_dkdv_gluon(
         dv = torch.empty(dv.shape, dtype=v.dtype, device=v.device)
         views["dk"], views["dv"] = gf.tma_view(dk), gf.tma_view(dv)
     n_items = lay.kv_order.numel()
+    if varlen is None:
+        order = lay.kv_order
+        prog_tok = prog_len = doc_entries = order  # unread
+    else:
+        n_items, order, prog_tok, prog_len = varlen.programs(lay, kv=True)
+        doc_entries = document_column_entries(lay, order, prog_len)
+        b = 1
     if n_items == 0:
         return dk.zero_(), dv.zero_()
     # Read flat, a query tile at a time. The LSE goes in log2 units, with the rows that attend
@@ -375,6 +487,9 @@ def s2_dkdv_gluon(
     # in every step of the kernel, where it sat between the ring's wait and the step's MMAs.
     lse = torch.where(torch.isneginf(lse), 0.0, lse * LOG2E).contiguous()
     delta = delta.contiguous()
+    stat_tok = order  # unread
+    if varlen is not None:
+        stat_tok, lse, delta = document_aligned_stats(varlen, prog_tok, lse, delta)
     n_pairs = (n_items + 1) // 2
 
     def desc(name, rows):
@@ -387,6 +502,10 @@ def s2_dkdv_gluon(
         desc("v", box),
         desc("dk", box),
         desc("dv", box),
+        views["dk"].matrix,
+        views["dv"].matrix,
+        views["dk"].matrix.stride(0),
+        views["dv"].matrix.stride(0),
         _row_stats_descriptor(lse),
         _row_stats_descriptor(delta),
         lse.stride(0),
@@ -394,9 +513,14 @@ def s2_dkdv_gluon(
         lay.col_ptr,
         lay.col_split,
         *full_descending_columns(lay),
-        lay.kv_order,
+        doc_entries,
+        order,
+        prog_tok,
+        prog_len,
+        stat_tok,
         n_items,
         lay.num_k_tiles,
+        k.shape[1],
         lay.group,
         scale * LOG2E,
         scale,
@@ -408,34 +532,43 @@ def s2_dkdv_gluon(
         kv_group,
         STAGES=NUM_STAGES,
         BLOCK_N=BLOCK_N,
+        VARLEN=varlen is not None,
         num_warps=4,
     )
     return dk, dv
 
 
-def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
-    """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
+def compile_for_sm90(head_dim: int, block: int, out_dir: str, varlen: bool = False) -> dict:
+    """As :func:`gluon_forward.compile_for_sm90`, for this kernel (``varlen``: its
+    packed-documents build)."""
     tiles = {"q_desc": TILE_M, "do_desc": TILE_M}
     # TMA boxes of a pattern block, at most a 64-key tile (half a block of 128).
     tiles.update({n: min(block, BLOCK_N) for n in ("k_desc", "v_desc", "dk_desc", "dv_desc")})
     stat_desc = f"tensordesc<fp32[{TILE_M}],{_row_stats_layout()!r}>"
     types = {"lse_desc": stat_desc, "delta_desc": stat_desc, "qk_scale": "fp32", "sm_scale": "fp32"}
-    lists = ("col_ptr", "col_split", "rows", "los", "his", "order", "key_lo", "key_hi")
-    types.update({n: "*i32" for n in lists})
+    lists = ("col_ptr", "col_split", "rows", "los", "his", "doc_entries", "order", "key_lo")
+    types.update({n: "*i32" for n in lists + ("key_hi", "prog_tok", "prog_len", "stat_tok")})
+    types.update(dk_ptr="*bf16", dv_ptr="*bf16")
     return gf.compile_kernel_for_sm90(
         _s2_dkdv_gluon_kernel,
         head_dim,
         tiles,
         types,
         NUM_STAGES,
-        os.path.join(out_dir, f"dkdv_d{head_dim}_n{block}"),
+        os.path.join(out_dir, f"dkdv_d{head_dim}_n{block}" + ("_varlen" if varlen else "")),
         block_n=BLOCK_N,
+        VARLEN=varlen,
     )
 
 
-def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0, keys=None):
+def emulate_dkdv(
+    do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 0, keys=None, varlen=None
+):  # fmt: skip
     """The kernel's schedule in float64 PyTorch on any device: same CSC arrays, programs of two
-    items, head loop, full/partial entries and masks. Shapes, ``q_start`` and ``keys`` as
+    items (with ``varlen``, the program map's slots and each document's run of entries), head
+    loop, full/partial entries, masks, reads past a document's end (the next document's rows,
+    zeros past the tensor's; LSE and delta read flat, as the kernel's TMA does) and stores of
+    only the document's keys. Shapes, ``q_start``, ``keys`` and ``varlen`` as
     :func:`s2_dkdv_gluon`; returns ``(dk, dv)`` in float64 (per query head with ``keys``)."""
     b, s, hq, d = q.shape
     bn = BLOCK_N
@@ -443,6 +576,8 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
     if keys is not None:
         lay = keys.layout(TILE_M, with_csc=True, q_start=q_start)
         kv_group = pattern.group_size
+    elif varlen is not None:
+        lay = varlen.layout(pattern, TILE_M, bn, q.device, with_csc=True)
     else:
         lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device, with_csc=True)
     qk_scale = scale * LOG2E
@@ -451,38 +586,67 @@ def emulate_dkdv(do, q, k, v, lse, delta, pattern, scale: float, q_start: int = 
     dv = torch.zeros(out_shape, dtype=torch.float64)
     col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()
     rows, los, his = (x.tolist() for x in full_descending_columns(lay))
-    order = lay.kv_order.tolist()
-    n_items = len(order)
-    n_pairs = (n_items + 1) // 2
+    if varlen is None:
+        order = lay.kv_order.tolist()
+        # (batch row, item, slot, first row, keys): each program's two pipelines' items
+        work = [
+            (i // len(order), order[i % len(order)], 0, 0, k.shape[1])
+            for i in range(len(order) * b)
+        ]
+        runs = None
+    else:
+        _, item_of, tok_of, len_of = varlen.programs(lay, kv=True)
+        runs = document_column_entries(lay, item_of, len_of).tolist()
+        slots = zip(item_of.tolist(), tok_of.tolist(), len_of.tolist())
+        # Last document first: a store past a document's end would overwrite final rows.
+        work = [(0, it, p, t, n) for p, (it, t, n) in enumerate(slots) if n > 0][::-1]
     offs_m = torch.arange(TILE_M)
-    for pid in range(n_pairs * b):
-        for wg in range(2):
-            idx = (pid % n_pairs) * 2 + wg
-            if idx >= n_items:
-                continue
-            item = order[idx]
-            bb, kvh, kt = pid // n_pairs, item // lay.num_k_tiles, item % lay.num_k_tiles
-            k_abs = kt * bn + torch.arange(bn)
-            k_rows = gf.emulated_key_rows(keys, kvh, k_abs)
-            kk = k[bb, k_rows, kvh // kv_group].double()
-            vv = v[bb, k_rows, kvh // kv_group].double()
-            acc_k = torch.zeros(bn, d, dtype=torch.float64)
-            acc_v = torch.zeros(bn, d, dtype=torch.float64)
-            for g in range(lay.group):
-                h = kvh * lay.group + g
-                c = h * lay.num_k_tiles + kt
-                for e in range(col_ptr[c], col_ptr[c + 1]):
-                    m_idx = rows[e] * TILE_M + offs_m
-                    qq, dd = q[bb, m_idx, h].double(), do[bb, m_idx, h].double()
-                    row_lse = lse[bb, h, m_idx].double()
-                    row_lse = torch.where(row_lse == -math.inf, 0.0, row_lse)
-                    st = (kk @ qq.T) * qk_scale - row_lse[None, :] * LOG2E
-                    if e >= col_split[c]:  # S^T: the queries' mask, transposed
-                        m_abs = q_start + m_idx
-                        st = gf.emulated_mask_rows(st.T, los[e], his[e], m_abs, keys, h, k_abs).T
-                    pt = torch.exp2(st)
-                    acc_v += pt @ dd
-                    acc_k += (pt * (vv @ dd.T - delta[bb, h, m_idx].double()[None, :])) @ qq
-            dk[bb, k_rows, kvh] = acc_k * scale
-            dv[bb, k_rows, kvh] = acc_v
+    stat_tok = None
+    if varlen is not None:  # the kernel's statistics, as its wrapper copies them
+        stat_tok, lse, delta = document_aligned_stats(varlen, tok_of, lse, delta)
+        stat_tok = stat_tok.tolist()
+    flat_lse, flat_delta = lse.reshape(-1), delta.reshape(-1)
+    for bb, item, slot, tok, n in work:
+        kvh, kt = item // lay.num_k_tiles, item % lay.num_k_tiles
+        k_abs = kt * bn + torch.arange(bn)
+        k_rows = tok + gf.emulated_key_rows(keys, kvh, k_abs)
+        kk = gf.emulated_rows(k, bb, k_rows, kvh // kv_group)
+        vv = gf.emulated_rows(v, bb, k_rows, kvh // kv_group)
+        acc_k = torch.zeros(bn, d, dtype=torch.float64)
+        acc_v = torch.zeros(bn, d, dtype=torch.float64)
+        for g in range(lay.group):
+            h = kvh * lay.group + g
+            c = h * lay.num_k_tiles + kt
+            first, split, end = col_ptr[c], col_split[c], col_ptr[c + 1]
+            if runs is not None:
+                first, end = runs[slot][g]
+            for e in range(first, end):
+                m_idx = rows[e] * TILE_M + offs_m
+                qq = gf.emulated_rows(q, bb, tok + m_idx, h)
+                dd = gf.emulated_rows(do, bb, tok + m_idx, h)
+                row0 = tok if stat_tok is None else stat_tok[slot]
+                stat = bb * lse.stride(0) + h * lse.stride(1) + row0 + m_idx
+                row_lse = _flat_rows(flat_lse, stat)
+                row_lse = torch.where(row_lse == -math.inf, 0.0, row_lse)
+                row_delta = _flat_rows(flat_delta, stat)
+                st = (kk @ qq.T) * qk_scale - row_lse[None, :] * LOG2E
+                # Partial entries are masked, and so is a document's last query tile when it
+                # runs past the document's end (then its first entry).
+                crosses = runs is not None and e == first < split and (rows[e] + 1) * TILE_M > n
+                if e >= split or crosses:  # S^T: the queries' mask, transposed
+                    m_abs = q_start + m_idx
+                    hi = his[e] if runs is None else min(his[e], q_start + n)
+                    st = gf.emulated_mask_rows(st.T, los[e], hi, m_abs, keys, h, k_abs).T
+                pt = torch.exp2(st)
+                acc_v += pt @ dd
+                acc_k += (pt * (vv @ dd.T - row_delta[None, :])) @ qq
+        keep = k_abs < n if runs is not None else slice(None)  # a document's keys only
+        dk[bb, k_rows[keep], kvh] = acc_k[keep] * scale
+        dv[bb, k_rows[keep], kvh] = acc_v[keep]
     return dk, dv
+
+
+def _flat_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` of a flat fp32 array in float64, zeros past its end (what TMA gives)."""
+    inside = idx < x.numel()
+    return torch.where(inside, x[torch.where(inside, idx, 0)].double(), 0.0)

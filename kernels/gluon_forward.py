@@ -146,17 +146,12 @@ def enabled_by_default(head_dim: int, block_size: int, device, dtype=None) -> bo
     return shapes_ok and (dtype is None or dtype in DTYPES)
 
 
-def unsupported_reason(
-    q, k, v, pattern, q_start: int, k_start: int, varlen, varlen_ok: bool = False
-) -> Optional[str]:
-    """Why this call cannot take the Gluon forward (None: it can). q ``[b, sq, hq, d]``, k/v
+def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> Optional[str]:
+    """Why this call cannot take the Gluon kernels (None: it can). q ``[b, sq, hq, d]``, k/v
     ``[b, sk, hkv, d]``; the pattern and head counts are already validated by the caller.
-    Packed documents (``varlen``) only with ``varlen_ok`` (the forward takes them, the Gluon
-    backward passes, which ask with the default, not yet), at blocks 64 and 128."""
+    Packed documents (``varlen``) at blocks 64 and 128."""
     if gluon is None:
         return "this Triton has no Gluon Hopper API"
-    if varlen is not None and not varlen_ok:
-        return "packed documents (varlen)"
     if varlen is not None and pattern.block_size not in BLOCK_SIZES:
         return f"packed documents (varlen) at block_size {pattern.block_size} (not {BLOCK_SIZES})"
     if k_start or q_start + q.shape[1] != k.shape[1]:
@@ -868,13 +863,13 @@ ROW_LIST_TYPES = {
 
 
 def compile_kernel_for_sm90(
-    kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem, block_n: int
+    kernel, head_dim: int, tiles: dict, types: dict, stages: int, stem, block_n: int, **flags
 ):
     """Compile Gluon ``kernel`` for sm_90a (4 warps) without a GPU and write ``stem.cubin``:
     ``tiles`` maps each TMA descriptor argument to its tile rows (bf16 ``[rows, head_dim]``),
     ``types`` the other arguments that are not ``i32``, ``stages`` the ``STAGES`` constexpr,
-    ``block_n`` the ``BLOCK_N`` one (the K/V tile's rows). Returns
-    :func:`compile_for_sm90`'s statistics."""
+    ``block_n`` the ``BLOCK_N`` one (the K/V tile's rows), ``flags`` any other constexprs.
+    Returns :func:`compile_for_sm90`'s statistics."""
     import re
     import subprocess
 
@@ -886,7 +881,7 @@ def compile_kernel_for_sm90(
         return f"tensordesc<bf16[{rows}, {head_dim}],{lay!r}>"
 
     sig = {n: types.get(n, "i32") for n in kernel.arg_names}
-    constexprs = {"STAGES": stages, "BLOCK_N": block_n}
+    constexprs = {"STAGES": stages, "BLOCK_N": block_n, **flags}
     sig.update(
         {n: desc(rows) for n, rows in tiles.items()}, **dict.fromkeys(constexprs, "constexpr")
     )

@@ -76,10 +76,18 @@ class TileLayout:
     kv_order: torch.Tensor = None
     kv_work: torch.Tensor = None
     _csc_descending: tuple = None  # full_descending_columns' arrays, built on first use
+    _csc_segment_keys: torch.Tensor = None  # document_column_entries' search keys, likewise
 
     @property
     def nnz(self) -> int:
         return int(self.cols.numel())
+
+
+def _entry_columns(lay: TileLayout) -> torch.Tensor:
+    """The column (CSC item) of each of ``lay``'s column-list entries, int64 ``[nnz]``."""
+    ptr = lay.col_ptr.long()
+    counts = ptr[1:] - ptr[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts)
 
 
 def full_descending_columns(lay: TileLayout) -> tuple:
@@ -94,15 +102,45 @@ def full_descending_columns(lay: TileLayout) -> tuple:
     end, they read the same tiles in the same steps. (The ``tl`` kernels keep the ascending
     order: their packed-document path counts each list's prefix inside a document.)"""
     if lay._csc_descending is None:
-        ptr = lay.col_ptr.long()
-        counts = ptr[1:] - ptr[:-1]
-        column = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts)
-        idx = torch.arange(column.numel(), device=ptr.device)
-        start = ptr[:-1][column]
+        column = _entry_columns(lay)
+        idx = torch.arange(column.numel(), device=column.device)
+        start = lay.col_ptr.long()[column]
         split = lay.col_split.long()[column]
         perm = torch.where(idx < split, start + split - 1 - idx, idx)
         lay._csc_descending = tuple(x[perm].contiguous() for x in (lay.rows, lay.lo_c, lay.hi_c))
     return lay._csc_descending
+
+
+def document_column_entries(
+    lay: TileLayout, prog_item: torch.Tensor, prog_len: torch.Tensor
+) -> torch.Tensor:
+    """The entries of each dK/dV program-map slot's columns that lie in its document: int32
+    ``[slots, group, 2]``, the first and end entry of the column of every query head of the
+    slot's group (``prog_item``: ``kv_head * num_k_tiles + key_tile``; ``prog_len``: document
+    lengths, 0 on padding slots, which get no entries).
+
+    A layout serves documents up to its length, so a column lists query tiles past a shorter
+    document's end. In :func:`full_descending_columns`' order those are the first full entries
+    and the last partial ones: the document's entries are one run, ``col_split`` inside it (or
+    at its end). Found by binary search in one sorted key per entry (segment, query tile),
+    torch ops on the layout's device, no host sync."""
+    if lay._csc_segment_keys is None:
+        column = _entry_columns(lay)
+        idx = torch.arange(column.numel(), device=column.device)
+        # Segments 2c (full entries of column c) and 2c + 1 (its partial ones) follow each other
+        # in entry order, each ascending in query tile: the keys ascend over the whole list.
+        segment = 2 * column + (idx >= lay.col_split.long()[column]).long()
+        lay._csc_segment_keys = segment * (lay.num_q_tiles + 1) + lay.rows.long()
+    keys, span = lay._csc_segment_keys, lay.num_q_tiles + 1
+    item = prog_item.long()
+    heads = torch.arange(lay.group, device=item.device)
+    kv_head, key_tile = item // lay.num_k_tiles, item % lay.num_k_tiles
+    column = (kv_head[:, None] * lay.group + heads) * lay.num_k_tiles + key_tile[:, None]
+    touched = (prog_len.long()[:, None] + lay.block_m - 1) // lay.block_m  # the document's tiles
+    full_inside = torch.searchsorted(keys, 2 * column * span + touched) - lay.col_ptr.long()[column]
+    first = lay.col_split.long()[column] - full_inside
+    end = torch.searchsorted(keys, (2 * column + 1) * span + touched)
+    return torch.stack((first, end), -1).to(torch.int32).contiguous()
 
 
 def _s2_entries(pattern: S2Pattern, seq_q, seq_k, q_start, k_start, block_m, block_n, device):

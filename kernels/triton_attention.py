@@ -1478,7 +1478,7 @@ def s2_forward(
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     if cfg.gluon_fwd and not gluon_forward.unsupported_reason(
-        q, k, v, pattern, q_start, k_start, varlen, varlen_ok=True
+        q, k, v, pattern, q_start, k_start, varlen
     ):
         if pattern.block_size in gathered_keys.BLOCK_SIZES:
             keys = gathered_keys.gathered_keys(pattern, sk, q.device)
@@ -1726,18 +1726,15 @@ def s2_backward(
     blocks 16 and 32: summed from per-head parts)."""
     cfg = config if config is not None else kernel_config(pattern, q.shape[-1], q.device, q.dtype)
     args = (pattern, scale, q_start, k_start, cfg, varlen)
-    # The Gluon passes take the calls that the Gluon forward would take (self-attention and
-    # context-parallel chunks: keys from 0, queries their last positions from q_start), at the
-    # blocks of GLUON_BWD_BLOCKS; the dQ pass also packed documents (blocks 64 and 128).
+    # The Gluon passes take the calls that the Gluon forward would take (self-attention,
+    # context-parallel chunks: keys from 0, queries their last positions from q_start, and
+    # packed documents at blocks 64 and 128), at the blocks of GLUON_BWD_BLOCKS.
     gathered = pattern.block_size in gathered_keys.BLOCK_SIZES
-
-    def gluon_takes(varlen_ok: bool) -> bool:
-        return pattern.block_size in GLUON_BWD_BLOCKS and not gluon_forward.unsupported_reason(
-            q, k, v, pattern, q_start, k_start, varlen, varlen_ok=varlen_ok
-        )
-
-    dq_ok = cfg.gluon_dq and gluon_takes(varlen_ok=True)
-    dkdv_ok = cfg.gluon_dkdv and gluon_takes(varlen_ok=False)
+    gluon_takes = pattern.block_size in GLUON_BWD_BLOCKS and not gluon_forward.unsupported_reason(
+        q, k, v, pattern, q_start, k_start, varlen
+    )
+    dq_ok = cfg.gluon_dq and gluon_takes
+    dkdv_ok = cfg.gluon_dkdv and gluon_takes
     sq, sk, bn = q.shape[1], k.shape[1], gluon_dkdv.BLOCK_N
     if gathered and (dq_ok or dkdv_ok):
         return _gathered_backward(do, dlse, q, k, v, out, lse, cfg, args)
@@ -1752,9 +1749,11 @@ def s2_backward(
         dq, delta = bwd_dq(do, dlse, q, k, v, out, lse, *args)
     if dkdv_ok:
         tile = gluon_dkdv.TILE_M
-        lay = layout_for(pattern, sq, sk, q_start, 0, tile, bn, q.device, with_csc=True)
+        lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, bn, q.device, varlen, csc=True)
         if lay.block_m == gluon_dkdv.TILE_M:
-            dk, dv = gluon_dkdv.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, lay, q_start)
+            dk, dv = gluon_dkdv.s2_dkdv_gluon(
+                do, q, k, v, lse, delta, pattern, scale, lay, q_start, varlen=varlen
+            )
             return dq, dk, dv
     dk, dv = bwd_dkdv(do, q, k, v, lse, delta, *args)
     return dq, dk, dv

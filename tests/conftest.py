@@ -190,13 +190,14 @@ def tile_loads(request, monkeypatch):
 _SM90_COMPILE = """
 import importlib, json, sys
 mod = importlib.import_module(sys.argv[1])
-print(json.dumps(mod.compile_for_sm90(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+args = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+print(json.dumps(mod.compile_for_sm90(*args, **json.loads(sys.argv[5]))))
 """
 
 
-def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path) -> dict:
-    """``module.compile_for_sm90(head_dim, block, tmp_path)`` (a Gluon kernel module of
-    s2attn) in a fresh interpreter without TRITON_INTERPRET: its statistics (``hgmma``,
+def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path, **options) -> dict:
+    """``module.compile_for_sm90(head_dim, block, tmp_path, **options)`` (a Gluon kernel module
+    of s2attn) in a fresh interpreter without TRITON_INTERPRET: its statistics (``hgmma``,
     ``full_waits``, ``local_memory``, ``stack_bytes``, ``shared_bytes``, ``registers``). Skips
     where Triton ships no ``cuobjdump``."""
     import json
@@ -211,7 +212,16 @@ def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path) -> dict
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     run = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE, module, str(head_dim), str(block), str(tmp_path)],
+        [
+            sys.executable,
+            "-c",
+            _SM90_COMPILE,
+            module,
+            str(head_dim),
+            str(block),
+            str(tmp_path),
+            json.dumps(options),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         env=env,

@@ -188,12 +188,15 @@ def test_calls_it_does_not_take_say_why():
     pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=4)
     q = torch.randn(1, 256, 4, 64, dtype=torch.bfloat16)
     why = lambda **kw: gf.unsupported_reason(
-        kw.get("q", q), kw.get("k", q), q, pattern, kw.get("qs", 0), 0, kw.get("varlen")
-    )
+        kw.get("q", q), kw.get("k", q), q, kw.get("pattern", pattern), kw.get("qs", 0), 0,
+        kw.get("varlen"),
+    )  # fmt: skip
     if gf.gluon is None:
         assert "Gluon" in why()
         return
-    assert "varlen" in why(varlen=object())
+    block_16 = S2Pattern(num_heads=4, block_size=16, local_blocks=2, vert_stride=4)
+    assert "varlen" in why(varlen=object(), pattern=block_16)
+    assert "sm_90" in why(varlen=object())  # packed documents at block 64 pass the rest
     assert "last positions" in why(qs=128)  # queries past the keys' end
     assert "last positions" in why(k=q[:, :128])
     assert "sm_90" in why()  # a CPU tensor

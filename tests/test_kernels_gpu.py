@@ -313,18 +313,6 @@ def test_varlen_bf16_no_worse_than_dense_bf16_per_document():
     assert_matches(ours, ref, 3e-2, names=("out", "dq", "dk", "dv"))
 
 
-def _varlen_kernels_config(pattern, head_dim):
-    """The default config with the ``tl`` dK/dV pass: the kernels packed documents take (the
-    Gluon forward and dQ pass where they run, the ``tl`` dK/dV pass), so the varlen overhead
-    is measured against the same kernels."""
-    import dataclasses
-
-    from s2attn.triton_attention import kernel_config
-
-    cfg = kernel_config(pattern, head_dim, DEV, torch.bfloat16)
-    return dataclasses.replace(cfg, gluon_dkdv=False)
-
-
 @pytest.mark.timeout(600)
 def test_varlen_throughput_equal_documents_as_batch():
     """4 documents of 8k packed run as fast as the fixed-length kernel on a batch of 4 x 8k (the
@@ -343,9 +331,8 @@ def test_varlen_throughput_equal_documents_as_batch():
     grad = torch.randn_like(q)
     var = lambda: s2_attention_varlen(q, k, v, cu, S, p, check_cu_seqlens=False)
     var_checked = lambda: s2_attention_varlen(q, k, v, cu, S, p)
-    same_cfg = _varlen_kernels_config(p, D)
     fixed = lambda: s2_attention(
-        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p, kernel_config=same_cfg
+        q.view(N, S, H, D), k.view(N, S, HKV, D), v.view(N, S, HKV, D), p
     ).view(N * S, H, D)
     with torch.no_grad():
         assert torch.equal(var(), fixed())
@@ -388,10 +375,7 @@ def test_varlen_throughput_mixed_documents_vs_fixed_per_length():
         ]
         for n, c in VARLEN_MIXED_DOCS.items()
     ]
-    same_cfg = _varlen_kernels_config(p, D)
-    fixed_runs = [
-        lambda b=b: s2_attention(b[0], b[1], b[2], p, kernel_config=same_cfg) for b in batches
-    ]
+    fixed_runs = [lambda b=b: s2_attention(b[0], b[1], b[2], p) for b in batches]
     fixed_steps = [_fwd_bwd(run, b[:3], b[3].detach()) for run, b in zip(fixed_runs, batches)]
 
     def fixed_fwd():
@@ -500,13 +484,15 @@ def test_gluon_forward_matches_tl_kernel_and_reference(
     ],
 )
 @pytest.mark.parametrize("programs", [None, 3])
-def test_gluon_forward_and_dq_on_packed_documents(lens, heads, kv_heads, head_dim, block, programs):
-    """Packed documents through the Gluon forward and dQ pass (the program map, loads past a
-    document's end, masked stores of the last tile): against the fp32 reference document by
-    document, no further off than the ``tl`` varlen passes, the same LSE and delta, and what
-    the default path returns. ``programs=3``: each forward program runs many work items."""
+def test_gluon_passes_on_packed_documents(lens, heads, kv_heads, head_dim, block, programs):
+    """Packed documents through the Gluon forward, dQ and dK/dV passes (the program maps, loads
+    past a document's end, masked stores of the last tile): against the fp32 reference
+    document by document, no further off than the ``tl`` varlen passes, the same LSE and
+    delta, and what the default path returns. ``programs=3``: each forward program runs many
+    work items."""
     import dataclasses
 
+    from s2attn import gluon_dkdv as gd
     from s2attn import gluon_dq as gq
     from s2attn import triton_attention as ta
 
@@ -547,10 +533,20 @@ def test_gluon_forward_and_dq_on_packed_documents(lens, heads, kv_heads, head_di
     tl_dq, tl_delta = ta.bwd_dq(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg, varlen)
     qf, kf, vf = (x[0].float().requires_grad_(True) for x in (q, k, v))
     ref = s2_attention_varlen_reference(qf, kf, vf, cu, pattern, scale)
-    (ref_dq,) = torch.autograd.grad(ref, (qf,), do[0].float())
-    err, tl_err = norm_err(dq[0], ref_dq), norm_err(tl_dq[0], ref_dq)
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do[0].float())
+    err, tl_err = norm_err(dq[0], ref_grads[0]), norm_err(tl_dq[0], ref_grads[0])
     assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
     assert (delta - tl_delta).abs().max().item() < 1e-3
+
+    dk, dv = gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, varlen=varlen)
+    tl_dk, tl_dv = ta.bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, 0, 0, cfg, varlen)
+    for got, tl_got, want in ((dk, tl_dk, ref_grads[1]), (dv, tl_dv, ref_grads[2])):
+        err, tl_err = norm_err(got[0], want), norm_err(tl_got[0], want)
+        assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
+    # The default backward takes the Gluon passes for packed documents: the same bits.
+    d_grads = ta.s2_backward(do, None, q, k, v, out, lse, pattern, scale, 0, 0, None, varlen)
+    for got, want in zip(d_grads, (dq, dk, dv)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.timeout(300)
