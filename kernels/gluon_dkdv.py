@@ -26,11 +26,15 @@ has them:
 
 No atomics: each program owns its keys' dK/dV (the deterministic backward stays). It takes what
 :func:`gluon_forward.unsupported_reason` accepts, on 64-key tiles (blocks 64 and 128) or
-gathered ones (blocks 16 and 32, ``gathered_keys.py``), and needs ``delta`` (``rowsum(dO * O) -
-dLSE``, from the dQ pass). The default at those blocks wherever the Gluon forward is
-(``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on the CPU
-(:func:`emulate_dkdv`, an sm_90 compile) and on H200/H100 GPUs (``tests/test_kernels_gpu.py``);
-timings in ``docs/benchmarks.md``.
+gathered ones (blocks 16 and 32, ``gathered_keys.py``), packed documents included (blocks 64
+and 128, a build of its own: pairs of the program map's slots, each column's entries inside
+the document, :func:`layout.document_column_entries`; the query tile across the document's end
+masked, the key tile across it stored through a masked store; LSE and delta copied so that
+documents start on 16 bytes, :func:`document_aligned_stats`), and needs ``delta``
+(``rowsum(dO * O) - dLSE``, from the dQ pass). The default at those blocks wherever the Gluon
+forward is (``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on
+the CPU (:func:`emulate_dkdv`, an sm_90 compile) and on H200/H100 GPUs
+(``tests/test_kernels_gpu.py``); timings in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
