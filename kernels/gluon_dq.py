@@ -70,11 +70,7 @@ if gluon is not None:
         skips)."""
         order, n_items, num_q_tiles, prog_tok, prog_len, seq_q, varlen = items
         b, h, qt, item = gf._item_of_program(order, n_items, num_q_tiles)
-        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
-        rows = gl.to_tensor(seq_q)
-        if varlen:
-            tok = gl.load(prog_tok + gl.program_id(0))
-            rows = gl.load(prog_len + gl.program_id(0))
+        tok, rows = gf._document_rows(gl.program_id(0), prog_tok, prog_len, seq_q, varlen)
         return b, h, qt, item, tok, rows
 
     @gluon.jit
@@ -257,7 +253,7 @@ if gluon is not None:
             q, do_masked, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first,
             offs_n, cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
-        if qt * 2 * BM + 2 * BM <= rows:
+        if gf._tile_in_document(qt, BM, rows):
             # O was last read for delta: its buffer takes dQ on the way out.
             o.store((dq * sm_scale).to(o.dtype))
             fence_async_shared()
@@ -323,7 +319,7 @@ if gluon is not None:
             [CONSUMER_REGS, LOADER_REGS],
         )
         b, h, qt, item, tok, rows = _program_item(items)
-        if qt * 2 * BM + 2 * BM <= rows:  # else the consumers stored their rows themselves
+        if gf._tile_in_document(qt, BM, rows):  # else the consumers stored their rows themselves
             row = b * q_row_b + tok + qt * 2 * BM
             col = b * q_col_b + h * q_col_h
             # dQ shares Q's coordinates (the wrapper makes it so).

@@ -190,6 +190,24 @@ if gluon is not None:
         return pid // n_items, item // num_q_tiles, item % num_q_tiles, item
 
     @gluon.jit
+    def _document_rows(slot, prog_tok, prog_len, seq_q, varlen):
+        """(first row, rows) of program-map slot ``slot``'s document (``varlen``), else of a
+        whole sequence: row 0 and ``seq_q`` rows."""
+        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
+        rows = gl.to_tensor(seq_q)
+        if varlen:
+            tok = gl.load(prog_tok + slot)
+            rows = gl.load(prog_len + slot)
+        return tok, rows
+
+    @gluon.jit
+    def _tile_in_document(qt, BM: gl.constexpr, rows):
+        """Whether 128-row query tile ``qt`` (two warpgroups of ``BM`` rows) ends inside its
+        document of ``rows`` rows (a whole sequence's tiles always do): then TMA stores it, else
+        a masked store, as TMA would write over the next document's rows."""
+        return qt * 2 * BM + 2 * BM <= rows
+
+    @gluon.jit
     def _work_item(t, work):
         """(batch row, head, query tile, layout item, first row, rows) of work item ``t``. Fixed
         lengths: the layout's items in ``order`` (head by head, heaviest first within a head,
@@ -201,11 +219,7 @@ if gluon is not None:
         grid size."""
         order, prog_tok, prog_len, n_work, batch, num_q_tiles, seq_q, varlen = work
         item = gl.load(order + t // batch)
-        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
-        rows = gl.to_tensor(seq_q)
-        if varlen:
-            tok = gl.load(prog_tok + t)
-            rows = gl.load(prog_len + t)
+        tok, rows = _document_rows(t, prog_tok, prog_len, seq_q, varlen)
         return t % batch, item // num_q_tiles, item % num_q_tiles, item, tok, rows
 
     @gluon.jit
@@ -258,7 +272,7 @@ if gluon is not None:
                 row = b * o_row_b + tok + qt * 2 * BM
                 col = b * o_col_b + h * o_col_h
                 mbarrier.wait(o_ready, n & 1)
-                if qt * 2 * BM + 2 * BM <= rows:
+                if _tile_in_document(qt, BM, rows):
                     _tma_store(o_desc, [row, col], o_smem.index(0))
                     _tma_store(o_desc, [row + BM, col], o_smem.index(1))
                     tma.store_wait(0)
@@ -546,7 +560,7 @@ if gluon is not None:
         gl.store(LSE + b * stride_lse_b + h * stride_lse_h + tok + q_loc, lse, q_loc < rows)
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(o_empty, (n & 1) ^ 1)  # the previous item's output has left
-        if qt * 2 * BM + 2 * BM <= rows:
+        if _tile_in_document(qt, BM, rows):
             o_smem.index(WG).store(out.to(o_smem.dtype))
             fence_async_shared()
         else:

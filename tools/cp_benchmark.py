@@ -104,7 +104,9 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-KINDS = ("S2", "dense", "dense-fa4", "dense-one-stream", "dense-per-chunk", "dense-fa2")
+KINDS = (
+    "S2", "dense", "dense-fa4", "dense-one-stream", "dense-per-chunk", "dense-fa2", "dense-s2attn"
+)  # fmt: skip
 DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
 
 
@@ -124,7 +126,9 @@ def run(
     "auto" where FA4 is installed; skipped with a note where it is not); "dense-one-stream"
     (the rank-level cuDNN function with its two chunks one after the other), "dense-per-chunk"
     (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
-    earlier paths. ``rel`` is per token against the kind's CP=1 row (the per-chunk and FA2 rows:
+    earlier paths; "dense-s2attn" (our kernels on the dense causal pattern, ``vert_stride=1``,
+    one call a chunk: whether they would serve dense chunks better than cuDNN). ``rel`` is per
+    token against the kind's CP=1 row (the per-chunk and FA2 rows:
     SDPA's), ``rel_sdpa`` against dense SDPA at CP=1 (today's dense layer; dense kinds only)."""
     from megatron_s2.context_parallel import (
         attend_rank_chunks,
@@ -144,6 +148,16 @@ def run(
 
     def s2_at(qc, kc, vc, q_start):
         return s2_attention(qc, kc, vc, pattern, softmax_scale=scale, q_start=q_start)
+
+    dense_pattern = S2Pattern(
+        num_heads=heads, num_kv_heads=groups, **{**S2_SETTINGS, "vert_stride": 1}
+    )
+
+    def s2_dense_at(qc, kc, vc, q_start):
+        return s2_attention(qc, kc, vc, dense_pattern, softmax_scale=scale, q_start=q_start)
+
+    def s2_dense_full():
+        return s2_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dense_pattern)
 
     def suffix(impl):
         return lambda qc, kc, vc, q_start: dense_causal_suffix(qc, kc, vc, scale, impl=impl)
@@ -180,6 +194,7 @@ def run(
         ),
         "dense-per-chunk": ("dense, cuDNN per chunk", None, per_chunk(suffix("cudnn")), cps),
         "dense-fa2": ("dense, FA2 varlen", None, per_chunk(suffix("flash")), cps[:1]),
+        "dense-s2attn": ("dense, s2attn V=1", s2_dense_full, per_chunk(s2_dense_at), cps),
     }
     # Every row of this shape is timed round by round with the others (gpu_timing.time_rows):
     # timed one after another, the first (CP=1 SDPA, right after a compile) ran on a cooler,
