@@ -230,6 +230,29 @@ def sm90_compile_stats(module: str, head_dim: int, block: int, tmp_path, **optio
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def float64_packed_case(lens, heads, kv_heads, head_dim=16, block_size=64, seed=0):
+    """Packed documents of ``lens`` tokens in float64 for the Gluon passes' emulations (an S2
+    pattern of local 2, stride 2 and a TP rank's head offset): ``(pattern, varlen, cu, q, k, v,
+    scale, g)`` with q/k/v ``[total, h, d]`` leaves that require grad, ``cu`` the int32
+    ``cu_seqlens``, ``varlen`` the kernels' :class:`Varlen` and ``g`` the generator, for more
+    random tensors."""
+    from s2attn import S2Pattern
+    from s2attn.triton_attention import Varlen
+
+    pattern = S2Pattern(
+        num_heads=heads, num_kv_heads=kv_heads, block_size=block_size, local_blocks=2,
+        vert_stride=2, head_offset=1,
+    )  # fmt: skip
+    total = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(total, h, head_dim, dtype=torch.float64, generator=g).requires_grad_(True)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return pattern, Varlen(cu, max(lens), total), cu, q, k, v, head_dim**-0.5, g
+
+
 def float64_s2_case(
     batch, seq, heads, kv_heads, local, stride, offset, head_dim=16, block_size=64, dense_heads=0
 ):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import float64_s2_case, sm90_compile_stats
+from conftest import float64_packed_case, float64_s2_case, sm90_compile_stats
 
 import s2attn.gluon_dkdv as gd
 from s2attn import S2Pattern, s2_attention_varlen_reference
@@ -93,18 +93,9 @@ def test_emulated_schedule_on_packed_documents_matches_reference_gradients(block
     dK/dV program map: each document's dK and dV as the reference's. Rows past a document's end
     (the next document's, or zeros) attend nothing, and the keys past its end are not stored
     (the emulation runs the last document first, so such a store would overwrite final rows)."""
-    lens, heads, kv_heads, d = [300, 0, 1, 128, 77, 640, 65], 4, 2, 16
-    pattern = S2Pattern(
-        num_heads=heads, num_kv_heads=kv_heads, block_size=block, local_blocks=2, vert_stride=2,
-        head_offset=1,
-    )  # fmt: skip
-    total, scale = sum(lens), d**-0.5
-    g = torch.Generator().manual_seed(11 + block)
-    q, k, v = (
-        torch.randn(total, h, d, dtype=torch.float64, generator=g).requires_grad_(True)
-        for h in (heads, kv_heads, kv_heads)
+    pattern, varlen, cu, q, k, v, scale, g = float64_packed_case(
+        [300, 0, 1, 128, 77, 640, 65], 4, 2, block_size=block, seed=11 + block
     )
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     out, lse = s2_attention_varlen_reference(q, k, v, cu, pattern, scale, return_lse=True)
     do = torch.randn(out.shape, dtype=torch.float64, generator=g)
     dk_ref, dv_ref = torch.autograd.grad(out, (k, v), do)
@@ -112,7 +103,7 @@ def test_emulated_schedule_on_packed_documents_matches_reference_gradients(block
     delta = (do * out.detach()).sum(-1).t()[None].contiguous()  # [1, h, total]
     dk, dv = gd.emulate_dkdv(
         one(do), one(q), one(k), one(v), lse.double()[None].contiguous(), delta, pattern, scale,
-        varlen=Varlen(cu, max(lens), total),
+        varlen=varlen,
     )  # fmt: skip
     # The reference's LSE is fp32: P carries its rounding (about 1e-7).
     torch.testing.assert_close(dk[0], dk_ref, rtol=1e-5, atol=1e-5)

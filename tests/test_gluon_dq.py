@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import float64_s2_case, sm90_compile_stats
+from conftest import float64_packed_case, float64_s2_case, sm90_compile_stats
 
 import s2attn.gluon_dq as gq
-from s2attn import S2Pattern, s2_attention_varlen_reference
-from s2attn.triton_attention import Varlen
+from s2attn import s2_attention_varlen_reference
 
 pytestmark = pytest.mark.version_independent
 
@@ -48,18 +47,9 @@ def test_emulated_schedule_on_packed_documents_matches_reference_gradients(with_
     """Packed documents (odd, empty and one-token ones, GQA) through the program map: dQ and
     delta of each document as the reference's, rows past a document's end neither read as
     attending nor stored."""
-    lens, heads, kv_heads, d = [300, 0, 1, 128, 77, 640], 4, 2, 16
-    pattern = S2Pattern(
-        num_heads=heads, num_kv_heads=kv_heads, block_size=64, local_blocks=2, vert_stride=2,
-        head_offset=1,
-    )  # fmt: skip
-    total, scale = sum(lens), d**-0.5
-    g = torch.Generator().manual_seed(7 + with_dlse)
-    q, k, v = (
-        torch.randn(total, h, d, dtype=torch.float64, generator=g).requires_grad_(True)
-        for h in (heads, kv_heads, kv_heads)
+    pattern, varlen, cu, q, k, v, scale, g = float64_packed_case(
+        [300, 0, 1, 128, 77, 640], 4, 2, seed=7 + with_dlse
     )
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     out, lse = s2_attention_varlen_reference(q, k, v, cu, pattern, scale, return_lse=True)
     lse = lse.double()
     do = torch.randn(out.shape, dtype=torch.float64, generator=g)
@@ -69,7 +59,7 @@ def test_emulated_schedule_on_packed_documents_matches_reference_gradients(with_
     one = lambda x: x.detach()[None]  # noqa: E731 - the kernels' [1, total, h, d]
     dq, delta = gq.emulate_dq(
         one(do), one(dlse) if with_dlse else None, one(q), one(k), one(v), one(out),
-        one(lse), pattern, scale, varlen=Varlen(cu, max(lens), total),
+        one(lse), pattern, scale, varlen=varlen,
     )  # fmt: skip
     # The reference's LSE is fp32: P carries its rounding (about 1e-7).
     torch.testing.assert_close(dq[0], dq_ref, rtol=1e-5, atol=1e-5)
