@@ -70,43 +70,50 @@ if gluon is not None:
     # S^T = K Q^T and dP^T = V dO^T (at 128 the accumulators leave no room: ptxas spills and
     # serializes every wgmma).
     KV_IN_REGISTERS_MAX_D = gl.constexpr(64)
+    # The kernel's ``items`` tuple: (order, n_items, num_k_tiles, seq_k), and for packed
+    # documents also the program map and what the wrapper derives from it, at these indices:
+    # (prog_tok, prog_len, doc_entries, stat_tok). Its length tells the two builds apart
+    # (warp_specialize passes no constexprs to the partitions).
+    FIXED_ITEMS = gl.constexpr(4)
+    PROG_TOK, PROG_LEN, DOC_ENTRIES, STAT_TOK = (gl.constexpr(i) for i in range(4, 8))
 
     @gluon.jit
     def _item_of(items, WG):
-        """(batch row, KV head (query head on gathered tiles), key tile, slot, first row, rows,
-        valid) of pipeline ``WG`` of this program: programs take consecutive pairs of ``order``
-        (heaviest first, so a pair's work is alike), every batch row in turn, each item's
-        sequence from row 0 with ``seq_k`` rows; packed documents (``varlen``): pairs of the
-        program map's slots (``order`` its items, the document's first row and length from
-        ``prog_tok`` and ``prog_len``; a padding slot, length 0, is not valid)."""
+        """(batch row, KV head (query head on gathered tiles), key tile, map slot, first token,
+        tokens, valid) of pipeline ``WG`` of this program: programs take consecutive pairs of
+        ``order`` (heaviest first, so a pair's work is alike), every batch row in turn, each
+        item's sequence from token 0 with ``seq_k`` tokens; packed documents: pairs of the
+        program map's slots (the map slot indexes ``prog_tok``, ``prog_len``, ``stat_tok`` and
+        ``doc_entries``; first token and tokens are the document's start in the packed row and
+        its length; a padding slot, length 0, is not valid)."""
         order, n_items, num_k_tiles, seq_k = items[0], items[1], items[2], items[3]
         pid = gl.program_id(0)
         n_pairs = (n_items + 1) // 2
         idx = (pid % n_pairs) * 2 + WG
         valid = idx < n_items
-        slot = gl.minimum(idx, n_items - 1)
-        item = gl.load(order + slot)
-        tok = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
-        rows = gl.to_tensor(seq_k)
-        PACKED: gl.constexpr = len(items) > 4  # packed documents: the program map follows
-        if PACKED:
-            tok = gl.load(items[4] + slot)
-            rows = gl.load(items[5] + slot)
-            valid = valid & (rows > 0)
-        return pid // n_pairs, item // num_k_tiles, item % num_k_tiles, slot, tok, rows, valid
+        map_slot = gl.minimum(idx, n_items - 1)
+        item = gl.load(order + map_slot)
+        doc_start = gl.to_tensor(0)  # tensors, not the constexprs that a 1 or 0 argument becomes
+        doc_len = gl.to_tensor(seq_k)
+        if len(items) > FIXED_ITEMS:
+            doc_start = gl.load(items[PROG_TOK] + map_slot)
+            doc_len = gl.load(items[PROG_LEN] + map_slot)
+            valid = valid & (doc_len > 0)
+        kvh, kt = item // num_k_tiles, item % num_k_tiles
+        return pid // n_pairs, kvh, kt, map_slot, doc_start, doc_len, valid
 
     @gluon.jit
-    def _column_entries(col_ptr, col_split, items, c, slot, g, group):
+    def _column_entries(col_ptr, col_split, items, c, map_slot, g, group):
         """``(first, split, end)`` entries of column ``c``'s list (full entries before
-        ``split``); packed documents: those of query tiles inside the slot's document, one run
-        (:func:`layout.document_column_entries`)."""
+        ``split``); packed documents: those of query tiles inside the map slot's document, one
+        run (:func:`layout.document_column_entries`)."""
         first = gl.load(col_ptr + c)
         split = gl.load(col_split + c)
         end = gl.load(col_ptr + c + 1)
-        PACKED: gl.constexpr = len(items) > 4
-        if PACKED:
-            first = gl.load(items[6] + (slot * group + g) * 2)
-            end = gl.load(items[6] + (slot * group + g) * 2 + 1)
+        if len(items) > FIXED_ITEMS:
+            run = items[DOC_ENTRIES] + (map_slot * group + g) * 2
+            first = gl.load(run)
+            end = gl.load(run + 1)
         return first, split, end
 
     @gluon.jit
@@ -123,8 +130,8 @@ if gluon is not None:
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         stat_bytes: gl.constexpr = lse_desc.block_type.nbytes
         num_k_tiles = items[2]
-        VARLEN: gl.constexpr = len(items) > 4  # packed documents (the kernel's items)
-        b, kvh, kt, item_slot, tok, doc_len, valid = _item_of(items, WG)
+        VARLEN: gl.constexpr = len(items) > FIXED_ITEMS  # packed documents
+        b, kvh, kt, map_slot, tok, doc_len, valid = _item_of(items, WG)
         if valid:
             # Gathered tiles are per query head (kvh), read from its KV head's K and V. A
             # document's last key tile reads on into the next document's rows (or zeros past
@@ -136,14 +143,14 @@ if gluon is not None:
             kv_row = b * kv_row_b + tok
             stat_tok = tok
             if VARLEN:  # the document's rows in the statistics (see document_aligned_stats)
-                stat_tok = gl.load(items[7] + item_slot)
+                stat_tok = gl.load(items[STAT_TOK] + map_slot)
             gf._load_kv_tile(k_desc, kv_row, kv_col, kt, keys, bar, k_smem.index(WG))
             gf._load_kv_tile(v_desc, kv_row, kv_col, kt, keys, bar, v_smem.index(WG))
             i = 0
             for g in range(group):
                 h = kvh * group + g
                 c = h * num_k_tiles + kt
-                e0, _, e2 = _column_entries(col_ptr, col_split, items, c, item_slot, g, group)
+                e0, _, e2 = _column_entries(col_ptr, col_split, items, c, map_slot, g, group)
                 col = b * q_col_b + h * q_col_h
                 for e in range(e0, e2):
                     slot = WG * STAGES + i % STAGES
@@ -171,7 +178,8 @@ if gluon is not None:
         rows are local (Q, dO, LSE, delta: the ring's), at absolute positions from ``q_start``
         (masks); queries ``k_lo <= q < k_hi`` attend each key (``gluon_forward._key_bounds``).
         Rows from ``doc_len`` on (past a packed document's end: the next document's, or zeros)
-        take an LSE of +inf, so that their P and dS are 0."""
+        attend nothing in the masked loop (``MASKED`` with ``VARLEN``), their row bound capped
+        there: the caller sends every query tile that crosses a document's end through it."""
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k.type.shape[0]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
@@ -245,8 +253,8 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
         )
         num_k_tiles = items[2]
-        VARLEN: gl.constexpr = len(items) > 4  # packed documents (the kernel's items)
-        b, kvh, kt, item_slot, tok, doc_len, valid = _item_of(items, WG)
+        VARLEN: gl.constexpr = len(items) > FIXED_ITEMS  # packed documents
+        b, kvh, kt, map_slot, tok, doc_len, valid = _item_of(items, WG)
         if valid:
             k_abs = kt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
             offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
@@ -265,14 +273,15 @@ if gluon is not None:
             for g in range(group):
                 h = kvh * group + g
                 c = h * num_k_tiles + kt
-                e0, e1, e2 = _column_entries(col_ptr, col_split, items, c, item_slot, g, group)
+                e0, e1, e2 = _column_entries(col_ptr, col_split, items, c, map_slot, g, group)
                 k_lo, k_hi = gf._key_bounds(
                     k_abs, key_lo + h * key_stride, key_hi + h * key_stride, key_stride > 0
                 )
                 if VARLEN:
                     # A document's last query tile, when it runs past the document's end, is
                     # the first of its full entries (they run from the last tile back): masked.
-                    cross = (e0 < e1) & (gl.load(rows + e0) * BM + BM > doc_len)
+                    first_tile = gl.load(rows + e0, mask=e0 < e1, other=0)
+                    cross = (e0 < e1) & (first_tile * BM + BM > doc_len)
                     e_full = e0 + cross.to(gl.int32)
                     dk, dv, i = _tiles(
                         k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, rows,
@@ -347,9 +356,8 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
         views = (q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h)
-        # Packed documents add the program map and the documents' entries to the items: the
-        # partitions tell the two builds apart by the tuple's length (constexprs cannot reach
-        # them), and the fixed-length build keeps no document values in its registers.
+        # Packed documents add the program map and the documents' entries to the items (at
+        # PROG_TOK .. STAT_TOK): the fixed-length build keeps no document values in registers.
         if VARLEN:
             items = (
                 order, n_items, num_k_tiles, seq_k, prog_tok, prog_len, doc_entries, stat_tok
@@ -644,7 +652,9 @@ def emulate_dkdv(
                 pt = torch.exp2(st)
                 acc_v += pt @ dd
                 acc_k += (pt * (vv @ dd.T - row_delta[None, :])) @ qq
-        keep = k_abs < n if runs is not None else slice(None)  # a document's keys only
+        # As the kernel: a tile inside its sequence or document stores all its keys (TMA), one
+        # across a document's end only the document's (a masked store).
+        keep = slice(None) if kt * bn + bn <= n else k_abs < n
         dk[bb, k_rows[keep], kvh] = acc_k[keep] * scale
         dv[bb, k_rows[keep], kvh] = acc_v[keep]
     return dk, dv

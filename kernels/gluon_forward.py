@@ -172,7 +172,10 @@ def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> 
         why = gathered_keys.unsupported_reason(pattern, q.shape[1], k.shape[1], q_start, varlen)
         if why:
             return f"block_size {pattern.block_size} (not one of {BLOCK_SIZES}): {why}"
-    if q.shape[0] * q.shape[2] * q.shape[1] >= INT32_LIMIT:
+    rows = q.shape[1]
+    if varlen is not None:  # the dK/dV pass's copy of the LSE aligns each document's start
+        rows += 4 * (varlen.cu_seqlens.numel() + 1)
+    if q.shape[0] * q.shape[2] * rows >= INT32_LIMIT:
         return "the LSE has 2^31 elements or more (the kernel's offsets are 32-bit)"
     return None
 

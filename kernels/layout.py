@@ -122,7 +122,7 @@ def document_column_entries(
     A layout serves documents up to its length, so a column lists query tiles past a shorter
     document's end. In :func:`full_descending_columns`' order those are the first full entries
     and the last partial ones: the document's entries are one run, ``col_split`` inside it (or
-    at its end). Found by binary search in one sorted key per entry (segment, query tile),
+    at either end). Found by binary search in one sorted key per entry (segment, query tile),
     torch ops on the layout's device, no host sync."""
     if lay._csc_segment_keys is None:
         column = _entry_columns(lay)
