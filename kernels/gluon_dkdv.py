@@ -404,7 +404,7 @@ def document_aligned_stats(varlen, prog_tok: torch.Tensor, *stats: torch.Tensor)
     total). Returns ``(stat_tok, *padded)``: int32 ``[slots]``, the first row of each
     program-map slot's document (``prog_tok``'s) in the padded ``[1, hq, length]`` copies.
     Torch ops on the device, no host sync."""
-    align = gf.TMA_ALIGN_BYTES // 4
+    align = gf.STAT_ALIGN
     cu = varlen.cu_seqlens.long()
     starts = cu[:-1]
     num_docs = starts.numel()
@@ -412,7 +412,7 @@ def document_aligned_stats(varlen, prog_tok: torch.Tensor, *stats: torch.Tensor)
     # stay aligned, and each document ends before the next one starts.
     aligned = (starts + align - 1) // align * align
     aligned += align * torch.arange(num_docs, device=cu.device)
-    length = -(-(varlen.total_tokens + align * (num_docs + 1)) // align) * align
+    length = gf.document_aligned_length(varlen.total_tokens, num_docs)
     tokens = torch.arange(varlen.total_tokens, device=cu.device)
     # right=True: the last document starting at or before a token (empty ones share starts).
     doc = torch.searchsorted(starts, tokens, right=True) - 1
@@ -491,7 +491,6 @@ def s2_dkdv_gluon(
     else:
         n_items, order, prog_tok, prog_len = varlen.programs(lay, kv=True)
         doc_entries = document_column_entries(lay, order, prog_len)
-        b = 1
     if n_items == 0:
         return dk.zero_(), dv.zero_()
     # Read flat, a query tile at a time. The LSE goes in log2 units, with the rows that attend
@@ -598,27 +597,15 @@ def emulate_dkdv(
     dv = torch.zeros(out_shape, dtype=torch.float64)
     col_ptr, col_split = lay.col_ptr.tolist(), lay.col_split.tolist()
     rows, los, his = (x.tolist() for x in full_descending_columns(lay))
-    if varlen is None:
-        order = lay.kv_order.tolist()
-        # (batch row, item, slot, first row, keys): each program's two pipelines' items
-        work = [
-            (i // len(order), order[i % len(order)], 0, 0, k.shape[1])
-            for i in range(len(order) * b)
-        ]
-        runs = None
-    else:
+    runs = stat_tok = None
+    if varlen is not None:  # each slot's run of entries and statistics, as the wrapper's
         _, item_of, tok_of, len_of = varlen.programs(lay, kv=True)
         runs = document_column_entries(lay, item_of, len_of).tolist()
-        slots = zip(item_of.tolist(), tok_of.tolist(), len_of.tolist())
-        # Last document first: a store past a document's end would overwrite final rows.
-        work = [(0, it, p, t, n) for p, (it, t, n) in enumerate(slots) if n > 0][::-1]
-    offs_m = torch.arange(TILE_M)
-    stat_tok = None
-    if varlen is not None:  # the kernel's statistics, as its wrapper copies them
         stat_tok, lse, delta = document_aligned_stats(varlen, tok_of, lse, delta)
         stat_tok = stat_tok.tolist()
+    offs_m = torch.arange(TILE_M)
     flat_lse, flat_delta = lse.reshape(-1), delta.reshape(-1)
-    for bb, item, slot, tok, n in work:
+    for bb, item, slot, tok, n in gf.emulated_work(lay, b, k.shape[1], varlen, kv=True):
         kvh, kt = item // lay.num_k_tiles, item % lay.num_k_tiles
         k_abs = kt * bn + torch.arange(bn)
         k_rows = tok + gf.emulated_key_rows(keys, kvh, k_abs)

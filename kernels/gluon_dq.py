@@ -460,7 +460,7 @@ def emulate_dq(
     row_ptr, row_split = lay.row_ptr.tolist(), lay.row_split.tolist()
     cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
     offs_n = torch.arange(bn)
-    for bb, item, tok, n_rows in gf.emulated_work(lay, b, s, varlen):
+    for bb, item, _, tok, n_rows in gf.emulated_work(lay, b, s, varlen):
         h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // group
         for wg in range(2):

@@ -174,7 +174,8 @@ def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> 
             return f"block_size {pattern.block_size} (not one of {BLOCK_SIZES}): {why}"
     rows = q.shape[1]
     if varlen is not None:  # the dK/dV pass's copy of the LSE aligns each document's start
-        rows += 4 * (varlen.cu_seqlens.numel() + 1)
+        # At least the copy's document_aligned_length: one STAT_ALIGN gap per document, two more.
+        rows += STAT_ALIGN * (varlen.cu_seqlens.numel() + 1)
     if q.shape[0] * q.shape[2] * rows >= INT32_LIMIT:
         return "the LSE has 2^31 elements or more (the kernel's offsets are 32-bit)"
     return None
@@ -669,6 +670,16 @@ class TmaView(NamedTuple):
 # Hopper's TMA: the base address and the row stride are multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
 
+# Statistics (fp32) per TMA alignment unit: a 1-D box of LSE or delta starts on a multiple.
+STAT_ALIGN = TMA_ALIGN_BYTES // 4
+
+
+def document_aligned_length(total_tokens: int, num_docs: int) -> int:
+    """Rows per head of the packed documents' LSE/delta copy in which every document starts
+    on ``STAT_ALIGN`` rows (``gluon_dkdv.document_aligned_stats``): each start rounded up, one
+    gap of ``STAT_ALIGN`` per earlier document, the whole rounded up."""
+    return -(-(total_tokens + STAT_ALIGN * (num_docs + 1)) // STAT_ALIGN) * STAT_ALIGN
+
 
 def tma_view(t: torch.Tensor) -> Optional[TmaView]:
     """The :class:`TmaView` of ``[b, s, h, d]`` tensor ``t`` without a copy, or None when its
@@ -992,18 +1003,20 @@ def emulated_mask_partial(sc, lo: int, hi: int, q_abs, keys, h: int, n) -> torch
     return emulated_mask_rows(sc, lo, hi, q_abs, keys, h, n)
 
 
-def emulated_work(lay, batch: int, seq_q: int, varlen=None) -> list:
-    """``(batch row, layout item, first row, rows)`` of each work item of the forward and the
-    dQ pass, as the emulations run them: every layout item for every batch row, the sequence
-    from row 0 with ``seq_q`` rows; or (``varlen``) the program map's slots that hold a
-    document, last document first, so that a tile that stored past its document's end would
-    write over rows already final, as it may in the kernels, whose programs finish in any
-    order."""
+def emulated_work(lay, batch: int, seq: int, varlen=None, kv: bool = False) -> list:
+    """``(batch row, layout item, map slot, first row, rows)`` of each work item of the
+    forward and the dQ pass (``kv``: the dK/dV pass, items over key tiles), as the emulations
+    run them: every layout item for every batch row, the sequence from row 0 with ``seq`` rows
+    (map slot 0); or (``varlen``) the program map's slots that hold a document, last document
+    first, so that a tile that stored past its document's end would write over rows already
+    final, as it may in the kernels, whose programs finish in any order."""
     if varlen is None:
-        order, n = lay.q_order.tolist(), lay.q_order.numel()
-        return [(pid // n, order[pid % n], 0, seq_q) for pid in range(n * batch)]
-    item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=False)[1:])
-    return [(0, i, t, n) for i, t, n in zip(item_of, tok_of, len_of) if n > 0][::-1]
+        order = (lay.kv_order if kv else lay.q_order).tolist()
+        n = len(order)
+        return [(pid // n, order[pid % n], 0, 0, seq) for pid in range(n * batch)]
+    item_of, tok_of, len_of = (x.tolist() for x in varlen.programs(lay, kv=kv)[1:])
+    slots = enumerate(zip(item_of, tok_of, len_of))
+    return [(0, i, p, t, n) for p, (i, t, n) in slots if n > 0][::-1]
 
 
 def emulated_rows(x: torch.Tensor, bb: int, r: torch.Tensor, head: int) -> torch.Tensor:
@@ -1036,7 +1049,7 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None,
     row_ptr, row_split = lay.row_ptr.tolist(), lay.row_split.tolist()
     cols, los, his = lay.cols.tolist(), lay.lo.tolist(), lay.hi.tolist()
     offs_n = torch.arange(bn)
-    for bb, item, tok, n_rows in emulated_work(lay, b, s, varlen):
+    for bb, item, _, tok, n_rows in emulated_work(lay, b, s, varlen):
         h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // pattern.group_size
         e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
