@@ -451,6 +451,8 @@ def s2_dkdv_gluon(
     (zero on keys no query attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
+    if varlen is not None and b != 1:
+        raise ValueError(f"s2_dkdv_gluon: packed documents are one batch row (b = 1), got b = {b}")
     gf.gathered_keys.check_call("s2_dkdv_gluon", keys, pattern, hq, k.shape[1], lay)
     # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
     # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.

@@ -110,6 +110,15 @@ def test_emulated_schedule_on_packed_documents_matches_reference_gradients(block
     torch.testing.assert_close(dv[0], dv_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_packed_documents_in_more_than_one_batch_row_rejected():
+    """Packed documents are one batch row; another batch row would be ignored by the map."""
+    pattern = S2Pattern(num_heads=2, block_size=64, local_blocks=2, vert_stride=2)
+    x, stats = torch.zeros(2, 64, 2, 16), torch.zeros(2, 2, 64)
+    varlen = Varlen(torch.tensor([0, 64], dtype=torch.int32), 64, 64)
+    with pytest.raises(ValueError, match=r"one batch row \(b = 1\), got b = 2"):
+        gd.s2_dkdv_gluon(x, x, x, x, stats, stats, pattern, 1.0, varlen=varlen)
+
+
 def test_document_aligned_stats_start_every_document_on_16_bytes():
     """The dK/dV pass's copy of LSE and delta for packed documents: each program-map slot's
     document starts at a multiple of 4 rows (a TMA box's 16 bytes), heads too, and holds its
