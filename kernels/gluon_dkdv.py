@@ -39,6 +39,7 @@ the CPU (:func:`emulate_dkdv`, an sm_90 compile) and on H200/H100 GPUs
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -392,6 +393,7 @@ if gluon is not None:
         )
 
 
+@functools.cache
 def _row_stats_layout():
     """Shared-memory layout of one query tile's per-row statistics (``TILE_M`` fp32)."""
     return gl.NVMMASharedLayout.get_default_for([TILE_M], gl.float32)

@@ -103,7 +103,23 @@ def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
         local, tensor_parallel_output_grad=True, group=group
     )
     chunks = full.view(2 * cp, local.shape[0] // 2, *local.shape[1:])
-    return chunks[_absolute_order(cp, local.device)].flatten(0, 1)
+    return _PermuteChunks.apply(chunks, _absolute_order(cp, local.device)).flatten(0, 1)
+
+
+class _PermuteChunks(torch.autograd.Function):
+    """``chunks[order]`` for a permutation ``order`` of dim 0, whose backward gathers the
+    gradient back by the inverse permutation: autograd's own, for an index, zero-fills a
+    sequence-sized buffer and scatters into it with accumulation."""
+
+    @staticmethod
+    def forward(ctx, chunks, order):
+        ctx.save_for_backward(order)
+        return chunks[order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[torch.argsort(order)], None
 
 
 def attend_local_chunks(
@@ -158,7 +174,21 @@ def dense_local_chunks(
 def _gather_kv(key, value, group):
     # One collective for K and V: they travel stacked.
     kv = gather_sequence(torch.stack((key, value), dim=1), group)  # [S, 2, b, ng, hn]
-    return kv[:, 0], kv[:, 1]
+    return _SplitKV.apply(kv)
+
+
+class _SplitKV(torch.autograd.Function):
+    """``kv [S, 2, ...] -> (kv[:, 0], kv[:, 1])`` whose backward stacks dK and dV in one copy:
+    autograd's own, for two selections of one tensor, zero-fills a K/V-sized gradient for each
+    and adds the two."""
+
+    @staticmethod
+    def forward(ctx, kv):
+        return kv[:, 0], kv[:, 1]
+
+    @staticmethod
+    def backward(ctx, dk, dv):  # an unused one arrives as zeros (materialized grads)
+        return torch.stack((dk, dv), dim=1)
 
 
 def attend_rank_chunks(
@@ -172,16 +202,82 @@ def attend_rank_chunks(
 ) -> torch.Tensor:
     """The compute of :func:`attend_local_chunks` once K/V are whole: ``query [2 * chunk, b, np,
     hn]`` of CP rank ``rank`` of ``cp`` against ``key, value [2 * cp * chunk, b, ng, hn]`` in
-    absolute order -> ``[2 * chunk, b, np * hn]`` (also what the benchmark times per rank)."""
-    k_abs, v_abs = key.transpose(0, 1), value.transpose(0, 1)  # [b, S, ng, hn]
-    q = query.transpose(0, 1)
-    outs = []
-    for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
-        end = (index + 1) * chunk
-        q_chunk = q[:, slot * chunk : (slot + 1) * chunk]
-        outs.append(attend(q_chunk, k_abs[:, :end], v_abs[:, :end], index * chunk))
+    absolute order -> ``[2 * chunk, b, np * hn]`` (also what the benchmark times per rank).
+    Where gradients are wanted it runs as :class:`_RankChunks`, which builds the rank's dQ and
+    dK/dV in one buffer each."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _RankChunks.apply(query, key, value, rank, cp, chunk, attend)
+    with torch.no_grad():
+        outs = [attend(*part) for part in _chunk_parts(query, key, value, rank, cp, chunk)]
     sq, b, nq, hn = query.shape
     return torch.cat(outs, dim=1).transpose(0, 1).reshape(sq, b, nq * hn)
+
+
+def _chunk_parts(query, key, value, rank: int, cp: int, chunk: int):
+    """``(q, k, v, q_start)`` of the rank's two chunks, early one first: ``[b, s, h, hn]`` views
+    of its query rows and of the key prefix each sees (keys ``0 ..`` the chunk's end)."""
+    q, k_abs, v_abs = (x.transpose(0, 1) for x in (query, key, value))
+    for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (index + 1) * chunk
+        yield q[:, slot * chunk : (slot + 1) * chunk], k_abs[:, :end], v_abs[:, :end], index * chunk
+
+
+class _RankChunks(torch.autograd.Function):
+    """:func:`attend_rank_chunks` with gradients, for any differentiable ``attend`` (the S2
+    kernels, FlashAttention-4, the per-chunk dense paths): each chunk's call runs under its own
+    autograd graph on detached views, and the backward assembles the rank's gradients once:
+    outputs and dQ written into the rank's buffers, dK/dV into one K-sized buffer each (the
+    later chunk's keys fill it, the earlier chunk's are added in). Through autograd's slicing
+    and concatenation each chunk's dK/dV became a zero-padded K-sized tensor and the two were
+    summed, as were the chunks' dQ: 18-24% of an S2 rank's GPU time at 32k
+    (``docs/context_parallel.md``)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, rank, cp, chunk, attend):
+        out = torch.empty_like(query)
+        graphs = []
+        with torch.enable_grad():
+            for slot, (q, k, v, q_start) in enumerate(
+                _chunk_parts(query, key, value, rank, cp, chunk)
+            ):
+                leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+                o = attend(*leaves, q_start)
+                out[slot * chunk : (slot + 1) * chunk].copy_(o.detach().transpose(0, 1))
+                graphs.append((o, leaves))
+        ctx.graphs, ctx.chunk = graphs, chunk
+        ctx.shapes = (query.shape, key.shape, value.shape)
+        sq, b, nq, hn = query.shape
+        return out.view(sq, b, nq * hn)
+
+    @staticmethod
+    def backward(ctx, dout):
+        chunk = ctx.chunk
+        q_shape, k_shape, _ = ctx.shapes
+        dq = dout.new_empty(q_shape)
+        dout = dout.view(q_shape)
+        graphs, ctx.graphs = ctx.graphs, None
+
+        def chunk_grads(slot):
+            """dK, dV ``[keys, b, ng, hn]`` of chunk ``slot``, its dQ written into ``dq``; the
+            chunk's graph (and the tensors it saved) freed."""
+            (o, leaves), graphs[slot] = graphs[slot], None
+            rows = slice(slot * chunk, (slot + 1) * chunk)
+            d_q, d_k, d_v = torch.autograd.grad(o, leaves, dout[rows].transpose(0, 1))
+            dq[rows].copy_(d_q.transpose(0, 1))
+            return d_k.transpose(0, 1), d_v.transpose(0, 1)
+
+        # The later chunk first: it sees every key the earlier one sees (and the keys between),
+        # so its dK/dV fill the K-sized buffers (or are them, where it ends at the last key)
+        # and the earlier chunk's are added in.
+        dk, dv = chunk_grads(1)
+        if dk.shape != k_shape or not (dk.is_contiguous() and dv.is_contiguous()):
+            parts, dk, dv = (dk, dv), dk.new_empty(k_shape), dv.new_empty(k_shape)
+            for buf, part in zip((dk, dv), parts):
+                buf[: part.shape[0]].copy_(part)
+                buf[part.shape[0] :].zero_()
+        for buf, part in zip((dk, dv), chunk_grads(0)):
+            buf[: part.shape[0]].add_(part)
+        return dq, dk, dv, None, None, None, None
 
 
 def _varlen_flash():
