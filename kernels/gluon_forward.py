@@ -728,7 +728,8 @@ def _gl_dtype(dtype):
 
 @functools.cache
 def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    # Built anew for every descriptor it was a tenth of a call's host time (18 a fwd+bwd).
+    # Built once: made anew for each of a fwd+bwd's 18 TMA descriptors, the layouts took a
+    # sixth of the call's host time.
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _gl_dtype(dtype))
 
 

@@ -20,6 +20,7 @@ per layer keeps the kernels' single fused launch per chunk.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Optional
@@ -27,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from torch.autograd.function import once_differentiable
 
 from megatron_s2.flash_attention4 import fa4_causal, use_fa4
 
@@ -90,8 +92,16 @@ def check_context_parallel_length(
 
 def _absolute_order(cp: int, device) -> torch.Tensor:
     """Index of each absolute chunk ``j`` in the gathered ``[rank, slot]`` order (``2r + slot``)."""
+    return _chunk_orders(cp, torch.device(device))[0]
+
+
+@functools.cache
+def _chunk_orders(cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Built once per CP size and device: a tensor made from a list on every layer call is a
+    # host-to-device copy that waits for the host.
     order = [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
-    return torch.tensor(order, device=device)
+    inverse = sorted(range(2 * cp), key=order.__getitem__)
+    return torch.tensor(order, device=device), torch.tensor(inverse, device=device)
 
 
 def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
@@ -103,23 +113,23 @@ def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
         local, tensor_parallel_output_grad=True, group=group
     )
     chunks = full.view(2 * cp, local.shape[0] // 2, *local.shape[1:])
-    return _PermuteChunks.apply(chunks, _absolute_order(cp, local.device)).flatten(0, 1)
+    order, inverse = _chunk_orders(cp, local.device)
+    return _PermuteChunks.apply(chunks, order, inverse).flatten(0, 1)
 
 
 class _PermuteChunks(torch.autograd.Function):
-    """``chunks[order]`` for a permutation ``order`` of dim 0, whose backward gathers the
-    gradient back by the inverse permutation: autograd's own, for an index, zero-fills a
-    sequence-sized buffer and scatters into it with accumulation."""
+    """``chunks[order]`` for a permutation ``order`` of dim 0 (``inverse`` its inverse), whose
+    backward gathers the gradient back by the inverse: autograd's own, for an index, zero-fills
+    a sequence-sized buffer and scatters into it with accumulation."""
 
     @staticmethod
-    def forward(ctx, chunks, order):
-        ctx.save_for_backward(order)
+    def forward(ctx, chunks, order, inverse):
+        ctx.inverse = inverse  # a cached constant, not an activation
         return chunks[order]
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return grad[torch.argsort(order)], None
+        return grad[ctx.inverse], None, None
 
 
 def attend_local_chunks(
@@ -205,12 +215,22 @@ def attend_rank_chunks(
     absolute order -> ``[2 * chunk, b, np * hn]`` (also what the benchmark times per rank).
     Where gradients are wanted it runs as :class:`_RankChunks`, which builds the rank's dQ and
     dK/dV in one buffer each."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if wants_grad and not _saved_tensor_hooks_active():
         return _RankChunks.apply(query, key, value, rank, cp, chunk, attend)
-    with torch.no_grad():
-        outs = [attend(*part) for part in _chunk_parts(query, key, value, rank, cp, chunk)]
+    # Without gradients; or under saved-tensor hooks (non-reentrant checkpointing, activation
+    # offloading), which must see what the chunks save: _RankChunks keeps that in its context.
+    outs = [attend(*part) for part in _chunk_parts(query, key, value, rank, cp, chunk)]
     sq, b, nq, hn = query.shape
     return torch.cat(outs, dim=1).transpose(0, 1).reshape(sq, b, nq * hn)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are in force here (PyTorch has no
+    public query; where the private one is missing, assume they are: the composed path is
+    always right)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 def _chunk_parts(query, key, value, rank: int, cp: int, chunk: int):
@@ -234,7 +254,7 @@ class _RankChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, rank, cp, chunk, attend):
-        out = torch.empty_like(query)
+        out = None
         graphs = []
         with torch.enable_grad():
             for slot, (q, k, v, q_start) in enumerate(
@@ -242,17 +262,25 @@ class _RankChunks(torch.autograd.Function):
             ):
                 leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
                 o = attend(*leaves, q_start)
+                if out is None:  # the attention's dtype (autocast may differ from query's)
+                    out = o.new_empty(query.shape)
                 out[slot * chunk : (slot + 1) * chunk].copy_(o.detach().transpose(0, 1))
                 graphs.append((o, leaves))
         ctx.graphs, ctx.chunk = graphs, chunk
-        ctx.shapes = (query.shape, key.shape, value.shape)
+        ctx.shapes = (query.shape, key.shape)
         sq, b, nq, hn = query.shape
         return out.view(sq, b, nq * hn)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
+        if ctx.graphs is None:
+            raise RuntimeError(
+                "attend_rank_chunks: backward ran a second time (retain_graph=True): a CP "
+                "rank's chunk graphs are freed by the first backward"
+            )
         chunk = ctx.chunk
-        q_shape, k_shape, _ = ctx.shapes
+        q_shape, k_shape = ctx.shapes
         dq = dout.new_empty(q_shape)
         dout = dout.view(q_shape)
         graphs, ctx.graphs = ctx.graphs, None
@@ -269,13 +297,18 @@ class _RankChunks(torch.autograd.Function):
         # The later chunk first: it sees every key the earlier one sees (and the keys between),
         # so its dK/dV fill the K-sized buffers (or are them, where it ends at the last key)
         # and the earlier chunk's are added in.
-        dk, dv = chunk_grads(1)
-        if dk.shape != k_shape or not (dk.is_contiguous() and dv.is_contiguous()):
-            parts, dk, dv = (dk, dv), dk.new_empty(k_shape), dv.new_empty(k_shape)
-            for buf, part in zip((dk, dv), parts):
+        late = list(chunk_grads(1))
+        bufs = []
+        for i, part in enumerate(late):
+            late[i] = None  # each partial freed once copied: one at a time next to the buffers
+            if part.shape != k_shape or not part.is_contiguous():
+                buf = part.new_empty(k_shape)
                 buf[: part.shape[0]].copy_(part)
                 buf[part.shape[0] :].zero_()
-        for buf, part in zip((dk, dv), chunk_grads(0)):
+                part = buf
+            bufs.append(part)
+        dk, dv = bufs
+        for buf, part in zip(bufs, chunk_grads(0)):
             buf[: part.shape[0]].add_(part)
         return dq, dk, dv, None, None, None, None
 

@@ -9,6 +9,7 @@ tests/test_megatron_parallel.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -363,19 +364,22 @@ def test_dense_rank_chunks_rejects_unknown_impl():
         dense_rank_chunks(q, q, q, 0, 2, 2, 1.0, impl="fast")
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
-def test_rank_chunks_match_whole_sequence_with_gradients(heads, groups):
+def test_rank_chunks_match_whole_sequence_with_gradients(heads, groups, batch):
     """attend_rank_chunks with gradients (the rank-level Function that builds dQ and dK/dV in
-    one buffer each) in float64 on the CPU, for S2 (reference kernels at the chunks' absolute
-    starts) and the per-chunk dense path: every rank's output and dq equal the whole layer's
-    rows and dk/dv summed over the ranks equal its dk/dv, CP 2 and 4, MHA and GQA; without
-    gradients the same output."""
+    one buffer each: at batch 1 rank 0's later chunk's dK/dV are that buffer) in float64 on the
+    CPU, for S2 (reference kernels at the chunks' absolute starts) and the per-chunk dense path,
+    K/V as views of one stacked tensor as the gather gives them: every rank's output and dq
+    equal the whole layer's rows and dk/dv summed over the ranks equal its dk/dv, CP 2 and 4,
+    MHA and GQA; without gradients the same output; under saved-tensor hooks (non-reentrant
+    checkpointing, offloading) the composed path, same gradients."""
     from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
     from s2attn import S2Pattern, s2_attention
 
     dim, scale = 8, 8**-0.5
-    q, k, v, _ = (t.double() for t in _inputs(7, heads, groups, dim))
-    dout = torch.randn(SEQ, BATCH, heads, dim, dtype=torch.float64)
+    q, k, v, _ = (t[:, :batch].double() for t in _inputs(7, heads, groups, dim))
+    dout = torch.randn(SEQ, batch, heads, dim, dtype=torch.float64)
     pattern = S2Pattern(heads, groups, block_size=16, local_blocks=2, vert_stride=2)
 
     def s2(a, b, c, start):
@@ -388,34 +392,56 @@ def test_rank_chunks_match_whole_sequence_with_gradients(heads, groups):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         whole = attend(*(t.transpose(0, 1) for t in leaves), 0).transpose(0, 1)
         whole.backward(dout)
-        whole = whole.detach().reshape(SEQ, BATCH, -1)
-        for cp in (2, 4):
-            kc, vc = (t.clone().requires_grad_(True) for t in (k, v))
+        whole = whole.detach().reshape(SEQ, batch, -1)
+        for cp, hooks in ((2, False), (4, False), (2, True)):
+            kv = torch.stack((k, v), dim=1).requires_grad_(True)  # [S, 2, b, ng, hn]
             chunk = SEQ // (2 * cp)
             for rank in range(cp):
                 rows = _local_rows(q, rank, cp).clone().requires_grad_(True)
-                out = attend_rank_chunks(rows, kc, vc, rank, cp, attend, chunk)
+                with torch.autograd.graph.save_on_cpu() if hooks else contextlib.nullcontext():
+                    out = attend_rank_chunks(rows, kv[:, 0], kv[:, 1], rank, cp, attend, chunk)
                 out.backward(_local_rows(dout, rank, cp).reshape(out.shape))
                 want = _local_rows(whole, rank, cp)
                 torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
                 torch.testing.assert_close(rows.grad, _local_rows(leaves[0].grad, rank, cp))
                 with torch.no_grad():
-                    again = attend_rank_chunks(rows, kc, vc, rank, cp, attend, chunk)
+                    again = attend_rank_chunks(rows, kv[:, 0], kv[:, 1], rank, cp, attend, chunk)
                 torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
-            torch.testing.assert_close(kc.grad, leaves[1].grad)
-            torch.testing.assert_close(vc.grad, leaves[2].grad)
+            torch.testing.assert_close(kv.grad[:, 0], leaves[1].grad)
+            torch.testing.assert_close(kv.grad[:, 1], leaves[2].grad)
+
+
+def test_rank_chunks_second_backward_is_a_clear_error():
+    """The rank-level Function frees its chunks' graphs in the backward: a second backward
+    (retain_graph=True) is a RuntimeError saying so, not a failure inside autograd."""
+    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+
+    q, k, v, _ = (t.double().requires_grad_(True) for t in _inputs(3, 4, 2, 8))
+    rows = _local_rows(q, 0, 2)
+    out = attend_rank_chunks(
+        rows, k, v, 0, 2, lambda a, b, c, s: dense_causal_suffix(a, b, c, 1.0, "sdpa"), SEQ // 4
+    )
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.sum().backward()
 
 
 def test_gather_bookkeeping_functions_gradients():
     """The K/V gather's two bookkeeping Functions (the chunk permutation, the K/V split) have
     the gradients of the indexing they replace (float64 gradcheck)."""
-    from megatron_s2.context_parallel import _absolute_order, _PermuteChunks, _SplitKV
+    from megatron_s2.context_parallel import (
+        _absolute_order,
+        _chunk_orders,
+        _PermuteChunks,
+        _SplitKV,
+    )
 
     chunks = torch.randn(8, 3, 2, dtype=torch.float64, requires_grad=True)
-    order = _absolute_order(4, chunks.device)
-    assert sorted(order.tolist()) == list(range(8))
-    torch.autograd.gradcheck(lambda x: _PermuteChunks.apply(x, order), (chunks,))
-    torch.testing.assert_close(_PermuteChunks.apply(chunks, order), chunks[order])
+    order, inverse = _chunk_orders(4, chunks.device)
+    assert torch.equal(order, _absolute_order(4, chunks.device))
+    assert sorted(order.tolist()) == list(range(8)) and torch.equal(order[inverse], torch.arange(8))
+    torch.autograd.gradcheck(lambda x: _PermuteChunks.apply(x, order, inverse), (chunks,))
+    torch.testing.assert_close(_PermuteChunks.apply(chunks, order, inverse), chunks[order])
     kv = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(_SplitKV.apply, (kv,))
     torch.autograd.gradcheck(lambda x: _SplitKV.apply(x)[1], (kv,))  # dK unused: zeros
