@@ -268,6 +268,7 @@ class _RankChunks(torch.autograd.Function):
                 graphs.append((o, leaves))
         ctx.graphs, ctx.chunk = graphs, chunk
         ctx.shapes = (query.shape, key.shape)
+        ctx.q_dtype = query.dtype  # dQ's, which autocast may set apart from the output's
         sq, b, nq, hn = query.shape
         return out.view(sq, b, nq * hn)
 
@@ -281,7 +282,7 @@ class _RankChunks(torch.autograd.Function):
             )
         chunk = ctx.chunk
         q_shape, k_shape = ctx.shapes
-        dq = dout.new_empty(q_shape)
+        dq = dout.new_empty(q_shape, dtype=ctx.q_dtype)
         dout = dout.view(q_shape)
         graphs, ctx.graphs = ctx.graphs, None
 

@@ -445,3 +445,20 @@ def test_gather_bookkeeping_functions_gradients():
     kv = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(_SplitKV.apply, (kv,))
     torch.autograd.gradcheck(lambda x: _SplitKV.apply(x)[1], (kv,))  # dK unused: zeros
+
+
+def test_rank_chunks_under_autocast_keep_the_attention_and_input_dtypes():
+    """Under autocast the rank's output has the attention's dtype (bf16 here) and its
+    gradients the inputs' (fp32), as the chunk calls composed by autograd give them."""
+    from megatron_s2.context_parallel import attend_rank_chunks, dense_causal_suffix
+
+    q, k, v, _ = (t.requires_grad_(True) for t in _inputs(4, 4, 2, 8))
+    rows = _local_rows(q, 1, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attend_rank_chunks(
+            rows, k, v, 1, 2, lambda a, b, c, s: dense_causal_suffix(a, b, c, 1.0, "sdpa"), 32
+        )
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.float32
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
