@@ -90,15 +90,12 @@ def check_context_parallel_length(
     return chunk
 
 
-def _absolute_order(cp: int, device) -> torch.Tensor:
-    """Index of each absolute chunk ``j`` in the gathered ``[rank, slot]`` order (``2r + slot``)."""
-    return _chunk_orders(cp, torch.device(device))[0]
-
-
 @functools.cache
 def _chunk_orders(cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Built once per CP size and device: a tensor made from a list on every layer call is a
-    # host-to-device copy that waits for the host.
+    """``(order, inverse)``: the index of each absolute chunk ``j`` in the gathered ``[rank,
+    slot]`` order (``2r + slot``), and that permutation's inverse. Built once per CP size and
+    device: a tensor made from a list on every layer call is a host-to-device copy that waits
+    for the host."""
     order = [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
     inverse = sorted(range(2 * cp), key=order.__getitem__)
     return torch.tensor(order, device=device), torch.tensor(inverse, device=device)

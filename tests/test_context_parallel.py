@@ -429,17 +429,13 @@ def test_rank_chunks_second_backward_is_a_clear_error():
 def test_gather_bookkeeping_functions_gradients():
     """The K/V gather's two bookkeeping Functions (the chunk permutation, the K/V split) have
     the gradients of the indexing they replace (float64 gradcheck)."""
-    from megatron_s2.context_parallel import (
-        _absolute_order,
-        _chunk_orders,
-        _PermuteChunks,
-        _SplitKV,
-    )
+    from megatron_s2.context_parallel import _chunk_orders, _PermuteChunks, _SplitKV
 
     chunks = torch.randn(8, 3, 2, dtype=torch.float64, requires_grad=True)
     order, inverse = _chunk_orders(4, chunks.device)
-    assert torch.equal(order, _absolute_order(4, chunks.device))
-    assert sorted(order.tolist()) == list(range(8)) and torch.equal(order[inverse], torch.arange(8))
+    # Absolute chunk j is rank j's first chunk (2j) or rank 2cp-1-j's second (2(2cp-1-j)+1).
+    assert order.tolist() == [0, 2, 4, 6, 7, 5, 3, 1]
+    assert torch.equal(order[inverse], torch.arange(8))
     torch.autograd.gradcheck(lambda x: _PermuteChunks.apply(x, order, inverse), (chunks,))
     torch.testing.assert_close(_PermuteChunks.apply(chunks, order, inverse), chunks[order])
     kv = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
