@@ -37,9 +37,16 @@ from .context_parallel import (
     context_parallel_group,
     dense_local_chunks,
 )
+from .context_parallel_a2a import a2a_unsupported_reason, attend_heads_a2a
 from .flash_attention4 import check_dense_backend, fa4_causal, use_fa4
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
+
+# What each layer kind's context parallelism uses where Megatron's cp_comm_type leaves it to us
+# (None, "p2p") and its heads split over the CP ranks (docs/context_parallel.md has the
+# measurements).
+S2_CP_COMM = "all_gather"
+DENSE_CP_COMM = "a2a"
 
 # Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
 # widest tile, so each document's causal triangle is covered by the fewest tiles.
@@ -57,16 +64,38 @@ def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
 
 
-def _context_parallel(module: str, config, layer_number: int, pg_collection, dropout: float):
-    """This layer's context-parallel group, or None without context parallelism."""
+# Megatron's TransformerConfig.cp_comm_type values the local spec's modules take: "all_gather"
+# (K/V gathered, each rank's two chunks attended: megatron_s2.context_parallel), "a2a" (heads
+# exchanged, each rank the whole sequence of its head group: megatron_s2.context_parallel_a2a);
+# None and "p2p" (Megatron's default; we have no ring) pick per layer kind, see _cp_comm.
+CP_COMM_TYPES = (None, "p2p", "all_gather", "a2a")
+
+
+def _context_parallel(
+    module: str,
+    config,
+    layer_number: int,
+    pg_collection,
+    dropout: float,
+    cp_comm_type: Optional[str] = None,
+    auto: str = "all_gather",
+):
+    """``(group, comm)``: this layer's context-parallel group (None without context
+    parallelism) and how it communicates, "all_gather" or "a2a" (``auto`` where
+    ``cp_comm_type`` leaves it to us and the heads allow it)."""
     cp = getattr(config, "context_parallel_size", 1) or 1
     if cp == 1:
-        return None
+        return None, None
     where = f"{module} (layer {layer_number})"
     if dropout:
         raise ValueError(
             f"{where}: attention dropout ({dropout}) with context_parallel_size={cp} is not "
             f"supported; set attention_dropout=0.0"
+        )
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(
+            f"{where}: cp_comm_type={cp_comm_type!r} is not supported by the local spec's "
+            f"attention; use one of {CP_COMM_TYPES} (None and 'p2p' pick the measured default)"
         )
     group = context_parallel_group(pg_collection)
     if group is None or group.size() != cp:
@@ -75,7 +104,14 @@ def _context_parallel(module: str, config, layer_number: int, pg_collection, dro
             f"{None if group is None else group.size()} ranks; initialize Megatron's parallel "
             f"state (or pass pg_collection) with the same context_parallel_size"
         )
-    return group
+    tp = _tp_group(pg_collection).size()
+    heads, groups = config.num_attention_heads // tp, max(1, config.num_query_groups // tp)
+    why_not = a2a_unsupported_reason(heads, groups, cp)
+    if cp_comm_type == "a2a" and why_not:
+        raise ValueError(f"{where}: {why_not} (tensor_model_parallel_size={tp})")
+    if cp_comm_type in ("all_gather", "a2a"):
+        return group, cp_comm_type
+    return group, "all_gather" if why_not else auto
 
 
 def _check_layer_support(
@@ -244,7 +280,9 @@ class S2CoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
-        self.cp_group = _context_parallel(name, config, layer_number, pg_collection, 0.0)
+        self.cp_group, self.cp_comm = _context_parallel(
+            name, config, layer_number, pg_collection, 0.0, cp_comm_type, S2_CP_COMM
+        )
 
         tp_group = _tp_group(pg_collection)
         heads = config.num_attention_heads
@@ -272,6 +310,7 @@ class S2CoreAttention(MegatronModule):
         # Equal patterns share the kernels' index-structure cache, so S2 layers with the same
         # settings build their layouts once for the whole model.
         self.pattern = pattern.for_tp_rank(tp_group.rank(), tp_group.size())
+        self._head_group_patterns = {}
 
     def extra_repr(self) -> str:
         p = self.pattern
@@ -314,6 +353,8 @@ class S2CoreAttention(MegatronModule):
             chunk = check_context_parallel_length(
                 name, query.shape[0], self.cp_group.size(), self.pattern.block_size
             )
+            if self.cp_comm == "a2a":
+                return attend_heads_a2a(query, key, value, self.cp_group, self._attend_heads)
             return attend_local_chunks(query, key, value, self.cp_group, self._attend_at, chunk)
         sq, b, nq, hn = query.shape
         out = s2_attention(
@@ -326,6 +367,26 @@ class S2CoreAttention(MegatronModule):
         )
         # out is [b, sq, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
         return out.transpose(0, 1).reshape(sq, b, nq * hn)
+
+    def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
+        """The whole sequence of this rank's head group ``head_group`` of ``cp`` (``[s, b, h,
+        hn]`` views) -> ``[s, b, h, hn]``: the cp_comm_type="a2a" path, with the group's
+        global heads (and so their stripe phases)."""
+        pattern = self._head_group_patterns.get(head_group)
+        if pattern is None:
+            n = q.shape[2]
+            start = self.pattern.head_start + head_group * n
+            pattern = self.pattern.head_range(start, start + n)
+            self._head_group_patterns[head_group] = pattern
+        out = s2_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            pattern,
+            softmax_scale=self.softmax_scale,
+            backend=self.backend,
+        )
+        return out.transpose(0, 1)
 
     def _attend_at(self, q, k, v, q_start: int) -> torch.Tensor:
         """Queries at absolute positions ``q_start ..`` against keys ``0 ..`` (``[b, s, h, hn]``
@@ -393,8 +454,14 @@ class FusedDenseAttention(MegatronModule):
             self.dropout_p,
         )
         self.deterministic = bool(getattr(config, "deterministic_mode", False))
-        self.cp_group = _context_parallel(
-            type(self).__name__, config, layer_number, pg_collection, self.dropout_p
+        self.cp_group, self.cp_comm = _context_parallel(
+            type(self).__name__,
+            config,
+            layer_number,
+            pg_collection,
+            self.dropout_p,
+            cp_comm_type,
+            DENSE_CP_COMM,
         )
         self._dense_patterns = {}
 
@@ -427,22 +494,39 @@ class FusedDenseAttention(MegatronModule):
             return self._forward_packed(name, query, key, value, packed_seq_params)
         if self.cp_group is not None:
             chunk = check_context_parallel_length(name, query.shape[0], self.cp_group.size())
+            if self.cp_comm == "a2a":
+                return attend_heads_a2a(query, key, value, self.cp_group, self._attend_heads)
             scale, backend = self.softmax_scale, self.dense_backend
             return dense_local_chunks(
                 query, key, value, self.cp_group, chunk, scale, backend, self.deterministic
             )
         sq, b, nq, hn = query.shape
         p = self.dropout_p if self.training else 0.0
+        if p > 0 and not self.config.sequence_parallel:
+            # Heads differ across TP ranks, so their dropout masks must too (Megatron's rule).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = self._attend_whole(query, key, value, p)
+        else:
+            out = self._attend_whole(query, key, value, p)
+        return out.reshape(sq, b, nq * hn)
+
+    def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
+        """The cp_comm_type="a2a" path's whole sequence of one head group: every head group is
+        the same dense causal attention."""
+        return self._attend_whole(q, k, v, 0.0)
+
+    def _attend_whole(self, query, key, value, p: float) -> torch.Tensor:
+        """Causal attention of a whole sequence: ``[s, b, np, hn]``, ``[s, b, ng, hn]`` (any
+        strides) -> ``[s, b, np, hn]`` (a view of the kernel's output), dropout ``p``."""
         # FA4 aligns causal masks at the bottom right, SDPA at the top left: they agree on
         # self-attention (sq == sk), the only case FA4 takes here.
-        if sq == key.shape[0] and use_fa4(self.dense_backend, query, p):
+        if query.shape[0] == key.shape[0] and use_fa4(self.dense_backend, query, p):
             # [s, b, h, d] -> [b, s, h, d] views (FA4's layout; GQA groups as they are).
             q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-            out = fa4_causal(q, k, v, self.softmax_scale, self.deterministic)
-            return out.transpose(0, 1).reshape(sq, b, nq * hn)
+            return fa4_causal(q, k, v, self.softmax_scale, self.deterministic).transpose(0, 1)
         # SDPA wants [b, h, s, d]; the permutes are views.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        ng = k.shape[1]
+        nq, ng = q.shape[1], k.shape[1]
         gqa = {}
         if ng != nq:
             if _SDPA_HAS_GQA:
@@ -450,20 +534,10 @@ class FusedDenseAttention(MegatronModule):
             else:
                 k = k.repeat_interleave(nq // ng, dim=1)
                 v = v.repeat_interleave(nq // ng, dim=1)
-
-        def attend():
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **gqa
-            )
-
-        if p > 0 and not self.config.sequence_parallel:
-            # Heads differ across TP ranks, so their dropout masks must too (Megatron's rule).
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = attend()
-        else:
-            out = attend()
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **gqa
+        )
+        return out.permute(2, 0, 1, 3)  # [b, np, s, hn] -> [s, b, np, hn]
 
     def _forward_packed(self, name, query, key, value, packed_seq_params) -> torch.Tensor:
         # SDPA has no variable-length causal form; s2attn's varlen kernel with a dense pattern

@@ -75,14 +75,21 @@ def _worker(rank: int, port: int, backend: str, result_dir: str):
         }
         heads, groups, dim = 8, 4, cfgs[1].kv_channels
         single = cls(config=cfgs[1], layer_number=layer, attn_mask_type=AttnMaskType.causal)
-        split = cls(config=cfgs[2], layer_number=layer, attn_mask_type=AttnMaskType.causal)
-        assert single.cp_group is None and split.cp_group.size() == 2
         q, k, v, dout = _inputs(seed=100 + layer, heads=heads, groups=groups, dim=dim)
         expect = [_local_rows(t, rank, 2) for t in _run(single, q, k, v, dout)]
-        got = _run(split, *(_local_rows(t, rank, 2) for t in (q, k, v, dout)))
-        errors[cls.__name__] = [
-            float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expect)
-        ]
+        for comm in ("all_gather", "a2a"):
+            split = cls(
+                config=cfgs[2],
+                layer_number=layer,
+                attn_mask_type=AttnMaskType.causal,
+                cp_comm_type=comm,
+            )
+            assert single.cp_group is None and split.cp_group.size() == 2
+            assert split.cp_comm == comm
+            got = _run(split, *(_local_rows(t, rank, 2) for t in (q, k, v, dout)))
+            errors[f"{cls.__name__} {comm}"] = [
+                float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expect)
+            ]
     torch.save(errors, os.path.join(result_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,192 @@
+"""Context parallelism by head all-to-all (``cp_comm_type="a2a"``, DeepSpeed-Ulysses style).
+
+Megatron gives CP rank ``r`` of ``cp`` two load-balanced chunks of ``c`` tokens (chunks ``r``
+and ``2 * cp - 1 - r`` of ``2 * cp``; :mod:`megatron_s2.context_parallel`) for all of its heads.
+Here one exchange over the CP group turns that into the **whole sequence for a ``1/cp`` slice
+of the heads** (head group ``r``), the layer attends it exactly as a single GPU would (one
+causal call over ``S`` tokens; S2 heads keep their global phases), and a second exchange brings
+each rank's rows of every head group back. Backward runs the two exchanges the other way.
+
+Why next to the all-gather design: every rank's attention is then one call over the whole
+sequence, which runs at the single-GPU rate per token, where a rank's two chunk-sized calls
+run slower at 32k (cuDNN: 3-12% per token; ``docs/context_parallel.md``); it holds no gathered
+K/V of all heads. It needs the rank's query heads and K/V heads to be divisible by ``cp``.
+
+Every exchange sends each chunk as its own message straight into its place in the receiving
+buffer (batched point-to-point, which NCCL runs as one grouped call), so no copy restores
+chunk order. The copies that remain are one pack of the outgoing heads and one unpack of the
+incoming ones per exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["attend_heads_a2a", "a2a_unsupported_reason"]
+
+
+def a2a_unsupported_reason(heads: int, groups: int, cp: int) -> str | None:
+    """Why the head all-to-all cannot split ``heads`` query and ``groups`` K/V heads (a rank's,
+    after tensor parallelism) over ``cp`` ranks, or None if it can."""
+    if heads % cp or groups % cp:
+        return (
+            f"cp_comm_type='a2a' splits each rank's heads over the context-parallel ranks: "
+            f"query heads ({heads}) and key/value heads ({groups}) per tensor-parallel rank must "
+            f"be divisible by context_parallel_size ({cp})"
+        )
+    return None
+
+
+def _chunk_index(rank: int, slot: int, cp: int) -> int:
+    """Absolute chunk (of ``2 * cp``) that CP rank ``rank`` holds in its ``slot`` (0 or 1)."""
+    return rank if slot == 0 else 2 * cp - 1 - rank
+
+
+def _exchange(
+    outgoing: Callable[[int], Sequence[torch.Tensor]],
+    incoming: Callable[[int], Sequence[torch.Tensor]],
+    group,
+) -> None:
+    """Send ``outgoing(j)`` to each CP rank ``j`` and receive ``incoming(j)`` from it, message
+    by message in list order (contiguous tensors; this rank's own part is a local copy).
+
+    ``group`` is the CP process group, or a stand-in with ``rank()``, ``size()`` and
+    ``exchange(outgoing, incoming)`` (one-process timing and tests: ``tools/cp_benchmark.py``).
+    """
+    own = getattr(group, "exchange", None)
+    if own is not None:
+        own(outgoing, incoming)
+        return
+    me = group.rank()
+    ops = []
+    for j in range(group.size()):
+        if j == me:
+            continue
+        peer = dist.get_global_rank(group, j)
+        ops += [dist.P2POp(dist.isend, t, peer, group) for t in outgoing(j)]
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for t in incoming(j)]
+    for dst, src in zip(incoming(me), outgoing(me)):
+        dst.copy_(src)
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _rows_to_heads(parts: Sequence[torch.Tensor], group) -> torch.Tensor:
+    """This rank's rows of all heads -> the whole sequence of its head group.
+
+    ``parts``: ``[2 * c, b, cp * h_i, hn]`` tensors (query, key, value: their head counts may
+    differ). Returns ``[2 * cp * c, b, sum(h_i), hn]`` in absolute order, the parts side by side
+    on the head dimension (head group ``rank`` of each)."""
+    cp = group.size()
+    rows, b, _, hn = parts[0].shape
+    c = rows // 2
+    widths = [p.shape[2] // cp for p in parts]
+    send = parts[0].new_empty(cp, 2, c, b, sum(widths), hn)
+    start = 0
+    for part, h in zip(parts, widths):
+        # [2, c, b, cp, h, hn] -> [cp, 2, c, b, h, hn]: one message per (group, chunk).
+        by_group = part.view(2, c, b, cp, h, hn).permute(3, 0, 1, 2, 4, 5)
+        send[..., start : start + h, :].copy_(by_group)
+        start += h
+    whole = send.new_empty(2 * cp, c, b, start, hn)
+    _exchange(
+        lambda j: (send[j, 0], send[j, 1]),
+        lambda j: (whole[_chunk_index(j, 0, cp)], whole[_chunk_index(j, 1, cp)]),
+        group,
+    )
+    return whole.view(2 * cp * c, b, start, hn)
+
+
+def _heads_to_rows(parts: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
+    """The inverse of :func:`_rows_to_heads`: ``[2 * cp * c, b, h_i, hn]`` tensors of this
+    rank's head group (any strides) -> this rank's rows of all heads, ``[2 * c, b, cp * h_i,
+    hn]`` each."""
+    cp = group.size()
+    seq, b, _, hn = parts[0].shape
+    c = seq // (2 * cp)
+    widths = [p.shape[2] for p in parts]
+    if len(parts) == 1 and parts[0].is_contiguous():
+        whole = parts[0]
+    else:
+        whole = parts[0].new_empty(seq, b, sum(widths), hn)
+        start = 0
+        for part, h in zip(parts, widths):
+            whole[:, :, start : start + h].copy_(part)
+            start += h
+    chunks = whole.view(2 * cp, c, b, sum(widths), hn)
+    recv = whole.new_empty(cp, 2, c, b, sum(widths), hn)
+    _exchange(
+        lambda j: (chunks[_chunk_index(j, 0, cp)], chunks[_chunk_index(j, 1, cp)]),
+        lambda j: (recv[j, 0], recv[j, 1]),
+        group,
+    )
+    out, start = [], 0
+    for h in widths:
+        # [cp, 2, c, b, h, hn] -> [2, c, b, cp, h, hn]: head group j's heads at j * h.
+        part = recv[..., start : start + h, :].permute(1, 2, 3, 0, 4, 5)
+        out.append(part.reshape(2 * c, b, cp * h, hn))
+        start += h
+    return out
+
+
+class _RowsToHeads(torch.autograd.Function):
+    """(query, key, value) rows of all heads -> their head group's whole sequence (views of one
+    buffer); backward: :func:`_heads_to_rows` of the gradients."""
+
+    @staticmethod
+    def forward(ctx, group, query, key, value):
+        ctx.group = group
+        ctx.widths = (query.shape[2], key.shape[2])
+        whole = _rows_to_heads((query, key, value), group)
+        hq, hk = (w // group.size() for w in ctx.widths)
+        return whole[:, :, :hq], whole[:, :, hq : hq + hk], whole[:, :, hq + hk :]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return (None, *_heads_to_rows((dq, dk, dv), ctx.group))
+
+
+class _HeadsToRows(torch.autograd.Function):
+    """A head group's whole-sequence output -> this rank's rows of all heads; backward:
+    :func:`_rows_to_heads` of the gradient."""
+
+    @staticmethod
+    def forward(ctx, group, out):
+        ctx.group = group
+        return _heads_to_rows((out,), group)[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        return None, _rows_to_heads((dout,), ctx.group)
+
+
+def attend_heads_a2a(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """Core attention of one CP rank by head all-to-all, in Megatron's ``[s, b, heads, hn]``
+    layout.
+
+    Args:
+        query: ``[2 * c, b, np, hn]``, this rank's two load-balanced chunks of all its heads.
+        key, value: ``[2 * c, b, ng, hn]`` (GQA groups not repeated).
+        group: the context-parallel process group (``cp`` ranks; ``np`` and ``ng`` divisible by
+            ``cp``: :func:`a2a_unsupported_reason`).
+        attend: ``attend(q, k, v, head_group) -> out``: causal attention of the whole sequence
+            for head group ``head_group`` (query heads ``head_group * np / cp ..`` of this rank's),
+            ``q [S, b, np / cp, hn]``, ``k, v [S, b, ng / cp, hn]`` (strided views) ->
+            ``[S, b, np / cp, hn]`` (any strides).
+    Returns:
+        ``[2 * c, b, np * hn]``.
+    """
+    rows, b, nq, hn = query.shape
+    q, k, v = _RowsToHeads.apply(group, query, key, value)
+    out = attend(q, k, v, group.rank())
+    return _HeadsToRows.apply(group, out).view(rows, b, nq * hn)
