@@ -24,7 +24,7 @@ from megatron_helpers import free_port, tiny_s2_config  # noqa: E402
 SEQ = 128
 BATCH = 2
 SCHEDULE = {
-    "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 4, "head_offset": 1},
+    "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8, "head_offset": 1},
     "dense_layers": {"pattern": "SD"},
 }
 

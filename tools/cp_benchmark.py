@@ -12,11 +12,14 @@ attends the whole sequence as the modules do (S2: ``s2_attention``; dense:
 ``FusedDenseAttention``'s SDPA, and FlashAttention-4 where it is installed); CP=N attends one
 rank's two load-balanced query chunks against the whole K/V (what each rank computes after the
 all-gather; ranks 0 and N-1 bracket the balance; dense: the rank-level cuDNN function, or one
-FA4 call a chunk). "per-token vs CP=1" is the rank's time per query token over its kind's CP=1
+FA4 call a chunk); the "a2a" kinds time ``cp_comm_type="a2a"`` instead: a rank's whole-sequence
+call for its ``1/N`` of the heads, with the exchanges' packing and local writes
+(``LoopbackGroup``) but not their transfer. "per-token vs CP=1" is the rank's time per query token over its kind's CP=1
 row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1" compares every dense
 row with today's dense layer on SDPA. Memory is the peak allocation of the fwd+bwd above its
 inputs. The all-gather itself is not timed here (one GPU); its volume per layer is printed: K
-and V of the whole sequence, ``(N-1)/N`` of it received by each rank. ``--kinds dense-one-stream
+and V of the whole sequence, ``(N-1)/N`` of it received by each rank (a2a: the rank's q, k, v
+and output rows, ``(N-1)/N`` of them). ``--kinds dense-one-stream
 dense-per-chunk dense-fa2`` add the earlier dense paths (the rank-level cuDNN function on one
 stream; two cuDNN calls a chunk; FlashAttention-2's varlen).
 """
@@ -105,8 +108,32 @@ def group_kernel_times(events, steps: int) -> list[tuple[str, float]]:
 
 
 KINDS = (
-    "S2", "dense", "dense-fa4", "dense-one-stream", "dense-per-chunk", "dense-fa2", "dense-s2attn"
+    "S2", "dense", "dense-fa4", "S2-a2a", "dense-a2a", "dense-fa4-a2a",
+    "dense-one-stream", "dense-per-chunk", "dense-fa2", "dense-s2attn",
 )  # fmt: skip
+
+
+class LoopbackGroup:
+    """CP rank ``rank`` of ``size`` for :func:`megatron_s2.context_parallel_a2a.attend_heads_a2a`
+    on one GPU: every message the rank would receive is a copy of the one it sends to that peer
+    (the same sizes), so a timing has the exchanges' packing, unpacking and local writes but not
+    the NVLink transfer."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def exchange(self, outgoing, incoming) -> None:
+        for j in range(self._size):
+            for dst, src in zip(incoming(j), outgoing(j)):
+                dst.copy_(src)
+
+
 DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
 
 
@@ -135,6 +162,7 @@ def run(
         dense_causal_suffix,
         dense_rank_chunks,
     )
+    from megatron_s2.context_parallel_a2a import attend_heads_a2a
     from megatron_s2.flash_attention4 import fa4_causal, fa4_unusable_reason
     from s2attn import S2Pattern, s2_attention
 
@@ -182,8 +210,37 @@ def run(
             rows_q, k, v, rank, cp, chunk, scale, impl=impl
         )
 
+    def s2_heads(qh, kh, vh, head_group):  # S2CoreAttention._attend_heads
+        n = qh.shape[2]
+        part = pattern.head_range(head_group * n, (head_group + 1) * n)
+        out = s2_attention(
+            qh.transpose(0, 1), kh.transpose(0, 1), vh.transpose(0, 1), part, softmax_scale=scale
+        )
+        return out.transpose(0, 1)
+
+    def sdpa_heads(qh, kh, vh, head_group):  # FusedDenseAttention._attend_whole on SDPA
+        qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (qh, kh, vh))
+        gqa = qt.shape[1] != kt.shape[1]
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        return out.permute(2, 0, 1, 3)
+
+    def fa4_heads(qh, kh, vh, head_group):  # ... and on FA4
+        qt, kt, vt = (x.transpose(0, 1) for x in (qh, kh, vh))
+        return fa4_causal(qt, kt, vt, scale).transpose(0, 1)
+
+    def a2a(attend):
+        """One rank's head all-to-all path; its K/V rows are the rank's own (``rows_k``)."""
+        return lambda rows_q, rank, cp, chunk, rows_k, rows_v: attend_heads_a2a(
+            rows_q, rows_k, rows_v, LoopbackGroup(rank, cp), attend
+        )
+
     table = {
         "S2": ("S2", s2_full, per_chunk(s2_at), cps),
+        "S2-a2a": ("S2, head all-to-all", None, a2a(s2_heads), cps),
+        "dense-a2a": ("dense, head all-to-all, SDPA", None, a2a(sdpa_heads), cps),
+        "dense-fa4-a2a": ("dense, head all-to-all, FA4", None, a2a(fa4_heads), cps),
         "dense": ("dense, SDPA / rank-level cuDNN", dense_full, rank_level("cudnn"), cps),
         "dense-fa4": ("dense, FA4", fa4_full, rank_level("fa4"), cps),
         "dense-one-stream": (
@@ -199,8 +256,15 @@ def run(
     # Every row of this shape is timed round by round with the others (gpu_timing.time_rows):
     # timed one after another, the first (CP=1 SDPA, right after a compile) ran on a cooler,
     # faster-clocked GPU than the CP rows after it.
+    # An a2a kind's per-token ratio divides by the CP=1 row of the kind it splits: time that
+    # kind first.
+    bases = {"S2-a2a": "S2", "dense-fa4-a2a": "dense-fa4"}
+    kinds = list(dict.fromkeys([*(bases[n] for n in kinds if n in bases), *kinds]))
     rows, steps = [], []
+    s2_row = fa4_row = None
     kv_mib = 2 * seq * groups * dim * 2 / 2**20
+    # The head all-to-all's forward at CP=1 (a rank: 1/cp of it): q, k, v out, the output back.
+    a2a_mib = (2 * heads + 2 * groups) * seq * dim * 2 / 2**20
     sdpa = None  # index of dense SDPA's CP=1 row in ``rows``
     if any(kind.startswith("dense") for kind in kinds):
         steps.append(_step(dense_full, (q, k, v)))
@@ -208,12 +272,14 @@ def run(
         sdpa = 0
     for name in kinds:
         kind, full, at, kind_cps = table[name]
-        skip = fa4_unusable_reason(q) if name == "dense-fa4" else None
+        skip = fa4_unusable_reason(q) if name.startswith("dense-fa4") else None
         if skip:
             print(f"# {kind}: skipped ({skip})")
             continue
         profiled = name.split("-")[0] in profile_kinds
-        own = sdpa  # the row this kind's "per-token vs CP=1" divides by
+        # The row this kind's "per-token vs CP=1" divides by: its own CP=1 row, the a2a
+        # kinds' that of the kind they split (the same whole-sequence call).
+        own = {"S2-a2a": s2_row, "dense-fa4-a2a": fa4_row}.get(name, sdpa)
         if full is not None:
             if full is dense_full:  # SDPA's CP=1 row is timed once: both columns share it
                 rows[sdpa]["kind"] = kind
@@ -221,6 +287,10 @@ def run(
                 steps.append(_step(full, (q, k, v)))
                 rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", kv=0, prof=None, own=None))
                 own = len(rows) - 1
+                if name == "S2":
+                    s2_row = own
+                elif name == "dense-fa4":
+                    fa4_row = own
             if profiled:
                 rows[own]["prof"] = profile_breakdown(steps[own])
         for cp in kind_cps:
@@ -230,18 +300,37 @@ def run(
                     [q[rank * chunk : (rank + 1) * chunk], q[(2 * cp - 1 - rank) * chunk :][:chunk]]
                 ).detach()
                 rows_q.requires_grad_()
+                if name.endswith("a2a"):
+                    # The head all-to-all starts from the rank's own K/V rows.
+                    rows_k, rows_v = (
+                        torch.cat(
+                            [x[rank * chunk :][:chunk], x[(2 * cp - 1 - rank) * chunk :][:chunk]]
+                        )
+                        .detach()
+                        .requires_grad_()
+                        for x in (k, v)
+                    )
 
-                def local(rows_q=rows_q, rank=rank, cp=cp, chunk=chunk, at=at):
-                    return at(rows_q, rank, cp, chunk)
+                    def local(
+                        rows_q=rows_q, rank=rank, cp=cp, chunk=chunk, at=at, kv=(rows_k, rows_v)
+                    ):
+                        return at(rows_q, rank, cp, chunk, *kv)
 
-                steps.append(_step(local, (rows_q, k, v)))
+                    grads_of = (rows_q, rows_k, rows_v)
+                else:
+
+                    def local(rows_q=rows_q, rank=rank, cp=cp, chunk=chunk, at=at):
+                        return at(rows_q, rank, cp, chunk)
+
+                    grads_of = (rows_q, k, v)
+                steps.append(_step(local, grads_of))
                 rows.append(
                     dict(
                         kind=kind,
                         seq=seq,
                         cp=cp,
                         rank=rank,
-                        kv=kv_mib * (cp - 1) / cp,
+                        kv=(a2a_mib / cp if name.endswith("a2a") else kv_mib) * (cp - 1) / cp,
                         prof=profile_breakdown(steps[-1]) if profiled else None,
                         own=own,
                     )
@@ -293,7 +382,7 @@ def main(argv=None) -> int:
     )
     print(
         "| heads | seq | layer | CP | rank | fwd+bwd ms | per-token vs CP=1 | "
-        "per-token vs dense SDPA CP=1 | peak MiB | K/V received MiB |"
+        "per-token vs dense SDPA CP=1 | peak MiB | received MiB (fwd) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.heads:

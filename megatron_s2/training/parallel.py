@@ -165,6 +165,8 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=parallel.context_parallel_size,
+        # "auto" leaves it to each layer (None: Megatron's TE attention takes its own default).
+        cp_comm_type=None if parallel.cp_comm_type == "auto" else parallel.cp_comm_type,
         sequence_parallel=parallel.sequence_parallel,
         bf16=bf16,
         params_dtype=dtype,

@@ -121,6 +121,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # Megatron's cp_comm_type for every layer: "auto" (each layer kind's measured default:
+    # megatron_s2.attention), "all_gather" or "a2a" (docs/context_parallel.md).
+    cp_comm_type: str = "auto"
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
@@ -195,6 +198,7 @@ FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 # model.rope_scaling: Megatron-core's RoPE scaling methods (GPTModel arguments).
 ROPE_SCALING = ("none", "position_interpolation", "llama3")
+CP_COMM_TYPES = ("auto", "all_gather", "a2a")
 
 # checkpoint.on_resume: what a resumed run does with changed plan settings (PLAN_KEYS).
 ON_RESUME = ("apply", "keep")
@@ -334,6 +338,7 @@ class RunConfig:
         _at_least("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size, 1)
         _at_least("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1)
         _at_least("parallel.context_parallel_size", p.context_parallel_size, 1)
+        _one_of("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
         tp, pp, cp = (
             p.tensor_model_parallel_size,
             p.pipeline_model_parallel_size,
@@ -375,6 +380,15 @@ class RunConfig:
                 f"model.seq_length ({m.seq_length}) must be divisible by 2 x "
                 f"parallel.context_parallel_size ({2 * cp})"
             )
+        if cp > 1 and p.cp_comm_type == "a2a":
+            heads, groups = m.num_attention_heads // tp, max(1, m.query_groups // tp)
+            if heads % cp or groups % cp:
+                raise ConfigError(
+                    f"parallel.cp_comm_type=a2a splits each tensor-parallel rank's heads over the "
+                    f"context-parallel ranks: model.num_attention_heads / TP ({heads}) and "
+                    f"model.num_query_groups / TP ({groups}) must be divisible by "
+                    f"parallel.context_parallel_size ({cp}); use cp_comm_type auto or all_gather"
+                )
         if p.overlap_param_gather and not p.use_distributed_optimizer:
             raise ConfigError(
                 "parallel.overlap_param_gather needs parallel.use_distributed_optimizer"
