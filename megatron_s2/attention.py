@@ -42,11 +42,15 @@ from .flash_attention4 import check_dense_backend, fa4_causal, use_fa4
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 
-# What each layer kind's context parallelism uses where Megatron's cp_comm_type leaves it to us
-# (None, "p2p") and its heads split over the CP ranks (docs/context_parallel.md has the
-# measurements).
-S2_CP_COMM = "all_gather"
-DENSE_CP_COMM = "a2a"
+
+def _dense_prefers_a2a(config) -> bool:
+    """Where Megatron's cp_comm_type leaves it to us (None, "p2p"), dense layers with GQA take
+    the head all-to-all and the others the all-gather, by their measured per-token time at 32k
+    (one H100; ``docs/context_parallel.md``): GQA 1.02-1.04 against 1.04-1.12 and about 60% of
+    the peak memory at 128k; without GQA 1.09-1.15 against 1.05-1.10. S2 layers keep the
+    all-gather (their calls are 5x shorter, so the all-to-all's copies cost them 1.3-1.9x)."""
+    return config.num_query_groups < config.num_attention_heads
+
 
 # Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
 # widest tile, so each document's causal triangle is covered by the fewest tiles.
@@ -67,7 +71,7 @@ def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
 # Megatron's TransformerConfig.cp_comm_type values the local spec's modules take: "all_gather"
 # (K/V gathered, each rank's two chunks attended: megatron_s2.context_parallel), "a2a" (heads
 # exchanged, each rank the whole sequence of its head group: megatron_s2.context_parallel_a2a);
-# None and "p2p" (Megatron's default; we have no ring) pick per layer kind, see _cp_comm.
+# None and "p2p" (Megatron's default; we have no ring) pick per layer kind: _dense_prefers_a2a.
 CP_COMM_TYPES = (None, "p2p", "all_gather", "a2a")
 
 
@@ -78,11 +82,11 @@ def _context_parallel(
     pg_collection,
     dropout: float,
     cp_comm_type: Optional[str] = None,
-    auto: str = "all_gather",
+    prefer_a2a: bool = False,
 ):
     """``(group, comm)``: this layer's context-parallel group (None without context
-    parallelism) and how it communicates, "all_gather" or "a2a" (``auto`` where
-    ``cp_comm_type`` leaves it to us and the heads allow it)."""
+    parallelism) and how it communicates, "all_gather" or "a2a" (the latter where
+    ``cp_comm_type`` asks for it, or leaves it to us, ``prefer_a2a`` and the heads allow it)."""
     cp = getattr(config, "context_parallel_size", 1) or 1
     if cp == 1:
         return None, None
@@ -111,7 +115,7 @@ def _context_parallel(
         raise ValueError(f"{where}: {why_not} (tensor_model_parallel_size={tp})")
     if cp_comm_type in ("all_gather", "a2a"):
         return group, cp_comm_type
-    return group, "all_gather" if why_not else auto
+    return group, "a2a" if prefer_a2a and not why_not else "all_gather"
 
 
 def _check_layer_support(
@@ -281,7 +285,7 @@ class S2CoreAttention(MegatronModule):
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
         self.cp_group, self.cp_comm = _context_parallel(
-            name, config, layer_number, pg_collection, 0.0, cp_comm_type, S2_CP_COMM
+            name, config, layer_number, pg_collection, 0.0, cp_comm_type
         )
 
         tp_group = _tp_group(pg_collection)
@@ -461,7 +465,7 @@ class FusedDenseAttention(MegatronModule):
             pg_collection,
             self.dropout_p,
             cp_comm_type,
-            DENSE_CP_COMM,
+            _dense_prefers_a2a(config),
         )
         self._dense_patterns = {}
 

@@ -12,10 +12,12 @@ sequence, which runs at the single-GPU rate per token, where a rank's two chunk-
 run slower at 32k (cuDNN: 3-12% per token; ``docs/context_parallel.md``); it holds no gathered
 K/V of all heads. It needs the rank's query heads and K/V heads to be divisible by ``cp``.
 
-Every exchange sends each chunk as its own message straight into its place in the receiving
-buffer (batched point-to-point, which NCCL runs as one grouped call), so no copy restores
-chunk order. The copies that remain are one pack of the outgoing heads and one unpack of the
-incoming ones per exchange.
+Every exchange sends each chunk of each tensor as its own message straight into its place in
+the receiving buffer (batched point-to-point, which NCCL runs as one grouped call), so no copy
+restores chunk order, and a head group's q, k and v arrive as separate sequence-major tensors,
+so the kernels' outputs and gradients come out in the layout the return exchange sends as it is.
+The copies that remain are one pack of the rows a rank sends and one unpack of the rows it gets
+back, each way: q/k/v and the output forward, dO and dq/dk/dv backward.
 """
 
 from __future__ import annotations
@@ -75,75 +77,56 @@ def _exchange(
             req.wait()
 
 
-def _rows_to_heads(parts: Sequence[torch.Tensor], group) -> torch.Tensor:
+def _rows_to_heads(parts: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     """This rank's rows of all heads -> the whole sequence of its head group.
 
     ``parts``: ``[2 * c, b, cp * h_i, hn]`` tensors (query, key, value: their head counts may
-    differ). Returns ``[2 * cp * c, b, sum(h_i), hn]`` in absolute order, the parts side by side
-    on the head dimension (head group ``rank`` of each)."""
+    differ; any strides). Returns ``[2 * cp * c, b, h_i, hn]`` tensors in absolute order, each
+    contiguous (head group ``rank`` of each part): sequence-major, as the attention kernels
+    then lay out their outputs and gradients, which the reverse exchange sends without a copy."""
     cp = group.size()
     rows, b, _, hn = parts[0].shape
     c = rows // 2
-    widths = [p.shape[2] // cp for p in parts]
-    send = parts[0].new_empty(cp, 2, c, b, sum(widths), hn)
-    start = 0
-    for part, h in zip(parts, widths):
-        # [2, c, b, cp, h, hn] -> [cp, 2, c, b, h, hn]: one message per (group, chunk).
-        by_group = part.view(2, c, b, cp, h, hn).permute(3, 0, 1, 2, 4, 5)
-        send[..., start : start + h, :].copy_(by_group)
-        start += h
-    whole = send.new_empty(2 * cp, c, b, start, hn)
+    sends, wholes = [], []
+    for part in parts:
+        h = part.shape[2] // cp
+        # [2, c, b, cp, h, hn] -> [cp, 2, c, b, h, hn]: one message per (head group, chunk).
+        sends.append(part.view(2, c, b, cp, h, hn).permute(3, 0, 1, 2, 4, 5).contiguous())
+        wholes.append(part.new_empty(2 * cp, c, b, h, hn))
     _exchange(
-        lambda j: (send[j, 0], send[j, 1]),
-        lambda j: (whole[_chunk_index(j, 0, cp)], whole[_chunk_index(j, 1, cp)]),
+        lambda j: [x[j, slot] for x in sends for slot in (0, 1)],
+        lambda j: [x[_chunk_index(j, slot, cp)] for x in wholes for slot in (0, 1)],
         group,
     )
-    return whole.view(2 * cp * c, b, start, hn)
+    return [x.view(2 * cp * c, b, *x.shape[3:]) for x in wholes]
 
 
 def _heads_to_rows(parts: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     """The inverse of :func:`_rows_to_heads`: ``[2 * cp * c, b, h_i, hn]`` tensors of this
-    rank's head group (any strides) -> this rank's rows of all heads, ``[2 * c, b, cp * h_i,
-    hn]`` each."""
+    rank's head group (any strides; sequence-major contiguous ones are sent as they are) ->
+    this rank's rows of all heads, ``[2 * c, b, cp * h_i, hn]`` each."""
     cp = group.size()
     seq, b, _, hn = parts[0].shape
     c = seq // (2 * cp)
-    widths = [p.shape[2] for p in parts]
-    if len(parts) == 1 and parts[0].is_contiguous():
-        whole = parts[0]
-    else:
-        whole = parts[0].new_empty(seq, b, sum(widths), hn)
-        start = 0
-        for part, h in zip(parts, widths):
-            whole[:, :, start : start + h].copy_(part)
-            start += h
-    chunks = whole.view(2 * cp, c, b, sum(widths), hn)
-    recv = whole.new_empty(cp, 2, c, b, sum(widths), hn)
+    chunks = [part.contiguous().view(2 * cp, c, b, part.shape[2], hn) for part in parts]
+    recvs = [x.new_empty(cp, 2, c, b, x.shape[3], hn) for x in chunks]
     _exchange(
-        lambda j: (chunks[_chunk_index(j, 0, cp)], chunks[_chunk_index(j, 1, cp)]),
-        lambda j: (recv[j, 0], recv[j, 1]),
+        lambda j: [x[_chunk_index(j, slot, cp)] for x in chunks for slot in (0, 1)],
+        lambda j: [x[j, slot] for x in recvs for slot in (0, 1)],
         group,
     )
-    out, start = [], 0
-    for h in widths:
-        # [cp, 2, c, b, h, hn] -> [2, c, b, cp, h, hn]: head group j's heads at j * h.
-        part = recv[..., start : start + h, :].permute(1, 2, 3, 0, 4, 5)
-        out.append(part.reshape(2 * c, b, cp * h, hn))
-        start += h
-    return out
+    # [cp, 2, c, b, h, hn] -> [2, c, b, cp, h, hn]: head group j's heads at j * h.
+    return [x.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * x.shape[4], hn) for x in recvs]
 
 
 class _RowsToHeads(torch.autograd.Function):
-    """(query, key, value) rows of all heads -> their head group's whole sequence (views of one
-    buffer); backward: :func:`_heads_to_rows` of the gradients."""
+    """(query, key, value) rows of all heads -> their head group's whole sequence; backward:
+    :func:`_heads_to_rows` of the gradients."""
 
     @staticmethod
     def forward(ctx, group, query, key, value):
         ctx.group = group
-        ctx.widths = (query.shape[2], key.shape[2])
-        whole = _rows_to_heads((query, key, value), group)
-        hq, hk = (w // group.size() for w in ctx.widths)
-        return whole[:, :, :hq], whole[:, :, hq : hq + hk], whole[:, :, hq + hk :]
+        return tuple(_rows_to_heads((query, key, value), group))
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -161,7 +144,7 @@ class _HeadsToRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return None, _rows_to_heads((dout,), ctx.group)
+        return None, _rows_to_heads((dout,), ctx.group)[0]
 
 
 def attend_heads_a2a(
@@ -181,8 +164,8 @@ def attend_heads_a2a(
             ``cp``: :func:`a2a_unsupported_reason`).
         attend: ``attend(q, k, v, head_group) -> out``: causal attention of the whole sequence
             for head group ``head_group`` (query heads ``head_group * np / cp ..`` of this rank's),
-            ``q [S, b, np / cp, hn]``, ``k, v [S, b, ng / cp, hn]`` (strided views) ->
-            ``[S, b, np / cp, hn]`` (any strides).
+            ``q [S, b, np / cp, hn]``, ``k, v [S, b, ng / cp, hn]`` (contiguous) ->
+            ``[S, b, np / cp, hn]`` (any strides; contiguous ones are sent without a copy).
     Returns:
         ``[2 * c, b, np * hn]``.
     """

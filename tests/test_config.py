@@ -147,6 +147,19 @@ def test_override_null_and_int_to_float():
             ["model.dense_attention=fa4", "model.transformer_impl=transformer_engine"],
             "model.dense_attention=fa4 applies to model.transformer_impl=local",
         ),
+        (
+            "parallel.cp_comm_type=p2p",
+            "parallel.cp_comm_type must be one of ['auto', 'all_gather', 'a2a'], got 'p2p'",
+        ),
+        (
+            [
+                "parallel.cp_comm_type=a2a",
+                "parallel.context_parallel_size=4",
+                "model.num_query_groups=2",
+            ],
+            "model.num_query_groups / TP (2) must be divisible by parallel.context_parallel_size "
+            "(4)",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(override, message):
@@ -393,3 +406,16 @@ def test_fp8_may_change_on_resume():
     # A checkpoint written before the keys existed: not compared, nothing refused.
     del old["model"]["fp8"], old["model"]["fp8_recipe"]
     assert not resume_changes(old, new, own=True).refused
+
+
+@pytest.mark.parametrize(
+    "comm, expect", [("auto", None), ("all_gather", "all_gather"), ("a2a", "a2a")]
+)
+def test_cp_comm_type_maps_to_the_transformer_config(comm, expect):
+    """parallel.cp_comm_type becomes Megatron's TransformerConfig.cp_comm_type (what
+    --cp-comm-type sets); "auto" leaves Megatron's None, each layer kind's own default."""
+    from megatron_s2.training import parallel
+
+    cfg = load_config(None, ["parallel.context_parallel_size=2", f"parallel.cp_comm_type={comm}"])
+    tc = parallel.transformer_config(cfg.model, cfg.parallel, cfg.attention, bf16=False)
+    assert tc.cp_comm_type == expect

@@ -90,15 +90,41 @@ def _worker(rank: int, port: int, backend: str, result_dir: str):
             errors[f"{cls.__name__} {comm}"] = [
                 float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expect)
             ]
+    _check_comm_choice(AttnMaskType.causal)
     torch.save(errors, os.path.join(result_dir, f"rank{rank}.pt"))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 
+def _check_comm_choice(causal):
+    """cp_comm_type at construction (CP=2 initialized): each layer kind's default, Megatron's
+    values we do not run refused by name, "a2a" refused where the heads do not split."""
+    from megatron_s2.attention import FusedDenseAttention, S2CoreAttention
+
+    def build(cls, groups=4, **kw):
+        cfg = tiny_s2_config(
+            SCHEDULE, s2_seq_length=SEQ, context_parallel_size=2, num_query_groups=groups
+        )
+        return cls(
+            config=cfg, layer_number=1 + (cls is FusedDenseAttention), **kw, attn_mask_type=causal
+        )
+
+    assert build(S2CoreAttention).cp_comm == "all_gather"
+    assert build(FusedDenseAttention).cp_comm == "a2a"  # GQA: 8 heads, 4 groups
+    assert build(FusedDenseAttention, groups=8).cp_comm == "all_gather"
+    assert build(FusedDenseAttention, groups=1).cp_comm == "all_gather"  # 1 group: no split
+    assert build(FusedDenseAttention, groups=8, cp_comm_type="p2p").cp_comm == "all_gather"
+    with pytest.raises(ValueError, match=r"cp_comm_type='a2a\+p2p' is not supported.*one of"):
+        build(FusedDenseAttention, cp_comm_type="a2a+p2p")
+    with pytest.raises(ValueError, match=r"key/value heads \(1\) .* context_parallel_size \(2\)"):
+        build(S2CoreAttention, groups=1, cp_comm_type="a2a")
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_core_attention_cp2_matches_cp1(tmp_path, backend, monkeypatch):
     """S2 (backend: PyTorch reference, or the Triton kernels under the interpreter) and dense
-    layers: out, dq, dk, dv of each rank's rows equal CP=1's to fp32 rounding."""
+    layers, each on both CP communications (all-gather, head all-to-all): out, dq, dk, dv of
+    each rank's rows equal CP=1's to fp32 rounding. Also the cp_comm_type choices."""
     if backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.multiprocessing.spawn(

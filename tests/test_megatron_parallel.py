@@ -1,7 +1,9 @@
 """TP / PP / VPP / SP / CP equivalence on CPU: 2 (CP2+TP2: 4) gloo processes in CPU mode.
 
 Runs tools/gpu_parallel_check.py's harness with a tiny fp32 model: the TP=1/PP=1 reference on one
-process, then TP=2, TP=2+SP, PP=2, PP=2+VPP=2 and CP=2 on two, CP=2 with TP=2+SP or PP=2 on
+process, then TP=2, TP=2+SP, PP=2, PP=2+VPP=2 and CP=2 on two (CP: each layer kind's default
+communication, then every layer on the all-gather, then on the head all-to-all), CP=2 with
+TP=2+SP or PP=2 on
 four, each from the same initial weights and data (CP ranks: Megatron's load-balanced chunks of
 it), through Megatron's pipeline schedules, DDP, finalize_model_grads and Adam. Losses and grad
 norms of 2 steps and all first-step gradients must match (fp32: to ~1e-6).
@@ -26,7 +28,18 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "layout", ["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "cp2_tp2_sp", "cp2_pp2"]
+    "layout",
+    [
+        "tp2",
+        "tp2_sp",
+        "pp2",
+        "pp2_vpp2",
+        "cp2",
+        "cp2_all_gather",
+        "cp2_a2a",
+        "cp2_tp2_sp",
+        "cp2_pp2",
+    ],
 )
 def test_parallel_layout_matches_single_process(results, layout):
     row = results[layout]

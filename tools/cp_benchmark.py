@@ -12,14 +12,14 @@ attends the whole sequence as the modules do (S2: ``s2_attention``; dense:
 ``FusedDenseAttention``'s SDPA, and FlashAttention-4 where it is installed); CP=N attends one
 rank's two load-balanced query chunks against the whole K/V (what each rank computes after the
 all-gather; ranks 0 and N-1 bracket the balance; dense: the rank-level cuDNN function, or one
-FA4 call a chunk); the "a2a" kinds time ``cp_comm_type="a2a"`` instead: a rank's whole-sequence
-call for its ``1/N`` of the heads, with the exchanges' packing and local writes
-(``LoopbackGroup``) but not their transfer. "per-token vs CP=1" is the rank's time per query token over its kind's CP=1
-row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1" compares every dense
-row with today's dense layer on SDPA. Memory is the peak allocation of the fwd+bwd above its
-inputs. The all-gather itself is not timed here (one GPU); its volume per layer is printed: K
-and V of the whole sequence, ``(N-1)/N`` of it received by each rank (a2a: the rank's q, k, v
-and output rows, ``(N-1)/N`` of them). ``--kinds dense-one-stream
+FA4 call a chunk). The "a2a" kinds time ``cp_comm_type="a2a"`` instead: a rank's whole-sequence
+call for its ``1/N`` of the heads with the exchanges' packing, unpacking and local writes
+(``LoopbackGroup``), not their transfer. "per-token vs CP=1" is the rank's time per query token
+over its kind's CP=1 row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1"
+compares every dense row with today's dense layer on SDPA. Memory is the peak allocation of the
+fwd+bwd above its inputs. The communication itself is not timed here (one GPU); its volume per
+layer is printed: K and V of the whole sequence, ``(N-1)/N`` of it received by each rank (a2a:
+the rank's q, k, v and output rows, ``(N-1)/N`` of them). ``--kinds dense-one-stream
 dense-per-chunk dense-fa2`` add the earlier dense paths (the rank-level cuDNN function on one
 stream; two cuDNN calls a chunk; FlashAttention-2's varlen).
 """

@@ -176,6 +176,7 @@ class Layout:
     vpp: Optional[int] = None
     sp: bool = False
     cp: int = 1
+    cp_comm: str = "auto"  # parallel.cp_comm_type
 
     @property
     def world(self) -> int:
@@ -191,6 +192,7 @@ class Layout:
             virtual_pipeline_model_parallel_size=self.vpp,
             sequence_parallel=self.sp,
             context_parallel_size=self.cp,
+            cp_comm_type=self.cp_comm,
             use_distributed_optimizer=False,
         )
 
@@ -205,6 +207,10 @@ GPU_LAYOUTS = [
     Layout("tp2", tp=2),
     Layout("pp2_vpp2", pp=2, vpp=2),
     Layout("cp2", cp=2),
+    # Every layer on one CP communication: the default above mixes them (S2 all-gather, GQA
+    # dense layers all-to-all).
+    Layout("cp2_all_gather", cp=2, cp_comm="all_gather"),
+    Layout("cp2_a2a", cp=2, cp_comm="a2a"),
     Layout("cp2_tp2_sp", cp=2, tp=2, sp=True),
     Layout("cp2_pp2", cp=2, pp=2),
 ]
