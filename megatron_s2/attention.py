@@ -43,14 +43,14 @@ from .flash_attention4 import check_dense_backend, fa4_causal, use_fa4
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 
 
-def _dense_prefers_a2a(config) -> bool:
-    """Where Megatron's cp_comm_type leaves it to us (None, "p2p"), dense layers with GQA take
-    the head all-to-all and the others the all-gather, by their measured per-token time at 32k
-    (one H100; ``docs/context_parallel.md``): GQA 1.02-1.04 against 1.04-1.12 and about 60% of
-    the peak memory at 128k; without GQA 1.09-1.15 against 1.05-1.10. S2 layers keep the
-    all-gather (their calls are 5x shorter, so the all-to-all's copies cost them 1.3-1.9x)."""
-    return config.num_query_groups < config.num_attention_heads
-
+# Where Megatron's cp_comm_type leaves it to us (None, "p2p"): dense layers take the head
+# all-to-all for sequences up to DENSE_A2A_MAX_SEQ tokens where their heads split over the CP
+# ranks, the all-gather beyond; S2 layers the all-gather. Measured on 2 H100s, CP=2, training
+# the 1.3B models (docs/context_parallel.md): dense at 32k 2.7% faster on a2a (2.1% with GQA),
+# at 128k 2.2% slower; S2 calls are 5x shorter, so the all-to-all's copies cost them 1.3-1.9x
+# per token where the all-gather costs 1.1-1.4x (the hybrid at 32k: within 0.2% either way).
+DENSE_A2A_MAX_SEQ = 32768
+S2_PREFERS_A2A = False
 
 # Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
 # widest tile, so each document's causal triangle is covered by the fewest tiles.
@@ -71,7 +71,7 @@ def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
 # Megatron's TransformerConfig.cp_comm_type values the local spec's modules take: "all_gather"
 # (K/V gathered, each rank's two chunks attended: megatron_s2.context_parallel), "a2a" (heads
 # exchanged, each rank the whole sequence of its head group: megatron_s2.context_parallel_a2a);
-# None and "p2p" (Megatron's default; we have no ring) pick per layer kind: _dense_prefers_a2a.
+# None and "p2p" (Megatron's default; we have no ring) pick per layer kind: DENSE_A2A_MAX_SEQ.
 CP_COMM_TYPES = (None, "p2p", "all_gather", "a2a")
 
 
@@ -85,8 +85,8 @@ def _context_parallel(
     prefer_a2a: bool = False,
 ):
     """``(group, comm)``: this layer's context-parallel group (None without context
-    parallelism) and how it communicates, "all_gather" or "a2a" (the latter where
-    ``cp_comm_type`` asks for it, or leaves it to us, ``prefer_a2a`` and the heads allow it)."""
+    parallelism) and how it communicates: "all_gather", "a2a" (asked for by ``cp_comm_type``),
+    or "auto" (left to us, ``prefer_a2a`` and the heads split: the layer picks by length)."""
     cp = getattr(config, "context_parallel_size", 1) or 1
     if cp == 1:
         return None, None
@@ -115,7 +115,7 @@ def _context_parallel(
         raise ValueError(f"{where}: {why_not} (tensor_model_parallel_size={tp})")
     if cp_comm_type in ("all_gather", "a2a"):
         return group, cp_comm_type
-    return group, "a2a" if prefer_a2a and not why_not else "all_gather"
+    return group, "auto" if prefer_a2a and not why_not else "all_gather"
 
 
 def _check_layer_support(
@@ -285,7 +285,7 @@ class S2CoreAttention(MegatronModule):
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
         self.cp_group, self.cp_comm = _context_parallel(
-            name, config, layer_number, pg_collection, 0.0, cp_comm_type
+            name, config, layer_number, pg_collection, 0.0, cp_comm_type, S2_PREFERS_A2A
         )
 
         tp_group = _tp_group(pg_collection)
@@ -465,7 +465,7 @@ class FusedDenseAttention(MegatronModule):
             pg_collection,
             self.dropout_p,
             cp_comm_type,
-            _dense_prefers_a2a(config),
+            prefer_a2a=True,
         )
         self._dense_patterns = {}
 
@@ -498,7 +498,8 @@ class FusedDenseAttention(MegatronModule):
             return self._forward_packed(name, query, key, value, packed_seq_params)
         if self.cp_group is not None:
             chunk = check_context_parallel_length(name, query.shape[0], self.cp_group.size())
-            if self.cp_comm == "a2a":
+            seq = query.shape[0] * self.cp_group.size()
+            if self.cp_comm == "a2a" or (self.cp_comm == "auto" and seq <= DENSE_A2A_MAX_SEQ):
                 return attend_heads_a2a(query, key, value, self.cp_group, self._attend_heads)
             scale, backend = self.softmax_scale, self.dense_backend
             return dense_local_chunks(

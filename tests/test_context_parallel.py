@@ -110,10 +110,30 @@ def _check_comm_choice(causal):
         )
 
     assert build(S2CoreAttention).cp_comm == "all_gather"
-    assert build(FusedDenseAttention).cp_comm == "a2a"  # GQA: 8 heads, 4 groups
-    assert build(FusedDenseAttention, groups=8).cp_comm == "all_gather"
+    assert build(FusedDenseAttention).cp_comm == "auto"  # GQA: 8 heads, 4 groups
+    assert build(FusedDenseAttention, groups=8).cp_comm == "auto"
     assert build(FusedDenseAttention, groups=1).cp_comm == "all_gather"  # 1 group: no split
-    assert build(FusedDenseAttention, groups=8, cp_comm_type="p2p").cp_comm == "all_gather"
+    assert build(FusedDenseAttention, groups=8, cp_comm_type="p2p").cp_comm == "auto"
+    assert build(FusedDenseAttention, cp_comm_type="all_gather").cp_comm == "all_gather"
+    assert build(S2CoreAttention, cp_comm_type="a2a").cp_comm == "a2a"
+    # "auto" on a dense layer: the all-to-all up to DENSE_A2A_MAX_SEQ tokens, the all-gather
+    # beyond (which path runs, seen through stand-ins; SEQ tokens over the two ranks here).
+    import megatron_s2.attention as attention
+
+    dense, taken = build(FusedDenseAttention), []
+    names = ("attend_heads_a2a", "dense_local_chunks", "DENSE_A2A_MAX_SEQ")
+    saved = [getattr(attention, n) for n in names]
+    attention.attend_heads_a2a = lambda *a, **k: taken.append("a2a")
+    attention.dense_local_chunks = lambda *a, **k: taken.append("all_gather")
+    try:
+        q, k, v, _ = _inputs(seed=0, heads=8, groups=4, dim=dense.config.kv_channels)
+        for limit in (SEQ, SEQ - 1):
+            attention.DENSE_A2A_MAX_SEQ = limit
+            dense(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
+    finally:
+        for n, value in zip(names, saved):
+            setattr(attention, n, value)
+    assert taken == ["a2a", "all_gather"]
     with pytest.raises(ValueError, match=r"cp_comm_type='a2a\+p2p' is not supported.*one of"):
         build(FusedDenseAttention, cp_comm_type="a2a+p2p")
     with pytest.raises(ValueError, match=r"key/value heads \(1\) .* context_parallel_size \(2\)"):
