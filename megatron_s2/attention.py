@@ -422,10 +422,12 @@ class FusedDenseAttention(MegatronModule):
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
     -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
-    tracker, as Megatron does it), except with context parallelism, where each rank's two query
-    chunks attend the all-gathered keys causally aligned at each chunk's end (cuDNN on Hopper,
-    FlashAttention's varlen kernel on other GPUs; :func:`megatron_s2.context_parallel.
-    dense_rank_chunks`).
+    tracker, as Megatron does it), except with context parallelism. There, by ``cp_comm_type``
+    (default: by length, :data:`DENSE_A2A_MAX_SEQ`), each rank either attends the whole sequence
+    for its share of the heads (the head all-to-all, :mod:`megatron_s2.context_parallel_a2a`)
+    or its two query chunks to the all-gathered keys, causally aligned at each chunk's end
+    (cuDNN on Hopper, FlashAttention's varlen kernel on other GPUs;
+    :func:`megatron_s2.context_parallel.dense_rank_chunks`).
     """
 
     def __init__(
