@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["attend_heads_a2a", "a2a_unsupported_reason"]
+__all__ = ["attend_heads_a2a", "a2a_unsupported_reason", "StandInGroup"]
 
 
 def a2a_unsupported_reason(heads: int, groups: int, cp: int) -> str | None:
@@ -40,6 +40,25 @@ def a2a_unsupported_reason(heads: int, groups: int, cp: int) -> str | None:
             f"be divisible by context_parallel_size ({cp})"
         )
     return None
+
+
+class StandInGroup:
+    """A CP group stand-in for one process (timing and tests): rank ``rank`` of ``size``, and
+    ``exchange(outgoing, incoming)``, which a subclass defines (:func:`_exchange` calls it
+    instead of sending: ``outgoing(j)`` are the messages for rank ``j``, ``incoming(j)`` the
+    tensors to fill with rank ``j``'s)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def exchange(self, outgoing, incoming) -> None:
+        raise NotImplementedError
 
 
 def _chunk_index(rank: int, slot: int, cp: int) -> int:
@@ -55,8 +74,8 @@ def _exchange(
     """Send ``outgoing(j)`` to each CP rank ``j`` and receive ``incoming(j)`` from it, message
     by message in list order (contiguous tensors; this rank's own part is a local copy).
 
-    ``group`` is the CP process group, or a stand-in with ``rank()``, ``size()`` and
-    ``exchange(outgoing, incoming)`` (one-process timing and tests: ``tools/cp_benchmark.py``).
+    ``group`` is the CP process group, or a :class:`StandInGroup` (one-process timing and
+    tests), whose ``exchange`` runs instead.
     """
     own = getattr(group, "exchange", None)
     if own is not None:

@@ -1,10 +1,10 @@
 """Context parallelism by head all-to-all (``megatron_s2.context_parallel_a2a``): every CP rank's
 output rows and dq/dk/dv equal the whole-sequence attention's, in float64 on the CPU.
 
-The CP ranks run as threads of one process that exchange through a shared mailbox (the
-module's group stand-in: ``rank()``, ``size()``, ``exchange``), so CP=4 costs no process
-start. The modules with a real gloo group (CP=2, both comm types) are in
-tests/test_context_parallel.py; the GPU test runs the real kernels on one device.
+The CP ranks run as threads of one process that exchange through a shared mailbox (a
+``StandInGroup``), so CP=4 costs no process start. The modules with a real gloo group (CP=2,
+both comm types) are in tests/test_context_parallel.py; the GPU test runs the real kernels on
+one device.
 """
 
 from __future__ import annotations
@@ -17,21 +17,20 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_s2.context_parallel_a2a import a2a_unsupported_reason, attend_heads_a2a  # noqa: E402
+from megatron_s2.context_parallel_a2a import (  # noqa: E402
+    StandInGroup,
+    a2a_unsupported_reason,
+    attend_heads_a2a,
+)
 
 
-class ThreadGroup:
+class ThreadGroup(StandInGroup):
     """CP rank ``rank`` of ``size`` threads: each exchange posts the rank's outgoing messages,
     waits for every rank, then takes its incoming ones."""
 
     def __init__(self, rank: int, size: int, mailbox: dict, barrier: threading.Barrier):
-        self._rank, self._size, self._box, self._barrier = rank, size, mailbox, barrier
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
+        super().__init__(rank, size)
+        self._box, self._barrier = mailbox, barrier
 
     def exchange(self, outgoing, incoming) -> None:
         for j in range(self._size):

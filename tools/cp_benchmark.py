@@ -14,7 +14,7 @@ rank's two load-balanced query chunks against the whole K/V (what each rank comp
 all-gather; ranks 0 and N-1 bracket the balance; dense: the rank-level cuDNN function, or one
 FA4 call a chunk). The "a2a" kinds time ``cp_comm_type="a2a"`` instead: a rank's whole-sequence
 call for its ``1/N`` of the heads with the exchanges' packing, unpacking and local writes
-(``LoopbackGroup``), not their transfer. "per-token vs CP=1" is the rank's time per query token
+(``loopback_group``), not their transfer. "per-token vs CP=1" is the rank's time per query token
 over its kind's CP=1 row's (1.00 = no overhead from splitting); "per-token vs dense SDPA CP=1"
 compares every dense row with today's dense layer on SDPA. Memory is the peak allocation of the
 fwd+bwd above its inputs. The communication itself is not timed here (one GPU); its volume per
@@ -113,25 +113,20 @@ KINDS = (
 )  # fmt: skip
 
 
-class LoopbackGroup:
+def loopback_group(rank: int, size: int):
     """CP rank ``rank`` of ``size`` for :func:`megatron_s2.context_parallel_a2a.attend_heads_a2a`
     on one GPU: every message the rank would receive is a copy of the one it sends to that peer
     (the same sizes), so a timing has the exchanges' packing, unpacking and local writes but not
     the NVLink transfer."""
+    from megatron_s2.context_parallel_a2a import StandInGroup
 
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
+    class Loopback(StandInGroup):
+        def exchange(self, outgoing, incoming) -> None:
+            for j in range(self.size()):
+                for dst, src in zip(incoming(j), outgoing(j)):
+                    dst.copy_(src)
 
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-    def exchange(self, outgoing, incoming) -> None:
-        for j in range(self._size):
-            for dst, src in zip(incoming(j), outgoing(j)):
-                dst.copy_(src)
+    return Loopback(rank, size)
 
 
 DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
@@ -233,7 +228,7 @@ def run(
     def a2a(attend):
         """One rank's head all-to-all path; its K/V rows are the rank's own (``rows_k``)."""
         return lambda rows_q, rank, cp, chunk, rows_k, rows_v: attend_heads_a2a(
-            rows_q, rows_k, rows_v, LoopbackGroup(rank, cp), attend
+            rows_q, rows_k, rows_v, loopback_group(rank, cp), attend
         )
 
     table = {
