@@ -50,7 +50,6 @@ __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 # at 128k 2.2% slower; S2 calls are 5x shorter, so the all-to-all's copies cost them 1.3-1.9x
 # per token where the all-gather costs 1.1-1.4x (the hybrid at 32k: within 0.2% either way).
 DENSE_A2A_MAX_SEQ = 32768
-S2_PREFERS_A2A = False
 
 # Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
 # widest tile, so each document's causal triangle is covered by the fewest tiles.
@@ -285,7 +284,7 @@ class S2CoreAttention(MegatronModule):
         self.softmax_scale = _softmax_scale(config, softmax_scale)
         self.backend = s2_backend_of(config)
         self.cp_group, self.cp_comm = _context_parallel(
-            name, config, layer_number, pg_collection, 0.0, cp_comm_type, S2_PREFERS_A2A
+            name, config, layer_number, pg_collection, 0.0, cp_comm_type, prefer_a2a=False
         )
 
         tp_group = _tp_group(pg_collection)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 __all__ = ["attend_heads_a2a", "a2a_unsupported_reason", "StandInGroup"]
 
@@ -111,13 +112,14 @@ def _rows_to_heads(parts: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
         h = part.shape[2] // cp
         # [2, c, b, cp, h, hn] -> [cp, 2, c, b, h, hn]: one message per (head group, chunk).
         sends.append(part.view(2, c, b, cp, h, hn).permute(3, 0, 1, 2, 4, 5).contiguous())
-        wholes.append(part.new_empty(2 * cp, c, b, h, hn))
+        wholes.append(part.new_empty(2 * cp * c, b, h, hn))
+    chunks = [x.view(2 * cp, c, *x.shape[1:]) for x in wholes]
     _exchange(
         lambda j: [x[j, slot] for x in sends for slot in (0, 1)],
-        lambda j: [x[_chunk_index(j, slot, cp)] for x in wholes for slot in (0, 1)],
+        lambda j: [x[_chunk_index(j, slot, cp)] for x in chunks for slot in (0, 1)],
         group,
     )
-    return [x.view(2 * cp * c, b, *x.shape[3:]) for x in wholes]
+    return wholes
 
 
 def _heads_to_rows(parts: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
@@ -148,6 +150,7 @@ class _RowsToHeads(torch.autograd.Function):
         return tuple(_rows_to_heads((query, key, value), group))
 
     @staticmethod
+    @once_differentiable  # point-to-point sends have no derivative
     def backward(ctx, dq, dk, dv):
         return (None, *_heads_to_rows((dq, dk, dv), ctx.group))
 
@@ -162,6 +165,7 @@ class _HeadsToRows(torch.autograd.Function):
         return _heads_to_rows((out,), group)[0]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         return None, _rows_to_heads((dout,), ctx.group)[0]
 

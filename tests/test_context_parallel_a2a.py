@@ -136,12 +136,13 @@ def test_a2a_needs_heads_divisible_by_cp():
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, groups", [(16, 16), (32, 8)])
 def test_gpu_a2a_kernels_match_whole_sequence(heads, groups):
-    """bf16 on CUDA, 8k tokens, with the layers' kernels on the exchange's strided views (the
-    head group's q/k/v side by side in one buffer): S2 (its head group's global heads) and
-    dense SDPA (cuDNN). CP=1 runs the whole path forward and backward on one thread (the
-    exchanges are copies); CP=2 and CP=4 forward on threads, one per rank (CUDA autograd runs
-    every backward on one device thread, where the ranks' exchanges would wait on each other).
-    Every rank's rows equal the whole-sequence layer's."""
+    """bf16 on CUDA, 8k tokens, with the layers' kernels on what the exchange hands them (a
+    head group's q, k, v as sequence-major tensors; their outputs and gradients sent back as
+    they come): S2 (its head group's global heads) and dense SDPA (cuDNN). CP=1 runs the
+    whole path forward and backward on one thread (the exchanges are copies); CP=2 and CP=4
+    forward on threads, one per rank (CUDA autograd runs every backward on one device thread,
+    where the ranks' exchanges would wait on each other). Every rank's rows equal the
+    whole-sequence layer's."""
     from s2attn import S2Pattern, s2_attention
 
     dev, seq, dim = torch.device("cuda"), 8192, 128
@@ -195,3 +196,18 @@ def test_gpu_a2a_kernels_match_whole_sequence(heads, groups):
             for rank, out in enumerate(run_ranks(cp, rank_fn)):
                 expect = local_rows(ref.detach(), rank, cp)
                 assert rel(out, expect) < 2e-2, (name, cp, rank)
+
+
+def test_a2a_second_backward_is_a_clear_error():
+    """The exchanges' backward sends tensors; it has no derivative of its own."""
+
+    def rank_fn(group):
+        q, k, v = (
+            torch.randn(8, 1, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)
+        )
+        out = attend_heads_a2a(q, k, v, group, lambda a, b, c, j: a * b.sum() * c.sum())
+        (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+            dq.sum().backward()
+
+    run_ranks(1, rank_fn)

@@ -38,6 +38,7 @@ def results(tmp_path_factory):
         "cp2_all_gather",
         "cp2_a2a",
         "cp2_tp2_sp",
+        "cp2_tp2_a2a",
         "cp2_pp2",
     ],
 )
@@ -48,3 +49,17 @@ def test_parallel_layout_matches_single_process(results, layout):
     assert row["max_rel_loss_diff"] < 1e-5
     assert row["max_rel_grad_diff_step0"] < 1e-4
     assert len(row["losses"]) == 2
+
+
+@pytest.mark.parametrize(
+    "layout, expect",
+    [
+        ("cp2", {"S2CoreAttention": "all_gather", "FusedDenseAttention": "auto"}),
+        ("cp2_all_gather", {"S2CoreAttention": "all_gather", "FusedDenseAttention": "all_gather"}),
+        ("cp2_a2a", {"S2CoreAttention": "a2a", "FusedDenseAttention": "a2a"}),
+        ("cp2_tp2_a2a", {"S2CoreAttention": "a2a", "FusedDenseAttention": "a2a"}),
+    ],
+)
+def test_cp_comm_type_reaches_the_core_attention(results, layout, expect):
+    """parallel.cp_comm_type through Megatron's layers to each core-attention module."""
+    assert results[layout]["cp_comm"] == expect

@@ -212,6 +212,7 @@ GPU_LAYOUTS = [
     Layout("cp2_all_gather", cp=2, cp_comm="all_gather"),
     Layout("cp2_a2a", cp=2, cp_comm="a2a"),
     Layout("cp2_tp2_sp", cp=2, tp=2, sp=True),
+    Layout("cp2_tp2_a2a", cp=2, tp=2, cp_comm="a2a"),
     Layout("cp2_pp2", cp=2, pp=2),
 ]
 
@@ -402,8 +403,22 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
         scheduler.step(increment=1)
         losses.append(loss)
         gnorms.append(float(gnorm))
+    # What each core-attention class communicates by under CP (the setting's way through
+    # Megatron's layers, seen at its end).
+    cp_comm = {
+        type(m).__name__: m.cp_comm
+        for chunk in model
+        for m in chunk.modules()
+        if getattr(m, "cp_comm", None) is not None
+    }
     torch.save(
-        {"rank": rank, "losses": losses, "grad_norms": gnorms, "grads": grad_report},
+        {
+            "rank": rank,
+            "losses": losses,
+            "grad_norms": gnorms,
+            "grads": grad_report,
+            "cp_comm": cp_comm,
+        },
         os.path.join(workdir, f"{layout.name}.rank{rank}.pt"),
     )
 
@@ -452,9 +467,11 @@ def compare(cc: CheckConfig, layout: Layout, workdir: str) -> dict:
     full_ref_grads = ref["grads"]
     loss_err = gnorm_err = grad_err = 0.0
     losses = gnorms = None
+    cp_comm = {}
     for rank in range(layout.world):
         r = torch.load(os.path.join(workdir, f"{layout.name}.rank{rank}.pt"))
         losses, gnorms = r["losses"], r["grad_norms"]
+        cp_comm.update(r.get("cp_comm", {}))
         loss_err = max([loss_err] + [_rel(a, b) for a, b in zip(r["losses"], ref["losses"])])
         gnorm_err = max(
             [gnorm_err] + [_rel(a, b) for a, b in zip(r["grad_norms"], ref["grad_norms"])]
@@ -471,6 +488,7 @@ def compare(cc: CheckConfig, layout: Layout, workdir: str) -> dict:
         "vpp": layout.vpp,
         "sp": layout.sp,
         "cp": layout.cp,
+        "cp_comm": cp_comm,
         "impl": cc.transformer_impl,
         "ref_impl": cc.reference_impl,
         "losses": losses,
