@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Context-parallel attention cost on one GPU: per-rank compute and memory of the all-gather
-design next to the single-GPU (CP=1) layer, for S2 and dense layers.
+"""Context-parallel attention cost on one GPU: per-rank compute and memory of the all-gather and
+head all-to-all designs next to the single-GPU (CP=1) layer, for S2 and dense layers.
 
     python tools/cp_benchmark.py                          # 1.3B- and 7B-shaped heads, 32k + 128k
     python tools/cp_benchmark.py --seqs 32768 --cp 2 4 --heads 32/8
@@ -129,7 +129,7 @@ def loopback_group(rank: int, size: int):
     return Loopback(rank, size)
 
 
-DEFAULT_KINDS = ("S2", "dense", "dense-fa4")
+DEFAULT_KINDS = ("S2", "dense", "dense-a2a", "dense-fa4")
 
 
 def run(
@@ -143,9 +143,11 @@ def run(
 ) -> list[dict]:
     """Time the ``kinds`` of one head shape at ``seq`` tokens: a CP=1 row (where the kind has
     one) and ranks 0 and N-1 of each CP size in ``cps``. Kinds: "S2"; "dense" (SDPA at CP=1,
-    the rank-level cuDNN function under CP: the module's path with ``dense_attention=sdpa``);
-    "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk: the module's path with
-    "auto" where FA4 is installed; skipped with a note where it is not); "dense-one-stream"
+    the rank-level cuDNN function under CP: the module's all-gather path with
+    ``dense_attention=sdpa``); "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk:
+    that path with "auto" where FA4 is installed; skipped with a note where it is not);
+    "S2-a2a", "dense-a2a", "dense-fa4-a2a" (the head all-to-all, ``cp_comm_type="a2a"``: the
+    dense layers' default up to 32k tokens); "dense-one-stream"
     (the rank-level cuDNN function with its two chunks one after the other), "dense-per-chunk"
     (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
     earlier paths; "dense-s2attn" (our kernels on the dense causal pattern, ``vert_stride=1``,
@@ -365,7 +367,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=list(DEFAULT_KINDS),
         choices=KINDS,
-        help="attention paths to time (default: S2, dense SDPA/cuDNN, dense FA4 where installed)",
+        help="attention paths to time (default: S2; dense on SDPA/cuDNN by all-gather and by "
+        "head all-to-all; dense FA4 where installed)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
