@@ -47,9 +47,10 @@ __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 # all-to-all for sequences up to DENSE_A2A_MAX_SEQ tokens where their heads split over the CP
 # ranks, the all-gather beyond; S2 layers the all-gather. Measured on 2 H100s, CP=2, training
 # the 1.3B models (docs/context_parallel.md): dense at 32k 2.7% faster on a2a (2.1% with GQA),
-# at 128k 2.2% slower; S2 calls are 5x shorter, so the all-to-all's copies cost them 1.3-1.9x
-# per token where the all-gather costs 1.1-1.4x (the hybrid at 32k: within 0.2% either way).
-DENSE_A2A_MAX_SEQ = 32768
+# at 64k 1.5% faster, at 128k 2.2% slower; S2 calls are 5x shorter, so the all-to-all's
+# copies cost them 1.3-1.9x per token where the all-gather costs 1.1-1.4x (the hybrid at 32k:
+# within 0.2% either way).
+DENSE_A2A_MAX_SEQ = 65536
 
 # Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
 # widest tile, so each document's causal triangle is covered by the fewest tiles.

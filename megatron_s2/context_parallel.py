@@ -17,7 +17,7 @@ queries under GQA (the 7B config gathers 8 of 32 heads), the S2 pattern reads st
 whole prefix so a ring would still visit almost every rank at every step, and one collective
 per layer keeps the kernels' single fused launch per chunk. The other communication, the head
 all-to-all (``cp_comm_type="a2a"``: :mod:`megatron_s2.context_parallel_a2a`), is the dense
-layers' default up to 32k tokens.
+layers' default up to 64k tokens.
 """
 
 from __future__ import annotations

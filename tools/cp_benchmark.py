@@ -147,7 +147,7 @@ def run(
     ``dense_attention=sdpa``); "dense-fa4" (FlashAttention-4 at CP=1 and one FA4 call a chunk:
     that path with "auto" where FA4 is installed; skipped with a note where it is not);
     "S2-a2a", "dense-a2a", "dense-fa4-a2a" (the head all-to-all, ``cp_comm_type="a2a"``: the
-    dense layers' default up to 32k tokens); "dense-one-stream"
+    dense layers' default up to 64k tokens); "dense-one-stream"
     (the rank-level cuDNN function with its two chunks one after the other), "dense-per-chunk"
     (two cuDNN calls a chunk, merged by LSE) and "dense-fa2" (FlashAttention-2 varlen), the
     earlier paths; "dense-s2attn" (our kernels on the dense causal pattern, ``vert_stride=1``,
