@@ -314,7 +314,13 @@ class S2CoreAttention(MegatronModule):
         # Equal patterns share the kernels' index-structure cache, so S2 layers with the same
         # settings build their layouts once for the whole model.
         self.pattern = pattern.for_tp_rank(tp_group.rank(), tp_group.size())
-        self._head_group_patterns = {}
+        # cp_comm_type="a2a": this rank attends its head group, with those heads' global phases.
+        self.head_group_pattern = None
+        if self.cp_comm == "a2a":
+            cp, rank = self.cp_group.size(), self.cp_group.rank()
+            n = self.pattern.local_num_heads // cp
+            start = self.pattern.head_start + rank * n
+            self.head_group_pattern = self.pattern.head_range(start, start + n)
 
     def extra_repr(self) -> str:
         p = self.pattern
@@ -361,35 +367,25 @@ class S2CoreAttention(MegatronModule):
                 return attend_heads_a2a(query, key, value, self.cp_group, self._attend_heads)
             return attend_local_chunks(query, key, value, self.cp_group, self._attend_at, chunk)
         sq, b, nq, hn = query.shape
+        return self._attend_whole(query, key, value, self.pattern).reshape(sq, b, nq * hn)
+
+    def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
+        """The cp_comm_type="a2a" path: the whole sequence of this rank's head group (the
+        exchange's ``head_group`` is the CP rank, whose pattern was built at construction)."""
+        return self._attend_whole(q, k, v, self.head_group_pattern)
+
+    def _attend_whole(self, query, key, value, pattern: S2Pattern) -> torch.Tensor:
+        """A whole sequence under ``pattern``: ``[s, b, np, hn]``, ``[s, b, ng, hn]`` (any
+        strides) -> ``[s, b, np, hn]`` (a view of the kernel's output)."""
         out = s2_attention(
             query.transpose(0, 1),
             key.transpose(0, 1),
             value.transpose(0, 1),
-            self.pattern,
-            softmax_scale=self.softmax_scale,
-            backend=self.backend,
-        )
-        # out is [b, sq, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
-        return out.transpose(0, 1).reshape(sq, b, nq * hn)
-
-    def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
-        """The whole sequence of this rank's head group ``head_group`` of ``cp`` (``[s, b, h,
-        hn]`` views) -> ``[s, b, h, hn]``: the cp_comm_type="a2a" path, with the group's
-        global heads (and so their stripe phases)."""
-        pattern = self._head_group_patterns.get(head_group)
-        if pattern is None:
-            n = q.shape[2]
-            start = self.pattern.head_start + head_group * n
-            pattern = self.pattern.head_range(start, start + n)
-            self._head_group_patterns[head_group] = pattern
-        out = s2_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
             pattern,
             softmax_scale=self.softmax_scale,
             backend=self.backend,
         )
+        # out is [b, s, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
         return out.transpose(0, 1)
 
     def _attend_at(self, q, k, v, q_start: int) -> torch.Tensor:

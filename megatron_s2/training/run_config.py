@@ -381,8 +381,10 @@ class RunConfig:
                 f"parallel.context_parallel_size ({2 * cp})"
             )
         if cp > 1 and p.cp_comm_type == "a2a":
+            from ..context_parallel_a2a import a2a_unsupported_reason
+
             heads, groups = m.num_attention_heads // tp, max(1, m.query_groups // tp)
-            if heads % cp or groups % cp:
+            if a2a_unsupported_reason(heads, groups, cp):
                 raise ConfigError(
                     f"parallel.cp_comm_type=a2a splits each tensor-parallel rank's heads over the "
                     f"context-parallel ranks: model.num_attention_heads / TP ({heads}) and "
