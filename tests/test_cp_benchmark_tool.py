@@ -41,3 +41,12 @@ def test_kernel_times_grouped_per_step_largest_first():
     got = cpb.group_kernel_times(events, steps=3)
     assert [g for g, _ in got] == [g for g, _ in WANT]
     assert [ms for _, ms in got] == pytest.approx([ms for _, ms in WANT])
+
+
+def test_exchange_benchmark_needs_torchrun_on_gpus(capsys, monkeypatch):
+    """tools/cp_exchange_benchmark.py times real NCCL exchanges: outside torchrun on CUDA GPUs it
+    says so and exits 2 instead of failing later."""
+    tool = import_tool("cp_exchange_benchmark")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert tool.main([]) == 2
+    assert "torchrun on CUDA GPUs" in capsys.readouterr().err
