@@ -45,7 +45,8 @@ __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 
 # Where Megatron's cp_comm_type leaves it to us (None, "p2p"): dense layers take the head
 # all-to-all for sequences up to DENSE_A2A_MAX_SEQ tokens where their heads split over the CP
-# ranks, the all-gather beyond; S2 layers the all-gather. Measured on 2 H100s, CP=2, training
+# ranks (not on FlashAttention-4 under GQA: FusedDenseAttention._auto_a2a), the all-gather
+# beyond; S2 layers the all-gather. Measured on 2 H100s, CP=2, training
 # the 1.3B models (docs/context_parallel.md): dense at 32k 2.7% faster on a2a (2.1% with GQA),
 # at 64k 1.5% faster, at 128k 2.2% slower; S2 calls are 5x shorter, so the all-to-all's
 # copies cost them 1.3-1.9x per token where the all-gather costs 1.1-1.4x (the hybrid at 32k:
@@ -496,8 +497,7 @@ class FusedDenseAttention(MegatronModule):
             return self._forward_packed(name, query, key, value, packed_seq_params)
         if self.cp_group is not None:
             chunk = check_context_parallel_length(name, query.shape[0], self.cp_group.size())
-            seq = query.shape[0] * self.cp_group.size()
-            if self.cp_comm == "a2a" or (self.cp_comm == "auto" and seq <= DENSE_A2A_MAX_SEQ):
+            if self.cp_comm == "a2a" or (self.cp_comm == "auto" and self._auto_a2a(query, key)):
                 return attend_heads_a2a(query, key, value, self.cp_group, self._attend_heads)
             scale, backend = self.softmax_scale, self.dense_backend
             return dense_local_chunks(
@@ -512,6 +512,18 @@ class FusedDenseAttention(MegatronModule):
         else:
             out = self._attend_whole(query, key, value, p)
         return out.reshape(sq, b, nq * hn)
+
+    def _auto_a2a(self, query, key) -> bool:
+        """Whether the default ("auto") communication is the head all-to-all for this rank's
+        ``query [2c, b, np, hn]`` and ``key [2c, b, ng, hn]``: up to DENSE_A2A_MAX_SEQ tokens,
+        except with FlashAttention-4 under GQA, where the all-gather moves only the few K/V
+        heads and FA4's chunk calls keep its rate (with the transfers on two H100s at 32k,
+        16/4 heads: 0.91-0.92 of the SDPA layer's per-token time against 0.95-0.96 on the
+        all-to-all; without GQA the all-to-all led, 0.97-0.98 against 0.99-1.00)."""
+        if query.shape[0] * self.cp_group.size() > DENSE_A2A_MAX_SEQ:
+            return False
+        gqa = key.shape[2] != query.shape[2]
+        return not (gqa and use_fa4(self.dense_backend, query))
 
     def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
         """The cp_comm_type="a2a" path's whole sequence of one head group: every head group is

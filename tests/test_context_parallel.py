@@ -121,7 +121,7 @@ def _check_comm_choice(causal):
     import megatron_s2.attention as attention
 
     dense, taken = build(FusedDenseAttention), []
-    names = ("attend_heads_a2a", "dense_local_chunks", "DENSE_A2A_MAX_SEQ")
+    names = ("attend_heads_a2a", "dense_local_chunks", "DENSE_A2A_MAX_SEQ", "use_fa4")
     saved = [getattr(attention, n) for n in names]
     attention.attend_heads_a2a = lambda *a, **k: taken.append("a2a")
     attention.dense_local_chunks = lambda *a, **k: taken.append("all_gather")
@@ -130,10 +130,17 @@ def _check_comm_choice(causal):
         for limit in (SEQ, SEQ - 1):
             attention.DENSE_A2A_MAX_SEQ = limit
             dense(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
+        # With FlashAttention-4 (stood in for): GQA takes the all-gather, MHA the all-to-all.
+        attention.DENSE_A2A_MAX_SEQ = SEQ
+        attention.use_fa4 = lambda backend, q, p=0.0: True
+        dense(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
+        mha = build(FusedDenseAttention, groups=8)
+        q, k, v, _ = _inputs(seed=1, heads=8, groups=8, dim=mha.config.kv_channels)
+        mha(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
     finally:
         for n, value in zip(names, saved):
             setattr(attention, n, value)
-    assert taken == ["a2a", "all_gather"]
+    assert taken == ["a2a", "all_gather", "all_gather", "a2a"]
     with pytest.raises(ValueError, match=r"cp_comm_type='a2a\+p2p' is not supported.*one of"):
         build(FusedDenseAttention, cp_comm_type="a2a+p2p")
     with pytest.raises(ValueError, match=r"key/value heads \(1\) .* context_parallel_size \(2\)"):

@@ -5,6 +5,7 @@ GPU's whole-sequence layer: does CP cost a dense layer anything per token?
     torchrun --nproc-per-node 2 tools/cp_exchange_benchmark.py
     torchrun --nproc-per-node 2 tools/cp_exchange_benchmark.py --seqs 32768 --heads 16/4
     torchrun --nproc-per-node 2 tools/cp_exchange_benchmark.py --high-priority
+    torchrun --nproc-per-node 2 tools/cp_exchange_benchmark.py --fa4   # FlashAttention-4 too
 
 Every rank times, forward + backward, round by round with each other (``gpu_timing``, the same
 rounds on every rank so that their exchanges pair up):
@@ -58,11 +59,16 @@ def _step(fn, leaves):
     return step
 
 
-def run(seq: int, heads: int, groups: int, dim: int, groups_by_label: dict) -> list[tuple]:
+def run(
+    seq: int, heads: int, groups: int, dim: int, groups_by_label: dict, fa4: bool = False
+) -> list[tuple]:
     """``(row, [ms of each rank], [per-token ratio of each rank])`` for one shape: the CP=1 row,
-    then the a2a and all-gather rows on each of ``groups_by_label`` (label -> CP group)."""
+    then the a2a and all-gather rows on each of ``groups_by_label`` (label -> CP group); with
+    ``fa4``, the same rows on FlashAttention-4 (where it imports). Every ratio is against the
+    SDPA CP=1 row: the dense layer without FlashAttention-4."""
     from megatron_s2.context_parallel import dense_local_chunks
     from megatron_s2.context_parallel_a2a import a2a_unsupported_reason, attend_heads_a2a
+    from megatron_s2.flash_attention4 import fa4_causal, fa4_unusable_reason
 
     group = next(iter(groups_by_label.values()))
     cp, rank = group.size(), group.rank()
@@ -81,18 +87,35 @@ def run(seq: int, heads: int, groups: int, dim: int, groups_by_label: dict) -> l
         )
         return out.permute(2, 0, 1, 3)
 
+    def fa4_whole(qh, kh, vh, head_group=0):  # ... and on FlashAttention-4
+        return fa4_causal(*(t.transpose(0, 1) for t in (qh, kh, vh)), scale).transpose(0, 1)
+
     rq, rk, rv = (_local_rows(x, rank, cp) for x in (q, k, v))
     chunk = seq // (2 * cp)
     rows = [("CP=1, SDPA", _step(lambda: sdpa(q, k, v), (q, k, v)), seq)]
-    for label, grp in groups_by_label.items():
-        if a2a_unsupported_reason(heads, groups, cp) is None:
-            a2a = _step(lambda grp=grp: attend_heads_a2a(rq, rk, rv, grp, sdpa), (rq, rk, rv))
-            rows.append((f"CP={cp} a2a{label}", a2a, seq // cp))
-        gather = _step(
-            lambda grp=grp: dense_local_chunks(rq, rk, rv, grp, chunk, scale, backend="sdpa"),
-            (rq, rk, rv),
-        )
-        rows.append((f"CP={cp} all-gather{label}", gather, seq // cp))
+    kernels = [("", sdpa, "sdpa")]
+    if fa4:
+        why_not = fa4_unusable_reason(q)
+        if why_not:
+            print(f"# FlashAttention-4 rows left out: {why_not}", file=sys.stderr)
+        else:
+            rows.append(("CP=1, FA4", _step(lambda: fa4_whole(q, k, v), (q, k, v)), seq))
+            kernels.append((", FA4", fa4_whole, "fa4"))
+    for kernel, attend, backend in kernels:
+        for label, grp in groups_by_label.items():
+            if a2a_unsupported_reason(heads, groups, cp) is None:
+                a2a = _step(
+                    lambda grp=grp, attend=attend: attend_heads_a2a(rq, rk, rv, grp, attend),
+                    (rq, rk, rv),
+                )
+                rows.append((f"CP={cp} a2a{kernel}{label}", a2a, seq // cp))
+            gather = _step(
+                lambda grp=grp, backend=backend: dense_local_chunks(
+                    rq, rk, rv, grp, chunk, scale, backend=backend
+                ),
+                (rq, rk, rv),
+            )
+            rows.append((f"CP={cp} all-gather{kernel}{label}", gather, seq // cp))
     ms = time_rows([step for _, step, _ in rows], min_runs=RUNS, rep=0.0)
     mine = torch.tensor([ms, [t / n for t, (_, _, n) in zip(ms, rows)]], device=dev)
     every = [torch.empty_like(mine) for _ in range(cp)]
@@ -112,6 +135,9 @@ def main(argv=None) -> int:
         "--high-priority",
         action="store_true",
         help="also time the CP rows on a group whose NCCL stream has high priority",
+    )
+    ap.add_argument(
+        "--fa4", action="store_true", help="also the rows on FlashAttention-4 where it imports"
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
@@ -137,7 +163,7 @@ def main(argv=None) -> int:
     for spec in args.heads:
         heads, groups = (int(x) for x in spec.split("/"))
         for seq in args.seqs:
-            for name, ms, rel in run(seq, heads, groups, args.head_dim, groups_by_label):
+            for name, ms, rel in run(seq, heads, groups, args.head_dim, groups_by_label, args.fa4):
                 if me == 0:
                     print(
                         f"| {spec} | {seq} | {name} | {' / '.join(f'{m:.2f}' for m in ms)} | "
