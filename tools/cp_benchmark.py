@@ -33,25 +33,13 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import time_rows
+from gpu_timing import fwd_bwd_step, time_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 # The 1.3B hybrid's S2 layers (configs/gpt-1.3b-s2.yaml).
 S2_SETTINGS = dict(block_size=64, local_blocks=16, vert_stride=8, head_offset=0)
-
-
-def _step(fn, grads_of):
-    """One forward + backward of ``fn`` (gradients of ``grads_of`` cleared first)."""
-
-    def step():
-        for t in grads_of:
-            t.grad = None
-        out = fn()
-        out.backward(torch.ones_like(out))
-
-    return step
 
 
 def _peak_mib(step) -> float:
@@ -264,7 +252,7 @@ def run(
     a2a_mib = (2 * heads + 2 * groups) * seq * dim * 2 / 2**20
     sdpa = None  # index of dense SDPA's CP=1 row in ``rows``
     if any(kind.startswith("dense") for kind in kinds):
-        steps.append(_step(dense_full, (q, k, v)))
+        steps.append(fwd_bwd_step(dense_full, (q, k, v)))
         rows.append(dict(kind="dense SDPA", seq=seq, cp=1, rank="-", kv=0, prof=None, own=None))
         sdpa = 0
     for name in kinds:
@@ -281,7 +269,7 @@ def run(
             if full is dense_full:  # SDPA's CP=1 row is timed once: both columns share it
                 rows[sdpa]["kind"] = kind
             else:
-                steps.append(_step(full, (q, k, v)))
+                steps.append(fwd_bwd_step(full, (q, k, v)))
                 rows.append(dict(kind=kind, seq=seq, cp=1, rank="-", kv=0, prof=None, own=None))
                 own = len(rows) - 1
                 if name == "S2":
@@ -320,7 +308,7 @@ def run(
                         return at(rows_q, rank, cp, chunk)
 
                     grads_of = (rows_q, k, v)
-                steps.append(_step(local, grads_of))
+                steps.append(fwd_bwd_step(local, grads_of))
                 rows.append(
                     dict(
                         kind=kind,

@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_timing import time_rows
+from gpu_timing import fwd_bwd_step, time_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -47,16 +47,6 @@ def _local_rows(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     """Megatron's load-balanced split of ``[S, ...]``: chunks ``rank`` and ``2cp - 1 - rank``."""
     chunks = x.chunk(2 * cp)
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]]).detach().requires_grad_()
-
-
-def _step(fn, leaves):
-    def step():
-        for t in leaves:
-            t.grad = None
-        out = fn()
-        out.backward(torch.ones_like(out))
-
-    return step
 
 
 def run(
@@ -92,24 +82,24 @@ def run(
 
     rq, rk, rv = (_local_rows(x, rank, cp) for x in (q, k, v))
     chunk = seq // (2 * cp)
-    rows = [("CP=1, SDPA", _step(lambda: sdpa(q, k, v), (q, k, v)), seq)]
+    rows = [("CP=1, SDPA", fwd_bwd_step(lambda: sdpa(q, k, v), (q, k, v)), seq)]
     kernels = [("", sdpa, "sdpa")]
     if fa4:
         why_not = fa4_unusable_reason(q)
         if why_not:
             print(f"# FlashAttention-4 rows left out: {why_not}", file=sys.stderr)
         else:
-            rows.append(("CP=1, FA4", _step(lambda: fa4_whole(q, k, v), (q, k, v)), seq))
+            rows.append(("CP=1, FA4", fwd_bwd_step(lambda: fa4_whole(q, k, v), (q, k, v)), seq))
             kernels.append((", FA4", fa4_whole, "fa4"))
     for kernel, attend, backend in kernels:
         for label, grp in groups_by_label.items():
             if a2a_unsupported_reason(heads, groups, cp) is None:
-                a2a = _step(
+                a2a = fwd_bwd_step(
                     lambda grp=grp, attend=attend: attend_heads_a2a(rq, rk, rv, grp, attend),
                     (rq, rk, rv),
                 )
                 rows.append((f"CP={cp} a2a{kernel}{label}", a2a, seq // cp))
-            gather = _step(
+            gather = fwd_bwd_step(
                 lambda grp=grp, backend=backend: dense_local_chunks(
                     rq, rk, rv, grp, chunk, scale, backend=backend
                 ),

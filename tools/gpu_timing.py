@@ -60,3 +60,16 @@ def time_rows(fns: list[Callable], min_runs: int = MIN_RUNS, rep: float = 100.0)
     for which, (begin, end) in events:
         ms[which].append(begin.elapsed_time(end))
     return [statistics.median(m) for m in ms]
+
+
+def fwd_bwd_step(fn: Callable, leaves) -> Callable[[], None]:
+    """A row for :func:`time_rows`: one forward ``fn()`` and its backward (gradient of ones),
+    the gradients of ``leaves`` cleared first so that none accumulates across runs."""
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        out.backward(torch.ones_like(out))
+
+    return step
