@@ -53,6 +53,14 @@ __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 # within 0.2% either way).
 DENSE_A2A_MAX_SEQ = 65536
 
+# FlashAttention-4 dense layers under GQA: "auto" takes the all-gather where the head all-to-all
+# would move at least this many times its bytes, (np / ng + 1) / cp (q, k, v and the output of a
+# rank's rows against K and V of all of them). With the transfers on two H100s at 32k: at 2.5
+# (16/4 heads, CP=2) the all-gather took 0.91-0.92 of the SDPA layer's per-token time, the
+# all-to-all 0.95-0.96; at 1 (16/16) the all-to-all led, 0.97-0.98 against 0.99-1.00. In between
+# is unmeasured: the all-to-all stays there.
+FA4_GATHER_MIN_VOLUME_RATIO = 2.5
+
 # Tile block of the dense pattern used for packed (THD) sequences on dense layers: the kernels'
 # widest tile, so each document's causal triangle is covered by the fewest tiles.
 DENSE_BLOCK_SIZE = 128
@@ -72,7 +80,8 @@ def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
 # Megatron's TransformerConfig.cp_comm_type values the local spec's modules take: "all_gather"
 # (K/V gathered, each rank's two chunks attended: megatron_s2.context_parallel), "a2a" (heads
 # exchanged, each rank the whole sequence of its head group: megatron_s2.context_parallel_a2a);
-# None and "p2p" (Megatron's default; we have no ring) pick per layer kind: DENSE_A2A_MAX_SEQ.
+# None and "p2p" (Megatron's default; we have no ring) pick per layer kind: DENSE_A2A_MAX_SEQ
+# and FA4_GATHER_MIN_VOLUME_RATIO.
 CP_COMM_TYPES = (None, "p2p", "all_gather", "a2a")
 
 
@@ -420,7 +429,8 @@ class FusedDenseAttention(MegatronModule):
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (GQA groups not repeated)
     -> ``[sq, b, np * hn]``. Attention dropout is supported (under the tensor-parallel RNG
     tracker, as Megatron does it), except with context parallelism. There, by ``cp_comm_type``
-    (default: by length, :data:`DENSE_A2A_MAX_SEQ`), each rank either attends the whole sequence
+    (default: by length, :data:`DENSE_A2A_MAX_SEQ`, and on FlashAttention-4 by the GQA ratio,
+    :data:`FA4_GATHER_MIN_VOLUME_RATIO`), each rank either attends the whole sequence
     for its share of the heads (the head all-to-all, :mod:`megatron_s2.context_parallel_a2a`)
     or its two query chunks to the all-gathered keys, causally aligned at each chunk's end
     (cuDNN on Hopper, FlashAttention's varlen kernel on other GPUs;
@@ -467,6 +477,7 @@ class FusedDenseAttention(MegatronModule):
             prefer_a2a=True,
         )
         self._dense_patterns = {}
+        self._fa4_agreed = {}  # (dtype, head_dim) -> FA4 on every CP rank (_fa4_on_every_rank)
 
     def extra_repr(self) -> str:
         return (
@@ -516,14 +527,27 @@ class FusedDenseAttention(MegatronModule):
     def _auto_a2a(self, query, key) -> bool:
         """Whether the default ("auto") communication is the head all-to-all for this rank's
         ``query [2c, b, np, hn]`` and ``key [2c, b, ng, hn]``: up to DENSE_A2A_MAX_SEQ tokens,
-        except with FlashAttention-4 under GQA, where the all-gather moves only the few K/V
-        heads and FA4's chunk calls keep its rate (with the transfers on two H100s at 32k,
-        16/4 heads: 0.91-0.92 of the SDPA layer's per-token time against 0.95-0.96 on the
-        all-to-all; without GQA the all-to-all led, 0.97-0.98 against 0.99-1.00)."""
-        if query.shape[0] * self.cp_group.size() > DENSE_A2A_MAX_SEQ:
+        except on FlashAttention-4 where GQA makes the all-to-all move
+        FA4_GATHER_MIN_VOLUME_RATIO times the all-gather's bytes or more (FA4's chunk calls keep
+        its rate, so the smaller transfer wins)."""
+        cp = self.cp_group.size()
+        if query.shape[0] * cp > DENSE_A2A_MAX_SEQ:
             return False
-        gqa = key.shape[2] != query.shape[2]
-        return not (gqa and use_fa4(self.dense_backend, query))
+        volume_ratio = (query.shape[2] / key.shape[2] + 1) / cp
+        return volume_ratio < FA4_GATHER_MIN_VOLUME_RATIO or not self._fa4_on_every_rank(query)
+
+    def _fa4_on_every_rank(self, query) -> bool:
+        """Whether every CP rank runs FA4 on queries like ``query``: agreed once per dtype and
+        head dim (one all-reduce), because the answer picks the communication, and ranks that
+        picked differently (FA4 importable on some nodes only) would hang in their exchanges."""
+        key = (query.dtype, query.shape[-1])
+        if key not in self._fa4_agreed:
+            here = torch.tensor([int(use_fa4(self.dense_backend, query))], device=query.device)
+            torch.distributed.all_reduce(
+                here, op=torch.distributed.ReduceOp.MIN, group=self.cp_group
+            )
+            self._fa4_agreed[key] = bool(here.item())
+        return self._fa4_agreed[key]
 
     def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
         """The cp_comm_type="a2a" path's whole sequence of one head group: every head group is

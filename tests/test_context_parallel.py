@@ -101,9 +101,13 @@ def _check_comm_choice(causal):
     values we do not run refused by name, "a2a" refused where the heads do not split."""
     from megatron_s2.attention import FusedDenseAttention, S2CoreAttention
 
-    def build(cls, groups=4, **kw):
+    def build(cls, groups=4, config_kw=None, **kw):
         cfg = tiny_s2_config(
-            SCHEDULE, s2_seq_length=SEQ, context_parallel_size=2, num_query_groups=groups
+            SCHEDULE,
+            s2_seq_length=SEQ,
+            context_parallel_size=2,
+            num_query_groups=groups,
+            **(config_kw or {}),
         )
         return cls(
             config=cfg, layer_number=1 + (cls is FusedDenseAttention), **kw, attn_mask_type=causal
@@ -121,7 +125,13 @@ def _check_comm_choice(causal):
     import megatron_s2.attention as attention
 
     dense, taken = build(FusedDenseAttention), []
-    names = ("attend_heads_a2a", "dense_local_chunks", "DENSE_A2A_MAX_SEQ", "use_fa4")
+    names = (
+        "attend_heads_a2a",
+        "dense_local_chunks",
+        "DENSE_A2A_MAX_SEQ",
+        "use_fa4",
+        "FA4_GATHER_MIN_VOLUME_RATIO",
+    )
     saved = [getattr(attention, n) for n in names]
     attention.attend_heads_a2a = lambda *a, **k: taken.append("a2a")
     attention.dense_local_chunks = lambda *a, **k: taken.append("all_gather")
@@ -130,17 +140,32 @@ def _check_comm_choice(causal):
         for limit in (SEQ, SEQ - 1):
             attention.DENSE_A2A_MAX_SEQ = limit
             dense(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
-        # With FlashAttention-4 (stood in for): GQA takes the all-gather, MHA the all-to-all.
+        # With FlashAttention-4 (stood in for: every backend but "sdpa" takes it): 8 query
+        # heads on 4 K/V heads at CP=2 would make the all-to-all move 1.5x the all-gather's
+        # bytes, under FA4_GATHER_MIN_VOLUME_RATIO, so the all-to-all; at a ratio of 1.5
+        # and up the all-gather; with dense_backend "sdpa" the all-to-all again.
         attention.DENSE_A2A_MAX_SEQ = SEQ
-        attention.use_fa4 = lambda backend, q, p=0.0: True
-        dense(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
+        seen = []
+
+        def fa4_stand_in(backend, query, dropout=0.0):
+            seen.append(query.shape)
+            return backend != "sdpa"
+
+        attention.use_fa4 = fa4_stand_in
+        rows = [x[: SEQ // 2] for x in (q, k, v)]
+        dense(*rows, None)
+        attention.FA4_GATHER_MIN_VOLUME_RATIO = 1.5
+        dense(*rows, None)
+        build(FusedDenseAttention, config_kw={"dense_backend": "sdpa"})(*rows, None)
         mha = build(FusedDenseAttention, groups=8)
         q, k, v, _ = _inputs(seed=1, heads=8, groups=8, dim=mha.config.kv_channels)
-        mha(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)
+        mha(q[: SEQ // 2], k[: SEQ // 2], v[: SEQ // 2], None)  # ratio 1: the all-to-all
     finally:
         for n, value in zip(names, saved):
             setattr(attention, n, value)
-    assert taken == ["a2a", "all_gather", "all_gather", "a2a"]
+    assert taken == ["a2a", "all_gather", "a2a", "all_gather", "a2a", "a2a"]
+    # FA4 was asked about the rank's own queries, once a layer (the ranks' answers agreed).
+    assert seen == [rows[0].shape] * 2
     with pytest.raises(ValueError, match=r"cp_comm_type='a2a\+p2p' is not supported.*one of"):
         build(FusedDenseAttention, cp_comm_type="a2a+p2p")
     with pytest.raises(ValueError, match=r"key/value heads \(1\) .* context_parallel_size \(2\)"):

@@ -8,10 +8,11 @@ GPU's whole-sequence layer: does CP cost a dense layer anything per token?
     torchrun --nproc-per-node 2 tools/cp_exchange_benchmark.py --fa4   # FlashAttention-4 too
 
 Every rank times, forward + backward, round by round with each other (``gpu_timing``, the same
-rounds on every rank so that their exchanges pair up):
+rounds on every rank so that their exchanges pair up, the ranks meeting before each run):
 
 * ``CP=1``: the whole sequence of all heads on the rank's own GPU, as ``FusedDenseAttention``
-  runs it without CP (SDPA/cuDNN; FlashAttention-4 is left out: ``dense_attention=sdpa``);
+  runs it without CP (SDPA/cuDNN, ``dense_attention=sdpa``; with ``--fa4`` also on
+  FlashAttention-4, and every CP row again on it);
 * ``a2a``: the head all-to-all (``attend_heads_a2a``) over the CP group, its transfers
   included;
 * ``all-gather``: K/V gathered, the rank's two chunks by the rank-level cuDNN function
@@ -86,9 +87,9 @@ def run(
     kernels = [("", sdpa, "sdpa")]
     if fa4:
         why_not = fa4_unusable_reason(q)
-        if why_not:
+        if why_not and rank == 0:
             print(f"# FlashAttention-4 rows left out: {why_not}", file=sys.stderr)
-        else:
+        if not why_not:
             rows.append(("CP=1, FA4", fwd_bwd_step(lambda: fa4_whole(q, k, v), (q, k, v)), seq))
             kernels.append((", FA4", fa4_whole, "fa4"))
     for kernel, attend, backend in kernels:
@@ -106,7 +107,15 @@ def run(
                 (rq, rk, rv),
             )
             rows.append((f"CP={cp} all-gather{kernel}{label}", gather, seq // cp))
-    ms = time_rows([step for _, step, _ in rows], min_runs=RUNS, rep=0.0)
+    # The ranks meet before every timed run: a row after one without exchanges (CP=1) would
+    # otherwise include waiting for the slower rank to finish it.
+    token = torch.zeros(1, device=dev)
+    ms = time_rows(
+        [step for _, step, _ in rows],
+        min_runs=RUNS,
+        rep=0.0,
+        before=lambda: dist.all_reduce(token, group=group),
+    )
     mine = torch.tensor([ms, [t / n for t, (_, _, n) in zip(ms, rows)]], device=dev)
     every = [torch.empty_like(mine) for _ in range(cp)]
     dist.all_gather(every, mine, group=group)

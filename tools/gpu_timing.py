@@ -32,10 +32,17 @@ def round_order(n_rows: int, rounds: int) -> list[int]:
     return [i for r in range(rounds) for i in (range(n_rows)[:: 1 if r % 2 == 0 else -1])]
 
 
-def time_rows(fns: list[Callable], min_runs: int = MIN_RUNS, rep: float = 100.0) -> list[float]:
+def time_rows(
+    fns: list[Callable],
+    min_runs: int = MIN_RUNS,
+    rep: float = 100.0,
+    before: Callable[[], None] | None = None,
+) -> list[float]:
     """Median ms of each of ``fns`` (CUDA events, L2 flushed before each run) over
     ``min_runs`` rounds, or more where a round is short, at least ``rep`` ms a row on average;
-    every row runs :data:`WARMUP_RUNS` times untimed first (compiles included)."""
+    every row runs :data:`WARMUP_RUNS` times untimed first (compiles included). ``before`` runs
+    ahead of each timed run, outside its time (several processes: a barrier, so that no run's
+    time includes waiting for a peer that is still in the previous one)."""
     for _ in range(WARMUP_RUNS):
         for fn in fns:
             fn()
@@ -50,6 +57,8 @@ def time_rows(fns: list[Callable], min_runs: int = MIN_RUNS, rep: float = 100.0)
     events = []
     for which in round_order(len(fns), rounds):
         flush.zero_()
+        if before is not None:
+            before()
         ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev[0].record()
         fns[which]()
