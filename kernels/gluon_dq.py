@@ -1,8 +1,8 @@
 """The S2 dQ pass for Hopper (sm_90) in Triton's Gluon dialect: the forward's schedule
 (``gluon_forward.py``) with the backward's row math.
 
-Each (batch row, head, 128-row query tile) item walks the tile's row list (the forward's
-layout: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
+Each (batch row, head, 128-row query tile) item walks the tile's row list (the forward's layout
+at two consumer warpgroups: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
 
 * a loader warp TMA-loads the tile's Q, dO and O rows once, then each listed key tile's K and V
   into a ``NUM_STAGES`` ring shared by both consumers, guarded by ``ready``/``empty`` mbarriers;
@@ -253,7 +253,7 @@ if gluon is not None:
             q, do_masked, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first,
             offs_n, cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
-        if gf._tile_in_document(qt, BM, rows):
+        if gf._tile_in_document(qt, BM, 2, rows):
             # O was last read for delta: its buffer takes dQ on the way out.
             o.store((dq * sm_scale).to(o.dtype))
             fence_async_shared()
@@ -319,7 +319,7 @@ if gluon is not None:
             [CONSUMER_REGS, LOADER_REGS],
         )
         b, h, qt, item, tok, rows = _program_item(items)
-        if gf._tile_in_document(qt, BM, rows):  # else the consumers stored their rows themselves
+        if gf._tile_in_document(qt, BM, 2, rows):  # else the consumers stored their rows themselves
             row = b * q_row_b + tok + qt * 2 * BM
             col = b * q_col_b + h * q_col_h
             # dQ shares Q's coordinates (the wrapper makes it so).

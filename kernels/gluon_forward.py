@@ -1,18 +1,19 @@
 """The S2 forward for Hopper (sm_90) in Triton's Gluon dialect, FlashAttention-3-shaped.
 
 It runs the same tile lists as ``triton_attention._s2_fwd_kernel`` (``layout_for`` with 128-row
-query tiles: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``, the heaviest-first ``q_order``)
-through the producer/consumer schedule that plain ``triton.language`` does not express on sm_90:
+query tiles, 192-row ones at head_dim 64 on 64-token blocks: ``row_ptr``/``row_split``/``cols``,
+``lo``/``hi``, the heaviest-first ``q_order``) through the producer/consumer schedule that
+plain ``triton.language`` does not express on sm_90:
 
 * one loader warp walks the item's key-tile list and TMA-loads each K and V tile into a
   ``ring_stages`` ring of shared-memory buffers, each guarded by a ``ready`` mbarrier (the TMA
-  landed) and an ``empty`` one (both consumers are done with it);
-* two consumer warpgroups each own 64 rows of the 128-row query tile and run ``S = Q K^T``
-  (async wgmma; Q read once into registers on 64-key tiles, K from shared memory), the
-  online softmax in registers and ``O += P V`` (wgmma with P in registers),
-  software-pipelined so that a tile's softmax runs under the previous tile's ``P V``; full
-  entries skip the mask, partial ones apply the causal bound and the entry's ``[lo, hi)``
-  query range;
+  landed) and an ``empty`` one (every consumer is done with it);
+* two consumer warpgroups (three at head_dim 64 on 64-token blocks: :func:`consumers_for`)
+  each own 64 rows of the query tile and run ``S = Q K^T`` (async wgmma; with two, Q read
+  once into registers on 64-key tiles; K from shared memory), the online softmax in
+  registers and ``O += P V`` (wgmma with P in registers), software-pipelined so that a
+  tile's softmax runs under the previous tile's ``P V``; full entries skip the mask, partial
+  ones apply the causal bound and the entry's ``[lo, hi)`` query range;
 * the epilogue writes the LSE (natural log, ``-inf`` for rows that attend nothing) and the
   output to shared memory, which a storer warp TMA-stores while the consumers go on.
 
@@ -70,7 +71,14 @@ from .layout import layout_for
 
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M extent of 4 warps
 NUM_CONSUMERS = 2  # warpgroups sharing each K/V tile; the query tile is their rows together
-TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m
+TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m (and the sequences' granularity)
+# At head_dim 64 one warpgroup's step issues about as many instructions and exponentials as
+# the tensor cores take clocks for its products, so two warpgroups cannot hide each other's
+# latencies (docs/benchmarks.md, "What bounds head_dim 64"): there three share a 192-row query
+# tile, as FlashAttention-3 has it at that head dim. Their scores, P and O fit the smaller
+# register budget that three consumers leave (WIDE_CONSUMER_REGS).
+WIDE_CONSUMERS = 3
+WIDE_MAX_D = 64
 # K/V ring depth: 3 stages where they fit next to the Q and O tiles (block 64 at d 128 is
 # 3 x 32 + 64 KiB), else 2. The pipelined consumer holds a stage a step longer (see
 # _consume_row_list): with 2 stages the loader had half a step to land the next tile.
@@ -100,18 +108,40 @@ if gluon is not None:
     # the loader only addresses (setmaxnreg moves the rest to the consumers).
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
+    # 12 consumer warps and 2 one-warp roles in 64K registers: (65536 - 64 * 24) / 384.
+    WIDE_CONSUMER_REGS = gl.constexpr(160)
     NO_KEY_END = gl.constexpr(INT32_MAX)
     # Q is the scores' register operand on key tiles of up to Q_IN_REGISTERS_MAX_N keys whose
     # scores and Q together fit (tile x head_dim up to Q_IN_REGISTERS_MAX_ND): 64-key tiles,
     # and 128-key ones (head_dim 64, key_tile) with the checked Triton (3.6: no spills,
     # forward 4% faster at 32k on an H100; 3.9's ptxas spills 96 bytes in the key loops there).
     Q_IN_REGISTERS_MAX_ND = gl.constexpr(64 * 128)
+    # ... and with two consumer warpgroups only: three (head_dim 64) have 160 registers a
+    # thread, and with Q there Triton 3.9's ptxas spilled 67 values in the key loops (3.6:
+    # none); on an H100 the forward ran 383 TF/s with Q in registers against 396 from shared
+    # memory (32k; docs/benchmarks.md, "Three consumer warpgroups at head_dim 64").
+    Q_IN_REGISTERS_MAX_CONSUMERS = gl.constexpr(2)
     Q_IN_REGISTERS_MAX_N = gl.constexpr(
         128 if triton.__version__.startswith(CHECKED_TRITON) else 64
     )
     # Triton 3.7 renamed the TMA copies; the old names raise there.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+def consumers_for(block_size: int, head_dim: int, q_start: int = 0, varlen=None) -> int:
+    """Consumer warpgroups of the forward (each 64 query rows of a work item's tile):
+    ``WIDE_CONSUMERS`` at head_dim up to ``WIDE_MAX_D`` on 64-token blocks of a whole sequence
+    (the tile's last rows may run past its end: masked store), else ``NUM_CONSUMERS``. Packed
+    documents, context-parallel chunks, gathered key tiles (blocks 16, 32) and 128-key tiles
+    keep two."""
+    wide = head_dim <= WIDE_MAX_D and block_size == 64 and not q_start and varlen is None
+    return WIDE_CONSUMERS if wide else NUM_CONSUMERS
+
+
+def forward_tile_m(block_size: int, head_dim: int, q_start: int = 0, varlen=None) -> int:
+    """Query rows of the forward's work item: the layout's ``block_m`` (:func:`consumers_for`)."""
+    return WG_ROWS * consumers_for(block_size, head_dim, q_start, varlen)
 
 
 def key_tile(block_size: int, head_dim: int) -> int:
@@ -206,11 +236,11 @@ if gluon is not None:
         return tok, rows
 
     @gluon.jit
-    def _tile_in_document(qt, BM: gl.constexpr, rows):
-        """Whether 128-row query tile ``qt`` (two warpgroups of ``BM`` rows) ends inside its
-        document of ``rows`` rows (a whole sequence's tiles always do): then TMA stores it, else
-        a masked store, as TMA would write over the next document's rows."""
-        return qt * 2 * BM + 2 * BM <= rows
+    def _tile_in_document(qt, BM: gl.constexpr, NC: gl.constexpr, rows):
+        """Whether query tile ``qt`` (``NC`` warpgroups of ``BM`` rows) ends inside its
+        document (or sequence) of ``rows`` rows: then TMA stores it, else a masked store, as
+        TMA would write over the next document's rows (or the next batch row's)."""
+        return qt * NC * BM + NC * BM <= rows
 
     @gluon.jit
     def _work_item(t, work):
@@ -233,24 +263,25 @@ if gluon is not None:
         cols, work, group, key_lo, key_stride, q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b,
         kv_col_h,
     ):  # fmt: skip
-        """This program's work items one after another: each item's two Q halves once the
-        consumers are done with the previous item's, then its K/V tiles into the ring, whose
-        positions run on across items (``ring``)."""
+        """This program's work items one after another: each item's Q tiles (one a consumer)
+        once the consumers are done with the previous item's, then its K/V tiles into the
+        ring, whose positions run on across items (``ring``)."""
+        NC: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         ring = 0
         n = 0
         for t in range(gl.program_id(0), work[3], gl.num_programs(0)):
             b, h, qt, item, tok, rows = _work_item(t, work)
             if rows > 0:
-                # A document's last tile reads on into the next document's rows (or zeros past
-                # the tensor's end): its queries' outputs are not stored, and its keys lie
-                # after every query of the document (masked as causal).
-                q_row = b * q_row_b + tok + qt * 2 * BM
+                # A document's (or a 192-row tiling's) last tile reads on into the next rows
+                # (or zeros past the tensor's end): its queries' outputs are not stored, and
+                # its keys lie after every query of the document (masked as causal).
+                q_row = b * q_row_b + tok + qt * NC * BM
                 q_col = b * q_col_b + h * q_col_h
                 mbarrier.wait(q_empty, (n & 1) ^ 1)
-                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-                _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-                _tma_load(q_desc, [q_row + BM, q_col], q_bar, q_smem.index(1))
+                mbarrier.expect(q_bar, NC * q_desc.block_type.nbytes)
+                for c in gl.static_range(NC):
+                    _tma_load(q_desc, [q_row + c * BM, q_col], q_bar, q_smem.index(c))
                 e0 = gl.load(row_ptr + item)
                 e2 = gl.load(row_ptr + item + 1)
                 kv_col = b * kv_col_b + (h // group) * kv_col_h
@@ -265,21 +296,22 @@ if gluon is not None:
     def _storer(
         o_desc, o_smem, o_ready, o_empty, work, o_row_b, o_col_b, o_col_h,
     ):  # fmt: skip
-        """TMA-stores each work item's output once both consumers have written their halves
+        """TMA-stores each work item's output once the consumers have written their rows
         to ``o_smem``, and frees the buffers for the next item when the copy has read them:
         the consumers go on to the next item meanwhile. A document's tile that runs past its
         end is stored by the consumers themselves (:func:`_consumer`)."""
+        NC: gl.constexpr = o_smem.type.shape[0]
         BM: gl.constexpr = o_smem.type.shape[1]
         n = 0
         for t in range(gl.program_id(0), work[3], gl.num_programs(0)):
             b, h, qt, item, tok, rows = _work_item(t, work)
             if rows > 0:
-                row = b * o_row_b + tok + qt * 2 * BM
+                row = b * o_row_b + tok + qt * NC * BM
                 col = b * o_col_b + h * o_col_h
                 mbarrier.wait(o_ready, n & 1)
-                if _tile_in_document(qt, BM, rows):
-                    _tma_store(o_desc, [row, col], o_smem.index(0))
-                    _tma_store(o_desc, [row + BM, col], o_smem.index(1))
+                if _tile_in_document(qt, BM, NC, rows):
+                    for c in gl.static_range(NC):
+                        _tma_store(o_desc, [row + c * BM, col], o_smem.index(c))
                     tma.store_wait(0)
                 mbarrier.arrive(o_empty, count=1)
                 n += 1
@@ -495,8 +527,8 @@ if gluon is not None:
         stride_lse_b, stride_lse_h, row_ptr, row_split, cols, los, his, work, qk_scale, q_start,
         key_lo, key_hi, key_stride, o_view, WG,
     ):  # fmt: skip
-        """Consumer warpgroup ``WG`` (0 or 1, a run-time value: it only selects the rows and
-        buffers): its 64 rows of each work item's query tile, at absolute positions from
+        """Consumer warpgroup ``WG`` (0 .. consumers - 1, a run-time value: it only selects the
+        rows and buffers): its 64 rows of each work item's query tile, at absolute positions from
         ``q_start`` (the masks': from the document's start for packed documents) and local
         rows from 0 (the LSE's, after the document's first row ``tok``)."""
         ring = 0
@@ -520,6 +552,7 @@ if gluon is not None:
         """One work item of :func:`_consumer`; returns the ring position and item count after
         it."""
         # Sizes from the shared-memory types: constexprs passed to a worker arrive as tensors.
+        NC: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
@@ -533,7 +566,7 @@ if gluon is not None:
         e0 = gl.load(row_ptr + item)
         e1 = gl.load(row_split + item)
         e2 = gl.load(row_ptr + item + 1)
-        q_loc = qt * 2 * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        q_loc = qt * NC * BM + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
         q_abs = q_start + q_loc
         acc = gl.zeros([BM, D], gl.float32, o_layout)
         mbarrier.wait(q_bar, n & 1)
@@ -542,8 +575,10 @@ if gluon is not None:
         # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
         # P V's reads of V); its buffer is then free for the next item's Q.
         q = q_smem.index(WG)
-        q_in_registers: gl.constexpr = (BN * D <= Q_IN_REGISTERS_MAX_ND) & (
-            BN <= Q_IN_REGISTERS_MAX_N
+        q_in_registers: gl.constexpr = (
+            (BN * D <= Q_IN_REGISTERS_MAX_ND)
+            & (BN <= Q_IN_REGISTERS_MAX_N)
+            & (NC <= Q_IN_REGISTERS_MAX_CONSUMERS)
         )
         if q_in_registers:
             q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -565,13 +600,13 @@ if gluon is not None:
         gl.store(LSE + b * stride_lse_b + h * stride_lse_h + tok + q_loc, lse, q_loc < rows)
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(o_empty, (n & 1) ^ 1)  # the previous item's output has left
-        if _tile_in_document(qt, BM, rows):
+        if _tile_in_document(qt, BM, NC, rows):
             o_smem.index(WG).store(out.to(o_smem.dtype))
             fence_async_shared()
         else:
             # The tile runs past its document's end: a TMA store would write over the next
             # document's rows, so the rows inside go out through a masked store.
-            _store_rows(out, o_view, b, h, tok, qt * 2 * BM + WG * BM, rows)
+            _store_rows(out, o_view, b, h, tok, qt * NC * BM + WG * BM, rows)
         mbarrier.arrive(o_ready, count=1)
         n += 1
         return ring, n
@@ -597,23 +632,23 @@ if gluon is not None:
         row_split, cols, los, his, order, prog_tok, prog_len, n_work, batch, num_q_tiles, seq_q,
         varlen, group, qk_scale, q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h,
         kv_row_b, kv_col_b, kv_col_h, o_row_b, o_col_b, o_col_h, STAGES: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr = NUM_CONSUMERS,
     ):  # fmt: skip
-        """Programs striding through the ``n_work`` work items (a 128-row query tile of one head
-        and batch row, or of one document, each: :func:`_work_item`): one per SM on S2
-        patterns, one per item on long causal rows (:func:`persistent_programs`). Within a
-        program the loader fetches the next item's Q and first K/V tiles while the consumers
-        finish the current one, and the output leaves through the storer while they start the
-        next."""
+        """Programs striding through the ``n_work`` work items (a query tile of ``CONSUMERS``
+        x 64 rows of one head and batch row, or of one document, each: :func:`_work_item`):
+        one per SM on S2 patterns, one per item on long causal rows
+        (:func:`persistent_programs`). Within a program the loader fetches the next item's Q
+        and first K/V tiles while the consumers finish the current one, and the output leaves
+        through the storer while they start the next."""
         q_smem = gl.allocate_shared_memory(
-            q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
+            q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout
         )
         # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
         D: gl.constexpr = k_desc.block_type.shape[1]
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         o_smem = gl.allocate_shared_memory(
-            o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
+            o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout
         )
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -622,12 +657,12 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        mbarrier.init(q_empty, count=2)  # both consumer warpgroups release Q
-        mbarrier.init(o_ready, count=2)  # both have written their output rows
+        mbarrier.init(q_empty, count=CONSUMERS)  # every consumer warpgroup releases Q
+        mbarrier.init(o_ready, count=CONSUMERS)  # every one has written its output rows
         mbarrier.init(o_empty, count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+            mbarrier.init(empty.index(s), count=CONSUMERS)  # every consumer releases a stage
         fence_async_shared()
         work = (order, prog_tok, prog_len, n_work, batch, num_q_tiles, seq_q, varlen)
         o_view = (out_ptr, o_stride, o_row_b, o_col_b, o_col_h)
@@ -642,18 +677,32 @@ if gluon is not None:
             kv_row_b, kv_col_b, kv_col_h,
         )  # fmt: skip
         storer_args = (o_desc, o_smem, o_ready, o_empty, work, o_row_b, o_col_b, o_col_h)
-        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 (4 warps),
-        # the loader and the storer (1 warp each), with their register budgets.
-        gl.warp_specialize(
-            [
-                (_consumer, consumer_args + (gl.to_tensor(0),)),
-                (_consumer, consumer_args + (gl.to_tensor(1),)),
-                (_loader, loader_args),
-                (_storer, storer_args),
-            ],
-            [4, 1, 1],
-            [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
-        )
+        # The default partition (this kernel's 4 warps) is consumer 0; then the other
+        # consumers (4 warps each), the loader and the storer (1 warp each), with their
+        # register budgets.
+        if CONSUMERS == 3:  # WIDE_CONSUMERS
+            gl.warp_specialize(
+                [
+                    (_consumer, consumer_args + (gl.to_tensor(0),)),
+                    (_consumer, consumer_args + (gl.to_tensor(1),)),
+                    (_consumer, consumer_args + (gl.to_tensor(2),)),
+                    (_loader, loader_args),
+                    (_storer, storer_args),
+                ],
+                [4, 4, 1, 1],
+                [WIDE_CONSUMER_REGS, WIDE_CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, consumer_args + (gl.to_tensor(0),)),
+                    (_consumer, consumer_args + (gl.to_tensor(1),)),
+                    (_loader, loader_args),
+                    (_storer, storer_args),
+                ],
+                [4, 1, 1],
+                [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+            )
 
 
 # ------------------------------------------------------------------------------------ wrapper
@@ -714,10 +763,13 @@ def paired_tma_views(a: torch.Tensor, b: torch.Tensor, b_is_output: bool = False
     return a, b, va, vb
 
 
-def ring_stages(block: int, head_dim: int, element_bytes: int = 2) -> int:
-    """K/V ring depth of the forward for key tiles of ``block`` rows (16-bit elements)."""
+def ring_stages(
+    block: int, head_dim: int, element_bytes: int = 2, consumers: int = NUM_CONSUMERS
+) -> int:
+    """K/V ring depth of the forward for key tiles of ``block`` rows (16-bit elements) next to
+    the Q and O tiles of ``consumers`` warpgroups."""
     tile = block * head_dim * element_bytes
-    fixed = 2 * NUM_CONSUMERS * WG_ROWS * head_dim * element_bytes  # Q and O tiles
+    fixed = 2 * consumers * WG_ROWS * head_dim * element_bytes  # Q and O tiles
     fits = (SHARED_BUDGET_BYTES - fixed) // (2 * tile)
     return max(2, min(MAX_STAGES, fits))
 
@@ -769,8 +821,8 @@ def s2_forward_gluon(
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
     self-attention, a context-parallel chunk's start otherwise); ``scale`` the softmax scale;
-    ``lay`` the pattern's layout at 128-row query tiles and :func:`key_tile` keys for this
-    ``(s, sk, q_start)`` (built when None). With ``keys`` (a
+    ``lay`` the pattern's layout at :func:`forward_tile_m` query rows and :func:`key_tile`
+    keys for this ``(s, sk, q_start)`` (built when None). With ``keys`` (a
     :class:`gathered_keys.GatheredKeys`, block 16/32) the key tiles are gathered ones (their
     own layout), each loaded from k/v block by block. Returns ``out`` like q (q's layout where
     q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
@@ -785,17 +837,19 @@ def s2_forward_gluon(
     gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1], lay)
     box = bn = key_tile(pattern.block_size, d)  # TMA box rows: a pattern block or half of one
     group = pattern.group_size
+    consumers = consumers_for(pattern.block_size, d, q_start, varlen)
+    tile_m = WG_ROWS * consumers
     if keys is not None:
-        lay = keys.layout(TILE_M, q_start=q_start)
+        lay = keys.layout(tile_m, q_start=q_start)
         bn = lay.block_n
     if lay is None and varlen is not None:
-        lay = varlen.layout(pattern, TILE_M, bn, q.device)
+        lay = varlen.layout(pattern, tile_m, bn, q.device)
     if lay is None:
-        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
-    if lay.block_m != TILE_M or lay.block_n != bn:
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, tile_m, bn, q.device)
+    if lay.block_m != tile_m or lay.block_n != bn:
         raise ValueError(
             f"s2_forward_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
-            f"{TILE_M} x {bn}"
+            f"{tile_m} x {bn}"
         )
     out = torch.empty_like(q)  # q's layout where q is dense (Megatron's [s, b, h, d] too)
     lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
@@ -845,8 +899,9 @@ def s2_forward_gluon(
         *qv[1:],
         *kv_[1:],
         *ov[1:],
-        STAGES=ring_stages(bn, d),
+        STAGES=ring_stages(bn, d, consumers=consumers),
         BLOCK_N=bn,
+        CONSUMERS=consumers,
         num_warps=4,
     )
     return out, lse
@@ -866,7 +921,7 @@ def persistent_programs(n_work: int, mean_tiles: float, device) -> int:
     return min(n_work, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
+def compile_for_sm90(head_dim: int, block: int, out_dir: str, consumers: int = 0) -> dict:
     """Compile the kernel for an H100 (sm_90a) without a GPU, bf16 tiles; the cubin goes to
     ``out_dir``. Returns ``hgmma`` (wgmma instructions in the SASS), ``local_memory`` and
     ``stack_bytes`` (a thread's local memory and stack frame: spilled registers land in the
@@ -875,17 +930,20 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
     SASS: as many as ``hgmma`` when ptxas serialized the wgmma, C7512/C7514),
     ``shared_bytes``, ``registers`` (the default partition's). Needs ``cuobjdump`` next to
     Triton's ``ptxas``; not under ``TRITON_INTERPRET=1``. ``block``: the pattern's (blocks 16
-    and 32 load gathered 64-key tiles box by box)."""
+    and 32 load gathered 64-key tiles box by box); ``consumers``: the consumer warpgroups
+    (0: what :func:`consumers_for` takes for a whole sequence)."""
     box = key_tile(block, head_dim)
     tile = max(box, gathered_keys.TILE_N)
+    consumers = consumers or consumers_for(block, head_dim)
     return compile_kernel_for_sm90(
         _s2_fwd_gluon_kernel,
         head_dim,
         {"q_desc": WG_ROWS, "k_desc": box, "v_desc": box, "o_desc": WG_ROWS},
         {"LSE": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32", **ROW_LIST_TYPES},
-        ring_stages(tile, head_dim),
-        os.path.join(out_dir, f"fwd_d{head_dim}_n{block}"),
+        ring_stages(tile, head_dim, consumers=consumers),
+        os.path.join(out_dir, f"fwd_d{head_dim}_n{block}_c{consumers}"),
         block_n=tile,
+        CONSUMERS=consumers,
     )
 
 
@@ -1038,20 +1096,22 @@ def emulated_rows(x: torch.Tensor, bb: int, r: torch.Tensor, head: int) -> torch
 
 def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None, varlen=None):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
-    order (with ``varlen``, the program map), warpgroup split of each 128-row tile, full/partial
+    order (with ``varlen``, the program map), warpgroup split of each query tile, full/partial
     entry split, masks, base-2 online softmax and reads past a document's end (the next
     document's rows, zeros past the tensor's, as TMA gives), so that its index logic is
     checked where no GPU is. Shapes, ``q_start``, ``keys`` and ``varlen`` as
     :func:`s2_forward_gluon`; returns ``(out, lse)`` in float64."""
     b, s, hq, d = q.shape
     bn = key_tile(pattern.block_size, d)
+    consumers = consumers_for(pattern.block_size, d, q_start, varlen)
+    tile_m = WG_ROWS * consumers
     if keys is not None:
-        lay = keys.layout(TILE_M, q_start=q_start)
+        lay = keys.layout(tile_m, q_start=q_start)
         bn = lay.block_n
     elif varlen is not None:
-        lay = varlen.layout(pattern, TILE_M, bn, q.device)
+        lay = varlen.layout(pattern, tile_m, bn, q.device)
     else:
-        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, tile_m, bn, q.device)
     qk_scale = scale / LN2
     out = torch.zeros(b, s, hq, d, dtype=torch.float64)
     lse = torch.empty(b, hq, s, dtype=torch.float64)
@@ -1062,8 +1122,8 @@ def emulate_forward(q, k, v, pattern, scale: float, q_start: int = 0, keys=None,
         h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // pattern.group_size
         e0, e1, e2 = row_ptr[item], row_split[item], row_ptr[item + 1]
-        for wg in range(NUM_CONSUMERS):
-            q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
+        for wg in range(consumers):
+            q_loc = qt * tile_m + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
             qq = emulated_rows(q, bb, tok + q_loc, h)
             m_i = torch.full((WG_ROWS,), -math.inf, dtype=torch.float64)

@@ -1485,11 +1485,12 @@ def s2_forward(
             return gluon_forward.s2_forward_gluon(
                 q, k, v, pattern, scale, q_start=q_start, keys=keys
             )
-        tile, bn = gluon_forward.TILE_M, gluon_forward.key_tile(pattern.block_size, d)
+        tile = gluon_forward.forward_tile_m(pattern.block_size, d, q_start, varlen)
+        bn = gluon_forward.key_tile(pattern.block_size, d)
         lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, bn, q.device, varlen)
-        # A user mask that cannot merge two blocks into a 128-row tile falls back to smaller
-        # tiles, which the Gluon kernel does not take.
-        if lay.block_m == gluon_forward.TILE_M:
+        # A user mask that cannot merge blocks into a 128- or 192-row tile falls back to
+        # smaller tiles, which the Gluon kernel does not take.
+        if lay.block_m == tile:
             return gluon_forward.s2_forward_gluon(
                 q, k, v, pattern, scale, lay, q_start, varlen=varlen
             )

@@ -33,6 +33,10 @@ needs_gluon = pytest.mark.skipif(gf.gluon is None, reason="this Triton has no Gl
         (1, 768, 2, 2, 128, 128, 2, 2, 0),  # the same at head_dim 128: 64-key halves of blocks
         (1, 512, 2, 2, 16, 64, 16, 1, 0),  # dense causal
         (1, 640, 4, 2, 16, 64, 2, 4, 3),  # a TP rank's heads (phase from head 3)
+        # head_dim 64: three warpgroups, 192-row tiles; 640 rows end in a 64-row tile
+        (2, 640, 4, 2, 64, 64, 4, 2, 1),
+        (1, 768, 2, 2, 64, 64, 16, 1, 0),  # dense causal, tiles that fill the sequence
+        (1, 640, 2, 2, 128, 64, 4, 2, 0),  # head_dim 128: two warpgroups, 128-row tiles
     ],
 )
 def test_emulated_schedule_matches_reference(
@@ -203,9 +207,22 @@ def test_calls_it_does_not_take_say_why():
     assert "sm_90" in why(q=q[:, :128], qs=128)  # a context-parallel chunk passes the rest
 
 
+def test_three_warpgroups_at_head_dim_64_on_whole_sequences_of_64_token_blocks():
+    """Three consumers (192-row tiles) where two cannot hide each other's latencies (head_dim
+    64, 64-key tiles), two wherever else the tiling or registers differ."""
+    assert gf.consumers_for(64, 64) == 3 and gf.forward_tile_m(64, 64) == 192
+    assert gf.consumers_for(64, 128) == 2 and gf.forward_tile_m(64, 128) == 128
+    assert gf.consumers_for(128, 64) == 2  # 128-key tiles: their scores fill the registers
+    assert gf.consumers_for(16, 64) == 2  # gathered key tiles
+    assert gf.consumers_for(64, 64, q_start=256) == 2  # a context-parallel chunk
+    assert gf.consumers_for(64, 64, varlen=object()) == 2  # packed documents
+    # three 64-row tiles of Q and O and three K/V stages of 64 x 64 fit the budget
+    assert gf.ring_stages(64, 64, consumers=3) == 3
+
+
 @needs_gluon
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 128), (128, 16)])  # 16: gathered
+@pytest.mark.parametrize("head_dim,block", [(128, 64), (64, 128), (128, 16), (64, 64)])
 def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     """The installed Triton builds the kernel for the H100: a Gluon API change shows here, not
     first on a user's GPU. wgmma (HGMMA in SASS) for both MMAs, no local memory."""
@@ -225,7 +242,8 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(head_dim, block, tmp_path):
     # checked Triton, on 128-key ones at head_dim 64): with both operands in shared memory a
     # 64-key product reads 128 bytes a clock.
     tile = max(block, 64)
-    if tile * head_dim <= 64 * 128 and (tile == 64 or gf.triton_checked()):
+    three = gf.consumers_for(block, head_dim) == 3  # Q from shared memory there
+    if tile * head_dim <= 64 * 128 and (tile == 64 or gf.triton_checked()) and not three:
         assert got["hgmma_register_a"] == got["hgmma"]
     else:
         assert 0 < got["hgmma_register_a"] < got["hgmma"]

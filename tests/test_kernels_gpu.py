@@ -422,7 +422,9 @@ def _gluon_or_skip():
 @pytest.mark.parametrize(
     "batch,seq,heads,kv_heads,head_dim,block,local,stride",
     [
-        (2, 1024, 4, 4, 64, 64, 4, 4),
+        (2, 1024, 4, 4, 64, 64, 4, 4),  # head_dim 64: 192-row tiles, the last of 64 rows
+        (2, 1152, 8, 2, 64, 64, 4, 4),  # ... tiles that fill the sequence, GQA
+        (1, 1280, 4, 4, 64, 64, 16, 1),  # ... dense causal, the last tile of 128 rows
         (1, 2048, 8, 2, 128, 64, 4, 8),  # GQA
         (1, 1536, 4, 4, 128, 128, 2, 4),  # 128-token blocks
         (1, 2048, 4, 4, 128, 64, 16, 1),  # dense causal

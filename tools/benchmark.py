@@ -527,8 +527,12 @@ def pass_calls(package: str, pat, q, k, v, do) -> list:
     else:
         # The forward's key tile (before key_tile existed, a copy's was the pattern's block).
         bn = getattr(gf, "key_tile", lambda block, d: block)(pat.block_size, q.shape[-1])
+        # The forward's query tile (a baseline copy from before forward_tile_m: TILE_M).
+        fwd_tile = getattr(gf, "forward_tile_m", lambda block, d: gf.TILE_M)(
+            pat.block_size, q.shape[-1]
+        )
         tiles = {
-            "fwd": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, gf.TILE_M, bn, dev)),
+            "fwd": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, fwd_tile, bn, dev)),
             "dq": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, gq.TILE_M, gd.BLOCK_N, dev)),
             "dkdv": dict(
                 lay=lay.layout_for(pat, seq, seq, 0, 0, gd.TILE_M, gd.BLOCK_N, dev, with_csc=True)
