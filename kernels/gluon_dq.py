@@ -47,7 +47,7 @@ if gluon is not None:
 
 BLOCK_N = 64  # keys per listed tile (the pattern block)
 WG_ROWS = gf.WG_ROWS  # query rows per consumer warpgroup
-TILE_M = gf.TILE_M  # the layout's block_m: both warpgroups' rows
+TILE_M = gf.TILE_M  # the layout's block_m at two consumer warpgroups
 NUM_STAGES = 2  # K/V ring depth: 2 x (K + V) tiles of 64 x 128 bf16 is 64 KiB
 LOG2E = 1.0 / math.log(2.0)
 
@@ -55,10 +55,18 @@ LOG2E = 1.0 / math.log(2.0)
 if gluon is not None:
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
+    # Three consumer warpgroups and the loader warp (padded to a warpgroup): 160-168 each.
+    WIDE_CONSUMER_REGS = gl.constexpr(160)
     # dO is a register operand in the full entries' loop, and in the masked loop up to
     # MASKED_DO_IN_REGISTERS_MAX_D: at head_dim 128 the masks need those registers (dO in
     # registers in both loops spilled 152 bytes).
     DO_IN_REGISTERS_MAX_D = gl.constexpr(128)
+    # Q and dO are register operands with two consumer warpgroups only: three (head_dim 64)
+    # have 160 registers a thread, where Triton 3.6's ptxas spilled 131 values in the key loops
+    # with both in registers, 7 with one; from shared memory the pass ran as fast (H100:
+    # docs/benchmarks.md, "Three consumer warpgroups at head_dim 64").
+    Q_IN_REGISTERS_MAX_CONSUMERS = gl.constexpr(2)
+    DO_IN_REGISTERS_MAX_CONSUMERS = gl.constexpr(2)
     MASKED_DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
 
     @gluon.jit
@@ -95,20 +103,21 @@ if gluon is not None:
         """The loader's work for one item: Q, dO and O rows (a document's last tile reads on
         into the next document's rows, or zeros past the tensor's end: rows whose results are
         not stored), then the item's K/V tiles into the ring."""
+        NC: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h = views
-        q_row = b * q_row_b + tok + qt * 2 * BM
+        q_row = b * q_row_b + tok + qt * NC * BM
         q_col = b * q_col_b + h * q_col_h
-        o_row = b * o_row_b + tok + qt * 2 * BM
+        o_row = b * o_row_b + tok + qt * NC * BM
         o_col = b * o_col_b + h * o_col_h
         mbarrier.expect(
             row_bar,
-            2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes),
+            NC * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes),
         )
-        for half in gl.static_range(2):
-            gf._tma_load(q_desc, [q_row + half * BM, q_col], row_bar, q_smem.index(half))
-            gf._tma_load(do_desc, [o_row + half * BM, o_col], row_bar, do_smem.index(half))
-            gf._tma_load(o_desc, [o_row + half * BM, o_col], row_bar, o_smem.index(half))
+        for c in gl.static_range(NC):
+            gf._tma_load(q_desc, [q_row + c * BM, q_col], row_bar, q_smem.index(c))
+            gf._tma_load(do_desc, [o_row + c * BM, o_col], row_bar, do_smem.index(c))
+            gf._tma_load(o_desc, [o_row + c * BM, o_col], row_bar, o_smem.index(c))
         e0 = gl.load(row_ptr + item)
         e2 = gl.load(row_ptr + item + 1)
         kv_col = b * kv_col_b + (h // group) * kv_col_h
@@ -198,6 +207,7 @@ if gluon is not None:
         masks'), rows from the document's first row ``tok`` (Q, dO, O, LSE, delta, dQ); rows
         past the document's end (``rows``) read an LSE of +inf, so their P is 0, and are not
         stored."""
+        NC: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
@@ -211,21 +221,24 @@ if gluon is not None:
         e1 = gl.load(row_split + item)
         e2 = gl.load(row_ptr + item + 1)
         row_off = b * stride_lse_b + h * stride_lse_h + tok
-        first = qt * 2 * BM + WG * BM
+        first = qt * NC * BM + WG * BM
         # Local rows index Q, dO, O, LSE and delta; absolute positions (from q_start) the masks.
         q_loc = first + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
         q_abs = q_start + q_loc
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(row_bar, 0)
         # Q (and dO up to DO_IN_REGISTERS_MAX_D, in the full entries' loop) as the register
-        # operands of S = Q K^T and dP = dO V^T: read from shared memory once, not by every
+        # operands of S = Q K^T and dP = dO V^T, with two consumer warpgroups (see
+        # Q_IN_REGISTERS_MAX_CONSUMERS): read from shared memory once, not by every
         # step's 64-key products (with both operands there, each reads 128 bytes a clock: an
         # SM's whole shared-memory bandwidth, which the K/V TMA writes and dQ += dS K share).
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        q = q_smem.index(WG).load(a_layout)
+        q = q_smem.index(WG)
+        if NC <= Q_IN_REGISTERS_MAX_CONSUMERS:
+            q = q.load(a_layout)
         do_s = do_smem.index(WG)
         do = do_s
-        if D <= DO_IN_REGISTERS_MAX_D:
+        if (D <= DO_IN_REGISTERS_MAX_D) & (NC <= DO_IN_REGISTERS_MAX_CONSUMERS):
             do = do_s.load(a_layout)
         do_masked = do_s
         if D <= MASKED_DO_IN_REGISTERS_MAX_D:
@@ -253,7 +266,7 @@ if gluon is not None:
             q, do_masked, k_bufs, v_bufs, ready, empty, dq, lse2, delta, q_abs, q_start + first,
             offs_n, cols, los, his, e1, e2, e0, qk_scale, key_lo, key_hi, gathered, True,
         )  # fmt: skip
-        if gf._tile_in_document(qt, BM, 2, rows):
+        if gf._tile_in_document(qt, BM, NC, rows):
             # O was last read for delta: its buffer takes dQ on the way out.
             o.store((dq * sm_scale).to(o.dtype))
             fence_async_shared()
@@ -269,18 +282,19 @@ if gluon is not None:
         prog_tok, prog_len, n_items, num_q_tiles, seq_q, varlen, group, qk_scale, sm_scale,
         q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b,
         o_col_h, kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        CONSUMERS: gl.constexpr = 2,
     ):  # fmt: skip
-        """One program per (batch row, layout item), a 128-row query tile of one head, or per
-        slot of a packed-documents program map (:func:`_program_item`)."""
+        """One program per (batch row, layout item), a query tile of ``CONSUMERS`` x 64 rows of
+        one head, or per slot of a packed-documents program map (:func:`_program_item`)."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(
-            q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout
+            q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout
         )
         do_smem = gl.allocate_shared_memory(
-            do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout
+            do_desc.dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout
         )
         o_smem = gl.allocate_shared_memory(
-            o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
+            o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout
         )
         # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
         D: gl.constexpr = k_desc.block_type.shape[1]
@@ -292,7 +306,7 @@ if gluon is not None:
         mbarrier.init(row_bar, count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+            mbarrier.init(empty.index(s), count=CONSUMERS)  # every consumer releases a stage
         fence_async_shared()
         views = (q_row_b, q_col_b, q_col_h, o_row_b, o_col_b, o_col_h, kv_row_b, kv_col_b, kv_col_h)
         items = (order, n_items, num_q_tiles, prog_tok, prog_len, seq_q, varlen)
@@ -306,26 +320,46 @@ if gluon is not None:
             stride_lse_b, stride_lse_h, has_dlse, row_ptr, row_split, cols, los, his, items,
             qk_scale, sm_scale, q_start, key_lo, key_hi, key_stride, dq_view,
         )  # fmt: skip
-        # The default partition (this kernel's 4 warps) is consumer 0; then consumer 1 and the
-        # loader. The warpgroup index reaches a partition as a run-time value: it only selects
-        # the buffers and rows.
-        gl.warp_specialize(
-            [
-                (_consumer, consumer_args + (gl.to_tensor(0),)),
-                (_consumer, consumer_args + (gl.to_tensor(1),)),
-                (_loader, loader_args),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )
+        # The default partition (this kernel's 4 warps) is consumer 0; then the other consumers
+        # and the loader. The warpgroup index reaches a partition as a run-time value: it only
+        # selects the buffers and rows.
+        if CONSUMERS == 3:
+            gl.warp_specialize(
+                [
+                    (_consumer, consumer_args + (gl.to_tensor(0),)),
+                    (_consumer, consumer_args + (gl.to_tensor(1),)),
+                    (_consumer, consumer_args + (gl.to_tensor(2),)),
+                    (_loader, loader_args),
+                ],
+                [4, 4, 1],
+                [WIDE_CONSUMER_REGS, WIDE_CONSUMER_REGS, LOADER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, consumer_args + (gl.to_tensor(0),)),
+                    (_consumer, consumer_args + (gl.to_tensor(1),)),
+                    (_loader, loader_args),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOADER_REGS],
+            )
         b, h, qt, item, tok, rows = _program_item(items)
-        if gf._tile_in_document(qt, BM, 2, rows):  # else the consumers stored their rows themselves
-            row = b * q_row_b + tok + qt * 2 * BM
+        # else the consumers stored their rows themselves
+        if gf._tile_in_document(qt, BM, CONSUMERS, rows):
+            row = b * q_row_b + tok + qt * CONSUMERS * BM
             col = b * q_col_b + h * q_col_h
             # dQ shares Q's coordinates (the wrapper makes it so).
-            gf._tma_store(dq_desc, [row, col], o_smem.index(0))
-            gf._tma_store(dq_desc, [row + BM, col], o_smem.index(1))
+            for c in gl.static_range(CONSUMERS):
+                gf._tma_store(dq_desc, [row + c * BM, col], o_smem.index(c))
             tma.store_wait(0)
+
+
+def tile_m(block_size: int, head_dim: int, q_start: int = 0, varlen=None) -> int:
+    """Query rows of a dQ work item, the layout's ``block_m``: 64 per consumer warpgroup, as
+    many warpgroups as the forward runs (:func:`gluon_forward.consumers_for`: three at head_dim
+    64 on 64-token blocks of whole sequences, where two leave the step's latencies exposed)."""
+    return gf.forward_tile_m(block_size, head_dim, q_start, varlen)
 
 
 def s2_dq_gluon(
@@ -336,7 +370,7 @@ def s2_dq_gluon(
     sk, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None; the
     queries are positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`).
-    ``lay``: the pattern's layout at ``TILE_M`` x ``BLOCK_N`` tiles (the forward's at block
+    ``lay``: the pattern's layout at :func:`tile_m` x ``BLOCK_N`` tiles (the forward's at block
     64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
     :func:`gluon_forward.s2_forward_gluon` takes them. Returns ``dq`` like q and ``delta [b, hq,
     s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``triton_attention.bwd_dq``
@@ -348,16 +382,17 @@ def s2_dq_gluon(
     # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
     # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
+    tm = tile_m(pattern.block_size, d, q_start, varlen)
     if keys is not None:
-        lay = keys.layout(TILE_M, q_start=q_start)
+        lay = keys.layout(tm, q_start=q_start)
     if lay is None and varlen is not None:
-        lay = varlen.layout(pattern, TILE_M, BLOCK_N, q.device)
+        lay = varlen.layout(pattern, tm, BLOCK_N, q.device)
     if lay is None:
-        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, BLOCK_N, q.device)
-    if lay.block_m != TILE_M or lay.block_n != BLOCK_N:
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, tm, BLOCK_N, q.device)
+    if lay.block_m != tm or lay.block_n != BLOCK_N:
         raise ValueError(
             f"s2_dq_gluon: the layout has {lay.block_m} x {lay.block_n} tiles, the kernel "
-            f"{TILE_M} x {BLOCK_N}"
+            f"{tm} x {BLOCK_N}"
         )
     # dQ is written at Q's coordinates (q's layout where q is dense), dO and O share theirs,
     # K and V theirs.
@@ -415,13 +450,15 @@ def s2_dq_gluon(
         *kv_[1:],
         STAGES=NUM_STAGES,
         BLOCK_N=BLOCK_N,
+        CONSUMERS=tm // WG_ROWS,
         num_warps=4,
     )
     return dq, delta
 
 
 def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
-    """As :func:`gluon_forward.compile_for_sm90`, for this kernel."""
+    """As :func:`gluon_forward.compile_for_sm90`, for this kernel (as many consumer warpgroups
+    as :func:`tile_m` takes for a whole sequence)."""
     tiles = {n: WG_ROWS for n in ("q_desc", "do_desc", "o_desc", "dq_desc")}
     types = {n: "*fp32" for n in ("LSE", "DLSE", "DELTA")}
     types["dq_ptr"] = "*bf16"
@@ -434,6 +471,7 @@ def compile_for_sm90(head_dim: int, block: int, out_dir: str) -> dict:
         NUM_STAGES,
         os.path.join(out_dir, f"dq_d{head_dim}_n{block}"),
         block_n=BLOCK_N,
+        CONSUMERS=tile_m(block, head_dim) // WG_ROWS,
     )
 
 
@@ -441,18 +479,19 @@ def emulate_dq(
     do, dlse, q, k, v, out, lse, pattern, scale: float, q_start: int = 0, keys=None, varlen=None
 ):
     """The kernel's schedule in float64 PyTorch on any device: the same layout arrays, program
-    order (with ``varlen``, the program map), warpgroup split of each 128-row tile, full/partial
+    order (with ``varlen``, the program map), warpgroup split of each query tile, full/partial
     entries, masks, and reads past a document's end (the next document's rows, zeros past the
     tensor's; their LSE as +inf). Shapes, ``q_start``, ``keys`` and ``varlen`` as
     :func:`s2_dq_gluon`; returns ``(dq, delta)`` in float64."""
     b, s, hq, d = q.shape
     bn = BLOCK_N
+    tm = tile_m(pattern.block_size, d, q_start, varlen)
     if keys is not None:
-        lay = keys.layout(TILE_M, q_start=q_start)
+        lay = keys.layout(tm, q_start=q_start)
     elif varlen is not None:
-        lay = varlen.layout(pattern, TILE_M, bn, q.device)
+        lay = varlen.layout(pattern, tm, bn, q.device)
     else:
-        lay = layout_for(pattern, s, k.shape[1], q_start, 0, TILE_M, bn, q.device)
+        lay = layout_for(pattern, s, k.shape[1], q_start, 0, tm, bn, q.device)
     group = pattern.group_size
     qk_scale = scale * LOG2E
     dq = torch.zeros(q.shape, dtype=torch.float64)
@@ -463,8 +502,8 @@ def emulate_dq(
     for bb, item, _, tok, n_rows in gf.emulated_work(lay, b, s, varlen):
         h, qt = item // lay.num_q_tiles, item % lay.num_q_tiles
         kvh = h // group
-        for wg in range(2):
-            q_loc = qt * TILE_M + wg * WG_ROWS + torch.arange(WG_ROWS)
+        for wg in range(tm // WG_ROWS):
+            q_loc = qt * tm + wg * WG_ROWS + torch.arange(WG_ROWS)
             q_abs = q_start + q_loc
             keep = q_loc < n_rows  # rows of the document: read and stored
             qq, dd, oo = (gf.emulated_rows(x, bb, tok + q_loc, h) for x in (q, do, out))
@@ -477,7 +516,7 @@ def emulate_dq(
             row_lse = torch.where(keep, lse[bb, h].double()[(tok + q_loc) * keep], math.inf)
             lse2 = torch.where(row_lse == -math.inf, 0.0, row_lse * LOG2E)
             acc = torch.zeros(WG_ROWS, d, dtype=torch.float64)
-            first = q_start + qt * TILE_M + wg * WG_ROWS
+            first = q_start + qt * tm + wg * WG_ROWS
             for e in range(row_ptr[item], row_ptr[item + 1]):
                 masked = e >= row_split[item]
                 if masked and not (his[e] > first and los[e] < first + WG_ROWS):

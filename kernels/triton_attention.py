@@ -1741,8 +1741,9 @@ def s2_backward(
         return _gathered_backward(do, dlse, q, k, v, out, lse, cfg, args)
     dq = None
     if dq_ok:
-        lay = _pass_layout(pattern, sq, sk, q_start, 0, gluon_dq.TILE_M, bn, q.device, varlen)
-        if lay.block_m == gluon_dq.TILE_M:  # not a user mask that forced smaller tiles
+        tile = gluon_dq.tile_m(pattern.block_size, q.shape[-1], q_start, varlen)
+        lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, bn, q.device, varlen)
+        if lay.block_m == tile:  # not a user mask that forced smaller tiles
             dq, delta = gluon_dq.s2_dq_gluon(
                 do, dlse, q, k, v, out, lse, pattern, scale, lay, q_start, varlen=varlen
             )

@@ -819,7 +819,8 @@ def test_gluon_dkdv_config_flag_runs_it_in_the_autograd_path(monkeypatch):
 @pytest.mark.parametrize(
     "batch,seq,heads,kv_heads,head_dim,local,stride,dtype,with_dlse",
     [
-        (2, 1024, 4, 4, 64, 4, 4, torch.bfloat16, False),
+        (2, 1024, 4, 4, 64, 4, 4, torch.bfloat16, False),  # 192-row tiles, the last of 64
+        (1, 1280, 8, 2, 64, 4, 2, torch.bfloat16, True),  # ... of 128 rows, GQA, dLSE
         (1, 2048, 8, 2, 128, 4, 8, torch.bfloat16, True),  # GQA, an LSE gradient
         (1, 2048, 4, 4, 128, 16, 1, torch.bfloat16, False),  # dense causal
         (1, 1152, 2, 1, 128, 2, 4, torch.float16, True),  # 9 query tiles

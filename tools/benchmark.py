@@ -531,9 +531,10 @@ def pass_calls(package: str, pat, q, k, v, do) -> list:
         fwd_tile = getattr(gf, "forward_tile_m", lambda block, d: gf.TILE_M)(
             pat.block_size, q.shape[-1]
         )
+        dq_tile = getattr(gq, "tile_m", lambda block, d: gq.TILE_M)(pat.block_size, q.shape[-1])
         tiles = {
             "fwd": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, fwd_tile, bn, dev)),
-            "dq": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, gq.TILE_M, gd.BLOCK_N, dev)),
+            "dq": dict(lay=lay.layout_for(pat, seq, seq, 0, 0, dq_tile, gd.BLOCK_N, dev)),
             "dkdv": dict(
                 lay=lay.layout_for(pat, seq, seq, 0, 0, gd.TILE_M, gd.BLOCK_N, dev, with_csc=True)
             ),
