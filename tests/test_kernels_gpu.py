@@ -756,6 +756,7 @@ def _gluon_bwd_case(batch, seq, heads, kv_heads, head_dim, local, stride, dtype,
     "batch,seq,heads,kv_heads,head_dim,local,stride,dtype",
     [
         (2, 1024, 4, 4, 64, 4, 4, torch.bfloat16),
+        (1, 1280, 4, 2, 64, 4, 2, torch.bfloat16),  # GQA at head_dim 64
         (1, 2048, 8, 2, 128, 4, 8, torch.bfloat16),  # GQA
         (1, 2048, 4, 4, 128, 16, 1, torch.bfloat16),  # dense causal
         (1, 1152, 2, 1, 128, 2, 4, torch.bfloat16),  # 18 key tiles x 1 KV head: pairs of items
