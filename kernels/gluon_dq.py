@@ -1,19 +1,21 @@
 """The S2 dQ pass for Hopper (sm_90) in Triton's Gluon dialect: the forward's schedule
 (``gluon_forward.py``) with the backward's row math.
 
-Each (batch row, head, 128-row query tile) item walks the tile's row list (the forward's layout
-at two consumer warpgroups: ``row_ptr``/``row_split``/``cols``, ``lo``/``hi``) in one program:
+Each (batch row, head, query tile) item walks the tile's row list (the forward's layout:
+``row_ptr``/``row_split``/``cols``, ``lo``/``hi``; 128-row tiles, 192-row ones at head_dim 64 on
+64-token blocks, :func:`tile_m`) in one program:
 
 * a loader warp TMA-loads the tile's Q, dO and O rows once, then each listed key tile's K and V
-  into a ``NUM_STAGES`` ring shared by both consumers, guarded by ``ready``/``empty`` mbarriers;
-* two consumer warpgroups, 64 query rows each, first form ``delta = rowsum(dO * O) - dLSE``
-  from the shared-memory tiles (written out for the dK/dV pass), then per key tile run ``S = Q
-  K^T`` and ``dP = dO V^T`` (async wgmma, both in flight; Q, and dO in the full entries' loop,
-  read once into registers), ``P = exp2(S - lse)`` (masked on partial entries), ``dS = P (dP -
-  delta)`` and ``dQ += dS K`` (dS as a register operand), skipping the partial entries that
-  none of its rows attends;
+  into a ``NUM_STAGES`` ring shared by the consumers, guarded by ``ready``/``empty`` mbarriers;
+* two or three consumer warpgroups, 64 query rows each, first form ``delta = rowsum(dO * O) -
+  dLSE`` from the shared-memory tiles (written out for the dK/dV pass), then per key tile run
+  ``S = Q K^T`` and ``dP = dO V^T`` (async wgmma, both in flight; with two consumers Q, and dO
+  in the full entries' loop, read once into registers), ``P = exp2(S - lse)`` (masked on
+  partial entries), ``dS = P (dP - delta)`` and ``dQ += dS K`` (dS as a register operand),
+  skipping the partial entries that none of its rows attends;
 * each then writes dQ (times the softmax scale) through its O buffer, free once delta is
-  formed, and the program stores both halves by TMA.
+  formed, and the program stores the tile by TMA (a tile that runs past the sequence's or the
+  document's end: each consumer its rows through a masked store).
 
 It takes what :func:`gluon_forward.unsupported_reason` accepts, on 64-key tiles (blocks 64 and
 128; packed documents too, through the forward's program map: a document's last tile reads
@@ -47,7 +49,7 @@ if gluon is not None:
 
 BLOCK_N = 64  # keys per listed tile (the pattern block)
 WG_ROWS = gf.WG_ROWS  # query rows per consumer warpgroup
-TILE_M = gf.TILE_M  # the layout's block_m at two consumer warpgroups
+TILE_M = gf.TILE_M  # the layout's block_m at two consumer warpgroups (tile_m: the call's)
 NUM_STAGES = 2  # K/V ring depth: 2 x (K + V) tiles of 64 x 128 bf16 is 64 KiB
 LOG2E = 1.0 / math.log(2.0)
 
@@ -147,7 +149,7 @@ if gluon is not None:
             live = True
             if MASKED:
                 # No row of this warpgroup attends the entry (the window's first block seen by
-                # a tile's second half, its second diagonal block by its first half): dS = 0,
+                # a tile's later rows, a later diagonal block by its first rows): dS = 0,
                 # so the warpgroup skips the step's products and only releases the stage.
                 live = (gl.load(his + e) > q_first) & (gl.load(los + e) < q_first + BM)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
@@ -287,6 +289,8 @@ if gluon is not None:
         """One program per (batch row, layout item), a query tile of ``CONSUMERS`` x 64 rows of
         one head, or per slot of a packed-documents program map (:func:`_program_item`)."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
+        # Barriers count CONSUMERS arrivals: only the two warp_specialize lists below exist.
+        gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3))
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout
         )
@@ -370,8 +374,8 @@ def s2_dq_gluon(
     sk, hkv, d]`` (bf16/fp16 on an sm_90 GPU, any strides: those :func:`gluon_forward.tma_view`
     cannot read are copied), ``lse [b, hq, s]`` fp32 contiguous, ``dlse`` like it or None; the
     queries are positions ``q_start = sk - s ..`` (:func:`gluon_forward.s2_forward_gluon`).
-    ``lay``: the pattern's layout at :func:`tile_m` x ``BLOCK_N`` tiles (the forward's at block
-    64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
+    ``lay``: the pattern's layout at :func:`tile_m` (or 128) x ``BLOCK_N`` tiles (the
+    forward's at block 64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
     :func:`gluon_forward.s2_forward_gluon` takes them. Returns ``dq`` like q and ``delta [b, hq,
     s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``triton_attention.bwd_dq``
     does. ``varlen``: packed documents, as :func:`gluon_forward.s2_forward_gluon` takes them.
@@ -383,6 +387,8 @@ def s2_dq_gluon(
     # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
     tm = tile_m(pattern.block_size, d, q_start, varlen)
+    if lay is not None and keys is None and lay.block_m == TILE_M:
+        tm = TILE_M  # 128-row tiles: a user mask that merges no further
     if keys is not None:
         lay = keys.layout(tm, q_start=q_start)
     if lay is None and varlen is not None:

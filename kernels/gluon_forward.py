@@ -23,8 +23,9 @@ positions running on from item to item and the next item's Q loaded while the cu
 finishes (:func:`persistent_programs`).
 
 :func:`s2_forward_gluon` takes what :func:`unsupported_reason` accepts: self-attention
-(``q_start = k_start = 0``, equal lengths) or a context-parallel chunk, ``s`` a multiple of 128,
-or packed documents of any lengths (``varlen``, blocks 64 and 128: the ``tl`` path's program
+(``q_start = k_start = 0``, equal lengths; at 192-row tiles the last one may run past the end,
+stored through a masked store) or a context-parallel chunk, ``s`` a multiple of 128, or packed
+documents of any lengths (``varlen``, blocks 64 and 128: the ``tl`` path's program
 map, a document's last tile stored through a masked store); bf16/fp16, head_dim 64 or 128,
 block 64 or 128 (key tiles of 64 keys at head_dim 128, of the block at 64: :func:`key_tile`),
 or block 16 or 32 on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
@@ -78,7 +79,7 @@ TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m (and the sequences' gra
 # tile, as FlashAttention-3 has it at that head dim. Their scores, P and O fit the smaller
 # register budget that three consumers leave (WIDE_CONSUMER_REGS).
 WIDE_CONSUMERS = 3
-WIDE_MAX_D = 64
+WIDE_D = 64
 # K/V ring depth: 3 stages where they fit next to the Q and O tiles (block 64 at d 128 is
 # 3 x 32 + 64 KiB), else 2. The pipelined consumer holds a stage a step longer (see
 # _consume_row_list): with 2 stages the loader had half a step to land the next tile.
@@ -108,7 +109,8 @@ if gluon is not None:
     # the loader only addresses (setmaxnreg moves the rest to the consumers).
     CONSUMER_REGS = gl.constexpr(240)
     LOADER_REGS = gl.constexpr(24)
-    # 12 consumer warps and 2 one-warp roles in 64K registers: (65536 - 64 * 24) / 384.
+    # 12 consumer warps next to the one-warp roles, padded to a warpgroup of 24 registers a
+    # thread: (65536 - 128 * 24) / 384 = 162, rounded down to setmaxnreg's multiple of 8.
     WIDE_CONSUMER_REGS = gl.constexpr(160)
     NO_KEY_END = gl.constexpr(INT32_MAX)
     # Q is the scores' register operand on key tiles of up to Q_IN_REGISTERS_MAX_N keys whose
@@ -130,12 +132,12 @@ if gluon is not None:
 
 
 def consumers_for(block_size: int, head_dim: int, q_start: int = 0, varlen=None) -> int:
-    """Consumer warpgroups of the forward (each 64 query rows of a work item's tile):
-    ``WIDE_CONSUMERS`` at head_dim up to ``WIDE_MAX_D`` on 64-token blocks of a whole sequence
-    (the tile's last rows may run past its end: masked store), else ``NUM_CONSUMERS``. Packed
-    documents, context-parallel chunks, gathered key tiles (blocks 16, 32) and 128-key tiles
-    keep two."""
-    wide = head_dim <= WIDE_MAX_D and block_size == 64 and not q_start and varlen is None
+    """Consumer warpgroups of the forward and the dQ pass (each 64 query rows of a work item's
+    tile): ``WIDE_CONSUMERS`` at head_dim ``WIDE_D`` on 64-token blocks of a whole sequence
+    (the last tile may run past the sequence's end: masked store), else ``NUM_CONSUMERS``.
+    Packed documents, context-parallel chunks, gathered key tiles (blocks 16, 32) and 128-key
+    tiles keep two."""
+    wide = head_dim == WIDE_D and block_size == 64 and not q_start and varlen is None
     return WIDE_CONSUMERS if wide else NUM_CONSUMERS
 
 
@@ -348,7 +350,7 @@ if gluon is not None:
         key_lo,
     ):  # fmt: skip
         """TMA-load the K and V tiles of row-list entries ``e0 .. e2`` into the ``STAGES`` ring
-        that both consumer warpgroups read (the forward's and the dQ pass's loader), entry
+        that every consumer warpgroup reads (the forward's and the dQ pass's loader), entry
         ``e`` at ring position ``e - origin``; gathered tiles (``key_lo``: this head's key
         positions) box by box (:func:`_load_kv_tile`)."""
         BN: gl.constexpr = k_bufs.type.shape[1]
@@ -357,7 +359,7 @@ if gluon is not None:
         for e in range(e0, e2):
             i = e - origin
             stage = i % STAGES
-            # A stage is free once both consumers released its previous use; the first pass
+            # A stage is free once every consumer released its previous use; the first pass
             # waits on the phase before the barrier's first, which counts as completed.
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
             kt = gl.load(cols + e)
@@ -395,7 +397,7 @@ if gluon is not None:
     def _mask_partial(s, lo, hi, q_abs, k_lo, k_hi, q_first, key_last, gathered):
         """:func:`_mask_rows` where one warpgroup's rows need it (the dQ pass's masked loop,
         which skips the entries that none of its rows attends). A partial entry is partial for
-        the 128-row query tile, but for a warpgroup's 64 rows ``q_first ..`` it is often all
+        the query tile, but for a warpgroup's 64 rows ``q_first ..`` it is often all
         allowed (the rows inside ``[lo, hi)`` and at or after ``key_last``, the tile's last
         key, in sequence order): those skip the elementwise compares and the key ranges' use;
         the branch is uniform per warpgroup. (The forward keeps :func:`_mask_rows`: in its
@@ -570,10 +572,10 @@ if gluon is not None:
         q_abs = q_start + q_loc
         acc = gl.zeros([BM, D], gl.float32, o_layout)
         mbarrier.wait(q_bar, n & 1)
-        # Q as the scores' register operand on 64-key tiles: read from shared memory once,
-        # not by every S = Q K^T wgmma, which with both operands there reads 128 bytes a
-        # clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes and
-        # P V's reads of V); its buffer is then free for the next item's Q.
+        # Q as the scores' register operand on 64-key tiles (two consumers): read from shared
+        # memory once, not by every S = Q K^T wgmma, which with both operands there reads 128
+        # bytes a clock (an SM's whole shared-memory bandwidth, shared with the K/V TMA writes
+        # and P V's reads of V); its buffer is then free for the next item's Q at once.
         q = q_smem.index(WG)
         q_in_registers: gl.constexpr = (
             (BN * D <= Q_IN_REGISTERS_MAX_ND)
@@ -640,6 +642,8 @@ if gluon is not None:
         (:func:`persistent_programs`). Within a program the loader fetches the next item's Q
         and first K/V tiles while the consumers finish the current one, and the output leaves
         through the storer while they start the next."""
+        # Barriers count CONSUMERS arrivals: only the two warp_specialize lists below exist.
+        gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3))
         q_smem = gl.allocate_shared_memory(
             q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout
         )
@@ -821,8 +825,8 @@ def s2_forward_gluon(
     or fp16 on an sm_90 GPU; any strides: those :func:`tma_view` cannot read are copied first);
     the queries are positions ``q_start .. sk - 1`` (``q_start = sk - s``: 0 for
     self-attention, a context-parallel chunk's start otherwise); ``scale`` the softmax scale;
-    ``lay`` the pattern's layout at :func:`forward_tile_m` query rows and :func:`key_tile`
-    keys for this ``(s, sk, q_start)`` (built when None). With ``keys`` (a
+    ``lay`` the pattern's layout at :func:`forward_tile_m` query rows (or 128) and
+    :func:`key_tile` keys for this ``(s, sk, q_start)`` (built when None). With ``keys`` (a
     :class:`gathered_keys.GatheredKeys`, block 16/32) the key tiles are gathered ones (their
     own layout), each loaded from k/v block by block. Returns ``out`` like q (q's layout where
     q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
@@ -838,6 +842,8 @@ def s2_forward_gluon(
     box = bn = key_tile(pattern.block_size, d)  # TMA box rows: a pattern block or half of one
     group = pattern.group_size
     consumers = consumers_for(pattern.block_size, d, q_start, varlen)
+    if lay is not None and keys is None and lay.block_m == TILE_M:
+        consumers = NUM_CONSUMERS  # 128-row tiles: a user mask that merges no further
     tile_m = WG_ROWS * consumers
     if keys is not None:
         lay = keys.layout(tile_m, q_start=q_start)

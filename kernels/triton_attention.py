@@ -1450,6 +1450,18 @@ def _pass_layout(pattern, sq, sk, q_start, k_start, block_m, block_n, device, va
     return varlen.layout(pattern, block_m, block_n, device, csc)
 
 
+def _gluon_rows_layout(pattern, sq, sk, q_start, tile, block_n, device, varlen):
+    """The row-list layout of a Gluon forward or dQ call at ``tile`` query rows; where a user
+    mask merges into 128-row tiles but not into the 192-row ones of head_dim 64, at 128 rows
+    (two consumer warpgroups), as before the wider tiles."""
+    lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, block_n, device, varlen)
+    if lay.block_m != tile and tile != gluon_forward.TILE_M:
+        lay = _pass_layout(
+            pattern, sq, sk, q_start, 0, gluon_forward.TILE_M, block_n, device, varlen
+        )
+    return lay
+
+
 def _programs(lay, batch: int, varlen: Optional[Varlen], kv: bool):
     """``(grid, order, prog_tok, prog_len)`` kernel arguments of one pass (the last two are
     unused placeholders for fixed-length calls)."""
@@ -1487,10 +1499,10 @@ def s2_forward(
             )
         tile = gluon_forward.forward_tile_m(pattern.block_size, d, q_start, varlen)
         bn = gluon_forward.key_tile(pattern.block_size, d)
-        lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, bn, q.device, varlen)
-        # A user mask that cannot merge blocks into a 128- or 192-row tile falls back to
-        # smaller tiles, which the Gluon kernel does not take.
-        if lay.block_m == tile:
+        lay = _gluon_rows_layout(pattern, sq, sk, q_start, tile, bn, q.device, varlen)
+        # A user mask that cannot merge blocks into a 128-row tile falls back to smaller
+        # tiles, which the Gluon kernel does not take.
+        if lay.block_m in (tile, gluon_forward.TILE_M):
             return gluon_forward.s2_forward_gluon(
                 q, k, v, pattern, scale, lay, q_start, varlen=varlen
             )
@@ -1742,8 +1754,8 @@ def s2_backward(
     dq = None
     if dq_ok:
         tile = gluon_dq.tile_m(pattern.block_size, q.shape[-1], q_start, varlen)
-        lay = _pass_layout(pattern, sq, sk, q_start, 0, tile, bn, q.device, varlen)
-        if lay.block_m == tile:  # not a user mask that forced smaller tiles
+        lay = _gluon_rows_layout(pattern, sq, sk, q_start, tile, bn, q.device, varlen)
+        if lay.block_m in (tile, gluon_dq.TILE_M):  # not a user mask that forced smaller tiles
             dq, delta = gluon_dq.s2_dq_gluon(
                 do, dlse, q, k, v, out, lse, pattern, scale, lay, q_start, varlen=varlen
             )

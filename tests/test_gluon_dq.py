@@ -42,6 +42,29 @@ def test_emulated_schedule_matches_reference_gradients(
     torch.testing.assert_close(delta, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "batch,seq,kv_heads,with_dlse",
+    [(2, 640, 2, True), (1, 768, 4, False)],  # the last 192-row tile of 64 rows; tiles that fill
+)
+def test_emulated_three_warpgroup_schedule_matches_reference_gradients(
+    batch, seq, kv_heads, with_dlse
+):
+    """head_dim 64 at block 64: three consumer warpgroups on 192-row tiles, the last of which
+    may run past the sequence (rows read with an LSE of +inf, not stored)."""
+    assert gq.tile_m(64, 64) == 192
+    pattern, q, k, v, do, scale, out, lse = float64_s2_case(
+        batch, seq, 4, kv_heads, 4, 2, 1, head_dim=64
+    )
+    g = torch.Generator().manual_seed(seq + 1)
+    dlse = torch.randn(lse.shape, dtype=torch.float64, generator=g) if with_dlse else None
+    outs, grads = [out] + ([lse] if with_dlse else []), [do] + ([dlse] if with_dlse else [])
+    (dq_ref,) = torch.autograd.grad(outs, (q,), grads)
+    dq, _ = gq.emulate_dq(
+        do, dlse, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), pattern, scale
+    )
+    torch.testing.assert_close(dq, dq_ref, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_emulated_schedule_on_packed_documents_matches_reference_gradients(with_dlse):
     """Packed documents (odd, empty and one-token ones, GQA) through the program map: dQ and

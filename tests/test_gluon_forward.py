@@ -211,6 +211,7 @@ def test_three_warpgroups_at_head_dim_64_on_whole_sequences_of_64_token_blocks()
     """Three consumers (192-row tiles) where two cannot hide each other's latencies (head_dim
     64, 64-key tiles), two wherever else the tiling or registers differ."""
     assert gf.consumers_for(64, 64) == 3 and gf.forward_tile_m(64, 64) == 192
+    assert gf.consumers_for(64, 16) == 2  # only the kernels' head_dim 64
     assert gf.consumers_for(64, 128) == 2 and gf.forward_tile_m(64, 128) == 128
     assert gf.consumers_for(128, 64) == 2  # 128-key tiles: their scores fill the registers
     assert gf.consumers_for(16, 64) == 2  # gathered key tiles
@@ -218,6 +219,22 @@ def test_three_warpgroups_at_head_dim_64_on_whole_sequences_of_64_token_blocks()
     assert gf.consumers_for(64, 64, varlen=object()) == 2  # packed documents
     # three 64-row tiles of Q and O and three K/V stages of 64 x 64 fit the budget
     assert gf.ring_stages(64, 64, consumers=3) == 3
+
+
+def test_user_mask_that_merges_into_128_rows_only_keeps_two_warpgroups():
+    """A user mask whose rows attending a key block are contiguous in every 128-row tile but
+    not in a 192-row one: the Gluon calls take the 128-row layout (two warpgroups) rather than
+    falling back to the tl kernels; an S2 pattern gets its 192-row layout."""
+    from s2attn.triton_attention import _gluon_rows_layout
+
+    nb = 6
+    mask = torch.eye(nb, dtype=torch.bool)[None]
+    mask[0, 2, 0] = True  # query block 2, not block 1, attends key block 0
+    masked = S2Pattern.from_block_mask(mask, block_size=64)
+    lay = _gluon_rows_layout(masked, nb * 64, nb * 64, 0, 192, 64, "cpu", None)
+    assert lay.block_m == 128
+    plain = S2Pattern(num_heads=1, block_size=64, local_blocks=2, vert_stride=2)
+    assert _gluon_rows_layout(plain, nb * 64, nb * 64, 0, 192, 64, "cpu", None).block_m == 192
 
 
 @needs_gluon

@@ -817,6 +817,37 @@ def test_gluon_dkdv_config_flag_runs_it_in_the_autograd_path(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("seq", [1024, 1280])  # the last tile of 64 or 128 rows
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_partial_192_row_tile_is_stored_inside_its_batch_row(seq, layout):
+    """head_dim 64: three warpgroups on 192-row tiles, the last one partial. Run with the
+    work order reversed (the last tiles after the first ones), the forward (one program, items
+    in order) and the dQ pass give bitwise the outputs of the default order: a TMA store of the
+    partial tile would write over the next batch row's first rows after they were stored,
+    which the heaviest-first default order hides."""
+    import dataclasses
+
+    import s2attn.gluon_dq as gq
+    from s2attn.layout import layout_for
+
+    gf = _gluon_or_skip()
+    pattern, q, k, v, do, scale, _, _, _ = _gluon_bwd_case(
+        2, seq, 4, 2, 64, 4, 4, torch.bfloat16, layout, seq + 3
+    )
+    assert gf.forward_tile_m(64, 64) == 192
+    lay = layout_for(pattern, seq, seq, 0, 0, 192, 64, DEV)
+    rev = dataclasses.replace(lay, q_order=lay.q_order.flip(0).contiguous())
+    out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale, lay=lay)
+    r_out, r_lse = gf.s2_forward_gluon(q, k, v, pattern, scale, lay=rev, programs=1)
+    assert torch.equal(out, r_out) and torch.equal(lse, r_lse)
+    dq, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pattern, scale, lay=lay)
+    r_dq, r_delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pattern, scale, lay=rev)
+    assert torch.equal(dq, r_dq) and torch.equal(delta, r_delta)
+    ref = s2_attention_reference(q.float(), k.float(), v.float(), pattern, scale)
+    assert norm_err(out, ref) < 2e-2
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "batch,seq,heads,kv_heads,head_dim,local,stride,dtype,with_dlse",
     [
