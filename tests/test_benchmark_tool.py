@@ -521,6 +521,25 @@ def test_timed_records_keep_the_row_order_and_report_a_failing_row(monkeypatch, 
         return [float(fn()) for fn in fns]
 
     monkeypatch.setattr(bench, "time_rows", fake_time_rows)
+    summary = dict(
+        power_w_median=690.0, power_w_max=699.0, power_limit_w=700.0, sm_mhz_median=1410.0,
+        sm_mhz_min=1350.0, samples=12,
+    )  # fmt: skip
+
+    class FakeSampler:
+        def __init__(self, gpu):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def summary(self):
+            return summary
+
+    monkeypatch.setattr(bench, "PowerSampler", FakeSampler)
 
     def fails():
         raise RuntimeError("out of memory at this size")
@@ -538,7 +557,42 @@ def test_timed_records_keep_the_row_order_and_report_a_failing_row(monkeypatch, 
     assert (got[2]["fwd_ms"], got[2]["fwdbwd_ms"]) == (3.0, 9.0)
     assert "out of memory" in got[1]["error"] and "fwd_ms" not in got[1]
     assert got[2]["fwd_tflops"] == bench.tflops(2 * 10**6, 64, 3.0, False)
-    assert "base s2attn: failed (RuntimeError" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "base s2attn: failed (RuntimeError" in printed
+    # the GPU's power and clock while the rows were timed: printed and kept with each record
+    assert "power median 690 W, max 699 of 700 W; SM clock median 1410 MHz, min 1350" in printed
+    assert got[0]["gpu_power"] == summary == got[2]["gpu_power"]
+
+
+def test_power_sampler_reads_nvidia_smi_lines_and_survives_without_it(tmp_path):
+    """``PowerSampler`` runs ``nvidia-smi`` in the background for the timed span and keeps the
+    lines that carry power, limit and SM clock; without the command there is no summary and
+    no error."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "$@" > "$(dirname "$0")/args"\n'
+        'printf "650.5, 700.00, 1500\\n[N/A], 700.00, 1400\\n698.0, 700.00, 1350\\n"\n'
+        "sleep 30\n"
+    )
+    fake.chmod(0o755)
+    with timing.PowerSampler("3", interval_ms=100, command=str(fake)) as sampler:
+        import time
+
+        time.sleep(0.5)
+    got = sampler.summary()
+    assert got == dict(
+        power_w_median=674.25, power_w_max=698.0, power_limit_w=700.0, sm_mhz_median=1425.0,
+        sm_mhz_min=1350.0, samples=2,
+    )  # fmt: skip
+    args = (tmp_path / "args").read_text().split()
+    assert "--id=3" in args and "-lms=100" in args
+    assert "--query-gpu=power.draw,power.limit,clocks.sm" in args
+    with timing.PowerSampler(command=str(tmp_path / "missing")) as none:
+        pass
+    assert none.summary() is None
+    assert "not sampled" in timing.describe_power(None)
+    assert timing.parse_power_samples("1, 2\n3, 4, x\n5, 6, 7\n") == [(5.0, 6.0, 7.0)]
 
 
 # ---- --passes ----------------------------------------------------------------------------------

@@ -28,8 +28,11 @@ s2dense runs) time that copy on the same inputs in the same run: a kernel change
 against its predecessor side by side, not against a number from another day. All rows of a
 case are timed round by round (each row once a round, the order reversed every other round;
 each row the median of at least 10 runs), so that all see the same clocks as the GPU warms up.
-Rows whose package does not import are skipped with a printed note. Effective TFLOP/s count
-attended token pairs only: forward 4*d per pair, backward 2.5x forward. The table gives each
+Rows whose package does not import are skipped with a printed note. Each case also prints the
+GPU's power draw and SM clock while its rows were timed (``nvidia-smi``, every 200 ms; kept in
+the JSON records as ``gpu_power``): the lent H100s time these kernels at their power limit.
+Effective TFLOP/s count attended token pairs only: forward 4*d per pair, backward 2.5x forward.
+The table gives each
 row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in the same run,
 and a footer per case with our rows' forward and forward+backward fractions. ``--passes`` also
 times our three Gluon passes (forward, dQ, dK/dV) one by one, round by round (and the
@@ -50,7 +53,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import time_rows
+from gpu_timing import PowerSampler, describe_power, nvidia_smi_id, time_rows
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 from s2attn.layout import layout_for
@@ -594,8 +597,11 @@ def timed_records(pending, shape: dict) -> list[dict]:
             res[i] = dict(row=row, name=name, **shape, error=str(exc)[:300])
             continue
         ok.append(i)
-    fwd_ms = time_rows([pending[i][3] for i in ok])
-    both_ms = time_rows([pending[i][4] for i in ok])
+    with PowerSampler(nvidia_smi_id()) as power:
+        fwd_ms = time_rows([pending[i][3] for i in ok])
+        both_ms = time_rows([pending[i][4] for i in ok])
+    gpu_power = power.summary()
+    print(f"  {describe_power(gpu_power)}", flush=True)
     d = shape["d"]
     for i, ms_f, ms_fb in zip(ok, fwd_ms, both_ms):
         row, name, pairs, _, _ = pending[i]
@@ -608,6 +614,7 @@ def timed_records(pending, shape: dict) -> list[dict]:
             fwdbwd_ms=ms_fb,
             fwd_tflops=tflops(pairs, d, ms_f, False),
             fwdbwd_tflops=tflops(pairs, d, ms_fb, True),
+            gpu_power=gpu_power,
         )
         res[i] = r
         print(

@@ -12,7 +12,11 @@ ones.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -82,3 +86,116 @@ def fwd_bwd_step(fn: Callable, leaves) -> Callable[[], None]:
         out.backward(torch.ones_like(out))
 
     return step
+
+
+class PowerSampler:
+    """The GPU's power draw and SM clock, sampled by ``nvidia-smi`` every ``interval_ms``
+    while the ``with`` block runs (timings on the lent H100s ran at the 700 W limit, the SM
+    clock 25-30% below its maximum, so a faster kernel can slow the ones around it:
+    ``docs/benchmarks.md``, "Three consumer warpgroups at head_dim 64"). ``gpu``: what
+    ``nvidia-smi --id`` takes (an index or a PCI bus id; :func:`nvidia_smi_id`). Where
+    ``command`` is missing or prints nothing, :meth:`summary` is None and nothing fails."""
+
+    QUERY = "power.draw,power.limit,clocks.sm"
+
+    def __init__(self, gpu: str = "0", interval_ms: int = 200, command: str = "nvidia-smi"):
+        # Line-buffered where coreutils' stdbuf exists: into a pipe, stdio would hold the
+        # samples in a block buffer that a stopped process never writes.
+        wrap = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
+        self.args = wrap + [
+            command,
+            f"--id={gpu}",
+            f"--query-gpu={self.QUERY}",
+            "--format=csv,noheader,nounits",
+            f"-lms={interval_ms}",
+        ]
+        self.proc = None
+        self.samples: list[tuple[float, float, float]] = []
+
+    def __enter__(self):
+        try:
+            # A session of its own, so that stopping it stops whatever it started.
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+        except OSError:  # no nvidia-smi: timings go on without the samples
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return False
+        out = ""
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):  # Ctrl-C first, as by hand
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                out, _ = self.proc.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.samples = parse_power_samples(out or "")
+        return False
+
+    def summary(self) -> dict | None:
+        """Median and largest power draw (W), the power limit (W), median and smallest SM
+        clock (MHz) and the sample count; None without samples."""
+        if not self.samples:
+            return None
+        power, limit, clock = (list(x) for x in zip(*self.samples))
+        return dict(
+            power_w_median=statistics.median(power),
+            power_w_max=max(power),
+            power_limit_w=statistics.median(limit),
+            sm_mhz_median=statistics.median(clock),
+            sm_mhz_min=min(clock),
+            samples=len(power),
+        )
+
+
+def parse_power_samples(text: str) -> list[tuple[float, float, float]]:
+    """``(power W, limit W, SM MHz)`` of each ``nvidia-smi`` line that has all three numbers
+    (``[N/A]`` fields and partial lines are skipped)."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            power, limit, clock = (float(p) for p in parts)
+        except ValueError:
+            continue
+        samples.append((power, limit, clock))
+    return samples
+
+
+def describe_power(summary: dict | None) -> str:
+    """One line for a table's notes: power and SM clock while the rows were timed."""
+    if summary is None:
+        return "GPU power: not sampled (no nvidia-smi)"
+    s = summary
+    return (
+        f"GPU while timed: power median {s['power_w_median']:.0f} W, max {s['power_w_max']:.0f} "
+        f"of {s['power_limit_w']:.0f} W; SM clock median {s['sm_mhz_median']:.0f} MHz, min "
+        f"{s['sm_mhz_min']:.0f} ({s['samples']} samples)"
+    )
+
+
+def nvidia_smi_id(device=None) -> str:
+    """``nvidia-smi --id`` of a CUDA device (None: the current one): its PCI bus id where torch
+    reports one (right under ``CUDA_VISIBLE_DEVICES``), else its index; "0" without CUDA."""
+    if not torch.cuda.is_available():
+        return "0"
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    idx = torch.device(device).index or 0
+    props = torch.cuda.get_device_properties(idx)
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return str(idx)
+    domain = getattr(props, "pci_domain_id", 0)
+    dev = getattr(props, "pci_device_id", 0)
+    return f"{domain:08X}:{bus:02X}:{dev:02X}.0"
