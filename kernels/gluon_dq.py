@@ -386,9 +386,7 @@ def s2_dq_gluon(
     # 64-key tiles (check_call let through only blocks 64 and 128, or 16 and 32 with keys): a
     # block of 64, half a block of 128, or a gathered tile of 16/32-key boxes.
     box = min(pattern.block_size, BLOCK_N)
-    tm = tile_m(pattern.block_size, d, q_start, varlen)
-    if lay is not None and keys is None and lay.block_m == TILE_M:
-        tm = TILE_M  # 128-row tiles: a user mask that merges no further
+    tm = gf.call_tile_m(pattern, d, q_start, varlen, lay, keys)
     if keys is not None:
         lay = keys.layout(tm, q_start=q_start)
     if lay is None and varlen is not None:

@@ -146,6 +146,15 @@ def forward_tile_m(block_size: int, head_dim: int, q_start: int = 0, varlen=None
     return WG_ROWS * consumers_for(block_size, head_dim, q_start, varlen)
 
 
+def call_tile_m(pattern, head_dim: int, q_start: int = 0, varlen=None, lay=None, keys=None):
+    """Query rows of a forward or dQ work item of one call: :func:`forward_tile_m`, or 128 (two
+    warpgroups) where the caller passes a layout of 128-row tiles (a user mask that merges
+    into those but not into 192-row ones)."""
+    if lay is not None and keys is None and lay.block_m == TILE_M:
+        return TILE_M
+    return forward_tile_m(pattern.block_size, head_dim, q_start, varlen)
+
+
 def key_tile(block_size: int, head_dim: int) -> int:
     """Keys per K/V tile (and TMA box) of the forward on a pattern of ``block_size`` (64 or
     128; blocks 16 and 32 take gathered tiles): the block, but at most 64 at head_dim 128,
@@ -841,10 +850,8 @@ def s2_forward_gluon(
     gathered_keys.check_call("s2_forward_gluon", keys, pattern, hq, k.shape[1], lay)
     box = bn = key_tile(pattern.block_size, d)  # TMA box rows: a pattern block or half of one
     group = pattern.group_size
-    consumers = consumers_for(pattern.block_size, d, q_start, varlen)
-    if lay is not None and keys is None and lay.block_m == TILE_M:
-        consumers = NUM_CONSUMERS  # 128-row tiles: a user mask that merges no further
-    tile_m = WG_ROWS * consumers
+    tile_m = call_tile_m(pattern, d, q_start, varlen, lay, keys)
+    consumers = tile_m // WG_ROWS
     if keys is not None:
         lay = keys.layout(tile_m, q_start=q_start)
         bn = lay.block_n
