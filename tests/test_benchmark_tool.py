@@ -303,6 +303,8 @@ def test_summarize_prints_every_row_its_fraction_and_a_footer():
     footer = text.split("\n\n")[1]
     assert "best dense fwd+bwd fa4 dense 610 TF/s, fwd sdpa cudnn dense 600 TF/s" in footer
     assert "s2attn: fwd+bwd 280 TF/s = 46% of best dense, fwd 360 TF/s = 60%" in footer
+    # per product run: 280 * 9 / 7 = 360 TF/s, 59% of the best dense kernel's 610
+    assert "per product run (9 against 7) 360 TF/s = 59%" in footer
     assert "s2attn dense (V=1): fwd+bwd 650 TF/s = 107% of best dense" in footer
     assert "skipped flex FA4 (same S2): flash_attn.cute does not import" in text
 
@@ -618,3 +620,17 @@ def test_pass_records_stay_out_of_the_table():
     assert bench.summarize({(32768, 128, 64, 0.177): rs + passes}) == bench.summarize(
         {(32768, 128, 64, 0.177): rs}
     )
+
+
+def test_tensor_peak_at_a_clock_and_the_pass_cells():
+    """The tensor-core peak scales with the SM clock (an H100 SXM's 989 TF/s at 1830 MHz);
+    GPUs without a known rate get none, and a pass's cell then shows no share."""
+    assert timing.tensor_peak_tflops(1830, 132, (9, 0)) == pytest.approx(989.43, abs=0.01)
+    assert timing.tensor_peak_tflops(1485, 132, (9, 0)) == pytest.approx(802.90, abs=0.01)
+    assert timing.tensor_peak_tflops(1410, 108, (8, 0)) is None
+    rec = dict(pass_name="dkdv", ms=19.91, tflops=626.0, peak_tflops=839.0)
+    assert bench.pass_cell(rec) == "dkdv   19.91 ms  626 TF/s (75% of peak)"
+    assert bench.pass_cell(dict(rec, peak_tflops=None)) == "dkdv   19.91 ms  626 TF/s"
+    assert bench.pass_peak(None, "cuda") is None
+    assert bench.pass_peak(dict(sm_mhz_median=1500.0), "cpu") is None
+    assert bench.OUR_PRODUCTS == 9 and bench.CREDITED_PRODUCTS == 7

@@ -37,7 +37,11 @@ row's fwd+bwd rate as a fraction of the best dense kernel (flash, cudnn, fa4) in
 and a footer per case with our rows' forward and forward+backward fractions. ``--passes`` also
 times our three Gluon passes (forward, dQ, dK/dV) one by one, round by round (and the
 ``--baseline`` copy's), each rated by its own matrix products over the attended pairs: which
-pass is furthest from the tensor cores' rate.
+pass is furthest from the tensor cores' rate, and (sm_90) each pass's share of the tensor cores'
+peak at the median SM clock seen while the passes ran (a power-limited GPU runs below its
+boost clock). The footer also gives our rows' rate per matrix product run: our deterministic
+backward runs 9 products a forward and backward where the dense kernels' fused ones run the 7
+that the effective rate credits.
 """
 
 from __future__ import annotations
@@ -53,7 +57,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import PowerSampler, describe_power, nvidia_smi_id, time_rows
+from gpu_timing import (
+    PowerSampler,
+    describe_power,
+    nvidia_smi_id,
+    tensor_peak_tflops,
+    time_rows,
+)
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 from s2attn.layout import layout_for
@@ -88,6 +98,11 @@ BASELINE_PACKAGE = "s2attn_baseline"
 # Matrix products per attended pair in each Gluon pass (--passes): the forward's S and PV, the
 # dQ pass's S, dP and dQ, the dK/dV pass's S^T, dP^T, dV and dK (2 * d FLOPs each).
 PASS_PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
+# A forward and backward of ours runs all three passes' products (the deterministic backward
+# computes S and dP in both of its passes); the effective rate credits a fused backward's 5
+# (2.5x the forward's 2), what the dense baselines run.
+OUR_PRODUCTS = sum(PASS_PRODUCTS.values())
+CREDITED_PRODUCTS = PASS_PRODUCTS["fwd"] * (1 + BWD_FLOPS_OVER_FWD)
 FA4_MODULE = "flash_attn.cute"
 STAGE_HINT = "carry flash-attn-4 with tools/stage_flash_attn4.sh (docs/benchmarks.md)"
 # Rate keys of a result record: forward alone and forward+backward.
@@ -560,7 +575,9 @@ def time_passes(pat, q, k, v, do, baseline=None) -> list[dict]:
     if baseline is not None:
         packages.append(("base s2attn", baseline.__name__, baseline_pattern(baseline, pat)))
     calls = [(label, *c) for label, pkg, p in packages for c in pass_calls(pkg, p, q, k, v, do)]
-    ms = time_rows([c[2] for c in calls])
+    with PowerSampler(nvidia_smi_id()) as power:
+        ms = time_rows([c[2] for c in calls])
+    peak = pass_peak(power.summary(), q.device)
     flops_per_product = 2 * q.shape[-1] * pat.attended_pairs(q.shape[1]) * q.shape[0]
     recs = [
         dict(
@@ -568,17 +585,35 @@ def time_passes(pat, q, k, v, do, baseline=None) -> list[dict]:
             pass_name=name,
             ms=t,
             tflops=PASS_PRODUCTS[name] * flops_per_product / t / 1e9,
+            peak_tflops=peak,
         )
         for (label, name, _), t in zip(calls, ms)
     ]
+    if peak is not None:
+        print(f"  passes: tensor-core peak at the median SM clock {peak:.0f} TF/s", flush=True)
     for label, _, _ in packages:
-        cells = [
-            f"{r['pass_name']} {r['ms']:7.2f} ms {r['tflops']:4.0f} TF/s"
-            for r in recs
-            if r["kernel"] == label
-        ]
+        cells = [pass_cell(r) for r in recs if r["kernel"] == label]
         print(f"  passes, {label:<11} " + " | ".join(cells), flush=True)
     return recs
+
+
+def pass_peak(power: Optional[dict], device) -> Optional[float]:
+    """The tensor cores' peak (TF/s) at the median SM clock ``power`` (a
+    :class:`PowerSampler` summary) saw on ``device``; None without samples or a known rate."""
+    if power is None or torch.device(device).type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return tensor_peak_tflops(
+        power["sm_mhz_median"], props.multi_processor_count, (props.major, props.minor)
+    )
+
+
+def pass_cell(rec: dict) -> str:
+    """One pass's time and rate, and its share of the clock's peak where known."""
+    cell = f"{rec['pass_name']} {rec['ms']:7.2f} ms {rec['tflops']:4.0f} TF/s"
+    if rec.get("peak_tflops"):
+        cell += f" ({100 * rec['tflops'] / rec['peak_tflops']:.0f}% of peak)"
+    return cell
 
 
 def timed_records(pending, shape: dict) -> list[dict]:
@@ -661,9 +696,12 @@ def case_footer(seq: int, batch: int, d: int, block: int, records) -> list:
             continue
         fb = fraction_of_best_dense(r, records, "fwdbwd_tflops")
         f = fraction_of_best_dense(r, records, "fwd_tflops")
+        # Per product run: ours run OUR_PRODUCTS where the dense kernels run the credited ones.
+        run = r["fwdbwd_tflops"] * OUR_PRODUCTS / CREDITED_PRODUCTS
         lines.append(
             f"  {r['name']}: fwd+bwd {r['fwdbwd_tflops']:.0f} TF/s = {_pct(fb)} of best dense, "
-            f"fwd {r['fwd_tflops']:.0f} TF/s = {_pct(f)}"
+            f"fwd {r['fwd_tflops']:.0f} TF/s = {_pct(f)}; per product run ({OUR_PRODUCTS} "
+            f"against {CREDITED_PRODUCTS:g}) {run:.0f} TF/s = {_pct(fb * run / r['fwdbwd_tflops'])}"
         )
     return lines
 

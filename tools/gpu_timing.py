@@ -185,6 +185,21 @@ def describe_power(summary: dict | None) -> str:
     )
 
 
+# Dense bf16/fp16 tensor-core FLOPs a clock per SM, by compute capability: Hopper's wgmma
+# (an H100 SXM's 989 TF/s are 132 SMs at 1830 MHz times this). Other GPUs are not in the table.
+TENSOR_FLOPS_PER_CLOCK_SM = {(9, 0): 4096}
+
+
+def tensor_peak_tflops(sm_mhz: float, sms: int, capability: tuple) -> float | None:
+    """The dense bf16/fp16 tensor-core peak (TFLOP/s) of ``sms`` SMs of compute ``capability``
+    at ``sm_mhz``: what a kernel's products can reach at the clock the power limit left. None
+    where the table has no rate for the GPU."""
+    per_clock = TENSOR_FLOPS_PER_CLOCK_SM.get(tuple(capability))
+    if per_clock is None:
+        return None
+    return per_clock * sms * sm_mhz * 1e6 / 1e12
+
+
 def nvidia_smi_id(device=None) -> str:
     """``nvidia-smi --id`` of a CUDA device (None: the current one): its PCI bus id where torch
     reports one (right under ``CUDA_VISIBLE_DEVICES``), else its index; "0" without CUDA."""
