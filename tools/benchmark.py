@@ -691,6 +691,7 @@ def case_footer(seq: int, batch: int, d: int, block: int, records) -> list:
         f"{bests['fwdbwd_tflops']['fwdbwd_tflops']:.0f} TF/s, fwd "
         f"{bests['fwd_tflops']['name']} {bests['fwd_tflops']['fwd_tflops']:.0f} TF/s"
     ]
+    best_fb = bests["fwdbwd_tflops"]["fwdbwd_tflops"]
     for r in records:
         if r.get("row") not in OUR_ROWS or "fwdbwd_tflops" not in r:
             continue
@@ -701,7 +702,7 @@ def case_footer(seq: int, batch: int, d: int, block: int, records) -> list:
         lines.append(
             f"  {r['name']}: fwd+bwd {r['fwdbwd_tflops']:.0f} TF/s = {_pct(fb)} of best dense, "
             f"fwd {r['fwd_tflops']:.0f} TF/s = {_pct(f)}; per product run ({OUR_PRODUCTS} "
-            f"against {CREDITED_PRODUCTS:g}) {run:.0f} TF/s = {_pct(fb * run / r['fwdbwd_tflops'])}"
+            f"against {CREDITED_PRODUCTS:g}) {run:.0f} TF/s = {_pct(run / best_fb)}"
         )
     return lines
 
