@@ -47,7 +47,7 @@ __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 # all-to-all for sequences up to DENSE_A2A_MAX_SEQ tokens where their heads split over the CP
 # ranks (not on FlashAttention-4 under GQA: FusedDenseAttention._auto_a2a), the all-gather
 # beyond; S2 layers the all-gather. Measured on 2 H100s, CP=2, training
-# the 1.3B models (docs/context_parallel.md): dense at 32k 2.7% faster on a2a (2.1% with GQA),
+# the 1.3B models (docs/context_parallel.md): dense at 32k 2.5% faster on a2a (2.2% with GQA),
 # at 64k 1.5% faster, at 128k 2.2% slower; S2 calls are 5x shorter, so the all-to-all's
 # copies cost them 1.3-1.9x per token where the all-gather costs 1.1-1.4x (the hybrid at 32k:
 # within 0.2% either way).

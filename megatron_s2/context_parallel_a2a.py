@@ -11,9 +11,9 @@ Why next to the all-gather design: every rank's attention is then one call over 
 sequence, which runs at the single-GPU rate per token, where a rank's two chunk-sized calls
 run slower at 32k (cuDNN: 3-12% per token), and it holds no gathered K/V of all heads; the
 price is the copies below, large next to an S2 layer's short calls. Dense layers take it by
-default up to 64k tokens (trained 1.5-2.7% faster on two H100s; ``docs/context_parallel.md``),
-except on FlashAttention-4 where GQA makes it move far more than the all-gather
-(``megatron_s2.attention.FA4_GATHER_MIN_VOLUME_RATIO``).
+default up to 64k tokens (trained 1.5-2.5% faster at 32k-64k on two H100s;
+``docs/context_parallel.md``), except on FlashAttention-4 where GQA makes it move far more
+than the all-gather (``megatron_s2.attention.FA4_GATHER_MIN_VOLUME_RATIO``).
 It needs the rank's query heads and K/V heads to be divisible by ``cp``.
 
 Every exchange sends each chunk of each tensor as its own message straight into its place in
