@@ -321,6 +321,9 @@ def test_lock_refuses_a_second_run_and_ctrl_c_saves_and_stops(tmp_path, demo_dir
         text=True,
         env=_env(),
         start_new_session=True,
+        # SIGINT as a terminal's foreground job has it, even where pytest itself runs as a
+        # background job (SIGINT ignored, which the trainer then rightly keeps ignoring).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         metrics = tmp_path / "t" / "metrics.jsonl"

@@ -120,7 +120,9 @@ def test_preemption_simulated_and_real_sigterm():
 
 def test_preemption_ctrl_c_stops_gracefully_then_aborts(capsys):
     """The first SIGINT only sets the flag (like SIGTERM); the second raises KeyboardInterrupt."""
-    before = signal.getsignal(signal.SIGINT)
+    # As in a terminal: under a runner that started pytest as a background job SIGINT arrives
+    # ignored, and install() rightly leaves it so (the next test).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     p = Preemption()
     p.install()
     try:
@@ -131,7 +133,8 @@ def test_preemption_ctrl_c_stops_gracefully_then_aborts(capsys):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         p.uninstall()
-    assert signal.getsignal(signal.SIGINT) is before
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, before)
 
 
 def test_preemption_leaves_an_ignored_sigint_ignored():
