@@ -15,11 +15,13 @@ Manual use (root)::
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -41,17 +43,25 @@ def missing_binaries() -> list[str]:
 
 
 def install_packages(timeout: float = 600) -> None:
-    """apt-get install the Slurm and munge packages (needs root and apt)."""
+    """apt-get install the Slurm and munge packages (needs root and apt).
+
+    Under a lock: two pytest-xdist workers (test_slurm and the documented sbatch commands) may
+    both find Slurm missing, and apt-get fails at once on the other's dpkg lock."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (
-        ["apt-get", "update", "-q"],
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
-    ):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 0:
-            raise ClusterError(
-                f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-            )
+    with open(Path(tempfile.gettempdir()) / "megatron-s2-slurm-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not missing_binaries():  # the other worker installed them while this one waited
+            return
+        for cmd in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+        ):
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0:
+                raise ClusterError(
+                    f"{' '.join(cmd)} failed ({r.returncode}):\n"
+                    f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+                )
 
 
 def _which(name: str) -> str:
