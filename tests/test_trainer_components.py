@@ -133,8 +133,8 @@ def test_preemption_ctrl_c_stops_gracefully_then_aborts(capsys):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         p.uninstall()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        signal.signal(signal.SIGINT, before)
+        restored = signal.signal(signal.SIGINT, before)
+    assert restored is signal.default_int_handler
 
 
 def test_preemption_leaves_an_ignored_sigint_ignored():
