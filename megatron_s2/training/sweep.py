@@ -20,9 +20,13 @@ A study YAML (``docs/sweeps.md``)::
     nproc_per_node: 1                  # trainer processes per point (> 1: launch/torchrun.sh)
     equal_tokens: null                 # where "loss at equal tokens" is read (default: the
                                        # smallest final token count of the points)
+    seeds: [1, 2, 3]                   # every point once per seed (train.seed; a grid axis
+                                       # of its own, named last: "...,seed=2")
+    reference: dense                   # the setting others are compared with in summary.md
 
 Each point is the base config with the study's overrides and the point's values (dotted config
-keys, values as in YAML), named after the values (``vert_stride=8,local_blocks=16``), run in
+keys, values as in YAML), named after the values (``vert_stride=8,local_blocks=16``; with
+``seeds``, one point per setting and seed, ``...,seed=2``), run in
 ``<output_dir>/runs/<point>`` by the trainer's own command line. A point whose config does not
 load or validate (``load_config``, ``RunConfig.schedule()``, ``RunConfig.validate``) is reported
 with the config error and skipped. Running again skips finished points (``summary.json`` at
@@ -90,7 +94,14 @@ STUDY_KEYS = (
     "output_dir",
     "nproc_per_node",
     "equal_tokens",
+    "seeds",
+    "reference",
 )
+# The seed setting a study's ``seeds`` list expands over (one run per point and seed).
+SEED_KEY = "train.seed"
+# Settings recorded in every row of the table even when no point varies them, so that a table
+# read on its own says at what length and with which seed each run trained.
+RECORDED_KEYS = ("model.seq_length", SEED_KEY)
 # Written by whoever runs a point (this module, or launch/slurm.sbatch for array tasks): one
 # JSON line per session with its start, end and exit code; the table's wall time is their sum.
 SESSIONS = "sweep_sessions.jsonl"
@@ -114,6 +125,7 @@ class Point:
     run_dir: str = ""
     config: Optional[RunConfig] = None
     error: Optional[str] = None  # the config error of an invalid point
+    setting: str = ""  # the name without its seed: the points one summary row averages
 
     @property
     def valid(self) -> bool:
@@ -133,6 +145,8 @@ class Study:
     nproc_per_node: Optional[int] = None
     equal_tokens: Optional[float] = None
     points: list = field(default_factory=list)
+    seeds: Optional[list] = None  # the study's ``seeds`` (None: each point runs once)
+    reference: Optional[str] = None  # the setting (point name without its seed) compared against
 
     def point_dir(self, name: str) -> str:
         return os.path.join(self.output_dir, "runs", name)
@@ -283,6 +297,21 @@ def expand_points(grid: Any, points: Any) -> list[tuple[Optional[str], dict]]:
     return out
 
 
+def _seeds(raw: Any) -> Optional[list]:
+    """The study's ``seeds``: None, or a non-empty list of distinct integers >= 0."""
+    if raw is None:
+        return None
+    if (
+        not isinstance(raw, list)
+        or not raw
+        or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in raw)
+    ):
+        raise StudyError(f"seeds must be a non-empty list of integers >= 0, got {raw!r}")
+    if len(set(raw)) != len(raw):
+        raise StudyError(f"seeds has a value twice: {raw}; each seed runs once per point")
+    return list(raw)
+
+
 def load_study(
     path: str | os.PathLike,
     output_dir: Optional[str] = None,
@@ -334,6 +363,11 @@ def load_study(
     if not isinstance(out, str):
         raise StudyError(f"output_dir must be a path, got {out!r}")
 
+    seeds = _seeds(d.get("seeds"))
+    reference = d.get("reference")
+    if reference is not None and not isinstance(reference, str):
+        raise StudyError(f"reference must be a point's name (a string), got {reference!r}")
+
     common = _mapping_of_keys(d.get("overrides"), "overrides")
     for key in common:
         check_config_key(key, "overrides")
@@ -351,6 +385,15 @@ def load_study(
             check_config_key(key, f"points[{i}]" if d.get("grid") is None else "grid/points")
             if key not in axes:
                 axes.append(key)
+    if seeds is not None:
+        # One seed setting per run: a second source would make the seed axis lie.
+        for where, keys in (("grid/points", axes), ("overrides", common), ("command line", cli)):
+            if SEED_KEY in keys:
+                raise StudyError(
+                    f"{SEED_KEY} is set in {where} and the study has seeds: {seeds}; give the "
+                    f"seeds in one place (the study's seeds list)"
+                )
+        axes.append(SEED_KEY)
     for key in ("name", "logging.run_dir"):
         if key in axes or key in common or key in cli:
             raise StudyError(f"{key} is set by the sweep for each point; leave it out of the study")
@@ -368,10 +411,25 @@ def load_study(
         output_dir=os.path.abspath(out),
         nproc_per_node=nproc,
         equal_tokens=equal,
+        seeds=seeds,
+        reference=reference,
     )
+    expanded = []
+    for explicit, values in raw_points:
+        setting = _SAFE.sub("_", explicit) if explicit else point_name(values, short)
+        for seed in seeds if seeds is not None else [None]:
+            if seed is None:
+                expanded.append((setting, setting, values))
+            else:
+                # The seed last: the summary groups a setting's seeds by the name before it.
+                expanded.append((f"{setting},seed={seed}", setting, {**values, SEED_KEY: seed}))
+    if reference is not None and reference not in {setting for _, setting, _ in expanded}:
+        raise StudyError(
+            f"reference {reference!r} is not a point of the study; its points: "
+            f"{', '.join(dict.fromkeys(setting for _, setting, _ in expanded))}"
+        )
     seen: dict = {}
-    for i, (explicit, values) in enumerate(raw_points):
-        pname = _SAFE.sub("_", explicit) if explicit else point_name(values, short)
+    for i, (pname, setting, values) in enumerate(expanded):
         if pname in seen:
             raise StudyError(
                 f"points {seen[pname]} and {i} have the same name {pname!r} (the same values?)"
@@ -384,7 +442,7 @@ def load_study(
             f"name={pname}",
             f"logging.run_dir={run_dir}",
         ]
-        point = Point(i, pname, values, overrides, run_dir)
+        point = Point(i, pname, values, overrides, run_dir, setting=setting)
         try:
             cfg = load_config(study.base, overrides)
             cfg.schedule()
@@ -800,6 +858,19 @@ def curves(point: Point) -> tuple[list, list]:
     return train, valid
 
 
+def recorded_columns(study: Study) -> list:
+    """The settings in every table row that no point varies (``RECORDED_KEYS`` less the axes)."""
+    return [k for k in RECORDED_KEYS if k not in study.axes]
+
+
+def _setting_value(cfg: RunConfig, key: str) -> Any:
+    """The value of the dotted run-config ``key`` in ``cfg`` (e.g. ``model.seq_length``)."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def collect(study: Study) -> list[dict]:
     """One row per point (see COLUMNS; the axes after ``status``), read from the runs'
     ``metrics.jsonl`` and sessions files and the points' configs."""
@@ -807,7 +878,11 @@ def collect(study: Study) -> list[dict]:
     finals = []
     for point in study.points:
         row: dict = {"point": point.name, "run_dir": point.run_dir, "error": point.error or ""}
+        row["setting"] = point.setting or point.name
         row.update({k: _dump(point.values[k]) if k in point.values else "" for k in study.axes})
+        for key in recorded_columns(study):
+            if key not in study.axes:
+                row[key] = _setting_value(point.config, key) if point.config else ""
         state = point_state(point)
         recs = _records(point.run_dir) if point.valid else []
         train = [r for r in recs if r.get("kind") == "train" and "loss" in r]
@@ -861,7 +936,13 @@ def _fmt(value: Any, key: str) -> str:
 def write_tables(study: Study, rows: list) -> tuple[str, str]:
     """``results.csv`` (every column, full precision) and ``results.md`` in the output dir."""
     os.makedirs(study.output_dir, exist_ok=True)
-    columns = list(COLUMNS[:2]) + list(study.axes) + list(COLUMNS[2:])
+    columns = [
+        *COLUMNS[:2],
+        "setting",
+        *study.axes,
+        *recorded_columns(study),
+        *COLUMNS[2:],
+    ]
     csv_path = os.path.join(study.output_dir, "results.csv")
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
@@ -975,12 +1056,19 @@ def write_plots(study: Study, rows: list) -> tuple[Optional[str], Optional[str]]
 
 
 def collect_and_write(study: Study) -> list:
+    """Collect every point's results and write the tables and plots; with ``seeds`` also the
+    per-setting summary (``summary.csv``, ``summary.md``, ``frontier.png``)."""
     rows = collect(study)
     csv_path, md_path = write_tables(study, rows)
     pareto, loss = write_plots(study, rows)
     _say(f"table {csv_path}, {md_path}")
     if pareto:
         _say(f"plots {pareto}, {loss}")
+    if study.seeds is not None:
+        from .seed_stats import write_summary
+
+        written = write_summary(rows, study.output_dir, reference=study.reference, title=study.name)
+        _say("seed summary " + ", ".join(written))
     return rows
 
 

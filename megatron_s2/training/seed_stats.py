@@ -1,0 +1,363 @@
+"""Seeded comparisons of sweep results: a mean and a 95% interval per setting, and a difference
+to the reference setting that is called a difference only when its interval excludes zero.
+
+Input rows are the sweep's table rows (``megatron-s2-sweep collect`` writes them as
+``results.csv``; :func:`read_results` reads that file back), one per run: the ``setting`` (the
+point's name without its seed), ``train.seed``, ``final_valid_loss`` and ``tokens_per_s``.
+The intervals are Student-t intervals from scipy (``scipy.stats``): of the mean over a setting's
+seeds, and of the difference to the reference, paired by seed where both ran the same seeds
+(the same seed gives both the same data order and validation batches, so pairing removes that
+part of the spread), Welch's otherwise.
+
+The rule applied in every table (``docs/quality.md``): a difference whose 95% interval contains
+zero is reported as "no difference", never as better or worse.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = [
+    "CONFIDENCE",
+    "Estimate",
+    "SettingSummary",
+    "mean_interval",
+    "difference_interval",
+    "verdict",
+    "read_results",
+    "summarize",
+    "summary_markdown",
+    "write_summary",
+]
+
+CONFIDENCE = 0.95
+SEED_KEY = "train.seed"
+LOSS = "final_valid_loss"
+SPEED = "tokens_per_s"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean with the half-width of its ``CONFIDENCE`` interval (None with fewer than 2 values)."""
+
+    mean: float
+    half_width: Optional[float]
+    n: int
+
+    @property
+    def low(self) -> Optional[float]:
+        return None if self.half_width is None else self.mean - self.half_width
+
+    @property
+    def high(self) -> Optional[float]:
+        return None if self.half_width is None else self.mean + self.half_width
+
+    def text(self, fmt: str = "{:.4f}") -> str:
+        """``2.8568 ± 0.0123`` (the ± is the interval's half-width), or the mean alone."""
+        if self.half_width is None:
+            return fmt.format(self.mean)
+        return f"{fmt.format(self.mean)} ± {fmt.format(self.half_width)}"
+
+
+def _t_half_width(sd: float, n: int, level: float) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+
+
+def mean_interval(values: Sequence[float], level: float = CONFIDENCE) -> Estimate:
+    """Mean of ``values`` and the half-width of its Student-t ``level`` interval."""
+    values = [float(v) for v in values]
+    if not values:
+        raise ValueError("mean_interval needs at least one value")
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return Estimate(mean, None, n)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return Estimate(mean, _t_half_width(sd, n, level), n)
+
+
+def difference_interval(
+    values: dict, reference: dict, level: float = CONFIDENCE, relative: bool = True
+) -> tuple[Optional[Estimate], str]:
+    """The difference ``values - reference`` (in % of the reference's mean if ``relative``)
+    with its ``level`` interval, and how it was computed ("paired", "Welch" or "").
+
+    ``values`` and ``reference`` map seed -> value. With at least 2 seeds in common the seeds
+    are paired (the differences of the same seed); otherwise Welch's interval of the difference
+    of the two means (each needs 2 values). None when neither is possible."""
+    from scipy import stats
+
+    common = [s for s in values if s in reference]
+    ref_mean = sum(reference.values()) / len(reference) if reference else float("nan")
+    scale = 100.0 / ref_mean if relative else 1.0
+    if len(common) >= 2:
+        diffs = [(values[s] - reference[s]) * scale for s in common]
+        return mean_interval(diffs, level), "paired"
+    a, b = list(values.values()), list(reference.values())
+    if len(a) >= 2 and len(b) >= 2:
+        res = stats.ttest_ind(a, b, equal_var=False)
+        ci = res.confidence_interval(confidence_level=level)
+        mean = (sum(a) / len(a) - sum(b) / len(b)) * scale
+        return Estimate(mean, (ci.high - ci.low) / 2 * abs(scale), min(len(a), len(b))), "Welch"
+    return None, ""
+
+
+def verdict(diff: Optional[Estimate], lower_is_better: bool = True) -> str:
+    """The differences-within-noise rule: "no difference" when the interval contains zero,
+    else "lower" / "higher" (and whether that is better); "one seed" without an interval."""
+    if diff is None or diff.half_width is None:
+        return "one seed: no interval"
+    if diff.low <= 0.0 <= diff.high:
+        return "no difference"
+    lower = diff.mean < 0
+    better = lower == lower_is_better
+    return f"{'lower' if lower else 'higher'} ({'better' if better else 'worse'})"
+
+
+def _number(value) -> Optional[float]:
+    if value is None or value == "":
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def read_results(path: str | os.PathLike) -> list[dict]:
+    """The rows of a sweep's ``results.csv`` (strings, as written)."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass
+class SettingSummary:
+    """One setting over its seeds: loss and speed with intervals, and against the reference."""
+
+    setting: str
+    seeds: list
+    values: dict  # the setting's other table columns (e.g. the schedule, the length)
+    loss: Estimate
+    speed: Optional[Estimate]
+    loss_diff: Optional[Estimate] = None  # % of the reference's mean loss
+    loss_diff_method: str = ""
+    speedup: Optional[float] = None  # mean tokens/s over the reference's
+    verdict: str = ""
+
+
+def _setting_of(row: dict) -> str:
+    setting = row.get("setting") or ""
+    if setting:
+        return setting
+    name = row.get("point", "")
+    return name.rsplit(",seed=", 1)[0] if ",seed=" in name else name
+
+
+def summarize(
+    rows: Iterable[dict], reference: Optional[str] = None, columns: Sequence[str] = ()
+) -> list[SettingSummary]:
+    """One :class:`SettingSummary` per setting with a finished run that has a validation loss,
+    in the rows' order; ``columns``: table columns copied from the setting's first row.
+
+    Raises ValueError if ``reference`` names no such setting."""
+    groups: dict = {}
+    for row in rows:
+        loss = _number(row.get(LOSS))
+        if loss is None or row.get("status", "finished") != "finished":
+            continue
+        seed = row.get(SEED_KEY, "")
+        groups.setdefault(_setting_of(row), []).append((seed, loss, _number(row.get(SPEED)), row))
+    if reference is not None and reference not in groups:
+        raise ValueError(
+            f"reference {reference!r} has no finished run with a validation loss; settings "
+            f"with one: {', '.join(groups) or 'none'}"
+        )
+    out = []
+    for setting, runs in groups.items():
+        speeds = [s for _, _, s, _ in runs if s is not None]
+        out.append(
+            SettingSummary(
+                setting=setting,
+                seeds=[seed for seed, _, _, _ in runs],
+                values={c: runs[0][3].get(c, "") for c in columns},
+                loss=mean_interval([loss for _, loss, _, _ in runs]),
+                speed=mean_interval(speeds) if speeds else None,
+            )
+        )
+    if reference is not None:
+        ref = next(s for s in out if s.setting == reference)
+        ref_losses = {seed: loss for seed, loss, _, _ in groups[reference]}
+        for s in out:
+            if s is ref:
+                continue
+            mine = {seed: loss for seed, loss, _, _ in groups[s.setting]}
+            s.loss_diff, s.loss_diff_method = difference_interval(mine, ref_losses)
+            s.verdict = verdict(s.loss_diff)
+            if s.speed is not None and ref.speed is not None:
+                s.speedup = s.speed.mean / ref.speed.mean
+    return out
+
+
+def pareto_fastest(summaries: Sequence[SettingSummary]) -> list[int]:
+    """Indices of the settings no other setting beats on both mean loss (lower) and mean
+    tokens/s (higher), fastest first."""
+    idx = [i for i, s in enumerate(summaries) if s.speed is not None]
+    idx.sort(key=lambda i: (-summaries[i].speed.mean, summaries[i].loss.mean))
+    front, best = [], math.inf
+    for i in idx:
+        if summaries[i].loss.mean < best:
+            front.append(i)
+            best = summaries[i].loss.mean
+    return front
+
+
+def summary_markdown(
+    summaries: Sequence[SettingSummary], reference: Optional[str], columns: Sequence[str] = ()
+) -> str:
+    """The summary table: per setting its seeds, the mean validation loss and tokens/s with 95%
+    intervals, and against the reference the loss difference (its interval) and the verdict."""
+    head = ["setting", *columns, "seeds", "valid loss (95% CI)", "tokens/s (95% CI)"]
+    if reference is not None:
+        head += [f"speed vs {reference}", f"loss vs {reference} (95% CI)", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    front = set(pareto_fastest(summaries))
+    for i, s in enumerate(summaries):
+        name = f"**{s.setting}**" if i in front else s.setting
+        cells = [name, *(str(s.values.get(c, "")) for c in columns)]
+        cells.append(",".join(str(x) for x in s.seeds))
+        cells.append(s.loss.text())
+        cells.append(s.speed.text("{:,.0f}") if s.speed else "")
+        if reference is not None:
+            if s.setting == reference:
+                cells += ["1.00x", "(reference)", ""]
+            else:
+                cells.append(f"{s.speedup:.2f}x" if s.speedup is not None else "")
+                if s.loss_diff is None:
+                    cells.append("")
+                else:
+                    cells.append(f"{s.loss_diff.text('{:+.2f}')}% ({s.loss_diff_method})")
+                cells.append(s.verdict)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Intervals: Student-t {CONFIDENCE:.0%} over seeds; differences paired by seed where "
+        "both ran the same seeds (Welch's otherwise). A difference whose interval contains 0 "
+        "is 'no difference'. Bold: the Pareto front (no other setting is both faster and lower "
+        "in mean loss).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_frontier_plot(summaries: Sequence[SettingSummary], path: str, title: str) -> str:
+    """``path``: mean validation loss (95% interval bars) against mean tokens/s, one point per
+    setting, the Pareto front joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [s for s in summaries if s.speed is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in pts:
+        ax.errorbar(
+            s.speed.mean,
+            s.loss.mean,
+            yerr=s.loss.half_width,
+            xerr=s.speed.half_width,
+            fmt="o",
+            capsize=3,
+            zorder=3,
+        )
+        ax.annotate(
+            s.setting,
+            (s.speed.mean, s.loss.mean),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    front = [summaries[i] for i in pareto_fastest(summaries)]
+    if front:
+        ax.plot(
+            [s.speed.mean for s in front], [s.loss.mean for s in front], "r--", label="Pareto front"
+        )
+        ax.legend()
+    ax.set_xlabel("training tokens/s (mean over seeds)")
+    ax.set_ylabel(f"validation loss (mean, {CONFIDENCE:.0%} interval)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+SUMMARY_COLUMNS = ("attention.dense_layers.pattern", "model.seq_length")
+
+
+def write_summary(
+    rows: Sequence[dict], out_dir: str, reference: Optional[str] = None, title: str = ""
+) -> list[str]:
+    """Write ``summary.csv``, ``summary.md`` and ``frontier.png`` into ``out_dir`` from the
+    sweep's rows; returns the paths written (none without a finished run)."""
+    columns = [c for c in SUMMARY_COLUMNS if any(r.get(c) not in (None, "") for r in rows)]
+    try:
+        summaries = summarize(rows, reference, columns)
+    except ValueError:
+        # The reference has not finished yet: the per-setting intervals are still worth having.
+        summaries, reference = summarize(rows, None, columns), None
+    if not summaries:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path = os.path.join(out_dir, "summary.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(
+            [
+                "setting",
+                *columns,
+                "seeds",
+                "n",
+                "valid_loss_mean",
+                "valid_loss_ci95",
+                "tokens_per_s_mean",
+                "tokens_per_s_ci95",
+                "speedup",
+                "loss_diff_pct",
+                "loss_diff_pct_ci95",
+                "loss_diff_method",
+                "verdict",
+            ]
+        )
+        for s in summaries:
+            w.writerow(
+                [
+                    s.setting,
+                    *(s.values.get(c, "") for c in columns),
+                    " ".join(str(x) for x in s.seeds),
+                    s.loss.n,
+                    s.loss.mean,
+                    "" if s.loss.half_width is None else s.loss.half_width,
+                    "" if s.speed is None else s.speed.mean,
+                    "" if s.speed is None or s.speed.half_width is None else s.speed.half_width,
+                    "" if s.speedup is None else s.speedup,
+                    "" if s.loss_diff is None else s.loss_diff.mean,
+                    ""
+                    if s.loss_diff is None or s.loss_diff.half_width is None
+                    else s.loss_diff.half_width,
+                    s.loss_diff_method,
+                    s.verdict,
+                ]
+            )
+    md_path = os.path.join(out_dir, "summary.md")
+    with open(md_path, "w") as f:
+        f.write(f"# {title} over seeds\n\n" if title else "")
+        f.write(summary_markdown(summaries, reference, columns))
+    plot = write_frontier_plot(summaries, os.path.join(out_dir, "frontier.png"), title)
+    return [csv_path, md_path, plot]
