@@ -5,7 +5,7 @@ Each (batch row, KV head, 64-key tile) item walks the tile's column lists
 (``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``; the
 full entries from the last query tile back, :func:`layout.full_descending_columns`, so that a
 head's stripe columns running side by side read the same Q and dO tiles) for every query head
-of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered key tiles
+of its GQA group, as ``tl_kernels._s2_dkdv_kernel`` does; on gathered key tiles
 (``gathered_keys.py``) an item is one query head's tile, read from its KV head. A
 program runs two items (consecutive in the heaviest-first ``kv_order``) in two independent
 pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttention-3's backward
@@ -449,7 +449,7 @@ def s2_dkdv_gluon(
     gathered key tiles (blocks 16 and 32), as :func:`gluon_forward.s2_forward_gluon` takes
     them: dK/dV then come per query head, ``[b, sk, hq, d]``, each rounded to k's dtype (the
     caller sums each KV group's heads). ``varlen``: packed documents (a
-    ``triton_attention.Varlen``, ``b = 1``; blocks 64 and 128). Returns ``dk, dv`` like k and v
+    ``tl_kernels.Varlen``, ``b = 1``; blocks 64 and 128). Returns ``dk, dv`` like k and v
     (zero on keys no query attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)

@@ -377,7 +377,7 @@ def s2_dq_gluon(
     ``lay``: the pattern's layout at :func:`tile_m` (or 128) x ``BLOCK_N`` tiles (the
     forward's at block 64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
     :func:`gluon_forward.s2_forward_gluon` takes them. Returns ``dq`` like q and ``delta [b, hq,
-    s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``triton_attention.bwd_dq``
+    s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``tl_kernels.s2_dq_tl``
     does. ``varlen``: packed documents, as :func:`gluon_forward.s2_forward_gluon` takes them.
     The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape

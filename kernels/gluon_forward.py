@@ -1,6 +1,6 @@
 """The S2 forward for Hopper (sm_90) in Triton's Gluon dialect, FlashAttention-3-shaped.
 
-It runs the same tile lists as ``triton_attention._s2_fwd_kernel`` (``layout_for`` with 128-row
+It runs the same tile lists as ``tl_kernels._s2_fwd_kernel`` (``layout_for`` with 128-row
 query tiles, 192-row ones at head_dim 64 on 64-token blocks: ``row_ptr``/``row_split``/``cols``,
 ``lo``/``hi``, the heaviest-first ``q_order``) through the producer/consumer schedule that
 plain ``triton.language`` does not express on sm_90:
@@ -29,7 +29,7 @@ documents of any lengths (``varlen``, blocks 64 and 128: the ``tl`` path's progr
 map, a document's last tile stored through a masked store); bf16/fp16, head_dim 64 or 128,
 block 64 or 128 (key tiles of 64 keys at head_dim 128, of the block at 64: :func:`key_tile`),
 or block 16 or 32 on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
-box by box, one TMA box per pattern block), on an sm_90 GPU. ``triton_attention.s2_forward``
+box by box, one TMA box per pattern block), on an sm_90 GPU. ``dispatch.s2_forward``
 calls it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl``
 kernel otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes)
 reads only ``out`` and ``lse``.
@@ -839,9 +839,9 @@ def s2_forward_gluon(
     :class:`gathered_keys.GatheredKeys`, block 16/32) the key tiles are gathered ones (their
     own layout), each loaded from k/v block by block. Returns ``out`` like q (q's layout where
     q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
-    ``triton_attention.s2_forward`` does. ``programs``: how many programs share the work items
+    ``tl_kernels.s2_forward_tl`` does. ``programs``: how many programs share the work items
     (None: :func:`persistent_programs`' choice; the tests pass a few, so that each program
-    runs many items). ``varlen`` (a ``triton_attention.Varlen``): q, k, v are one packed row
+    runs many items). ``varlen`` (a ``tl_kernels.Varlen``): q, k, v are one packed row
     ``[1, total, h, d]`` of documents, each attended on its own (``lay``: the layout that
     serves every document, ``varlen.layout``), through the same program map as the ``tl``
     kernels. The caller checks :func:`unsupported_reason` first."""
