@@ -452,6 +452,7 @@ def _s2_fwd_kernel(
     tl.store(lse_row + offs_m, lse, mask=row_ok)
 
 
+@triton.jit
 def _fwd_tiles(
     acc,
     l_i,
