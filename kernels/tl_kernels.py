@@ -89,18 +89,16 @@ def s2_forward_tl(
     )
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    tail = (lay.group, scale * LOG2E.value)
     _launch(
         _s2_fwd_kernel,
         (q, k, v, out, lse),
         lay,
         varlen,
-        q_start,
-        k_start,
-        tail,
-        (k, v),
-        config.tma,
-        fwd,
+        starts=(q_start, k_start),
+        tail=(lay.group, scale * LOG2E.value),
+        walked=(k, v),
+        tma=config.tma,
+        shape=fwd,
     )
     return out, lse
 
@@ -129,12 +127,18 @@ def s2_dq_tl(
     )
     dq = torch.empty_like(q)
     delta = torch.empty_like(lse)
-    tensors = (q, k, v, out, do, lse, dlse if dlse is not None else lse, delta, dq)
-    tail = (lay.group, scale * LOG2E.value, scale)
     _launch(
-        _s2_dq_kernel, tensors, lay, varlen, q_start, k_start, tail, (k, v), config.tma, config.dq,
+        _s2_dq_kernel,
+        (q, k, v, out, do, lse, dlse if dlse is not None else lse, delta, dq),
+        lay,
+        varlen,
+        starts=(q_start, k_start),
+        tail=(lay.group, scale * LOG2E.value, scale),
+        walked=(k, v),
+        tma=config.tma,
+        shape=config.dq,
         HAS_DLSE=dlse is not None,
-    )  # fmt: skip
+    )
     return dq, delta
 
 
@@ -161,12 +165,18 @@ def s2_dkdv_tl(
         pattern, sq, sk, q_start, k_start, block_m, config.block_n, q.device, varlen, csc=True
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    tensors = (q, k, v, do, lse, delta, dk, dv)
-    tail = (lay.num_k_tiles, lay.group, scale * LOG2E.value, scale)
     _launch(
-        _s2_dkdv_kernel, tensors, lay, varlen, q_start, k_start, tail, (q, do), config.tma,
-        config.dkdv, kv=True,
-    )  # fmt: skip
+        _s2_dkdv_kernel,
+        (q, k, v, do, lse, delta, dk, dv),
+        lay,
+        varlen,
+        starts=(q_start, k_start),
+        tail=(lay.num_k_tiles, lay.group, scale * LOG2E.value, scale),
+        walked=(q, do),
+        tma=config.tma,
+        shape=config.dkdv,
+        kv=True,
+    )
     return dk, dv
 
 
@@ -175,8 +185,8 @@ def _launch(
     tensors: tuple,
     lay,
     varlen: Optional[Varlen],
-    q_start: int,
-    k_start: int,
+    *,
+    starts: tuple,
     tail: tuple,
     walked: tuple,
     tma: bool,
@@ -185,15 +195,15 @@ def _launch(
     **flags,
 ) -> None:
     """Launch ``kernel``, one of the three passes, over ``lay``'s programs (none for a pack of
-    empty documents), its arguments in the order the three kernels share:
+    empty documents), with its arguments in the order the three kernels share:
 
     ``tensors``, the pointers (Q, K, V first); the strides of those of them that are ``[b, s,
     h, d]``, in order, and of the first ``[b, h, s]`` one (the LSE: delta and dLSE are alike);
     the layout's lists (over query tiles, or over key tiles with ``kv``); the program map;
-    heads, query and key lengths, ``q_start``, ``k_start`` and the query tile count; ``tail``,
-    the pass's own sizes and scales; the TMA descriptors of ``walked`` (the tensors the tile
-    loop reads; Nones without TMA); the shared constexprs, the pass's ``flags`` and
-    ``shape``'s warps and stages."""
+    heads, query and key lengths, ``starts`` (``q_start, k_start``) and the query tile count;
+    ``tail``, the pass's own sizes and scales; the TMA descriptors of ``walked`` (the tensors
+    the tile loop reads) when ``tma`` (else Nones: pointer loads); the shared constexprs, the
+    pass's own ``flags`` and ``shape``'s warps and stages."""
     q, k = tensors[0], tensors[1]
     grid, order, prog_tok, prog_len = _programs(lay, q.shape[0], varlen, kv)
     if grid == 0:
@@ -216,8 +226,7 @@ def _launch(
         q.shape[2],
         q.shape[1],
         k.shape[1],
-        q_start,
-        k_start,
+        *starts,
         lay.num_q_tiles,
         *tail,
         *tiles,
