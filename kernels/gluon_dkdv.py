@@ -58,6 +58,16 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
+    # The wgmma layouts' and the partitions' numbers, as the forward names them.
+    from .gluon_forward import (
+        CONSUMER_WARPS,
+        LOADER_WARPS,
+        OPERAND_K_WIDTH,
+        WGMMA_K,
+        WGMMA_ROWS_PER_WARP,
+        WGMMA_VERSION,
+    )
+
 BLOCK_N = 64  # keys per item (the pattern block): one wgmma M extent per warpgroup
 TILE_M = 64  # query rows per listed tile (the CSC layout's block_m)
 NUM_STAGES = 2  # Q/dO ring depth: 2 x (Q + dO) tiles of 64 x 128 bf16 is 64 KiB
@@ -83,14 +93,6 @@ if gluon is not None:
     # A slot's run of column entries in ``doc_entries``: (first entry, end entry).
     RUN_FIELDS = gl.constexpr(2)
     NUM_PIPELINES = gl.constexpr(PIPELINES)
-    # The forward's names for the wgmma layouts' and the partitions' numbers (gluon_forward.py).
-    CONSUMER_WARPS, LOADER_WARPS = gf.CONSUMER_WARPS, gf.LOADER_WARPS
-    WGMMA_VERSION, WGMMA_ROWS_PER_WARP, WGMMA_K = (
-        gf.WGMMA_VERSION,
-        gf.WGMMA_ROWS_PER_WARP,
-        gf.WGMMA_K,
-    )
-    OPERAND_K_WIDTH = gf.OPERAND_K_WIDTH
 
     @gluon.jit
     def _item_of(items, WG):

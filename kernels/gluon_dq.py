@@ -47,6 +47,16 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
+    # The wgmma layouts' and the partitions' numbers, as the forward names them.
+    from .gluon_forward import (
+        CONSUMER_WARPS,
+        LOADER_WARPS,
+        OPERAND_K_WIDTH,
+        WGMMA_K,
+        WGMMA_ROWS_PER_WARP,
+        WGMMA_VERSION,
+    )
+
 BLOCK_N = 64  # keys per listed tile (the pattern block)
 WG_ROWS = gf.WG_ROWS  # query rows per consumer warpgroup
 TILE_M = gf.TILE_M  # the layout's block_m at two consumer warpgroups (tile_m: the call's)
@@ -72,14 +82,6 @@ if gluon is not None:
     MASKED_DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
     # log2(e) for the kernel, which reads only constexpr globals: the LSE arrives in natural log.
     LOG2E_CONSTEXPR = gl.constexpr(LOG2E)
-    # The forward's names for the wgmma layouts' and the partitions' numbers (gluon_forward.py).
-    CONSUMER_WARPS, LOADER_WARPS = gf.CONSUMER_WARPS, gf.LOADER_WARPS
-    WGMMA_VERSION, WGMMA_ROWS_PER_WARP, WGMMA_K = (
-        gf.WGMMA_VERSION,
-        gf.WGMMA_ROWS_PER_WARP,
-        gf.WGMMA_K,
-    )
-    OPERAND_K_WIDTH = gf.OPERAND_K_WIDTH
 
     @gluon.jit
     def _program_item(items):
