@@ -12,7 +12,7 @@ from .pattern import S2Pattern
 from .reference import s2_attention_reference, s2_attention_varlen_reference
 
 if TYPE_CHECKING:  # imported lazily: triton.jit decides at import whether to interpret them
-    from .triton_attention import KernelConfig
+    from .config import KernelConfig
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 BACKENDS = ("auto", "triton", "reference")
@@ -83,7 +83,7 @@ def _use_triton(fn: str, q, backend: str, kernel_config) -> bool:
         )
     if not _triton_usable(q):
         raise ValueError(f"{fn}: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
-    from .triton_attention import KernelConfig
+    from .config import KernelConfig
 
     if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
         raise TypeError(
@@ -148,7 +148,7 @@ def s2_attention(
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
             (PyTorch), or ``"auto"`` (Triton when usable).
         kernel_config: tile shapes and launch options of the Triton kernels
-            (``s2attn.triton_attention.KernelConfig``), used for the forward and the backward;
+            (``s2attn.config.KernelConfig``), used for the forward and the backward;
             default ``kernel_config(pattern, head_dim, q.device, q.dtype)`` from the same
             module. The reference backend has no tiles and ignores it.
     Returns:
@@ -159,7 +159,7 @@ def s2_attention(
     validate_inputs(q, k, v, pattern, q_start, k_start)
     scale = _scale(q, softmax_scale)
     if _use_triton("s2_attention", q, backend, kernel_config):
-        from .triton_attention import S2AttentionFunction
+        from .dispatch import S2AttentionFunction
 
         out, lse = S2AttentionFunction.apply(
             q, k, v, pattern, scale, q_start, k_start, kernel_config
@@ -298,7 +298,8 @@ def s2_attention_varlen(
     validate_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, pattern, check_cu_seqlens)
     scale = _scale(q, softmax_scale)
     if _use_triton(fn, q, backend, kernel_config):
-        from .triton_attention import S2AttentionFunction, Varlen
+        from .dispatch import S2AttentionFunction
+        from .tl_kernels import Varlen
 
         packed = Varlen(cu_seqlens, max_seqlen, q.shape[0])
         out, lse = S2AttentionFunction.apply(

@@ -5,7 +5,7 @@ Each (batch row, KV head, 64-key tile) item walks the tile's column lists
 (``layout_for(..., with_csc=True)``: ``col_ptr``/``col_split``/``rows``, ``lo_c``/``hi_c``; the
 full entries from the last query tile back, :func:`layout.full_descending_columns`, so that a
 head's stripe columns running side by side read the same Q and dO tiles) for every query head
-of its GQA group, as ``triton_attention._s2_dkdv_kernel`` does; on gathered key tiles
+of its GQA group, as ``tl_kernels._s2_dkdv_kernel`` does; on gathered key tiles
 (``gathered_keys.py``) an item is one query head's tile, read from its KV head. A
 program runs two items (consecutive in the heaviest-first ``kv_order``) in two independent
 pipelines, so that two warpgroups share each SM's tensor cores, as FlashAttention-3's backward
@@ -58,9 +58,22 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
+    # The wgmma layouts' and the partitions' numbers, as the forward names them.
+    from .gluon_forward import (
+        CONSUMER_WARPS,
+        LOADER_WARPS,
+        OPERAND_K_WIDTH,
+        WGMMA_K,
+        WGMMA_ROWS_PER_WARP,
+        WGMMA_VERSION,
+    )
+
 BLOCK_N = 64  # keys per item (the pattern block): one wgmma M extent per warpgroup
 TILE_M = 64  # query rows per listed tile (the CSC layout's block_m)
 NUM_STAGES = 2  # Q/dO ring depth: 2 x (Q + dO) tiles of 64 x 128 bf16 is 64 KiB
+# Items a program runs side by side, each in a pipeline of its own (a loader warp and a consumer
+# warpgroup), so that two warpgroups share each SM's tensor cores (FlashAttention-3's backward).
+PIPELINES = 2
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -77,6 +90,9 @@ if gluon is not None:
     # (warp_specialize passes no constexprs to the partitions).
     FIXED_ITEMS = gl.constexpr(4)
     PROG_TOK, PROG_LEN, DOC_ENTRIES, STAT_TOK = (gl.constexpr(i) for i in range(4, 8))
+    # A slot's run of column entries in ``doc_entries``: (first entry, end entry).
+    RUN_FIELDS = gl.constexpr(2)
+    NUM_PIPELINES = gl.constexpr(PIPELINES)
 
     @gluon.jit
     def _item_of(items, WG):
@@ -89,8 +105,8 @@ if gluon is not None:
         its length; a padding slot, length 0, is not valid)."""
         order, n_items, num_k_tiles, seq_k = items[0], items[1], items[2], items[3]
         pid = gl.program_id(0)
-        n_pairs = (n_items + 1) // 2
-        idx = (pid % n_pairs) * 2 + WG
+        n_pairs = (n_items + 1) // NUM_PIPELINES  # rounded up (two pipelines)
+        idx = (pid % n_pairs) * NUM_PIPELINES + WG
         valid = idx < n_items
         map_slot = gl.minimum(idx, n_items - 1)
         item = gl.load(order + map_slot)
@@ -112,7 +128,7 @@ if gluon is not None:
         split = gl.load(col_split + c)
         end = gl.load(col_ptr + c + 1)
         if len(items) > FIXED_ITEMS:
-            run = items[DOC_ENTRIES] + (map_slot * group + g) * 2
+            run = items[DOC_ENTRIES] + (map_slot * group + g) * RUN_FIELDS
             first = gl.load(run)
             end = gl.load(run + 1)
         return first, split, end
@@ -125,11 +141,11 @@ if gluon is not None:
     ):  # fmt: skip
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k_smem.type.shape[1]
-        STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
+        STAGES: gl.constexpr = q_bufs.type.shape[0] // NUM_PIPELINES
         BOXES: gl.constexpr = BN // k_desc.block_type.shape[0]
         q_row_b, q_col_b, q_col_h, kv_row_b, kv_col_b, kv_col_h = views
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-        stat_bytes: gl.constexpr = lse_desc.block_type.nbytes
+        stat_bytes: gl.constexpr = lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
         num_k_tiles = items[2]
         VARLEN: gl.constexpr = len(items) > FIXED_ITEMS  # packed documents
         b, kvh, kt, map_slot, tok, doc_len, valid = _item_of(items, WG)
@@ -159,7 +175,7 @@ if gluon is not None:
                     tile = gl.load(rows + e)
                     row = b * q_row_b + tok + tile * BM
                     bar = ready.index(slot)
-                    mbarrier.expect(bar, tile_bytes + 2 * stat_bytes)
+                    mbarrier.expect(bar, tile_bytes + stat_bytes)
                     gf._tma_load(q_desc, [row, col], bar, q_bufs.index(slot))
                     gf._tma_load(do_desc, [row, col], bar, do_bufs.index(slot))
                     # The rows' LSE and delta travel with Q and dO: read by the consumer from
@@ -183,12 +199,16 @@ if gluon is not None:
         there: the caller sends every query tile that crosses a document's end through it."""
         BM: gl.constexpr = q_bufs.type.shape[1]
         BN: gl.constexpr = k.type.shape[0]
-        STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
+        STAGES: gl.constexpr = q_bufs.type.shape[0] // NUM_PIPELINES
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BM, WGMMA_K],
         )
         acc_layout: gl.constexpr = dk.type.layout
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        op_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=acc_layout, k_width=OPERAND_K_WIDTH
+        )
         row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         i = i0
         # Masks need the query tile's positions: its index is read one entry ahead.
@@ -248,10 +268,14 @@ if gluon is not None:
         BN: gl.constexpr = k_smem.type.shape[1]
         D: gl.constexpr = k_smem.type.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BM, WGMMA_K],
         )
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, D, WGMMA_K],
         )
         num_k_tiles = items[2]
         VARLEN: gl.constexpr = len(items) > FIXED_ITEMS  # packed documents
@@ -266,7 +290,7 @@ if gluon is not None:
             mbarrier.wait(kv_bar.index(WG), 0)
             if D <= KV_IN_REGISTERS_MAX_D:
                 kv_op: gl.constexpr = gl.DotOperandLayout(
-                    operand_index=0, parent=s_layout, k_width=2
+                    operand_index=0, parent=s_layout, k_width=OPERAND_K_WIDTH
                 )
                 k = k.load(kv_op)
                 v = v.load(kv_op)
@@ -332,27 +356,33 @@ if gluon is not None:
         program-map slots: two independent pipelines (a loader warp and a consumer warpgroup
         each), one item each."""
         q_bufs = gl.allocate_shared_memory(
-            q_desc.dtype, [2 * STAGES] + q_desc.block_type.shape, q_desc.layout
+            q_desc.dtype, [NUM_PIPELINES * STAGES] + q_desc.block_type.shape, q_desc.layout
         )
         do_bufs = gl.allocate_shared_memory(
-            do_desc.dtype, [2 * STAGES] + do_desc.block_type.shape, do_desc.layout
+            do_desc.dtype, [NUM_PIPELINES * STAGES] + do_desc.block_type.shape, do_desc.layout
         )
         lse_bufs = gl.allocate_shared_memory(
-            lse_desc.dtype, [2 * STAGES] + lse_desc.block_type.shape, lse_desc.layout
+            lse_desc.dtype, [NUM_PIPELINES * STAGES] + lse_desc.block_type.shape, lse_desc.layout
         )
         delta_bufs = gl.allocate_shared_memory(
-            delta_desc.dtype, [2 * STAGES] + delta_desc.block_type.shape, delta_desc.layout
+            delta_desc.dtype,
+            [NUM_PIPELINES * STAGES] + delta_desc.block_type.shape,
+            delta_desc.layout,
         )
         # K/V tiles of BLOCK_N keys: the descriptors' boxes, or several boxes of a gathered tile.
         D: gl.constexpr = k_desc.block_type.shape[1]
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, D], v_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_PIPELINES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_PIPELINES, BLOCK_N, D], v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [NUM_PIPELINES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(
+            gl.int64, [NUM_PIPELINES * STAGES, 1], mbarrier.MBarrierLayout()
+        )
+        empty = gl.allocate_shared_memory(
+            gl.int64, [NUM_PIPELINES * STAGES, 1], mbarrier.MBarrierLayout()
+        )
+        for s in gl.static_range(NUM_PIPELINES):
             mbarrier.init(kv_bar.index(s), count=1)
-        for s in gl.static_range(2 * STAGES):
+        for s in gl.static_range(NUM_PIPELINES * STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
@@ -388,7 +418,7 @@ if gluon is not None:
                 (_loader, loader_args + (gl.to_tensor(0),)),
                 (_loader, loader_args + (gl.to_tensor(1),)),
             ],
-            [4, 1, 1],
+            [CONSUMER_WARPS, LOADER_WARPS, LOADER_WARPS],
             [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
         )
 
@@ -449,7 +479,7 @@ def s2_dkdv_gluon(
     gathered key tiles (blocks 16 and 32), as :func:`gluon_forward.s2_forward_gluon` takes
     them: dK/dV then come per query head, ``[b, sk, hq, d]``, each rounded to k's dtype (the
     caller sums each KV group's heads). ``varlen``: packed documents (a
-    ``triton_attention.Varlen``, ``b = 1``; blocks 64 and 128). Returns ``dk, dv`` like k and v
+    ``tl_kernels.Varlen``, ``b = 1``; blocks 64 and 128). Returns ``dk, dv`` like k and v
     (zero on keys no query attends). The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
     gf.check_chunk("s2_dkdv_gluon", q, k, q_start)
@@ -505,7 +535,7 @@ def s2_dkdv_gluon(
     stat_tok = order  # unread
     if varlen is not None:
         stat_tok, lse, delta = document_aligned_stats(varlen, prog_tok, lse, delta)
-    n_pairs = (n_items + 1) // 2
+    n_pairs = -(-n_items // PIPELINES)
 
     def desc(name, rows):
         return gf._descriptor(views[name], rows, d)
@@ -548,7 +578,7 @@ def s2_dkdv_gluon(
         STAGES=NUM_STAGES,
         BLOCK_N=BLOCK_N,
         VARLEN=varlen is not None,
-        num_warps=4,
+        num_warps=gf.WARPGROUP_WARPS,
     )
     return dk, dv
 

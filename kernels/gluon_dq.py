@@ -47,6 +47,16 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
+    # The wgmma layouts' and the partitions' numbers, as the forward names them.
+    from .gluon_forward import (
+        CONSUMER_WARPS,
+        LOADER_WARPS,
+        OPERAND_K_WIDTH,
+        WGMMA_K,
+        WGMMA_ROWS_PER_WARP,
+        WGMMA_VERSION,
+    )
+
 BLOCK_N = 64  # keys per listed tile (the pattern block)
 WG_ROWS = gf.WG_ROWS  # query rows per consumer warpgroup
 TILE_M = gf.TILE_M  # the layout's block_m at two consumer warpgroups (tile_m: the call's)
@@ -70,6 +80,8 @@ if gluon is not None:
     Q_IN_REGISTERS_MAX_CONSUMERS = gl.constexpr(2)
     DO_IN_REGISTERS_MAX_CONSUMERS = gl.constexpr(2)
     MASKED_DO_IN_REGISTERS_MAX_D = gl.constexpr(64)
+    # log2(e) for the kernel, which reads only constexpr globals: the LSE arrives in natural log.
+    LOG2E_CONSTEXPR = gl.constexpr(LOG2E)
 
     @gluon.jit
     def _program_item(items):
@@ -139,10 +151,14 @@ if gluon is not None:
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BN, WGMMA_K],
         )
         acc_layout: gl.constexpr = dq.type.layout
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        op_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=acc_layout, k_width=OPERAND_K_WIDTH
+        )
         for e in range(e_begin, e_end):
             i = e - e0
             stage = i % STAGES
@@ -214,10 +230,14 @@ if gluon is not None:
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BN, WGMMA_K],
         )
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, D, WGMMA_K],
         )
         e0 = gl.load(row_ptr + item)
         e1 = gl.load(row_split + item)
@@ -234,7 +254,9 @@ if gluon is not None:
         # Q_IN_REGISTERS_MAX_CONSUMERS): read from shared memory once, not by every
         # step's 64-key products (with both operands there, each reads 128 bytes a clock: an
         # SM's whole shared-memory bandwidth, which the K/V TMA writes and dQ += dS K share).
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        a_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=s_layout, k_width=OPERAND_K_WIDTH
+        )
         q = q_smem.index(WG)
         if NC <= Q_IN_REGISTERS_MAX_CONSUMERS:
             q = q.load(a_layout)
@@ -255,7 +277,7 @@ if gluon is not None:
         delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
         lse = gl.load(LSE + row_off + q_loc, q_loc < rows, float("inf"))
         # A row that attends nothing has lse = -inf: shift it by 0 so its p is 0, not NaN.
-        lse2 = gl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
+        lse2 = gl.where(lse == -float("inf"), 0.0, lse * LOG2E_CONSTEXPR)
         dq = gl.zeros([BM, D], gl.float32, acc_layout)
         key_lo += h * key_stride
         key_hi += h * key_stride
@@ -284,7 +306,7 @@ if gluon is not None:
         prog_tok, prog_len, n_items, num_q_tiles, seq_q, varlen, group, qk_scale, sm_scale,
         q_start, key_lo, key_hi, key_stride, q_row_b, q_col_b, q_col_h, o_row_b, o_col_b,
         o_col_h, kv_row_b, kv_col_b, kv_col_h, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-        CONSUMERS: gl.constexpr = 2,
+        CONSUMERS: gl.constexpr = gf.NUM_CONSUMERS,
     ):  # fmt: skip
         """One program per (batch row, layout item), a query tile of ``CONSUMERS`` x 64 rows of
         one head, or per slot of a packed-documents program map (:func:`_program_item`)."""
@@ -335,7 +357,7 @@ if gluon is not None:
                     (_consumer, consumer_args + (gl.to_tensor(2),)),
                     (_loader, loader_args),
                 ],
-                [4, 4, 1],
+                [CONSUMER_WARPS, CONSUMER_WARPS, LOADER_WARPS],
                 [WIDE_CONSUMER_REGS, WIDE_CONSUMER_REGS, LOADER_REGS],
             )
         else:
@@ -345,7 +367,7 @@ if gluon is not None:
                     (_consumer, consumer_args + (gl.to_tensor(1),)),
                     (_loader, loader_args),
                 ],
-                [4, 1],
+                [CONSUMER_WARPS, LOADER_WARPS],
                 [CONSUMER_REGS, LOADER_REGS],
             )
         b, h, qt, item, tok, rows = _program_item(items)
@@ -377,7 +399,7 @@ def s2_dq_gluon(
     ``lay``: the pattern's layout at :func:`tile_m` (or 128) x ``BLOCK_N`` tiles (the
     forward's at block 64; built when None). ``keys``: gathered key tiles (blocks 16 and 32), as
     :func:`gluon_forward.s2_forward_gluon` takes them. Returns ``dq`` like q and ``delta [b, hq,
-    s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``triton_attention.bwd_dq``
+    s]`` fp32 (``rowsum(dO * O) - dLSE``, for the dK/dV pass), as ``tl_kernels.s2_dq_tl``
     does. ``varlen``: packed documents, as :func:`gluon_forward.s2_forward_gluon` takes them.
     The caller checks :func:`gluon_forward.unsupported_reason`."""
     b, s, hq, d = q.shape
@@ -455,7 +477,7 @@ def s2_dq_gluon(
         STAGES=NUM_STAGES,
         BLOCK_N=BLOCK_N,
         CONSUMERS=tm // WG_ROWS,
-        num_warps=4,
+        num_warps=gf.WARPGROUP_WARPS,
     )
     return dq, delta
 

@@ -1,6 +1,6 @@
 """The S2 forward for Hopper (sm_90) in Triton's Gluon dialect, FlashAttention-3-shaped.
 
-It runs the same tile lists as ``triton_attention._s2_fwd_kernel`` (``layout_for`` with 128-row
+It runs the same tile lists as ``tl_kernels._s2_fwd_kernel`` (``layout_for`` with 128-row
 query tiles, 192-row ones at head_dim 64 on 64-token blocks: ``row_ptr``/``row_split``/``cols``,
 ``lo``/``hi``, the heaviest-first ``q_order``) through the producer/consumer schedule that
 plain ``triton.language`` does not express on sm_90:
@@ -29,7 +29,7 @@ documents of any lengths (``varlen``, blocks 64 and 128: the ``tl`` path's progr
 map, a document's last tile stored through a masked store); bf16/fp16, head_dim 64 or 128,
 block 64 or 128 (key tiles of 64 keys at head_dim 128, of the block at 64: :func:`key_tile`),
 or block 16 or 32 on gathered 64-key tiles (``gathered_keys.py``: the loader fetches a tile
-box by box, one TMA box per pattern block), on an sm_90 GPU. ``triton_attention.s2_forward``
+box by box, one TMA box per pattern block), on an sm_90 GPU. ``dispatch.s2_forward``
 calls it when its ``KernelConfig.gluon_fwd`` is set and the call qualifies, and runs the ``tl``
 kernel otherwise; either backward (``gluon_dq.py``/``gluon_dkdv.py`` or the ``tl`` passes)
 reads only ``out`` and ``lse``.
@@ -71,6 +71,9 @@ from . import gathered_keys
 from .layout import layout_for
 
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M extent of 4 warps
+# Warps of a warpgroup, the unit that issues a wgmma: each consumer, and the kernels' default
+# partition (consumer 0, so also the launch's num_warps).
+WARPGROUP_WARPS = 4
 NUM_CONSUMERS = 2  # warpgroups sharing each K/V tile; the query tile is their rows together
 TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m (and the sequences' granularity)
 # At head_dim 64 one warpgroup's step issues about as many instructions and exponentials as
@@ -80,15 +83,22 @@ TILE_M = WG_ROWS * NUM_CONSUMERS  # the layout's block_m (and the sequences' gra
 # register budget that three consumers leave (WIDE_CONSUMER_REGS).
 WIDE_CONSUMERS = 3
 WIDE_D = 64
+# ... on 64-token blocks (64-key tiles); 128-key tiles (block 128 at head_dim 64) keep two.
+WIDE_BLOCK = 64
 # K/V ring depth: 3 stages where they fit next to the Q and O tiles (block 64 at d 128 is
 # 3 x 32 + 64 KiB), else 2. The pipelined consumer holds a stage a step longer (see
 # _consume_row_list): with 2 stages the loader had half a step to land the next tile.
 MAX_STAGES = 3
+MIN_STAGES = 2  # one tile in use, the next one landing
 SHARED_BUDGET_BYTES = 200 * 1024  # of the H100's 227 KiB a block may take
 HEAD_DIMS = (64, 128)
 MAX_D_FOR_128_KEY_TILES = 64  # key_tile
+# Keys per K/V tile above that head dim: a block of 64, half a block of 128 (key_tile).
+WIDE_D_KEY_TILE = 64
 BLOCK_SIZES = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
+ELEMENT_BYTES = 2  # of those dtypes: what shared memory holds per tile element
+SM90 = (9, 0)  # the CUDA capability the kernels are written for (H100, H200: wgmma, TMA)
 # Triton versions whose Gluon kernels have been checked on an H100/H200 (tests/test_kernels_gpu.py);
 # on others they run only when S2ATTN_GLUON_FORWARD=1 asks for it (the switch also governs the
 # Gluon dK/dV pass, which kernel_config turns on with the forward).
@@ -112,6 +122,20 @@ if gluon is not None:
     # 12 consumer warps next to the one-warp roles, padded to a warpgroup of 24 registers a
     # thread: (65536 - 128 * 24) / 384 = 162, rounded down to setmaxnreg's multiple of 8.
     WIDE_CONSUMER_REGS = gl.constexpr(160)
+    # Warps per warp_specialize partition: a consumer is a warpgroup; the loader and the storer
+    # only issue TMA copies and wait on barriers, which one warp does.
+    CONSUMER_WARPS = gl.constexpr(WARPGROUP_WARPS)
+    LOADER_WARPS = gl.constexpr(1)
+    # The layout of a wgmma's accumulator (NVMMADistributedLayout): version 3 is Hopper's
+    # warpgroup MMA; the warpgroup's warps stack along M, 16 rows each (4 x 16 = WG_ROWS), and
+    # an instruction reduces over 16 elements of 16-bit operands.
+    WGMMA_VERSION = gl.constexpr(3)
+    WGMMA_ROWS_PER_WARP = gl.constexpr(16)
+    WGMMA_K = gl.constexpr(16)
+    # Register operands of a wgmma (DotOperandLayout): two 16-bit elements per 32-bit register.
+    OPERAND_K_WIDTH = gl.constexpr(2)
+    # ln 2 for the kernel, which reads only constexpr globals: the LSE leaves in natural log.
+    LN2_CONSTEXPR = gl.constexpr(LN2)
     NO_KEY_END = gl.constexpr(INT32_MAX)
     # Q is the scores' register operand on key tiles of up to Q_IN_REGISTERS_MAX_N keys whose
     # scores and Q together fit (tile x head_dim up to Q_IN_REGISTERS_MAX_ND): 64-key tiles,
@@ -137,7 +161,7 @@ def consumers_for(block_size: int, head_dim: int, q_start: int = 0, varlen=None)
     (the last tile may run past the sequence's end: masked store), else ``NUM_CONSUMERS``.
     Packed documents, context-parallel chunks, gathered key tiles (blocks 16, 32) and 128-key
     tiles keep two."""
-    wide = head_dim == WIDE_D and block_size == 64 and not q_start and varlen is None
+    wide = head_dim == WIDE_D and block_size == WIDE_BLOCK and not q_start and varlen is None
     return WIDE_CONSUMERS if wide else NUM_CONSUMERS
 
 
@@ -161,7 +185,7 @@ def key_tile(block_size: int, head_dim: int) -> int:
     where a 128-key tile leaves shared memory for two K/V stages only and the forward ran
     25-26% slower than on 64-key halves of each block (H100, ``docs/benchmarks.md``); at head
     dim 64, 128-key tiles in three stages ran 15% faster."""
-    return block_size if head_dim <= MAX_D_FOR_128_KEY_TILES else min(block_size, 64)
+    return block_size if head_dim <= MAX_D_FOR_128_KEY_TILES else min(block_size, WIDE_D_KEY_TILE)
 
 
 def triton_checked() -> bool:
@@ -181,7 +205,7 @@ def enabled_by_default(head_dim: int, block_size: int, device, dtype=None) -> bo
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if torch.cuda.get_device_capability(device) != SM90:
         return False
     blocks = BLOCK_SIZES + gathered_keys.BLOCK_SIZES
     shapes_ok = head_dim in HEAD_DIMS and block_size in blocks
@@ -201,7 +225,7 @@ def unsupported_reason(q, k, v, pattern, q_start: int, k_start: int, varlen) -> 
         return (
             "keys not from position 0, or queries not the keys' last positions (k_start, q_start)"
         )
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != SM90:
         return "not an sm_90 GPU"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}: bf16 or fp16"
@@ -444,7 +468,9 @@ if gluon is not None:
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BN, WGMMA_K],
         )
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = p_op.type.layout
@@ -491,10 +517,14 @@ if gluon is not None:
         BN: gl.constexpr = k_bufs.type.shape[1]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BN, WGMMA_K],
         )
         o_layout: gl.constexpr = acc.type.layout
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        p_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=o_layout, k_width=OPERAND_K_WIDTH
+        )
         m_i = gl.full([BM], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         # Step 0 alone: nothing is accumulated yet to overlap its scores with. Every query tile
@@ -568,10 +598,14 @@ if gluon is not None:
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, BN, WGMMA_K],
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+            version=[WGMMA_VERSION, 0],
+            warps_per_cta=[CONSUMER_WARPS, 1],
+            instr_shape=[WGMMA_ROWS_PER_WARP, D, WGMMA_K],
         )
         offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         e0 = gl.load(row_ptr + item)
@@ -592,7 +626,9 @@ if gluon is not None:
             & (NC <= Q_IN_REGISTERS_MAX_CONSUMERS)
         )
         if q_in_registers:
-            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            q = q.load(
+                gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=OPERAND_K_WIDTH)
+            )
             fence_async_shared()  # the reads above before the next TMA write
             mbarrier.arrive(q_empty, count=1)
         acc, m_i, l_i = _consume_row_list(
@@ -605,9 +641,7 @@ if gluon is not None:
         ring += e2 - e0
         nothing = l_i == 0.0
         l_safe = gl.where(nothing, 1.0, l_i)
-        lse = gl.where(
-            nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453
-        )
+        lse = gl.where(nothing, -float("inf"), (m_i * qk_scale + gl.log2(l_safe)) * LN2_CONSTEXPR)
         gl.store(LSE + b * stride_lse_b + h * stride_lse_h + tok + q_loc, lse, q_loc < rows)
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(o_empty, (n & 1) ^ 1)  # the previous item's output has left
@@ -702,7 +736,7 @@ if gluon is not None:
                     (_loader, loader_args),
                     (_storer, storer_args),
                 ],
-                [4, 4, 1, 1],
+                [CONSUMER_WARPS, CONSUMER_WARPS, LOADER_WARPS, LOADER_WARPS],
                 [WIDE_CONSUMER_REGS, WIDE_CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
             )
         else:
@@ -713,7 +747,7 @@ if gluon is not None:
                     (_loader, loader_args),
                     (_storer, storer_args),
                 ],
-                [4, 1, 1],
+                [CONSUMER_WARPS, LOADER_WARPS, LOADER_WARPS],
                 [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
             )
 
@@ -733,8 +767,10 @@ class TmaView(NamedTuple):
 # Hopper's TMA: the base address and the row stride are multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
 
-# Statistics (fp32) per TMA alignment unit: a 1-D box of LSE or delta starts on a multiple.
-STAT_ALIGN = TMA_ALIGN_BYTES // 4
+# Statistics (fp32, 4 bytes) per TMA alignment unit: a 1-D box of LSE or delta starts on a
+# multiple.
+STAT_BYTES = 4
+STAT_ALIGN = TMA_ALIGN_BYTES // STAT_BYTES
 
 
 def document_aligned_length(total_tokens: int, num_docs: int) -> int:
@@ -777,14 +813,14 @@ def paired_tma_views(a: torch.Tensor, b: torch.Tensor, b_is_output: bool = False
 
 
 def ring_stages(
-    block: int, head_dim: int, element_bytes: int = 2, consumers: int = NUM_CONSUMERS
+    block: int, head_dim: int, element_bytes: int = ELEMENT_BYTES, consumers: int = NUM_CONSUMERS
 ) -> int:
     """K/V ring depth of the forward for key tiles of ``block`` rows (16-bit elements) next to
     the Q and O tiles of ``consumers`` warpgroups."""
     tile = block * head_dim * element_bytes
     fixed = 2 * consumers * WG_ROWS * head_dim * element_bytes  # Q and O tiles
     fits = (SHARED_BUDGET_BYTES - fixed) // (2 * tile)
-    return max(2, min(MAX_STAGES, fits))
+    return max(MIN_STAGES, min(MAX_STAGES, fits))
 
 
 def _gl_dtype(dtype):
@@ -839,9 +875,9 @@ def s2_forward_gluon(
     :class:`gathered_keys.GatheredKeys`, block 16/32) the key tiles are gathered ones (their
     own layout), each loaded from k/v block by block. Returns ``out`` like q (q's layout where
     q is dense) and ``lse [b, hq, s]`` fp32 (natural log), as
-    ``triton_attention.s2_forward`` does. ``programs``: how many programs share the work items
+    ``tl_kernels.s2_forward_tl`` does. ``programs``: how many programs share the work items
     (None: :func:`persistent_programs`' choice; the tests pass a few, so that each program
-    runs many items). ``varlen`` (a ``triton_attention.Varlen``): q, k, v are one packed row
+    runs many items). ``varlen`` (a ``tl_kernels.Varlen``): q, k, v are one packed row
     ``[1, total, h, d]`` of documents, each attended on its own (``lay``: the layout that
     serves every document, ``varlen.layout``), through the same program map as the ``tl``
     kernels. The caller checks :func:`unsupported_reason` first."""
@@ -915,7 +951,7 @@ def s2_forward_gluon(
         STAGES=ring_stages(bn, d, consumers=consumers),
         BLOCK_N=bn,
         CONSUMERS=consumers,
-        num_warps=4,
+        num_warps=WARPGROUP_WARPS,
     )
     return out, lse
 
@@ -994,7 +1030,9 @@ def compile_kernel_for_sm90(
         {n: desc(rows) for n, rows in tiles.items()}, **dict.fromkeys(constexprs, "constexpr")
     )
     src = GluonASTSource(kernel, signature=sig, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    # sm_90, 32-thread warps; num_warps: the default partition, one warpgroup, as a launch has
+    target = GPUTarget("cuda", 90, 32)
+    compiled = triton.compile(src, target=target, options={"num_warps": WARPGROUP_WARPS})
     cubin = stem + ".cubin"
     with open(cubin, "wb") as f:
         f.write(compiled.asm["cubin"])

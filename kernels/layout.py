@@ -21,7 +21,7 @@ a document of ``L`` tokens uses exactly the first ``ceil(L / tile)`` query and k
 layout for any length whose tiles are all complete. :func:`varlen_layout_len` picks that length
 (few distinct values, so the cache stays small); the launch's program map (layout item, document
 start and length per program) is built on the device from ``cu_seqlens`` (one small Triton launch
-in :mod:`s2attn.triton_attention`; :func:`varlen_programs` is its torch reference).
+in :mod:`s2attn.tl_kernels`; :func:`varlen_programs` is its torch reference).
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ def varlen_programs(
 ):
     """Program map of a launch over packed documents with torch ops: ``(grid, prog_doc,
     prog_item)`` (the reference of the kernels' map, which one small Triton launch builds in
-    :func:`s2attn.triton_attention.varlen_program_map`).
+    :func:`s2attn.tl_kernels.varlen_program_map`).
 
     Program ``p`` does layout item ``prog_item[p]`` (``head * num_tiles + tile``, ``tile`` tokens
     each) of document ``prog_doc[p]``. Programs go document by document, head by head and, within

@@ -1,8 +1,8 @@
 """Shared setup and helpers for the s2attn tests.
 
 Without CUDA the real Triton kernels run under the Triton interpreter: ``TRITON_INTERPRET=1`` has
-to be set before the kernels are defined (``triton.jit`` reads it when ``s2attn.triton_attention``
-is first imported), and pytest loads this file before any test module. bf16 under the interpreter
+to be set before the kernels are defined (``triton.jit`` reads it when ``s2attn.tl_kernels`` is
+first imported), and pytest loads this file before any test module. bf16 under the interpreter
 needs no help from here: the kernels handle it themselves (tests/test_interpreter_dtypes.py).
 """
 
@@ -165,13 +165,13 @@ def tile_loads(request, monkeypatch):
     list of descriptors built, so a test can check that the TMA path really ran."""
     import dataclasses
 
-    import s2attn.triton_attention as ta
+    from s2attn import dispatch, tl_kernels
 
     built = []
     if request.param:
-        if ta.TensorDescriptor is None:
+        if tl_kernels.TensorDescriptor is None:
             pytest.skip("this Triton has no host-side tensor descriptors (TMA tiles)")
-        default, make = ta.kernel_config, ta.TensorDescriptor
+        default, make = dispatch.kernel_config, tl_kernels.TensorDescriptor
 
         def with_tma(*a, **kw):
             return dataclasses.replace(default(*a, **kw), tma=True)
@@ -180,8 +180,8 @@ def tile_loads(request, monkeypatch):
             built.append(a[0].shape)
             return make(*a, **kw)
 
-        monkeypatch.setattr(ta, "kernel_config", with_tma)
-        monkeypatch.setattr(ta, "TensorDescriptor", counted)
+        monkeypatch.setattr(dispatch, "kernel_config", with_tma)
+        monkeypatch.setattr(tl_kernels, "TensorDescriptor", counted)
     yield built if request.param else None
 
 
@@ -237,7 +237,7 @@ def float64_packed_case(lens, heads, kv_heads, head_dim=16, block_size=64, seed=
     ``cu_seqlens``, ``varlen`` the kernels' :class:`Varlen` and ``g`` the generator, for more
     random tensors."""
     from s2attn import S2Pattern
-    from s2attn.triton_attention import Varlen
+    from s2attn.tl_kernels import Varlen
 
     pattern = S2Pattern(
         num_heads=heads, num_kv_heads=kv_heads, block_size=block_size, local_blocks=2,

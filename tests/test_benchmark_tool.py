@@ -458,7 +458,7 @@ def test_kernel_timing_script_needs_a_baseline_package(tmp_path):
 
 
 def test_sweep_adds_wide_key_tiles_only_where_a_block_holds_them():
-    from s2attn.triton_attention import kernel_config
+    from s2attn.config import kernel_config
 
     for block, wide in ((64, 0), (128, 2)):
         pattern = S2Pattern(num_heads=4, block_size=block, local_blocks=2, vert_stride=2)
@@ -476,7 +476,7 @@ def test_sweep_adds_wide_key_tiles_only_where_a_block_holds_them():
 def test_sweep_times_the_tl_forward_and_the_gluon_backward_passes_where_gluon_runs():
     import dataclasses
 
-    from s2attn.triton_attention import kernel_config
+    from s2attn.config import kernel_config
 
     pattern = S2Pattern(num_heads=4, block_size=64, local_blocks=2, vert_stride=2)
     plain = kernel_config(pattern, 128, "cuda")  # no GPU here: the Gluon flags off

@@ -10,7 +10,7 @@ from conftest import float64_packed_case, float64_s2_case, sm90_compile_stats
 
 import s2attn.gluon_dkdv as gd
 from s2attn import S2Pattern, s2_attention_varlen_reference
-from s2attn.triton_attention import Varlen
+from s2attn.tl_kernels import Varlen
 
 pytestmark = pytest.mark.version_independent
 

@@ -17,7 +17,8 @@ from conftest import sm90_compile_stats
 
 import s2attn.gluon_forward as gf
 from s2attn import S2Pattern, s2_attention_reference, s2_attention_varlen_reference
-from s2attn.triton_attention import Varlen, kernel_config
+from s2attn.config import kernel_config
+from s2attn.tl_kernels import Varlen
 
 pytestmark = pytest.mark.version_independent
 
@@ -225,7 +226,7 @@ def test_user_mask_that_merges_into_128_rows_only_keeps_two_warpgroups():
     """A user mask whose rows attending a key block are contiguous in every 128-row tile but
     not in a 192-row one: the Gluon calls take the 128-row layout (two warpgroups) rather than
     falling back to the tl kernels; an S2 pattern gets its 192-row layout."""
-    from s2attn.triton_attention import _gluon_rows_layout
+    from s2attn.dispatch import _gluon_rows_layout
 
     nb = 6
     mask = torch.eye(nb, dtype=torch.bool)[None]

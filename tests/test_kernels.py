@@ -23,8 +23,7 @@ from conftest import (
     upstream_grads,
 )
 
-import s2attn.triton_attention as tri_mod
-from s2attn import S2Pattern, s2_attention, s2_attention_reference
+from s2attn import S2Pattern, config, dispatch, s2_attention, s2_attention_reference, tl_kernels
 
 # Independent of the megatron-core version: CI runs this module in its first suite only.
 pytestmark = pytest.mark.version_independent
@@ -238,7 +237,7 @@ def test_output_keeps_caller_layout_without_copying_inputs(monkeypatch):
     leaves, (q, k, v) = make_inputs(2, 70, 70, 4, 2, 32, torch.float32, layout="sbhd")
     assert not q.is_contiguous()
     seen = {}
-    orig_fwd, orig_bwd = tri_mod.s2_forward, tri_mod.s2_backward
+    orig_fwd, orig_bwd = dispatch.s2_forward, dispatch.s2_backward
 
     def fwd(q_, k_, v_, *a, **kw):
         seen["fwd"] = (q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), q_.stride(), k_.stride())
@@ -248,8 +247,8 @@ def test_output_keeps_caller_layout_without_copying_inputs(monkeypatch):
         seen["bwd"] = (q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), q_.stride(), k_.stride())
         return orig_bwd(do_, dlse_, q_, k_, v_, *a, **kw)
 
-    monkeypatch.setattr(tri_mod, "s2_forward", fwd)
-    monkeypatch.setattr(tri_mod, "s2_backward", bwd)
+    monkeypatch.setattr(dispatch, "s2_forward", fwd)
+    monkeypatch.setattr(dispatch, "s2_backward", bwd)
     out = s2_attention(q, k, v, pattern, backend="triton")
     expect = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(), k.stride())
     assert seen["fwd"] == expect
@@ -394,7 +393,7 @@ def _pinned_default_config(block, head_dim, cuda, dtype=None):
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 def test_default_kernel_config_pinned(device, block, head_dim, dtype):
     p = S2Pattern(num_heads=2, block_size=block, local_blocks=2, vert_stride=2)
-    cfg = tri_mod.kernel_config(p, head_dim, torch.device(device), dtype)
+    cfg = config.kernel_config(p, head_dim, torch.device(device), dtype)
     flat = dict(bn=cfg.block_n, tma=cfg.tma)
     for name in ("fwd", "dq", "dkdv"):
         pc = getattr(cfg, name)
@@ -406,7 +405,7 @@ def test_default_kernel_config_pinned(device, block, head_dim, dtype):
             }
         )
     assert flat == _pinned_default_config(block, head_dim, device == "cuda", dtype)
-    assert tri_mod.kernel_config(p, head_dim, device, dtype) == cfg  # a device name works too
+    assert config.kernel_config(p, head_dim, device, dtype) == cfg  # a device name works too
 
 
 @pytest.mark.timeout(120)
@@ -414,17 +413,17 @@ def test_kernel_config_reaches_every_launch(monkeypatch):
     """A config given to s2_attention shapes the forward and both backward launches."""
     c = Case("cfg", block=32, heads=4, kv_heads=2, seq_q=150, local=1, stride=2)
     pattern = c.pattern()
-    PC = tri_mod.PassConfig
-    cfg = tri_mod.KernelConfig(block_n=16, fwd=PC(16, 4, 1), dq=PC(64, 2, 1), dkdv=PC(16, 1, 1))
-    assert cfg != tri_mod.kernel_config(pattern, c.head_dim, DEVICE)
+    PC = config.PassConfig
+    cfg = config.KernelConfig(block_n=16, fwd=PC(16, 4, 1), dq=PC(64, 2, 1), dkdv=PC(16, 1, 1))
+    assert cfg != config.kernel_config(pattern, c.head_dim, DEVICE)
     tiles = []
-    orig_layout = tri_mod.layout_for
+    orig_layout = tl_kernels.layout_for
 
     def layout_for(pattern_, sq, sk, qs, ks, block_m, block_n, device, with_csc=False):
         tiles.append((block_m, block_n, with_csc))
         return orig_layout(pattern_, sq, sk, qs, ks, block_m, block_n, device, with_csc)
 
-    monkeypatch.setattr(tri_mod, "layout_for", layout_for)
+    monkeypatch.setattr(tl_kernels, "layout_for", layout_for)
     _assert_config_matches_reference(c, cfg)
     assert tiles == [(16, 16, False), (64, 16, False), (16, 16, True)]
 
@@ -452,13 +451,13 @@ def test_wide_key_tiles_of_a_128_block_pattern_match_the_reference():
     block of 128): forward, LSE and every gradient equal the fp64 reference, GQA and an odd
     length."""
     c = Case("bn128", block=128, heads=4, kv_heads=2, seq_q=700, local=1, stride=2)
-    PC = tri_mod.PassConfig
-    cfg = tri_mod.KernelConfig(block_n=128, fwd=PC(128, 4, 1), dq=PC(128, 4, 1), dkdv=PC(32, 4, 1))
+    PC = config.PassConfig
+    cfg = config.KernelConfig(block_n=128, fwd=PC(128, 4, 1), dq=PC(128, 4, 1), dkdv=PC(32, 4, 1))
     _assert_config_matches_reference(c, cfg)
 
 
 def test_kernel_config_checked():
-    PC = tri_mod.PassConfig
+    PC = config.PassConfig
     with pytest.raises(ValueError, match="block_m"):
         PC(24, 4, 1)
     with pytest.raises(ValueError, match="num_warps"):
@@ -466,15 +465,15 @@ def test_kernel_config_checked():
     with pytest.raises(ValueError, match="num_stages"):
         PC(32, 4, 0)
     with pytest.raises(ValueError, match="block_n"):
-        tri_mod.KernelConfig(8, PC(32, 4, 1), PC(32, 4, 1), PC(32, 4, 1))
+        config.KernelConfig(8, PC(32, 4, 1), PC(32, 4, 1), PC(32, 4, 1))
     with pytest.raises(TypeError, match="dq"):
-        tri_mod.KernelConfig(16, PC(32, 4, 1), dict(block_m=32), PC(32, 4, 1))
+        config.KernelConfig(16, PC(32, 4, 1), dict(block_m=32), PC(32, 4, 1))
     q, k, v = _api_inputs()
     p = S2Pattern(num_heads=4, num_kv_heads=2, block_size=16, local_blocks=2, vert_stride=4)
     with pytest.raises(TypeError, match="kernel_config"):
         s2_attention(q, k, v, p, backend="triton", kernel_config={"fwd_m": 64})
     # A key tile larger than the pattern's block would span two blocks.
-    big_n = tri_mod.KernelConfig(32, PC(32, 4, 1), PC(32, 4, 1), PC(32, 4, 1))
+    big_n = config.KernelConfig(32, PC(32, 4, 1), PC(32, 4, 1), PC(32, 4, 1))
     with pytest.raises(ValueError, match="block_n"):
         s2_attention(q, k, v, p, backend="triton", kernel_config=big_n)
 
@@ -528,18 +527,18 @@ def test_tma_only_where_the_tensors_allow_it():
     """TMA needs 16-byte aligned addresses and strides and rows of >= 16 bytes; other tensors
     take the pointer loads (same results), never a failing or wrong TMA copy."""
     ok = torch.randn(2, 40, 4, 32, dtype=torch.bfloat16)
-    assert tri_mod.tma_compatible(ok)
-    assert tri_mod.tma_compatible(ok.transpose(0, 1).contiguous().transpose(0, 1))  # sbhd view
-    assert not tri_mod.tma_compatible(torch.randn(2, 40, 4, 4, dtype=torch.bfloat16))  # 8 B rows
-    assert not tri_mod.tma_compatible(ok[..., ::2])  # strided innermost dim
+    assert tl_kernels.tma_compatible(ok)
+    assert tl_kernels.tma_compatible(ok.transpose(0, 1).contiguous().transpose(0, 1))  # sbhd view
+    assert not tl_kernels.tma_compatible(torch.randn(2, 40, 4, 4, dtype=torch.bfloat16))  # 8 B rows
+    assert not tl_kernels.tma_compatible(ok[..., ::2])  # strided innermost dim
     shifted = torch.randn(2 * 40 * 4 * 32 + 1, dtype=torch.bfloat16)[1:].view(2, 40, 4, 32)
-    assert not tri_mod.tma_compatible(shifted)  # address 2 bytes past alignment
-    assert not tri_mod.tma_compatible(ok.float())  # fp32 keeps the pointer loads
-    assert tri_mod._tile_descriptors(True, (ok, shifted), 16) == (None, None)
-    assert tri_mod._tile_descriptors(False, (ok,), 16) == (None,)
-    assert all(d is not None for d in tri_mod._tile_descriptors(True, (ok, ok), 16))
+    assert not tl_kernels.tma_compatible(shifted)  # address 2 bytes past alignment
+    assert not tl_kernels.tma_compatible(ok.float())  # fp32 keeps the pointer loads
+    assert tl_kernels._tile_descriptors(True, (ok, shifted), 16) == (None, None)
+    assert tl_kernels._tile_descriptors(False, (ok,), 16) == (None,)
+    assert all(d is not None for d in tl_kernels._tile_descriptors(True, (ok, ok), 16))
     p = S2Pattern(num_heads=4, block_size=16, local_blocks=2, vert_stride=3)
-    cfg = dataclasses.replace(tri_mod.kernel_config(p, 32, DEVICE), tma=True)
+    cfg = dataclasses.replace(config.kernel_config(p, 32, DEVICE), tma=True)
     q = shifted.to(DEVICE)
     got = s2_attention(q, q, q, p, backend="triton", kernel_config=cfg)
     ref = s2_attention_reference(q.double(), q.double(), q.double(), p)

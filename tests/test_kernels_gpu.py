@@ -442,7 +442,7 @@ def test_gluon_forward_matches_tl_kernel_and_reference(
     (its K/V ring, Q and output buffers reused across them)."""
     import dataclasses
 
-    from s2attn import triton_attention as ta
+    from s2attn import config, dispatch
 
     gf = _gluon_or_skip()
     pattern = S2Pattern(
@@ -464,8 +464,10 @@ def test_gluon_forward_matches_tl_kernel_and_reference(
     scale = head_dim**-0.5
     out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale, programs=programs)
     assert out.stride() == q.stride()
-    cfg = dataclasses.replace(ta.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False)
-    tl_out, tl_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
+    cfg = dataclasses.replace(
+        config.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False
+    )
+    tl_out, tl_lse = dispatch.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
     ref_out, ref_lse = s2_attention_reference(
         q.float(), k.float(), v.float(), pattern, scale, return_lse=True
     )
@@ -494,9 +496,9 @@ def test_gluon_passes_on_packed_documents(lens, heads, kv_heads, head_dim, block
     work items."""
     import dataclasses
 
+    from s2attn import config, dispatch, tl_kernels
     from s2attn import gluon_dkdv as gd
     from s2attn import gluon_dq as gq
-    from s2attn import triton_attention as ta
 
     gf = _gluon_or_skip()
     pattern = S2Pattern(
@@ -514,11 +516,13 @@ def test_gluon_passes_on_packed_documents(lens, heads, kv_heads, head_dim, block
         for h in (heads, kv_heads, kv_heads)
     )
     cu = _cu(lens)
-    varlen = ta.Varlen(cu, max(lens), total)
+    varlen = tl_kernels.Varlen(cu, max(lens), total)
     scale = head_dim**-0.5
     out, lse = gf.s2_forward_gluon(q, k, v, pattern, scale, programs=programs, varlen=varlen)
-    cfg = dataclasses.replace(ta.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False)
-    tl_out, tl_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg, varlen)
+    cfg = dataclasses.replace(
+        config.kernel_config(pattern, head_dim, DEV, q.dtype), gluon_fwd=False
+    )
+    tl_out, tl_lse = dispatch.s2_forward(q, k, v, pattern, scale, 0, 0, cfg, varlen)
     ref_out, ref_lse = s2_attention_varlen_reference(
         q[0].float(), k[0].float(), v[0].float(), cu, pattern, scale, return_lse=True
     )
@@ -527,12 +531,14 @@ def test_gluon_passes_on_packed_documents(lens, heads, kv_heads, head_dim, block
     assert (lse[0] - ref_lse).abs().max().item() < 1e-3
     assert (lse - tl_lse).abs().max().item() < 1e-3
     # The default path takes the Gluon forward for packed documents: the same bits.
-    d_out, d_lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, None, varlen)
+    d_out, d_lse = dispatch.s2_forward(q, k, v, pattern, scale, 0, 0, None, varlen)
     assert torch.equal(d_out, out) and torch.equal(d_lse, lse)
 
     do = torch.randn(q.shape, device=DEV, generator=g).to(torch.bfloat16)
     dq, delta = gq.s2_dq_gluon(do, None, q, k, v, out, lse, pattern, scale, varlen=varlen)
-    tl_dq, tl_delta = ta.bwd_dq(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg, varlen)
+    tl_dq, tl_delta = tl_kernels.s2_dq_tl(
+        do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg, varlen
+    )
     qf, kf, vf = (x[0].float().requires_grad_(True) for x in (q, k, v))
     ref = s2_attention_varlen_reference(qf, kf, vf, cu, pattern, scale)
     ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do[0].float())
@@ -541,12 +547,12 @@ def test_gluon_passes_on_packed_documents(lens, heads, kv_heads, head_dim, block
     assert (delta - tl_delta).abs().max().item() < 1e-3
 
     dk, dv = gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale, varlen=varlen)
-    tl_dk, tl_dv = ta.bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, 0, 0, cfg, varlen)
+    tl_dk, tl_dv = tl_kernels.s2_dkdv_tl(do, q, k, v, lse, delta, pattern, scale, 0, 0, cfg, varlen)
     for got, tl_got, want in ((dk, tl_dk, ref_grads[1]), (dv, tl_dv, ref_grads[2])):
         err, tl_err = norm_err(got[0], want), norm_err(tl_got[0], want)
         assert err <= 1.05 * tl_err + 1e-4, (err, tl_err)
     # The default backward takes the Gluon passes for packed documents: the same bits.
-    d_grads = ta.s2_backward(do, None, q, k, v, out, lse, pattern, scale, 0, 0, None, varlen)
+    d_grads = dispatch.s2_backward(do, None, q, k, v, out, lse, pattern, scale, 0, 0, None, varlen)
     for got, want in zip(d_grads, (dq, dk, dv)):
         assert torch.equal(got, want)
 
@@ -609,7 +615,7 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     """On an H100/H200 with a checked Triton, ``s2_attention`` at block 64 runs the Gluon
     forward, dQ and dK/dV kernels; out and every gradient are as close to the fp32 reference as
     with the ``tl`` kernels (``S2ATTN_GLUON_FORWARD=0``)."""
-    import s2attn.triton_attention as ta
+    from s2attn import config
 
     gf = _gluon_or_skip()
     if not gf.triton_checked():
@@ -637,11 +643,11 @@ def test_default_path_takes_gluon_kernels_and_gradients_hold(kv_heads, monkeypat
     tl = ours()
     assert calls == seen, "S2ATTN_GLUON_FORWARD=0 still took a Gluon kernel"
     _no_worse_than_tl(got, tl, ref, ("out", "dq", "dk", "dv"))
-    off = ta.kernel_config(pattern, 128, DEV, torch.bfloat16)  # switch off
+    off = config.kernel_config(pattern, 128, DEV, torch.bfloat16)  # switch off
     assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
     monkeypatch.delenv(gf.ENV_SWITCH)
     wide = S2Pattern(num_heads=8, num_kv_heads=kv_heads, block_size=128, local_blocks=2)
-    wide_cfg = ta.kernel_config(wide, 128, DEV, torch.bfloat16)
+    wide_cfg = config.kernel_config(wide, 128, DEV, torch.bfloat16)
     assert wide_cfg.gluon_dkdv and wide_cfg.gluon_dq  # on 64-key tiles
 
 
@@ -722,7 +728,7 @@ def _gluon_bwd_case(batch, seq, heads, kv_heads, head_dim, local, stride, dtype,
     ``cfg`` the default config with every Gluon kernel off."""
     import dataclasses
 
-    from s2attn import triton_attention as ta
+    from s2attn import config, dispatch
 
     pattern = S2Pattern(
         num_heads=heads,
@@ -742,12 +748,12 @@ def _gluon_bwd_case(batch, seq, heads, kv_heads, head_dim, local, stride, dtype,
     q, k, v, do = mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
     scale = head_dim**-0.5
     cfg = dataclasses.replace(
-        ta.kernel_config(pattern, head_dim, DEV, q.dtype),
+        config.kernel_config(pattern, head_dim, DEV, q.dtype),
         gluon_fwd=False,
         gluon_dkdv=False,
         gluon_dq=False,
     )
-    out, lse = ta.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
+    out, lse = dispatch.s2_forward(q, k, v, pattern, scale, 0, 0, cfg)
     return pattern, q, k, v, do, scale, cfg, out, lse
 
 
@@ -770,15 +776,15 @@ def test_gluon_dkdv_matches_tl_pass_and_reference(
     """dK and dV of the Gluon pass against the fp32 reference's, no further off than the ``tl``
     pass on the same inputs (out, LSE and delta from the ``tl`` kernels)."""
     import s2attn.gluon_dkdv as gd
-    from s2attn import triton_attention as ta
+    from s2attn import tl_kernels
 
     _gluon_or_skip()
     pattern, q, k, v, do, scale, cfg, out, lse = _gluon_bwd_case(
         batch, seq, heads, kv_heads, head_dim, local, stride, dtype, layout, seq + heads + 5
     )
-    _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
+    _, delta = tl_kernels.s2_dq_tl(do, None, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
     dk, dv = gd.s2_dkdv_gluon(do, q, k, v, lse, delta, pattern, scale)
-    tl_dk, tl_dv = ta.bwd_dkdv(do, q, k, v, lse, delta, pattern, scale, 0, 0, cfg)
+    tl_dk, tl_dv = tl_kernels.s2_dkdv_tl(do, q, k, v, lse, delta, pattern, scale, 0, 0, cfg)
     f32 = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
     ref = s2_attention_reference(*f32, pattern, scale)
     ref_dk, ref_dv = torch.autograd.grad(ref, f32[1:], do.float())
@@ -794,7 +800,7 @@ def test_gluon_dkdv_config_flag_runs_it_in_the_autograd_path(monkeypatch):
     import dataclasses
 
     import s2attn.gluon_dkdv as gd
-    from s2attn.triton_attention import kernel_config
+    from s2attn.config import kernel_config
 
     _gluon_or_skip()
     pattern = S2Pattern(num_heads=8, num_kv_heads=2, block_size=64, local_blocks=4, vert_stride=4)
@@ -866,7 +872,7 @@ def test_gluon_dq_matches_tl_pass_and_reference(
     on the same inputs (out and LSE from the ``tl`` forward); its delta equals the ``tl``
     pass's (the dK/dV pass reads it)."""
     import s2attn.gluon_dq as gq
-    from s2attn import triton_attention as ta
+    from s2attn import tl_kernels
 
     _gluon_or_skip()
     pattern, q, k, v, do, scale, cfg, out, lse = _gluon_bwd_case(
@@ -874,7 +880,7 @@ def test_gluon_dq_matches_tl_pass_and_reference(
     )
     dlse = torch.randn(lse.shape, device=DEV, dtype=torch.float32) if with_dlse else None
     dq, delta = gq.s2_dq_gluon(do, dlse, q, k, v, out, lse, pattern, scale)
-    tl_dq, tl_delta = ta.bwd_dq(do, dlse, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
+    tl_dq, tl_delta = tl_kernels.s2_dq_tl(do, dlse, q, k, v, out, lse, pattern, scale, 0, 0, cfg)
     torch.testing.assert_close(delta, tl_delta, rtol=1e-4, atol=1e-4)
     f32 = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
     ref, ref_lse = s2_attention_reference(*f32, pattern, scale, return_lse=True)
@@ -892,7 +898,7 @@ def test_gluon_dq_config_flag_runs_it_in_the_autograd_path(monkeypatch):
     import dataclasses
 
     import s2attn.gluon_dq as gq
-    from s2attn.triton_attention import kernel_config
+    from s2attn.config import kernel_config
 
     _gluon_or_skip()
     pattern = S2Pattern(num_heads=8, num_kv_heads=2, block_size=64, local_blocks=4, vert_stride=4)

@@ -3,7 +3,7 @@
 A launch whose compiled kernel needs more shared memory than the GPU has fails only on the GPU
 (``triton.runtime.errors.OutOfResources``). Triton compiles for sm_90 without one, so here each
 launch the library makes (forward, dQ, dK/dV; fixed length and varlen; default
-:func:`s2attn.triton_attention.kernel_config` for the inputs' dtype) is captured with its real
+:func:`s2attn.config.kernel_config` for the inputs' dtype) is captured with its real
 arguments, compiled for ``cuda:90`` with the same argument specialization as a GPU launch, and
 its ``metadata.shared`` checked against the H100's 227 KB per block. Shapes: those of the GPU
 tests (bf16 and fp32, head_dim 64/128, block 16/64, GQA, and MHA, where ``group == 1`` is
@@ -67,10 +67,10 @@ def run_case(case):
     name, (dt, d, block, h, hkv) = case
     import torch
 
-    import s2attn.triton_attention as ta
-    from s2attn import S2Pattern
+    from s2attn import S2Pattern, tl_kernels
 
-    assert os.path.realpath(ta.__file__) == os.environ["S2ATTN_CHECKOUT"], ta.__file__
+    here = os.path.realpath(tl_kernels.__file__)
+    assert here == os.environ["S2ATTN_CHECKOUT"], here
 
     dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[dt]
     p = S2Pattern(num_heads=h, num_kv_heads=hkv, block_size=block, local_blocks=2, vert_stride=3)
@@ -79,9 +79,8 @@ def run_case(case):
     for varlen in (False, True):
         # The GPU default config for the dtype, as a user's call on a CUDA tensor gets it.
         docs = lens if varlen else None
-        launches = capture_launches(
-            ta, p, seq=sum(lens), head_dim=d, dtype=dtype, batch=2, doc_lens=docs
-        )
+        shape = dict(seq=sum(lens), head_dim=d, dtype=dtype, batch=2, doc_lens=docs)
+        launches = capture_launches(p, **shape)
         for tag, fn, a, kw in launches:
             c = compile_sm90(fn, a, kw)
             cfg = f"m{kw['BLOCK_M']} n{kw['BLOCK_N']} w{kw['num_warps']} s{kw['num_stages']}"
@@ -115,7 +114,7 @@ def compiled(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), env.get("PYTHONPATH")]))
     env["S2_TOOLS"] = str(root / "tools")
-    env["S2ATTN_CHECKOUT"] = os.path.realpath(root / "kernels" / "triton_attention.py")
+    env["S2ATTN_CHECKOUT"] = os.path.realpath(root / "kernels" / "tl_kernels.py")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default; silences its warning
     script = tmp / "compile_sm90.py"  # a file: @triton.jit reads its source
     script.write_text(SCRIPT)
@@ -155,7 +154,7 @@ def test_tile_loops_keep_tiles_in_flight(compiled, case):
     """Every tile loop of every 16-bit launch is software-pipelined: the wait at the top of a
     step leaves later tiles' copies in flight (``async_wait`` num > 0). Loading the tile-list
     entry in the step that uses it once gave num = 0 in the main loops of all three kernels
-    (one tile in flight, its latency exposed); kernels/triton_attention.py's _list_entry."""
+    (one tile in flight, its latency exposed); kernels/tl_kernels.py's _list_entry."""
     for launch, info in compiled[case].items():
         waits = [w for w in info["loop_waits"] if w]
         assert waits, f"{case} {launch}: no pipelined tile loop"

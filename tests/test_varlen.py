@@ -361,10 +361,10 @@ def test_kernel_program_map_matches_the_torch_reference(monkeypatch, launches):
     """The kernels' map (item, document start, length per program; Triton, one launch or,
     from ``MAP_FUSED_DOCS`` documents on, two) is the torch reference's order exactly; padding
     slots are empty programs (length 0)."""
-    import s2attn.triton_attention as ta
+    from s2attn import tl_kernels
 
     if launches == "two":
-        monkeypatch.setattr(ta, "MAP_FUSED_DOCS", 0)
+        monkeypatch.setattr(tl_kernels, "MAP_FUSED_DOCS", 0)
     g = torch.Generator().manual_seed(3)
     tile, heads, num_tiles = 32, 3, 16
     packs = [[0, 5, 64, 1, 0, 130, 33], [0, 0], [512], [511, 1, 480]]
@@ -378,7 +378,7 @@ def test_kernel_program_map_matches_the_torch_reference(monkeypatch, launches):
         args = (cu, max(lens), sum(lens), tile, heads, num_tiles)
         grid, item, tok, length = (
             x.cpu() if torch.is_tensor(x) else x
-            for x in ta.varlen_program_map(*args, order.to(DEVICE), work.to(DEVICE))
+            for x in tl_kernels.varlen_program_map(*args, order.to(DEVICE), work.to(DEVICE))
         )
         ref_grid, doc, ref_item = varlen_programs(
             *(a.cpu() if torch.is_tensor(a) else a for a in args), work

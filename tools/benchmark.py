@@ -66,8 +66,8 @@ from gpu_timing import (
 )
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
+from s2attn.config import GLUON_BWD_BLOCKS, KernelConfig, PassConfig, kernel_config
 from s2attn.layout import layout_for
-from s2attn.triton_attention import GLUON_BWD_BLOCKS, KernelConfig, PassConfig, kernel_config
 
 # FlexAttention's BlockMask granularity (its default block size; FA4's block-sparse backward
 # on Hopper also needs 128-key blocks).

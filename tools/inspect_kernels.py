@@ -17,7 +17,7 @@ METHOD.md in the device notes: "read what costs no device time" before spending 
     python tools/inspect_kernels.py --kernels /tmp/old/kernels   # another copy of the package
     python tools/inspect_kernels.py --dump /tmp/asm      # also write .ttgir/.ptx/.sass files
 
-Tiles are ``block_m,num_warps,num_stages`` per pass (:class:`s2attn.triton_attention.PassConfig`).
+Tiles are ``block_m,num_warps,num_stages`` per pass (:class:`s2attn.config.PassConfig`).
 The numbers describe compiled code, not speed: a candidate that keeps HGMMA, has no spills and
 fits the shared memory still has to be timed on the device (tools/benchmark.py).
 """
@@ -137,11 +137,15 @@ def _count(text: str, patterns: dict) -> dict:
     return {k: len(re.findall(p, text)) for k, p in patterns.items()}
 
 
-def capture_launches(ta, pattern, *, seq, head_dim, dtype, config=None, batch=1, doc_lens=None):
-    """``[(pass name, kernel, args, kwargs)]`` of one forward and one backward call on CPU
-    tensors ``[batch, seq, heads, head_dim]``, with the launch configuration a CUDA tensor would
-    get (``config=None``: :func:`kernel_config`'s GPU default for ``dtype``). ``doc_lens``: one
-    packed row of documents of these lengths (varlen; ``seq`` is ignored)."""
+def capture_launches(pattern, *, seq, head_dim, dtype, config=None, batch=1, doc_lens=None):
+    """``[(pass name, kernel, args, kwargs)]`` of the ``tl`` kernel launches of one forward and
+    one backward call (``s2attn.dispatch``) on CPU tensors ``[batch, seq, heads, head_dim]``,
+    with the launch configuration a CUDA tensor would get (``config=None``:
+    :func:`s2attn.config.kernel_config`'s GPU default for ``dtype``). ``doc_lens``: one packed
+    row of documents of these lengths (varlen; ``seq`` is ignored)."""
+    from s2attn import dispatch, tl_kernels
+    from s2attn.config import kernel_config
+
     captured = []
 
     class Capture:
@@ -153,14 +157,14 @@ def capture_launches(ta, pattern, *, seq, head_dim, dtype, config=None, batch=1,
             return lambda *a, **kw: captured.append((self.fn, a, kw))
 
     names = ("_s2_fwd_kernel", "_s2_dq_kernel", "_s2_dkdv_kernel")
-    saved = {n: getattr(ta, n) for n in names}
+    saved = {n: getattr(tl_kernels, n) for n in names}
     if config is None:
-        config = ta.kernel_config(pattern, head_dim, "cuda", dtype)
+        config = kernel_config(pattern, head_dim, "cuda", dtype)
     vl = None
     if doc_lens is not None:
         seq, batch = sum(doc_lens), 1
         cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32)
-        vl = ta.Varlen(cu, max(doc_lens), seq)
+        vl = tl_kernels.Varlen(cu, max(doc_lens), seq)
     h, hkv = pattern.num_heads, pattern.num_kv_heads
     q = torch.randn(batch, seq, h, head_dim, dtype=dtype)
     k = torch.randn(batch, seq, hkv, head_dim, dtype=dtype)
@@ -168,13 +172,13 @@ def capture_launches(ta, pattern, *, seq, head_dim, dtype, config=None, batch=1,
     lse = torch.zeros(batch, h, seq)
     try:
         for n in names:
-            setattr(ta, n, Capture(saved[n]))
+            setattr(tl_kernels, n, Capture(saved[n]))
         # The backward with an LSE gradient (dQ's HAS_DLSE: one more row load).
-        ta.s2_forward(q, k, v, pattern, head_dim**-0.5, 0, 0, config, vl)
-        ta.s2_backward(q, lse, q, k, v, q, lse, pattern, head_dim**-0.5, 0, 0, config, vl)
+        dispatch.s2_forward(q, k, v, pattern, head_dim**-0.5, 0, 0, config, vl)
+        dispatch.s2_backward(q, lse, q, k, v, q, lse, pattern, head_dim**-0.5, 0, 0, config, vl)
     finally:
         for n, fn in saved.items():
-            setattr(ta, n, fn)
+            setattr(tl_kernels, n, fn)
     return [
         (fn.__name__.replace("_s2_", "").replace("_kernel", ""), fn, a, kw)
         for fn, a, kw in captured
@@ -267,8 +271,8 @@ def main(argv=None) -> int:
         # Under the interpreter the kernels are not JITFunctions and cannot be compiled.
         sys.exit("tools/inspect_kernels.py compiles for sm_90: unset TRITON_INTERPRET")
     _import_s2attn(args.kernels)
-    import s2attn.triton_attention as ta
     from s2attn import S2Pattern
+    from s2attn.config import PassConfig, kernel_config
 
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     pattern = S2Pattern(
@@ -278,13 +282,13 @@ def main(argv=None) -> int:
         local_blocks=args.local_blocks,
         vert_stride=args.vert_stride,
     )
-    config = ta.kernel_config(pattern, args.head_dim, "cuda", dtype)
+    config = kernel_config(pattern, args.head_dim, "cuda", dtype)
     overrides = {k: _pass(getattr(args, k)) for k in ("fwd", "dq", "dkdv")}
     import dataclasses
 
     for key, val in overrides.items():
         if val is not None:
-            config = dataclasses.replace(config, **{key: ta.PassConfig(*val)})
+            config = dataclasses.replace(config, **{key: PassConfig(*val)})
     if args.block_n is not None:
         config = dataclasses.replace(config, block_n=args.block_n)
     if args.tma:
@@ -293,7 +297,6 @@ def main(argv=None) -> int:
     third = args.seq - (args.seq // 2 + 3) - (args.seq // 4 - 5)
     doc_lens = [args.seq // 2 + 3, args.seq // 4 - 5, third] if args.varlen else None
     launches = capture_launches(
-        ta,
         pattern,
         seq=args.seq,
         head_dim=args.head_dim,

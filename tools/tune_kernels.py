@@ -4,7 +4,7 @@
 
 Prints one line per (kernel, config, pointer or TMA tile loads) with the median time (the
 candidates of a kernel timed round by round, ``gpu_timing.py``); the fastest per kernel is what
-``triton_attention.kernel_config`` should return on this GPU (its ``GPU_*`` defaults).
+``s2attn.config.kernel_config`` should return on this GPU (its ``GPU_*`` defaults).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import dataclasses
 import torch
 from gpu_timing import time_rows
 
-from s2attn import S2Pattern
-from s2attn import triton_attention as ta
-from s2attn.triton_attention import PassConfig
+from s2attn import S2Pattern, dispatch, tl_kernels
+from s2attn.config import PassConfig, kernel_config
 
 # Candidates per pass as (block_m, num_warps, num_stages).
 FWD = [
@@ -59,14 +58,18 @@ def main(argv=None):
     q, k, v = mk(H), mk(G), mk(G)
     do = torch.randn_like(q)
     scale = d**-0.5
-    base = ta.kernel_config(pat, d, dev)
-    out, lse = ta.s2_forward(q, k, v, pat, scale, 0, 0, base)
-    _, delta = ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, base)
+    base = kernel_config(pat, d, dev)
+    out, lse = dispatch.s2_forward(q, k, v, pat, scale, 0, 0, base)
+    _, delta = tl_kernels.s2_dq_tl(do, None, q, k, v, out, lse, pat, scale, 0, 0, base)
     print(f"seq {args.seq} x {b}, heads {H}/{G}, d {d}, block {args.block_size}; default {base}")
     for name, cands, fn in (
-        ("fwd", FWD, lambda c: ta.s2_forward(q, k, v, pat, scale, 0, 0, c)),
-        ("dkdv", DKDV, lambda c: ta.bwd_dkdv(do, q, k, v, lse, delta, pat, scale, 0, 0, c)),
-        ("dq", DQ, lambda c: ta.bwd_dq(do, None, q, k, v, out, lse, pat, scale, 0, 0, c)),
+        ("fwd", FWD, lambda c: dispatch.s2_forward(q, k, v, pat, scale, 0, 0, c)),
+        (
+            "dkdv",
+            DKDV,
+            lambda c: tl_kernels.s2_dkdv_tl(do, q, k, v, lse, delta, pat, scale, 0, 0, c),
+        ),
+        ("dq", DQ, lambda c: tl_kernels.s2_dq_tl(do, None, q, k, v, out, lse, pat, scale, 0, 0, c)),
     ):
         tmas = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
         runs, labels = [], []

@@ -14,7 +14,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from s2attn import S2Pattern
-from s2attn.triton_attention import PassConfig, kernel_config, s2_forward
+from s2attn.config import PassConfig, kernel_config
+from s2attn.dispatch import s2_forward
 
 CUDA = torch.cuda.is_available()
 B, S, H, D = (4, 32768, 32, 128) if CUDA else (1, 512, 2, 64)
