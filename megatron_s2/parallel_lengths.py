@@ -145,14 +145,18 @@ def check_parallel_lengths(
         # The block sizes this length fails: with one it is the one the message quotes.
         failing = tuple(b for b in blocks if seq_length % (2 * cp * b))
         sizes = ", ".join(str(b) for b in failing)
-        times = (
-            "block_size = " if len(blocks) == 1 else "each S2 block_size (least common multiple) "
-        )
+        if len(blocks) == 1:
+            multiple = f"2 x context_parallel_size x block_size = {unit}"
+        else:
+            multiple = (
+                f"2 x context_parallel_size x each S2 block_size (their least common multiple: "
+                f"{unit})"
+            )
         raise error(
             f"context_parallel_size={cp}: {seq_name} ({seq_length}) splits into 2 x "
             f"context_parallel_size chunks of {seq_length // (2 * cp)} tokens, not a whole "
             f"number of S2 blocks (block_size ({sizes})); the sequence length must be a "
-            f"multiple of 2 x context_parallel_size x {times}{unit}",
+            f"multiple of {multiple}",
             CONTEXT_PARALLEL_BLOCKS,
             unit,
             blocks,
