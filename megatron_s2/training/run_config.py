@@ -254,7 +254,7 @@ class TrainConfig:
     num_workers: int = 0
 
     def validate(self) -> None:
-        """Check the train section's own values (packing under context parallelism:
+        """Check the train section's own values (``pack_documents`` and what it needs:
         :func:`_check_packing`)."""
         _at_least("train.micro_batch_size", self.micro_batch_size, 1)
         _at_least("train.global_batch_size", self.global_batch_size, 1)
@@ -267,12 +267,6 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"train.micro_batch_size ({self.micro_batch_size})"
-            )
-        if self.pack_documents and not self.reset_position_ids:
-            raise ConfigError(
-                "train.pack_documents=true needs train.reset_position_ids=true: packed documents "
-                "are attended on their own, so their positions restart at every document's "
-                "first token; set both, or train.pack_documents=false"
             )
 
 
@@ -475,8 +469,9 @@ class RunConfig:
 
         Each section checks its own values (``model.validate()``, ... in the order of the
         sections), then the run's name, then the checks across sections
-        (:data:`_CROSS_SECTION_CHECKS`, each a small function); the first failure raises a
-        :class:`ConfigError` naming the keys."""
+        (:data:`_CROSS_SECTION_CHECKS`, each a small function), which can therefore rely on
+        every section's values being valid (a TP size >= 1 before dividing by it); the first
+        failure raises a :class:`ConfigError` naming the keys."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
@@ -721,13 +716,23 @@ def _check_cp_comm_type(cfg: RunConfig) -> None:
 
 
 def _check_packing(cfg: RunConfig) -> None:
-    """``train.pack_documents`` under context parallelism: the plugin's refusal,
-    :func:`~megatron_s2.parallel_lengths.check_packed_sequences`, in the run config's keys."""
-    if cfg.train.pack_documents:
-        try:
-            check_packed_sequences(cfg.parallel.context_parallel_size)
-        except ParallelLengthError as e:
-            raise ConfigError(_length_message(e)) from None
+    """What ``train.pack_documents`` needs: no context parallelism (the plugin's refusal,
+    :func:`~megatron_s2.parallel_lengths.check_packed_sequences`, in the run config's keys),
+    then ``train.reset_position_ids``. In that order: a config that fails both hears of the CP
+    refusal first, which setting ``reset_position_ids`` would not cure."""
+    t = cfg.train
+    if not t.pack_documents:
+        return
+    try:
+        check_packed_sequences(cfg.parallel.context_parallel_size)
+    except ParallelLengthError as e:
+        raise ConfigError(_length_message(e)) from None
+    if not t.reset_position_ids:
+        raise ConfigError(
+            "train.pack_documents=true needs train.reset_position_ids=true: packed documents "
+            "are attended on their own, so their positions restart at every document's "
+            "first token; set both, or train.pack_documents=false"
+        )
 
 
 def _check_lr_schedule(cfg: RunConfig) -> None:
@@ -741,7 +746,8 @@ def _check_lr_schedule(cfg: RunConfig) -> None:
         )
 
 
-# In the order RunConfig.validate runs them: the order they had in the one long validate().
+# In the order RunConfig.validate runs them, after every section's own checks: FP8, how the
+# model splits over the layout, the sequence length under it, then the train and optimizer plans.
 _CROSS_SECTION_CHECKS = (
     _check_fp8,
     _check_model_split,
