@@ -142,7 +142,7 @@ def check_parallel_lengths(
         )
     unit = context_parallel_unit(cp, blocks)
     if seq_length % unit:
-        # The block sizes this length fails: with one it is the one the message quotes.
+        # Quote only the block sizes the chunks cut: a layer whose blocks fit is not the cause.
         failing = tuple(b for b in blocks if seq_length % (2 * cp * b))
         sizes = ", ".join(str(b) for b in failing)
         if len(blocks) == 1:
