@@ -39,6 +39,7 @@ from .context_parallel import (
 )
 from .context_parallel_a2a import a2a_unsupported_reason, attend_heads_a2a
 from .flash_attention4 import check_dense_backend, fa4_causal, use_fa4
+from .parallel_lengths import check_packed_sequences
 
 __all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
 
@@ -234,12 +235,9 @@ def _attend_documents(
 
 
 def _reject_packed_with_cp(module: str, cp_group) -> None:
+    # The rule is parallel_lengths'; a layer holds a CP group only when CP > 1.
     if cp_group is not None:
-        raise ValueError(
-            f"{module}: packed sequences (THD packed_seq_params) with context_parallel_size="
-            f"{cp_group.size()} are not supported yet; use context_parallel_size=1 or unpacked "
-            f"sequences"
-        )
+        check_packed_sequences(cp_group.size(), where=module)
 
 
 class S2CoreAttention(MegatronModule):

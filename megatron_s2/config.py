@@ -8,6 +8,10 @@ size for a model with fewer KV groups than TP ranks).
 
 Megatron-LM's ``pretrain_gpt.py --spec`` builds a plain ``TransformerConfig``; for that path
 :func:`s2_settings_of` falls back to the schedule named by ``$MEGATRON_S2_SCHEDULE``.
+
+The sequence-length rules of the parallel layouts (:func:`check_parallel_lengths`,
+:func:`check_packed_sequences`) live in :mod:`megatron_s2.parallel_lengths`, which imports no
+Megatron, and are re-exported here beside the config that applies them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from megatron.core.transformer import TransformerConfig
 from s2attn.attention import BACKENDS
 
 from .flash_attention4 import check_dense_backend
+from .parallel_lengths import check_packed_sequences, check_parallel_lengths
 from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 
 __all__ = [
@@ -29,6 +34,8 @@ __all__ = [
     "s2_settings_of",
     "s2_backend_of",
     "dense_backend_of",
+    "check_parallel_lengths",
+    "check_packed_sequences",
 ]
 
 ScheduleLike = Union[AttentionSchedule, dict, str, os.PathLike]
@@ -44,8 +51,9 @@ class S2TransformerConfig(TransformerConfig):
         s2_num_query_groups: the model's real number of KV groups; default ``num_query_groups``.
             Kept because Megatron overwrites ``num_query_groups`` with the TP size in the config
             copy it hands core attention when there are fewer groups than TP ranks.
-        s2_seq_length: training sequence length in tokens: checked against the block sizes, used
-            for union coverage and the per-layer density table. None = not known (coverage is
+        s2_seq_length: training sequence length in tokens: checked against the block sizes and
+            the parallel layout (:func:`check_parallel_lengths`), used for union coverage and
+            the per-layer density table. None = not known (coverage is
             checked at a length where every stripe phase shows).
         s2_backend: ``s2attn.s2_attention`` backend: "auto" (Triton on CUDA), "triton",
             "reference" (PyTorch).
@@ -94,15 +102,15 @@ class S2TransformerConfig(TransformerConfig):
             self.tensor_model_parallel_size,
             settings.seq_length,
         )
-        cp = self.context_parallel_size
-        if cp > 1 and settings.seq_length is not None:
-            unit = settings.schedule.context_parallel_unit(layers, cp)
-            if settings.seq_length % unit:
-                raise ValueError(
-                    f"context_parallel_size={cp}: s2_seq_length ({settings.seq_length}) must be a "
-                    f"multiple of {unit} (2 x context_parallel_size chunks, each a whole number "
-                    f"of every S2 layer's blocks {settings.schedule.block_sizes(layers)})"
-                )
+        if settings.seq_length is not None:
+            check_parallel_lengths(
+                settings.seq_length,
+                tp=self.tensor_model_parallel_size,
+                cp=self.context_parallel_size,
+                sequence_parallel=self.sequence_parallel,
+                block_sizes=settings.schedule.block_sizes(layers),
+                seq_name="s2_seq_length",
+            )
         settings.log_summary(self)
 
     def s2_schedule_layers(self) -> int:

@@ -33,6 +33,7 @@ from megatron.core import parallel_state, tensor_parallel
 from torch.autograd.function import once_differentiable
 
 from megatron_s2.flash_attention4 import fa4_causal, use_fa4
+from megatron_s2.parallel_lengths import check_parallel_lengths
 
 __all__ = [
     "context_parallel_group",
@@ -74,22 +75,15 @@ def check_context_parallel_length(
 ) -> int:
     """The chunk length ``c`` of a rank's ``local_seq = 2 * c`` rows; ``ValueError`` naming
     ``context_parallel_size`` if the split cannot serve the layer (an odd local length, or S2
-    chunks not starting on block boundaries). Host-side, before any kernel runs."""
-    if local_seq % 2:
-        raise ValueError(
-            f"{module}: context_parallel_size={cp} needs each rank's sequence (here {local_seq} "
-            f"tokens) to be two equal chunks: the sequence length must be a multiple of "
-            f"2 x context_parallel_size = {2 * cp}"
-        )
-    chunk = local_seq // 2
-    if block_size is not None and chunk % block_size:
-        raise ValueError(
-            f"{module}: context_parallel_size={cp} splits the sequence ({local_seq * cp} tokens) "
-            f"into chunks of {chunk} tokens, not a multiple of the S2 block_size ({block_size}); "
-            f"the sequence length must be a multiple of 2 x context_parallel_size x block_size "
-            f"= {2 * cp * block_size}"
-        )
-    return chunk
+    chunks not starting on block boundaries). Host-side, before any kernel runs.
+
+    The rule is :func:`~megatron_s2.parallel_lengths.check_parallel_lengths`' for the whole
+    sequence (``cp`` ranks of ``local_seq`` tokens): a layer whose config was never checked (a
+    plain ``TransformerConfig``) fails here under the same rule."""
+    check_parallel_lengths(
+        local_seq * cp, cp=cp, block_sizes=() if block_size is None else (block_size,), where=module
+    )
+    return local_seq // 2
 
 
 @functools.cache

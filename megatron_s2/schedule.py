@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +46,8 @@ import torch
 
 from s2attn import S2Pattern
 from s2attn.pattern import check_setting, check_settings
+
+from .parallel_lengths import context_parallel_unit
 
 _DEFAULT_BLOCK_SIZE = next(
     f.default for f in dataclasses.fields(S2Pattern) if f.name == "block_size"
@@ -348,11 +349,9 @@ class AttentionSchedule:
     def context_parallel_unit(self, num_layers: int, context_parallel_size: int) -> int:
         """What the sequence length must be a multiple of under ``context_parallel_size``: Megatron
         splits it in ``2 x CP`` chunks, and an S2 layer's chunks must start on its block
-        boundaries (its pattern is laid out in absolute blocks)."""
-        unit = 2 * context_parallel_size
-        for block in self.block_sizes(num_layers):
-            unit = math.lcm(unit, 2 * context_parallel_size * block)
-        return unit
+        boundaries (its pattern is laid out in absolute blocks):
+        :func:`megatron_s2.parallel_lengths.context_parallel_unit` of this schedule's blocks."""
+        return context_parallel_unit(context_parallel_size, self.block_sizes(num_layers))
 
     def layer_kinds(self, num_layers: int) -> list[str]:
         """``'S2'`` or ``'dense'`` per 0-based layer."""

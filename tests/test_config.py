@@ -419,3 +419,54 @@ def test_cp_comm_type_maps_to_the_transformer_config(comm, expect):
     cfg = load_config(None, ["parallel.context_parallel_size=2", f"parallel.cp_comm_type={comm}"])
     tc = parallel.transformer_config(cfg.model, cfg.parallel, cfg.attention, bf16=False)
     assert tc.cp_comm_type == expect
+
+
+def test_schedule_is_parsed_once_per_config(monkeypatch):
+    from megatron_s2.schedule import AttentionSchedule
+
+    parsed = []
+    from_dict = AttentionSchedule.from_dict.__func__
+
+    def counting(cls, *args, **kwargs):
+        parsed.append(1)
+        return from_dict(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionSchedule, "from_dict", classmethod(counting))
+    cfg = load_config()
+    first = cfg.schedule()
+    assert cfg.schedule() is first and cfg.schedule() is first
+    assert len(parsed) == 1
+    # The cache is no setting: the config's mapping, equality and round trip do not see it.
+    assert "_schedule_cache" not in cfg.to_dict()
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_replaced_or_changed_config_parses_its_own_schedule():
+    import copy
+    import dataclasses
+    import pickle
+
+    cfg = load_config()
+    sched = cfg.schedule()
+    assert sched.layer_kinds(4) == ["dense", "S2", "dense", "S2"]
+    # A copy made by dataclasses.replace with another attention schedule: its own schedule.
+    dense = dataclasses.replace(cfg, attention=None)
+    assert dense.schedule() is not sched and dense.schedule().layer_kinds(4) == ["dense"] * 4
+    assert cfg.schedule() is sched  # the original keeps its own
+    # A replace() copy with the same settings parses its own too (no shared state).
+    assert dataclasses.replace(cfg).schedule() is not sched
+    # Changed in place (as an override would): parsed again, and checked again.
+    cfg.attention = {**cfg.attention, "s2": {**cfg.attention["s2"], "block_size": 32}}
+    assert cfg.schedule() is not sched and cfg.schedule().block_sizes(4) == [32]
+    cfg.model.seq_length = 528  # 16 divides it, 32 does not: the new schedule refuses it
+    with pytest.raises(ConfigError, match=r"block_size \(32\) must divide"):
+        cfg.schedule()
+    cfg.model.seq_length = 512
+    again = cfg.schedule()
+    cfg.parallel.context_parallel_size = 2
+    assert cfg.schedule() is not again  # the CP rule depends on the layout
+    cfg.parallel.context_parallel_size = 1
+    # Copies and pickles leave the parsed schedule behind; they parse their own.
+    for other in (copy.copy(cfg), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert "_schedule_cache" not in vars(other)
+        assert other == cfg and other.schedule().block_sizes(4) == [32]

@@ -26,6 +26,15 @@ from typing import Any, Optional
 import yaml
 
 from ..flash_attention4 import DENSE_BACKENDS
+from ..parallel_lengths import (
+    CONTEXT_PARALLEL,
+    CONTEXT_PARALLEL_BLOCKS,
+    PACKED_CONTEXT_PARALLEL,
+    SEQUENCE_PARALLEL,
+    ParallelLengthError,
+    check_packed_sequences,
+    check_parallel_lengths,
+)
 
 __all__ = [
     "ConfigError",
@@ -112,6 +121,65 @@ class ModelConfig:
         """FFN width: ``ffn_hidden_size``, else Megatron's default 4h (also with SwiGLU)."""
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    def validate(self) -> None:
+        """Check the model section's own values; raise :class:`ConfigError` naming the key.
+        The FP8 checks that need the precision and the parallel layout are in
+        :func:`_check_fp8`."""
+        _at_least("model.num_layers", self.num_layers, 1)
+        _at_least("model.hidden_size", self.hidden_size, 1)
+        _at_least("model.num_attention_heads", self.num_attention_heads, 1)
+        _at_least("model.seq_length", self.seq_length, 1)
+        _at_least("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, 1)
+        _at_least("model.recompute_num_layers", self.recompute_num_layers, 1)
+        for key in ("num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, key) is not None:
+                _at_least(f"model.{key}", getattr(self, key), 1)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads}) unless "
+                "model.kv_channels is set"
+            )
+        groups = self.query_groups
+        if self.num_attention_heads % groups:
+            raise ConfigError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible "
+                f"by model.num_query_groups ({groups})"
+            )
+        _one_of("model.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
+        _one_of("model.recompute", self.recompute, ("none", "selective", "full"))
+        if self.rotary_base <= 0:
+            raise ConfigError(f"model.rotary_base must be > 0, got {self.rotary_base}")
+        _one_of("model.rope_scaling", self.rope_scaling, ROPE_SCALING)
+        if self.rope_scaling != "none" and self.rope_scaling_factor <= 1.0:
+            raise ConfigError(
+                f"model.rope_scaling_factor must be > 1 with model.rope_scaling="
+                f"{self.rope_scaling}, got {self.rope_scaling_factor}"
+            )
+        _one_of("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        _one_of("model.dense_attention", self.dense_attention, DENSE_BACKENDS)
+        if self.dense_attention == "fa4" and self.transformer_impl != "local":
+            raise ConfigError(
+                "model.dense_attention=fa4 applies to model.transformer_impl=local (the TE spec's "
+                "dense layers run Transformer Engine's attention); set model.dense_attention=auto"
+            )
+        _one_of("model.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.fp8 is not None:
+            if self.fp8 not in FP8_FORMATS:
+                raise ConfigError(
+                    f"model.fp8 must be null (no FP8) or one of {list(FP8_FORMATS)}, got "
+                    f"{self.fp8!r}"
+                )
+            if self.transformer_impl != "transformer_engine":
+                raise ConfigError(
+                    f"model.fp8={self.fp8} needs model.transformer_impl=transformer_engine (FP8 "
+                    f"GEMMs are Transformer Engine's), got model.transformer_impl="
+                    f"{self.transformer_impl}; set model.transformer_impl=transformer_engine or "
+                    f"model.fp8=null"
+                )
+        if not 0.0 <= self.hidden_dropout < 1.0:
+            raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {self.hidden_dropout}")
+
 
 @dataclass
 class ParallelConfig:
@@ -128,6 +196,39 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+
+    def validate(self) -> None:
+        """Check the parallel section's own values; how the layout fits the model (heads,
+        layers, sequence length) is checked after every section's own
+        (:meth:`RunConfig.validate`)."""
+        _at_least("parallel.tensor_model_parallel_size", self.tensor_model_parallel_size, 1)
+        _at_least("parallel.pipeline_model_parallel_size", self.pipeline_model_parallel_size, 1)
+        _at_least("parallel.context_parallel_size", self.context_parallel_size, 1)
+        _one_of("parallel.cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
+        if self.virtual_pipeline_model_parallel_size is not None:
+            _at_least(
+                "parallel.virtual_pipeline_model_parallel_size",
+                self.virtual_pipeline_model_parallel_size,
+                2,
+            )
+            if self.pipeline_model_parallel_size < 2:
+                raise ConfigError(
+                    "parallel.virtual_pipeline_model_parallel_size needs "
+                    "parallel.pipeline_model_parallel_size >= 2"
+                )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError(
+                "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer"
+            )
+
+    @property
+    def pipeline_chunks(self) -> int:
+        """Model chunks along the pipeline: pipeline x virtual pipeline size."""
+        return self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
 
 
 @dataclass
@@ -152,6 +253,22 @@ class TrainConfig:
     pack_documents: bool = False
     num_workers: int = 0
 
+    def validate(self) -> None:
+        """Check the train section's own values (``pack_documents`` and what it needs:
+        :func:`_check_packing`)."""
+        _at_least("train.micro_batch_size", self.micro_batch_size, 1)
+        _at_least("train.global_batch_size", self.global_batch_size, 1)
+        _at_least("train.train_iters", self.train_iters, 1)
+        _at_least("train.eval_interval", self.eval_interval, 0)
+        _at_least("train.eval_iters", self.eval_iters, 0)
+        _at_least("train.num_workers", self.num_workers, 0)
+        _one_of("train.precision", self.precision, ("auto", "bf16", "fp32"))
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({self.micro_batch_size})"
+            )
+
 
 @dataclass
 class OptimizerConfig:
@@ -168,6 +285,28 @@ class OptimizerConfig:
     # None: decay over the whole run.
     lr_decay_iters: Optional[int] = None
     lr_decay_style: str = "cosine"
+
+    def validate(self) -> None:
+        """Check the optimizer section's own values (warm-up against the run's length:
+        :func:`_check_lr_schedule`)."""
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(
+                f"optimizer.min_lr must be in [0, optimizer.lr={self.lr}], got {self.min_lr}"
+            )
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 = off), got {self.clip_grad}")
+        _at_least("optimizer.lr_warmup_iters", self.lr_warmup_iters, 0)
+        if self.lr_decay_iters is not None:
+            _at_least("optimizer.lr_decay_iters", self.lr_decay_iters, 1)
+        _one_of(
+            "optimizer.lr_decay_style",
+            self.lr_decay_style,
+            ("constant", "linear", "cosine", "inverse-square-root"),
+        )
 
 
 @dataclass
@@ -187,6 +326,28 @@ class DataConfig:
     demo_num_docs: Optional[int] = None
     # Megatron caches its sample indices here; None = next to the data.
     cache_dir: Optional[str] = None
+
+    def validate(self) -> None:
+        """Check the data section: a corpus to read, a well-formed blend and split."""
+        if self.demo_num_docs is not None:
+            _at_least("data.demo_num_docs", self.demo_num_docs, 1)
+        if not self.demo and not self.blend:
+            raise ConfigError(
+                "data.blend is empty: give indexed-dataset prefixes (data.blend=[path/prefix]) "
+                "or set data.demo=true for the built-in synthetic corpus"
+            )
+        if self.blend:
+            _blend_pairs(self.blend)  # raises on a malformed blend
+        parts = self.split.split(",")
+        try:
+            weights = [float(x) for x in parts]
+        except ValueError:
+            weights = []
+        if len(parts) != 3 or any(w < 0 for w in weights) or len(weights) != 3 or sum(weights) <= 0:
+            raise ConfigError(
+                "data.split must be three non-negative weights 'train,valid,test', got "
+                f"{self.split!r}"
+            )
 
 
 # model.transformer_impl: the layer implementations of Megatron's --transformer-impl.
@@ -230,6 +391,13 @@ class CheckpointConfig:
     # as context extension does; false continues that run's iteration count and LR schedule.
     reset_iteration: bool = False
 
+    def validate(self) -> None:
+        """Check the checkpoint section's own values."""
+        _at_least("checkpoint.save_interval", self.save_interval, 0)
+        _one_of("checkpoint.on_resume", self.on_resume, ON_RESUME)
+        if self.keep_last is not None:
+            _at_least("checkpoint.keep_last", self.keep_last, 1)
+
 
 @dataclass
 class LoggingConfig:
@@ -241,6 +409,10 @@ class LoggingConfig:
     tensorboard: bool = True
     plot: bool = True
 
+    def validate(self) -> None:
+        """Check the logging section's own values."""
+        _at_least("logging.log_interval", self.log_interval, 1)
+
 
 @dataclass
 class DebugConfig:
@@ -249,6 +421,10 @@ class DebugConfig:
     nan_at_iter: Optional[int] = None
     # Stop after this iteration as if SIGTERM had arrived (exercises the graceful stop).
     sigterm_at_iter: Optional[int] = None
+
+    def validate(self) -> None:
+        """Nothing to check: any iteration (or None) is a valid hook; one that never comes
+        simply never fires."""
 
 
 @dataclass
@@ -289,246 +465,23 @@ class RunConfig:
 
     # ---- validation ------------------------------------------------------------------------
     def validate(self, world_size: Optional[int] = None) -> None:
-        """Check values and their consistency; ``world_size`` adds the data-parallel checks."""
-        m, p, t, o = self.model, self.parallel, self.train, self.optimizer
-        _at_least("model.num_layers", m.num_layers, 1)
-        _at_least("model.hidden_size", m.hidden_size, 1)
-        _at_least("model.num_attention_heads", m.num_attention_heads, 1)
-        _at_least("model.seq_length", m.seq_length, 1)
-        _at_least("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by, 1)
-        _at_least("model.recompute_num_layers", m.recompute_num_layers, 1)
-        for key in ("num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size"):
-            if getattr(m, key) is not None:
-                _at_least(f"model.{key}", getattr(m, key), 1)
-        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-            raise ConfigError(
-                f"model.hidden_size ({m.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({m.num_attention_heads}) unless "
-                "model.kv_channels is set"
-            )
-        groups = m.query_groups
-        if m.num_attention_heads % groups:
-            raise ConfigError(
-                f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
-                f"by model.num_query_groups ({groups})"
-            )
-        _one_of("model.normalization", m.normalization, ("RMSNorm", "LayerNorm"))
-        _one_of("model.recompute", m.recompute, ("none", "selective", "full"))
-        if m.rotary_base <= 0:
-            raise ConfigError(f"model.rotary_base must be > 0, got {m.rotary_base}")
-        _one_of("model.rope_scaling", m.rope_scaling, ROPE_SCALING)
-        if m.rope_scaling != "none" and m.rope_scaling_factor <= 1.0:
-            raise ConfigError(
-                f"model.rope_scaling_factor must be > 1 with model.rope_scaling="
-                f"{m.rope_scaling}, got {m.rope_scaling_factor}"
-            )
-        _one_of("model.transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS)
-        _one_of("model.dense_attention", m.dense_attention, DENSE_BACKENDS)
-        if m.dense_attention == "fa4" and m.transformer_impl != "local":
-            raise ConfigError(
-                "model.dense_attention=fa4 applies to model.transformer_impl=local (the TE spec's "
-                "dense layers run Transformer Engine's attention); set model.dense_attention=auto"
-            )
-        _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
-        if m.fp8 is not None:
-            self._validate_fp8()
-        if not 0.0 <= m.hidden_dropout < 1.0:
-            raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}")
+        """Check values and their consistency; ``world_size`` adds the data-parallel checks.
 
-        _at_least("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size, 1)
-        _at_least("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size, 1)
-        _at_least("parallel.context_parallel_size", p.context_parallel_size, 1)
-        _one_of("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
-        tp, pp, cp = (
-            p.tensor_model_parallel_size,
-            p.pipeline_model_parallel_size,
-            p.context_parallel_size,
-        )
-        if m.num_attention_heads % tp:
-            raise ConfigError(
-                f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
-                f"by parallel.tensor_model_parallel_size ({tp})"
-            )
-        chunks = pp * (p.virtual_pipeline_model_parallel_size or 1)
-        if p.virtual_pipeline_model_parallel_size is not None:
-            _at_least(
-                "parallel.virtual_pipeline_model_parallel_size",
-                p.virtual_pipeline_model_parallel_size,
-                2,
-            )
-            if pp < 2:
-                raise ConfigError(
-                    "parallel.virtual_pipeline_model_parallel_size needs "
-                    "parallel.pipeline_model_parallel_size >= 2"
-                )
-        if m.num_layers % chunks:
-            raise ConfigError(
-                f"model.num_layers ({m.num_layers}) must be divisible by the number of "
-                f"pipeline chunks (pipeline x virtual = {chunks})"
-            )
-        if p.sequence_parallel and tp == 1:
-            raise ConfigError(
-                "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1"
-            )
-        if p.sequence_parallel and m.seq_length % (tp * cp):
-            raise ConfigError(
-                f"model.seq_length ({m.seq_length}) must be divisible by tensor x context "
-                f"parallel size ({tp * cp}) with parallel.sequence_parallel"
-            )
-        if cp > 1 and m.seq_length % (2 * cp):
-            raise ConfigError(
-                f"model.seq_length ({m.seq_length}) must be divisible by 2 x "
-                f"parallel.context_parallel_size ({2 * cp})"
-            )
-        if cp > 1 and p.cp_comm_type == "a2a":
-            from ..context_parallel_a2a import a2a_unsupported_reason
-
-            heads, groups = m.num_attention_heads // tp, max(1, m.query_groups // tp)
-            if a2a_unsupported_reason(heads, groups, cp):
-                raise ConfigError(
-                    f"parallel.cp_comm_type=a2a splits each tensor-parallel rank's heads over the "
-                    f"context-parallel ranks: model.num_attention_heads / TP ({heads}) and "
-                    f"model.num_query_groups / TP ({groups}) must be divisible by "
-                    f"parallel.context_parallel_size ({cp}); use cp_comm_type auto or all_gather"
-                )
-        if p.overlap_param_gather and not p.use_distributed_optimizer:
-            raise ConfigError(
-                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer"
-            )
-
-        _at_least("train.micro_batch_size", t.micro_batch_size, 1)
-        _at_least("train.global_batch_size", t.global_batch_size, 1)
-        _at_least("train.train_iters", t.train_iters, 1)
-        _at_least("train.eval_interval", t.eval_interval, 0)
-        _at_least("train.eval_iters", t.eval_iters, 0)
-        _at_least("train.num_workers", t.num_workers, 0)
-        _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
-        if t.global_batch_size % t.micro_batch_size:
-            raise ConfigError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"train.micro_batch_size ({t.micro_batch_size})"
-            )
-        if t.pack_documents and cp > 1:
-            raise ConfigError(
-                f"train.pack_documents=true and parallel.context_parallel_size={cp} are not "
-                f"supported together yet; set parallel.context_parallel_size=1 or "
-                f"train.pack_documents=false"
-            )
-        if t.pack_documents and not t.reset_position_ids:
-            raise ConfigError(
-                "train.pack_documents=true needs train.reset_position_ids=true: packed documents "
-                "are attended on their own, so their positions restart at every document's "
-                "first token; set both, or train.pack_documents=false"
-            )
-
-        if o.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
-        if not 0 <= o.min_lr <= o.lr:
-            raise ConfigError(
-                f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}"
-            )
-        if o.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-        if o.clip_grad < 0:
-            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 = off), got {o.clip_grad}")
-        _at_least("optimizer.lr_warmup_iters", o.lr_warmup_iters, 0)
-        decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
-        if o.lr_decay_iters is not None:
-            _at_least("optimizer.lr_decay_iters", o.lr_decay_iters, 1)
-        if o.lr_warmup_iters >= decay:
-            raise ConfigError(
-                f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be smaller than the "
-                f"decay length ({decay}, optimizer.lr_decay_iters or train.train_iters)"
-            )
-        _one_of(
-            "optimizer.lr_decay_style",
-            o.lr_decay_style,
-            ("constant", "linear", "cosine", "inverse-square-root"),
-        )
-
-        d = self.data
-        if d.demo_num_docs is not None:
-            _at_least("data.demo_num_docs", d.demo_num_docs, 1)
-        if not d.demo and not d.blend:
-            raise ConfigError(
-                "data.blend is empty: give indexed-dataset prefixes (data.blend=[path/prefix]) "
-                "or set data.demo=true for the built-in synthetic corpus"
-            )
-        if d.blend:
-            _blend_pairs(d.blend)  # raises on a malformed blend
-        parts = d.split.split(",")
-        try:
-            weights = [float(x) for x in parts]
-        except ValueError:
-            weights = []
-        if len(parts) != 3 or any(w < 0 for w in weights) or len(weights) != 3 or sum(weights) <= 0:
-            raise ConfigError(
-                f"data.split must be three non-negative weights 'train,valid,test', got {d.split!r}"
-            )
-
-        _at_least("checkpoint.save_interval", self.checkpoint.save_interval, 0)
-        _one_of("checkpoint.on_resume", self.checkpoint.on_resume, ON_RESUME)
-        if self.checkpoint.keep_last is not None:
-            _at_least("checkpoint.keep_last", self.checkpoint.keep_last, 1)
-        _at_least("logging.log_interval", self.logging.log_interval, 1)
+        Each section checks its own values (``model.validate()``, ... in the order of the
+        sections), then the run's name, then the checks across sections
+        (:data:`_CROSS_SECTION_CHECKS`, each a small function), which can therefore rely on
+        every section's values being valid (a TP size >= 1 before dividing by it); the first
+        failure raises a :class:`ConfigError` naming the keys."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.validate()
         if not self.name or "/" in self.name:
             raise ConfigError(f"name must be a non-empty string without '/', got {self.name!r}")
-
+        for check in _CROSS_SECTION_CHECKS:
+            check(self)
         if world_size is not None:
             self.data_parallel_size(world_size)
-
-    def _validate_fp8(self) -> None:
-        """The FP8 checks that need no hardware: the format, the layer implementation, the
-        precision, and the GEMM shapes Transformer Engine's FP8 kernels take."""
-        m, p, t = self.model, self.parallel, self.train
-        if m.fp8 not in FP8_FORMATS:
-            raise ConfigError(
-                f"model.fp8 must be null (no FP8) or one of {list(FP8_FORMATS)}, got {m.fp8!r}"
-            )
-        if m.transformer_impl != "transformer_engine":
-            raise ConfigError(
-                f"model.fp8={m.fp8} needs model.transformer_impl=transformer_engine (FP8 GEMMs "
-                f"are Transformer Engine's), got model.transformer_impl={m.transformer_impl}; "
-                f"set model.transformer_impl=transformer_engine or model.fp8=null"
-            )
-        if t.precision == "fp32":
-            raise ConfigError(
-                f"model.fp8={m.fp8} needs bf16 training (FP8 GEMMs inside bf16 layers, as "
-                f"Megatron's --fp8-format with --bf16), got train.precision=fp32; set "
-                f"train.precision to 'auto' or 'bf16', or model.fp8=null"
-            )
-        # Transformer Engine asserts at the first forward that every FP8 GEMM input has rows
-        # divisible by 8 and columns by 16 (weights likewise); finding out here costs nothing.
-        tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-        d = m.kv_channels or m.hidden_size // m.num_attention_heads
-        tokens = t.micro_batch_size * m.seq_length // cp
-        if p.sequence_parallel:
-            tokens //= tp
-        rows = {
-            "tokens per rank (train.micro_batch_size x model.seq_length / context parallel"
-            + (" / tensor parallel" if p.sequence_parallel else "")
-            + ")": tokens,
-            "QKV output features per tensor-parallel rank": (
-                (m.num_attention_heads + 2 * m.query_groups) * d // tp
-            ),
-            "FFN output features per tensor-parallel rank": (
-                (2 if m.swiglu else 1) * m.ffn_size // tp
-            ),
-        }
-        cols = {
-            "model.hidden_size": m.hidden_size,
-            "attention output features per tensor-parallel rank (heads x kv_channels / TP)": (
-                m.num_attention_heads * d // tp
-            ),
-            "FFN width per tensor-parallel rank (model.ffn_hidden_size / TP)": m.ffn_size // tp,
-        }
-        bad = [f"{k} = {v} (not a multiple of 8)" for k, v in rows.items() if v % 8]
-        bad += [f"{k} = {v} (not a multiple of 16)" for k, v in cols.items() if v % 16]
-        if bad:
-            raise ConfigError(
-                f"model.fp8={m.fp8}: Transformer Engine's FP8 GEMMs need row counts divisible "
-                f"by 8 and inner sizes divisible by 16: " + "; ".join(bad)
-            )
 
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` processes (raises if it does not divide)."""
@@ -558,7 +511,38 @@ class RunConfig:
         return self.train.global_batch_size // (self.train.micro_batch_size * dp)
 
     def schedule(self):
-        """The attention schedule, parsed and checked against the model (None = all dense)."""
+        """The attention schedule (:class:`~megatron_s2.schedule.AttentionSchedule`), parsed and
+        checked against the model and the parallel layout (None = all dense); raises
+        :class:`ConfigError`.
+
+        Parsed once per config: later calls return the same object while the settings it was
+        parsed from (``attention``, the model's shape and length, the parallel layout) are
+        unchanged; a change to any of them, in place or in a copy (``dataclasses.replace``,
+        ``copy``, pickling), parses again."""
+        key = self._schedule_key()
+        cached = self.__dict__.get("_schedule_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        sched = self._parse_schedule()
+        # A plain attribute, not a field: to_dict(), == and replace() do not see it.
+        self._schedule_cache = (key, sched)
+        return sched
+
+    def _schedule_key(self) -> tuple:
+        """Everything :meth:`_parse_schedule` reads, as a comparable value."""
+        m, p = self.model, self.parallel
+        return (
+            _frozen(self.attention),
+            m.num_layers,
+            m.num_attention_heads,
+            m.num_query_groups,
+            m.seq_length,
+            p.tensor_model_parallel_size,
+            p.context_parallel_size,
+            p.sequence_parallel,
+        )
+
+    def _parse_schedule(self):
         from ..schedule import AttentionSchedule, ScheduleError
 
         m = self.model
@@ -576,16 +560,14 @@ class RunConfig:
             )
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
-        cp = self.parallel.context_parallel_size
-        unit = sched.context_parallel_unit(m.num_layers, cp)
-        if cp > 1 and m.seq_length % unit:
-            raise ConfigError(
-                f"parallel.context_parallel_size ({cp}) needs model.seq_length ({m.seq_length}) "
-                f"to be a multiple of {unit}: Megatron splits the sequence in 2 x "
-                f"context_parallel_size chunks, and each must be a whole number of every S2 "
-                f"layer's blocks (block sizes {sched.block_sizes(m.num_layers)})"
-            )
+        _check_sequence_lengths(self, sched.block_sizes(m.num_layers))
         return sched
+
+    def __getstate__(self) -> dict:
+        # Copies and pickles leave the parsed schedule behind (it is rebuilt on first use).
+        state = dict(self.__dict__)
+        state.pop("_schedule_cache", None)
+        return state
 
     def keeping(self, saved: dict, keys: list[str]) -> RunConfig:
         """This config with the dotted ``keys`` set to their values in ``saved`` (a checkpoint's
@@ -604,6 +586,186 @@ class RunConfig:
     def blend(self) -> tuple[list[str], Optional[list[float]]]:
         """``data.blend`` as (prefixes, weights or None)."""
         return _blend_pairs(self.data.blend or [])
+
+
+# ---- checks across sections (RunConfig.validate runs them after every section's own) ---------
+
+
+def _check_fp8(cfg: RunConfig) -> None:
+    """The FP8 checks that read other sections than the model's (no hardware needed): the
+    precision, and the GEMM shapes Transformer Engine's FP8 kernels take under the layout."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.fp8 is None:
+        return
+    if t.precision == "fp32":
+        raise ConfigError(
+            f"model.fp8={m.fp8} needs bf16 training (FP8 GEMMs inside bf16 layers, as "
+            f"Megatron's --fp8-format with --bf16), got train.precision=fp32; set "
+            f"train.precision to 'auto' or 'bf16', or model.fp8=null"
+        )
+    # Transformer Engine asserts at the first forward that every FP8 GEMM input has rows
+    # divisible by 8 and columns by 16 (weights likewise); finding out here costs nothing.
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    tokens = t.micro_batch_size * m.seq_length // cp
+    if p.sequence_parallel:
+        tokens //= tp
+    rows = {
+        "tokens per rank (train.micro_batch_size x model.seq_length / context parallel"
+        + (" / tensor parallel" if p.sequence_parallel else "")
+        + ")": tokens,
+        "QKV output features per tensor-parallel rank": (
+            (m.num_attention_heads + 2 * m.query_groups) * d // tp
+        ),
+        "FFN output features per tensor-parallel rank": ((2 if m.swiglu else 1) * m.ffn_size // tp),
+    }
+    cols = {
+        "model.hidden_size": m.hidden_size,
+        "attention output features per tensor-parallel rank (heads x kv_channels / TP)": (
+            m.num_attention_heads * d // tp
+        ),
+        "FFN width per tensor-parallel rank (model.ffn_hidden_size / TP)": m.ffn_size // tp,
+    }
+    bad = [f"{k} = {v} (not a multiple of 8)" for k, v in rows.items() if v % 8]
+    bad += [f"{k} = {v} (not a multiple of 16)" for k, v in cols.items() if v % 16]
+    if bad:
+        raise ConfigError(
+            f"model.fp8={m.fp8}: Transformer Engine's FP8 GEMMs need row counts divisible "
+            f"by 8 and inner sizes divisible by 16: " + "; ".join(bad)
+        )
+
+
+def _check_model_split(cfg: RunConfig) -> None:
+    """The model splits over the tensor-parallel ranks (heads) and pipeline chunks (layers)."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tensor_model_parallel_size
+    if m.num_attention_heads % tp:
+        raise ConfigError(
+            f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
+            f"by parallel.tensor_model_parallel_size ({tp})"
+        )
+    if m.num_layers % p.pipeline_chunks:
+        raise ConfigError(
+            f"model.num_layers ({m.num_layers}) must be divisible by the number of "
+            f"pipeline chunks (pipeline x virtual = {p.pipeline_chunks})"
+        )
+
+
+def _length_message(e: ParallelLengthError) -> str:
+    """A :func:`~megatron_s2.parallel_lengths.check_parallel_lengths` failure restated in the run
+    config's keys."""
+    seq, cp = e.seq_length, e.context_parallel
+    if e.rule == SEQUENCE_PARALLEL:
+        return (
+            f"model.seq_length ({seq}) must be divisible by tensor x context parallel size "
+            f"({e.multiple}) with parallel.sequence_parallel"
+        )
+    if e.rule == CONTEXT_PARALLEL:
+        return (
+            f"model.seq_length ({seq}) must be divisible by 2 x parallel.context_parallel_size "
+            f"({e.multiple})"
+        )
+    if e.rule == CONTEXT_PARALLEL_BLOCKS:
+        return (
+            f"parallel.context_parallel_size ({cp}) needs model.seq_length ({seq}) to be a "
+            f"multiple of {e.multiple}: Megatron splits the sequence in 2 x "
+            f"context_parallel_size chunks, and each must be a whole number of every S2 layer's "
+            f"blocks (block sizes {list(e.block_sizes)})"
+        )
+    if e.rule == PACKED_CONTEXT_PARALLEL:
+        return (
+            f"train.pack_documents=true and parallel.context_parallel_size={cp} are not "
+            f"supported together yet; set parallel.context_parallel_size=1 or "
+            f"train.pack_documents=false"
+        )
+    return str(e)  # a rule this restatement does not know yet: the plugin's own words
+
+
+def _check_sequence_lengths(cfg: RunConfig, block_sizes=()) -> None:
+    """``model.seq_length`` under the parallel layout (sequence and context parallelism; the S2
+    layers' ``block_sizes`` once the schedule is parsed): the plugin's rule,
+    :func:`~megatron_s2.parallel_lengths.check_parallel_lengths`, in the run config's keys."""
+    m, p = cfg.model, cfg.parallel
+    try:
+        check_parallel_lengths(
+            m.seq_length,
+            tp=p.tensor_model_parallel_size,
+            cp=p.context_parallel_size,
+            sequence_parallel=p.sequence_parallel,
+            block_sizes=block_sizes,
+        )
+    except ParallelLengthError as e:
+        raise ConfigError(_length_message(e)) from None
+
+
+def _check_cp_comm_type(cfg: RunConfig) -> None:
+    """``parallel.cp_comm_type=a2a`` splits each TP rank's heads and groups over the CP ranks."""
+    m, p = cfg.model, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    if cp > 1 and p.cp_comm_type == "a2a":
+        from ..context_parallel_a2a import a2a_unsupported_reason
+
+        heads, groups = m.num_attention_heads // tp, max(1, m.query_groups // tp)
+        if a2a_unsupported_reason(heads, groups, cp):
+            raise ConfigError(
+                f"parallel.cp_comm_type=a2a splits each tensor-parallel rank's heads over the "
+                f"context-parallel ranks: model.num_attention_heads / TP ({heads}) and "
+                f"model.num_query_groups / TP ({groups}) must be divisible by "
+                f"parallel.context_parallel_size ({cp}); use cp_comm_type auto or all_gather"
+            )
+
+
+def _check_packing(cfg: RunConfig) -> None:
+    """What ``train.pack_documents`` needs: no context parallelism (the plugin's refusal,
+    :func:`~megatron_s2.parallel_lengths.check_packed_sequences`, in the run config's keys),
+    then ``train.reset_position_ids``. In that order: a config that fails both hears of the CP
+    refusal first, which setting ``reset_position_ids`` would not cure."""
+    t = cfg.train
+    if not t.pack_documents:
+        return
+    try:
+        check_packed_sequences(cfg.parallel.context_parallel_size)
+    except ParallelLengthError as e:
+        raise ConfigError(_length_message(e)) from None
+    if not t.reset_position_ids:
+        raise ConfigError(
+            "train.pack_documents=true needs train.reset_position_ids=true: packed documents "
+            "are attended on their own, so their positions restart at every document's "
+            "first token; set both, or train.pack_documents=false"
+        )
+
+
+def _check_lr_schedule(cfg: RunConfig) -> None:
+    """The warm-up ends before the decay does (``optimizer.lr_decay_iters``, else the run)."""
+    o = cfg.optimizer
+    decay = o.lr_decay_iters if o.lr_decay_iters is not None else cfg.train.train_iters
+    if o.lr_warmup_iters >= decay:
+        raise ConfigError(
+            f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be smaller than the "
+            f"decay length ({decay}, optimizer.lr_decay_iters or train.train_iters)"
+        )
+
+
+# In the order RunConfig.validate runs them, after every section's own checks: FP8, how the
+# model splits over the layout, the sequence length under it, then the train and optimizer plans.
+_CROSS_SECTION_CHECKS = (
+    _check_fp8,
+    _check_model_split,
+    _check_sequence_lengths,
+    _check_cp_comm_type,
+    _check_packing,
+    _check_lr_schedule,
+)
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` (a YAML-like mapping, list or scalar) as a comparable snapshot: the types are
+    kept, so ``16`` and ``16.0`` or ``{}`` and ``[]`` differ as the schedule's parser sees them."""
+    if isinstance(value, dict):
+        return (dict, tuple((_frozen(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    return (type(value), value)
 
 
 def _at_least(key: str, value, minimum: int) -> None:

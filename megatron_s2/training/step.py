@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..parallel_lengths import check_packed_sequences
 from .data import pack_documents
 
 __all__ = [
@@ -159,10 +160,8 @@ class ForwardBackward:
     ):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if pack_eod is not None and context_parallel_size > 1:
-            raise ValueError(
-                "packed documents with context parallelism are not supported together yet"
-            )
+        if pack_eod is not None:
+            check_packed_sequences(context_parallel_size, where="ForwardBackward")
         self.model = model
         self.num_microbatches = num_microbatches
         self.seq_length = seq_length
