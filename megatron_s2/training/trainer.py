@@ -41,6 +41,7 @@ from .checkpointing import (
     read_checkpoint_config,
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
+from .errors import RunDirError
 from .evaluation import Evaluator
 from .metrics import (
     MetricsLogger,
@@ -52,7 +53,7 @@ from .metrics import (
 )
 from .preemption import Preemption
 from .run_config import ConfigError, RunConfig, format_changes, resume_changes
-from .run_dir import RunDirError, check_free_space, on_rank0, open_run_directory, previous_run
+from .run_dir import check_free_space, on_rank0, open_run_directory, previous_run
 from .step import ForwardBackward, zero_grad
 
 __all__ = ["Trainer", "train", "RunResult", "StepResult", "NonFiniteLossError"]
