@@ -2,11 +2,12 @@
 
 The trainer wires components together, each of which decides for itself when it acts:
 
-* :mod:`.parallel` builds the process groups, model config, model chunks in DDP, optimizer;
+* :mod:`.build` starts the process groups and builds the model chunks in DDP and the optimizer
+  (from the building blocks of :mod:`.parallel`), as the evaluator does;
 * :mod:`.step` runs one global batch through Megatron's pipeline schedule;
 * :class:`~.metrics.MetricsLogger` logs (``should_log``), :class:`~.metrics.ThroughputMeter`
   times the training between records;
-* :class:`~.evaluation.Evaluator` computes the validation loss (``should_run``);
+* :class:`~.evaluation.validation.Evaluator` computes the validation loss (``should_run``);
 * :class:`~.checkpointing.Checkpointer` resumes and saves (``should_save``);
 * :class:`~.preemption.Preemption` stops on SIGTERM or Ctrl-C (``should_stop``).
 
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from . import parallel
+from .build import Runtime, build_run
 from .checkpointing import (
     Checkpointer,
     ResumeCandidate,
@@ -42,7 +43,7 @@ from .checkpointing import (
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
 from .errors import RunDirError
-from .evaluation import Evaluator
+from .evaluation.validation import Evaluator
 from .metrics import (
     MetricsLogger,
     ThroughputMeter,
@@ -111,25 +112,15 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, restart: bool = False):
         self.cfg = cfg
-        self.gpu = torch.cuda.is_available()
-        if not self.gpu:
-            from .cpu_mode import enable_cpu_mode
-
-            enable_cpu_mode()
-        self.bf16 = parallel.use_bf16(cfg.train.precision, gpu=self.gpu)
+        self.runtime = Runtime.detect(cfg.train.precision)
+        self.gpu, self.bf16 = self.runtime.gpu, self.runtime.bf16
         self.schedule = cfg.schedule()
-        env = parallel.DistributedEnv.from_environment()
-        cfg.validate(world_size=env.world_size)
-        parallel.check_fp8(cfg.model, gpu=self.gpu, bf16=self.bf16)
-        parallel.check_transformer_impl(cfg.model.transformer_impl, gpu=self.gpu)
-        parallel.check_dense_attention(cfg.model, gpu=self.gpu)
-        parallel.init_process_group(env, gpu=self.gpu)
-        parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
+        cfg.validate(world_size=self.runtime.env.world_size)
+        self.runtime.check(cfg.model)
+        self.runtime.start(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
         self.rank0 = _rank0()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
-        )
+        self.device = self.runtime.device
         self._locks: list = []
         self.train_data: list = []
         self.metrics: Optional[MetricsLogger] = None
@@ -189,14 +180,17 @@ class Trainer:
             )
 
         model, p = cfg.model, cfg.parallel
-        self.model_config = parallel.transformer_config(model, p, self.schedule, bf16=self.bf16)
-        self.model = parallel.build_model(
-            model, self.model_config, p, self.vocab_size, gpu=self.gpu, bf16=self.bf16
+        parts = build_run(
+            model,
+            p,
+            self.schedule,
+            self.vocab_size,
+            self.runtime,
+            optimizer=cfg.optimizer,
+            train_iters=cfg.train.train_iters,
         )
-        self.optimizer, self.scheduler = parallel.build_optimizer(
-            cfg.optimizer, p, self.model, bf16=self.bf16, train_iters=cfg.train.train_iters
-        )
-        parallel.connect_schedule_hooks(self.model_config, self.model, self.optimizer, p)
+        self.model_config, self.model = parts.config, parts.model
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self._check_checkpoint_space()
 
         self.checkpointer = Checkpointer(
@@ -228,10 +222,8 @@ class Trainer:
                     f"{self.optimizer.param_groups[0]['lr']:.3e})"
                 )
 
-        from megatron.core import parallel_state as ps
-
         t = cfg.train
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        dp_rank, dp_size = parts.dp_rank, parts.dp_size
         self.train_data = chunk_micro_batches(
             len(self.model),
             self.datasets.train,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .data import chunk_micro_batches
-from .run_config import TrainConfig
-from .step import ForwardBackward
+from ..data import chunk_micro_batches
+from ..run_config import TrainConfig
+from ..step import ForwardBackward
 
 __all__ = ["Evaluator"]
 
