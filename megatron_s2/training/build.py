@@ -21,16 +21,16 @@ and data position with the weights); an evaluation loads the weights only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import parallel
 from .parallel import DistributedEnv
-from .run_config import ModelConfig, OptimizerConfig, ParallelConfig
+from .run_config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 
-__all__ = ["Runtime", "RunParts", "build_run", "load_weights"]
+__all__ = ["Runtime", "RunParts", "model_vocab_size", "build_run", "load_weights"]
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,25 @@ class RunParts:
     scheduler: Optional[object] = None
     dp_rank: int = 0
     dp_size: int = 1
-    # The unwrapped chunks (what the weights were initialised in), for a caller's inspection.
-    chunks: list = field(default_factory=list, repr=False)
 
-    @property
-    def for_training(self) -> bool:
-        return self.optimizer is not None
+
+def model_vocab_size(model: ModelConfig, parallel_section: ParallelConfig, tokenizer) -> int:
+    """The model's (padded) vocabulary size: ``model.vocab_size``, else the tokenizer's rounded
+    up to a multiple of ``model.make_vocab_size_divisible_by`` x TP (Megatron's rule). Raises
+    :class:`~.run_config.ConfigError` when it is smaller than the tokenizer's vocabulary."""
+    from .tokenizer import padded_vocab_size
+
+    vocab_size = model.vocab_size or padded_vocab_size(
+        tokenizer.vocab_size,
+        model.make_vocab_size_divisible_by,
+        parallel_section.tensor_model_parallel_size,
+    )
+    if vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size})"
+        )
+    return vocab_size
 
 
 def build_run(
@@ -153,26 +166,18 @@ def build_run(
     chunks = parallel.build_model_chunks(model, config, vocab_size, gpu=runtime.gpu)
     if init_weights is not None:
         init_weights(chunks)
-    parts = RunParts(
-        config=config,
-        model=chunks,
-        chunks=chunks,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-    )
+    dp = dict(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
     if optimizer is None:
-        parts.model = parallel.wrap_model_chunks(
-            chunks, config, parallel_section, bf16=bf16, ddp=False
-        )
-        for chunk in parts.model:
+        chunks = parallel.wrap_model_chunks(chunks, config, parallel_section, bf16=bf16, ddp=False)
+        for chunk in chunks:
             chunk.eval()
-        return parts
-    parts.model = parallel.wrap_model_chunks(chunks, config, parallel_section, bf16=bf16)
-    parts.optimizer, parts.scheduler = parallel.build_optimizer(
-        optimizer, parallel_section, parts.model, bf16=bf16, train_iters=train_iters
+        return RunParts(config, chunks, **dp)
+    chunks = parallel.wrap_model_chunks(chunks, config, parallel_section, bf16=bf16)
+    opt, scheduler = parallel.build_optimizer(
+        optimizer, parallel_section, chunks, bf16=bf16, train_iters=train_iters
     )
-    parallel.connect_schedule_hooks(config, parts.model, parts.optimizer, parallel_section)
-    return parts
+    parallel.connect_schedule_hooks(config, chunks, opt, parallel_section)
+    return RunParts(config, chunks, opt, scheduler, **dp)
 
 
 def load_weights(parts: RunParts, root: str, iteration: int) -> None:

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .build import Runtime, build_run
+from .build import Runtime, build_run, model_vocab_size
 from .checkpointing import (
     Checkpointer,
     ResumeCandidate,
@@ -398,7 +398,7 @@ class Trainer:
     def _build_data(self) -> tuple[Datasets, int]:
         """The train/valid datasets and the model's (padded) vocabulary size. Needs
         torch.distributed: the dataset builder synchronises its index cache."""
-        from .tokenizer import load_tokenizer, padded_vocab_size
+        from .tokenizer import load_tokenizer
 
         cfg, d, t = self.cfg, self.cfg.data, self.cfg.train
         tokenizer = load_tokenizer(d.tokenizer)
@@ -410,16 +410,7 @@ class Trainer:
             prefixes, weights = [ensure_demo_data(d.demo_dir, seed=0, **extra)], None
         else:
             prefixes, weights = cfg.blend()
-        vocab_size = cfg.model.vocab_size or padded_vocab_size(
-            tokenizer.vocab_size,
-            cfg.model.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size,
-        )
-        if vocab_size < tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer.vocab_size})"
-            )
+        vocab_size = model_vocab_size(cfg.model, cfg.parallel, tokenizer)
         evaluates = bool(t.eval_interval and t.eval_iters)
         datasets = build_datasets(
             prefixes,

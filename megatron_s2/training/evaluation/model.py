@@ -176,9 +176,9 @@ def load_eval_model(
     Megatron's groups for ``cfg.parallel``; without CUDA in the explicit CPU mode (fp32, gloo).
     Raises :class:`ConfigError` when the checkpoint's shape differs from ``cfg``'s.
     """
-    from ..build import Runtime, build_run, load_weights
+    from ..build import Runtime, build_run, load_weights, model_vocab_size
     from ..checkpointing import checkpoint_path
-    from ..tokenizer import load_tokenizer, padded_vocab_size
+    from ..tokenizer import load_tokenizer
 
     if cfg is None and checkpoint is None:
         raise ConfigError("give a run config (--config) or a checkpoint (--checkpoint), or both")
@@ -200,9 +200,7 @@ def load_eval_model(
             f"context_parallel_size = {model_parallel}"
         )
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = cfg.model.vocab_size or padded_vocab_size(
-        tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tensor_model_parallel_size
-    )
+    vocab = model_vocab_size(cfg.model, p, tokenizer)
     noted = _check_checkpoint_matches(cfg, saved, saved_vocab, vocab, path)
     if noted and runtime.env.rank == 0:
         from ..run_config import format_changes
