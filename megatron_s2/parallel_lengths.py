@@ -87,6 +87,18 @@ def context_parallel_unit(context_parallel_size: int, block_sizes: Iterable[int]
     return unit
 
 
+def sequence_multiple(context_parallel_size: int, block_sizes: Iterable[int] = ()) -> int:
+    """The multiple (tokens) every sequence length of a run must be: the CP unit
+    (:func:`context_parallel_unit`) under context parallelism, else the least common multiple of
+    the S2 block sizes (1 with dense layers only)."""
+    if context_parallel_size > 1:
+        return context_parallel_unit(context_parallel_size, block_sizes)
+    unit = 1
+    for block in block_sizes:
+        unit = math.lcm(unit, block)
+    return unit
+
+
 def check_parallel_lengths(
     seq_length: int,
     *,

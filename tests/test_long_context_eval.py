@@ -1,4 +1,4 @@
-"""Long-context evaluation (megatron_s2/training/long_context_eval.py) on a tiny trained run, CPU.
+"""Long-context evaluation (megatron_s2/training/evaluation/) on a tiny trained run, CPU.
 
 The run is trained by the real trainer for a few steps; the evaluation runs as its command line
 in a subprocess (CPU mode patches torch for the whole process), and its JSON is checked against
@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_trainer import DEMO, REPO, _env, demo_dir, run_trainer  # noqa: E402, F401
 
-from megatron_s2.training.long_context_eval import main  # noqa: E402
+from megatron_s2.training.evaluation.long_context import main  # noqa: E402
 
 EVAL = [sys.executable, os.path.join(REPO, "tools", "eval_long_context.py")]
 GRID = [
@@ -122,10 +122,11 @@ CHECK = r"""
 import json, sys
 import numpy as np
 import torch
-from megatron_s2.training import long_context_eval as L
+from megatron_s2.training.evaluation import tasks as L
+from megatron_s2.training.evaluation.model import load_eval_model
 
 ckpt, out = sys.argv[1], sys.argv[2]
-em = L.load_eval_model(None, ckpt, max_length=256)
+em = load_eval_model(None, ckpt, max_length=256)
 model, tok = em.model[0], em.tokenizer
 
 def nll(tokens):
@@ -178,8 +179,8 @@ torch.distributed.destroy_process_group()
 def test_kv_filler_haystack_is_the_demo_corpus_filler_with_one_statement():
     """``kv-filler``: the demo corpus's filler sentences (no statements of their own, never the
     held-out documents), the needle once at its depth, the question and the answer last."""
-    from megatron_s2.training import long_context_eval as L
     from megatron_s2.training.demo_corpus import filler_text
+    from megatron_s2.training.evaluation import tasks as L
     from megatron_s2.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer("byte")
@@ -333,7 +334,7 @@ def test_needle_weights_reproduce_the_reference_attention():
     not."""
     import torch
 
-    from megatron_s2.training.attention_probe import needle_weights
+    from megatron_s2.training.evaluation.attention_probe import needle_weights
     from s2attn import S2Pattern, s2_attention_reference
 
     g = torch.Generator().manual_seed(7)

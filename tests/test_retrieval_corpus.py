@@ -1,6 +1,6 @@
-"""The retrieval training corpus (megatron_s2.training.retrieval_corpus): whole trials in the
-evaluation's formats, answers that are the needle's value, trial lengths in range, a training
-seed, and clear errors."""
+"""The retrieval training corpus (megatron_s2.training.evaluation.retrieval_corpus): whole
+trials in the evaluation's formats, answers that are the needle's value, trial lengths in range,
+a training seed, and clear errors."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from megatron_s2.training.long_context_eval import PASSKEY_FILLER
-from megatron_s2.training.retrieval_corpus import main, write_retrieval_dataset
+from megatron_s2.training.evaluation.retrieval_corpus import main, write_retrieval_dataset
+from megatron_s2.training.evaluation.tasks import PASSKEY_FILLER
 from megatron_s2.training.run_config import ConfigError
 from megatron_s2.training.tokenizer import load_tokenizer
 

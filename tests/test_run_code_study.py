@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# How the study scripts run the long-context evaluation.
+EVAL_MODULE = ["-m", "megatron_s2.training.evaluation.long_context"]
+
 # A shell script's orchestration: CI runs it in its first suite only.
 pytestmark = pytest.mark.version_independent
 
@@ -33,7 +36,7 @@ FAKE = textwrap.dedent(
                             "start": time.time()}}) + "\\n")
     if args[:2] == ["-m", "megatron_s2.training.sweep"]:
         sys.exit(0)
-    if args[:2] == ["-m", "megatron_s2.training.long_context_eval"]:
+    if args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
         time.sleep(1.0)  # long enough for concurrent evaluations to overlap
         os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
@@ -102,7 +105,7 @@ def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
         "--devices",
         "0,1",
     ]
-    evals = [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]]
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
     evaluated = sorted(
         Path(c["args"][c["args"].index("--checkpoint") + 1]).parent.name for c in evals
     )
@@ -130,7 +133,5 @@ def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     calls = [json.loads(x) for x in log.read_text().splitlines()]
-    assert not [
-        c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
-    ]
+    assert not [c for c in calls if c["args"][:2] == EVAL_MODULE]
     assert [c for c in calls if c["args"][:1] == ["tools/plot_loss_by_position.py"]]

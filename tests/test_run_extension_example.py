@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# How the study scripts run the long-context evaluation.
+EVAL_MODULE = ["-m", "megatron_s2.training.evaluation.long_context"]
+
 pytestmark = pytest.mark.version_independent
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +72,7 @@ FAKE = textwrap.dedent(
         for p in points[name]:
             os.makedirs(f"sweeps/{{name}}/runs/{{p}}/checkpoints", exist_ok=True)
             open(f"sweeps/{{name}}/runs/{{p}}/summary.json", "w").write("{{}}")
-    elif args[:2] == ["-m", "megatron_s2.training.long_context_eval"]:
+    elif args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
         os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
         open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w").write("{{}}")
@@ -146,9 +149,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
     extension = sweeps["code-125m-extend-16k"]
     assert sweeps["code-125m-4k-base"]["end"] <= extension["start"]
 
-    eval_calls = [
-        c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
-    ]
+    eval_calls = [c for c in calls if c["args"][:2] == EVAL_MODULE]
     evals = {Path(c["args"][c["args"].index("--checkpoint") + 1]).parent: c for c in eval_calls}
     expected = {
         Path("sweeps") / s / "runs" / p
@@ -183,9 +184,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
     assert not {"build_code_corpus.py", "make_demo_corpus.py", "make_retrieval_corpus.py"} & set(
         tools
     )
-    assert not [
-        c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
-    ]
+    assert not [c for c in calls if c["args"][:2] == EVAL_MODULE]
 
 
 def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_path):
@@ -243,7 +242,7 @@ def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
         gpus = [
             c["gpus"]
             for c in calls
-            if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
+            if c["args"][:2] == EVAL_MODULE
             and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
         ]
         assert len(gpus) == len(points)
@@ -266,7 +265,7 @@ def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
         evals = [
             c
             for c in calls
-            if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]
+            if c["args"][:2] == EVAL_MODULE
             and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
         ]
         assert len(evals) == len(POINTS[study])
@@ -298,7 +297,7 @@ def test_example_script_probes_attention_when_asked(tmp_path):
     fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
     fake.chmod(0o755)
     calls = _run(tmp_path, tmp_path / "calls.jsonl", PROBE_LENGTH="8192")
-    evals = [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.long_context_eval"]]
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
     assert evals
     for c in evals:
         at = c["args"].index("--attention-probe")

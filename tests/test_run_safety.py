@@ -19,11 +19,11 @@ import torch
 from megatron_s2.training import checkpointing, run_dir
 from megatron_s2.training.checkpointing import (
     TRACKER,
-    CheckpointError,
     find_checkpoint,
     find_resume,
     verify_checkpoint,
 )
+from megatron_s2.training.errors import CheckpointError, RunDirError
 from megatron_s2.training.run_config import (
     CheckpointConfig,
     ConfigError,
@@ -32,7 +32,6 @@ from megatron_s2.training.run_config import (
     resume_changes,
 )
 from megatron_s2.training.run_dir import (
-    RunDirError,
     acquire_lock,
     check_free_space,
     check_writable,
@@ -240,7 +239,8 @@ def test_not_writable_on_a_real_read_only_mount(tmp_path):
     target = tmp_path / "ro"
     os.makedirs(target)
     code = (
-        "from megatron_s2.training.run_dir import check_writable, RunDirError\n"
+        "from megatron_s2.training.errors import RunDirError\n"
+        "from megatron_s2.training.run_dir import check_writable\n"
         "try:\n"
         f"    check_writable({str(target)!r}, 'checkpoint directory')\n"
         "except RunDirError as e:\n"

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_s2.training import checkpointing
 from megatron_s2.training.checkpointing import Checkpointer, checkpoint_path
-from megatron_s2.training.evaluation import Evaluator
+from megatron_s2.training.evaluation.validation import Evaluator
 from megatron_s2.training.metrics import MetricsLogger, ThroughputMeter
 from megatron_s2.training.preemption import Preemption
 from megatron_s2.training.run_config import CheckpointConfig, LoggingConfig, TrainConfig

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_s2.training.long_context_eval import main  # noqa: E402
+from megatron_s2.training.evaluation.long_context import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

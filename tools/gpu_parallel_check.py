@@ -12,11 +12,12 @@ TP/PP/SP/CP layouts must match the single-device run (same seed, same initial we
 
 The script launches each layout itself (torch.multiprocessing, one process per device):
 the TP=1/PP=1 reference on one device first, then the parallel layouts (2 or 4 devices). Each run
-builds its model, DDP, optimizer and forward step with the trainer's building blocks
-(megatron_s2.training.parallel and .step), starts from the reference's initial weights (loaded
-through megatron_s2.model's TP/PP-agnostic loader), trains with Megatron-core's pipeline
-schedules, and records per-step loss and grad norm plus the first step's gradients. A table
-with PASS/FAIL per layout is printed and written as JSON to --out; exit status 1 on any FAIL.
+assembles its process group, model, DDP and optimizer as the trainer does
+(megatron_s2.training.build), starts from the reference's initial weights (loaded through
+megatron_s2.unsharded's TP/PP-agnostic loader), trains with the trainer's step
+(megatron_s2.training.step, Megatron-core's pipeline schedules), and records per-step loss and
+grad norm plus the first step's gradients. A table with PASS/FAIL per layout is printed and
+written as JSON to --out; exit status 1 on any FAIL.
 
 ``--transformer-impl transformer_engine`` builds the checked layouts with the TE spec (TE linears
 with fused norms, TEDotProductAttention on dense layers, our S2 core attention) and compares them
@@ -268,18 +269,28 @@ def from_local_names(state: dict, transformer_impl: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- one rank's run
-def _init_process(rank: int, world: int, port: int, cc: CheckConfig):
-    if cc.cpu:
-        from megatron_s2.training.cpu_mode import enable_cpu_mode
+def _runtime(rank: int, world: int, cc: CheckConfig):
+    """Where rank ``rank`` of a ``world``-process check runs: the trainer's runtime with the
+    check's own choice of device (``--cpu`` runs the CPU mode also where CUDA is present) and
+    dtype."""
+    from megatron_s2.training.build import Runtime
+    from megatron_s2.training.parallel import DistributedEnv
 
-        enable_cpu_mode()
+    env = DistributedEnv(rank=rank, world_size=world, local_rank=rank, launched=True)
+    return Runtime(env=env, gpu=not cc.cpu, bf16=cc.dtype == "bf16")
+
+
+def _init_process(rank: int, world: int, port: int, cc: CheckConfig):
+    """Start this spawned rank's process group (and CPU mode) as the trainer does; the model
+    parallel groups are built per layout."""
+    runtime = _runtime(rank, world, cc)
+    if cc.cpu:
         # The ranks share the host's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    else:
-        torch.cuda.set_device(rank)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("gloo" if cc.cpu else "nccl", rank=rank, world_size=world)
+    runtime.start_process()
+    return runtime
 
 
 def _setup_layout(cc: CheckConfig, layout: Layout):
@@ -317,13 +328,13 @@ def _run_rank(
     """Run ``layouts`` (all of ``world`` ranks) one after the other in this process."""
     layout = None
     try:
-        _init_process(rank, world, port, cc)
+        runtime = _init_process(rank, world, port, cc)
         from megatron.core import parallel_state
 
         for layout in layouts:
             _setup_layout(cc, layout)
             try:
-                _run_rank_inner(rank, cc, layout, workdir)
+                _run_rank_inner(rank, cc, layout, workdir, runtime)
             finally:
                 parallel_state.destroy_model_parallel()
     except Exception:
@@ -336,10 +347,11 @@ def _run_rank(
             torch.distributed.destroy_process_group()
 
 
-def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
-    """Train ``cc.steps`` steps of ``layout`` with the trainer's building blocks; save this rank's
-    losses, grad norms and first-step gradients."""
-    from megatron_s2.training import parallel
+def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str, runtime):
+    """Train ``cc.steps`` steps of ``layout``, assembled as the trainer assembles its run
+    (:func:`megatron_s2.training.build.build_run`) from the reference's initial weights; save
+    this rank's losses, grad norms and first-step gradients."""
+    from megatron_s2.training.build import build_run
     from megatron_s2.training.step import ForwardBackward, zero_grad
     from megatron_s2.unsharded import (
         load_unsharded_parameters,
@@ -349,15 +361,13 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
 
     reference = layout.name == REFERENCE.name
     impl = cc.reference_impl if reference else cc.transformer_impl
-    model_cfg, par = cc.model_config(impl), layout.parallel_config()
-    bf16 = cc.dtype == "bf16"
-    config = parallel.transformer_config(model_cfg, par, cc.schedule, bf16=bf16, backend=cc.backend)
-    chunks = parallel.build_model_chunks(model_cfg, config, cc.vocab_size, gpu=not cc.cpu)
     # Files hold the local spec's parameter names, whichever spec wrote them.
     init_path = os.path.join(workdir, "init.pt")
-    if reference:  # its initial weights are every layout's
-        torch.save(to_local_names(unsharded_parameters(chunks[0]), impl), init_path)
-    else:
+
+    def init_weights(chunks: list) -> None:
+        if reference:  # its initial weights are every layout's
+            torch.save(to_local_names(unsharded_parameters(chunks[0]), impl), init_path)
+            return
         init = from_local_names(torch.load(init_path), impl)
         if layout.world == 1:
             # One device holds every parameter: a key the renaming missed shows here, where a
@@ -369,19 +379,25 @@ def _run_rank_inner(rank, cc: CheckConfig, layout: Layout, workdir: str):
                     f"unused {sorted(set(init) - have)}"
                 )
         load_unsharded_parameters(chunks, init)
-    model = parallel.wrap_model_chunks(chunks, config, par, bf16=bf16)
-    optimizer, scheduler = parallel.build_optimizer(
-        cc.optimizer_config(), par, model, bf16=bf16, train_iters=cc.steps
-    )
-    parallel.connect_schedule_hooks(config, model, optimizer, par)
 
-    device = torch.device("cpu") if cc.cpu else torch.device("cuda", torch.cuda.current_device())
+    parts = build_run(
+        cc.model_config(impl),
+        layout.parallel_config(),
+        cc.schedule,
+        cc.vocab_size,
+        runtime,
+        optimizer=cc.optimizer_config(),
+        train_iters=cc.steps,
+        backend=cc.backend,
+        init_weights=init_weights,
+    )
+    model, optimizer, scheduler = parts.model, parts.optimizer, parts.scheduler
     forward_backward = ForwardBackward(
         model,
         num_microbatches=cc.num_microbatches,
         seq_length=cc.seq_length,
         micro_batch_size=cc.micro_batch_size,
-        device=device,
+        device=runtime.device,
         context_parallel_size=layout.cp,
     )
     losses, gnorms = [], []

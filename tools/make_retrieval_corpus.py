@@ -4,7 +4,7 @@
     python tools/make_retrieval_corpus.py --tokenizer data/code/tokenizer \
         --output-prefix data/retrieval/retrieval_code
 
-See megatron_s2/training/retrieval_corpus.py and docs/long_context_eval.md.
+See megatron_s2/training/evaluation/retrieval_corpus.py and docs/long_context_eval.md.
 """
 
 import os
@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_s2.training.retrieval_corpus import main  # noqa: E402
+from megatron_s2.training.evaluation.retrieval_corpus import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

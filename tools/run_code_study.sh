@@ -49,11 +49,11 @@ read -r -a eval_args <<< "${EVAL_ARGS:---skip-retrieval}"
 evaluate() {  # RUN [GPU]
     local run=$1 gpu=${2:-}
     if [[ -n "$gpu" ]]; then
-        CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m megatron_s2.training.long_context_eval \
+        CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m megatron_s2.training.evaluation.long_context \
             --checkpoint "$run/checkpoints" "${eval_args[@]}" \
             --position-sequences "${POSITION_SEQUENCES:-64}" > "$run/long_context_eval.log" 2>&1
     else
-        "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
+        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
             "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}"
     fi
 }

@@ -114,7 +114,7 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
     local run=$1
     shift
     [[ -f "$run/long_context_eval/loss_by_position.json" ]] && return 0
-    "$PYTHON" -m megatron_s2.training.long_context_eval --checkpoint "$run/checkpoints" \
+    "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
         --lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}" \
         --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" \
         ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \

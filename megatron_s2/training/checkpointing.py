@@ -41,6 +41,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .errors import CheckpointError
 from .run_config import CheckpointConfig
 from .run_dir import human_bytes
 
@@ -53,7 +54,6 @@ __all__ = [
     "find_checkpoint",
     "estimate_checkpoint_bytes",
     "read_checkpoint_config",
-    "CheckpointError",
     "TRACKER",
     "Checkpointer",
     "ResumeCandidate",
@@ -76,10 +76,6 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 # A checkpoint's size beyond its tensors (metadata, RNG states, alignment): a safety margin.
 CHECKPOINT_OVERHEAD = 1.1
 CHECKPOINT_OVERHEAD_BYTES = 4 * 2**20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names it and what to do."""
 
 
 def checkpoint_path(root: str, iteration: int) -> str:

@@ -22,9 +22,8 @@ from typing import Optional
 
 import torch
 
-from .checkpointing import CheckpointError
+from .errors import CheckpointError, RunDirError
 from .run_config import ConfigError, load_config
-from .run_dir import RunDirError
 from .trainer import NonFiniteLossError, train
 
 __all__ = [

@@ -1,9 +1,11 @@
 """The building blocks of a Megatron-core run: process groups, the model config, the model
-chunks in Megatron DDP, the optimizer and its LR schedule.
+chunks in Megatron DDP, the optimizer and its LR schedule, and the checks of what a machine can
+run.
 
 Each block takes the config sections it needs (``ModelConfig``, ``ParallelConfig``,
-``OptimizerConfig`` of :mod:`megatron_s2.training.run_config`), not a whole ``RunConfig``, so
-that the trainer and ``tools/gpu_parallel_check.py`` build their models the same way:
+``OptimizerConfig`` of :mod:`megatron_s2.training.run_config`), not a whole ``RunConfig``.
+:mod:`.build` assembles them, in one order, for the trainer, the evaluator and
+``tools/gpu_parallel_check.py``:
 
     init_model_parallel(parallel, seed=seed)
     config = transformer_config(model, parallel, schedule, bf16=bf16)
@@ -43,7 +45,6 @@ __all__ = [
     "check_fp8",
     "build_model_chunks",
     "wrap_model_chunks",
-    "build_model",
     "build_optimizer",
     "connect_schedule_hooks",
 ]
@@ -352,13 +353,18 @@ def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool
     return chunks
 
 
-def wrap_model_chunks(chunks: list, config, parallel: ParallelConfig, *, bf16: bool) -> list:
-    """Wrap model chunks in ``Float16Module`` (bf16) and Megatron ``DistributedDataParallel``."""
+def wrap_model_chunks(
+    chunks: list, config, parallel: ParallelConfig, *, bf16: bool, ddp: bool = True
+) -> list:
+    """Wrap model chunks in ``Float16Module`` (bf16) and, unless ``ddp`` is False (a model that
+    is not trained), in Megatron ``DistributedDataParallel``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     if bf16:
         chunks = [Float16Module(config, c) for c in chunks]
+    if not ddp:
+        return chunks
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
@@ -371,15 +377,6 @@ def wrap_model_chunks(chunks: list, config, parallel: ParallelConfig, *, bf16: b
         DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0)
         for i, c in enumerate(chunks)
     ]
-
-
-def build_model(
-    model: ModelConfig, config, parallel: ParallelConfig, vocab_size: int, *, gpu: bool, bf16: bool
-) -> list:
-    """:func:`build_model_chunks` wrapped by :func:`wrap_model_chunks`: the chunks to train."""
-    return wrap_model_chunks(
-        build_model_chunks(model, config, vocab_size, gpu=gpu), config, parallel, bf16=bf16
-    )
 
 
 def build_optimizer(

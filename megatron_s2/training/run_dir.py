@@ -37,8 +37,9 @@ from typing import Optional, TypeVar
 
 import torch
 
+from .errors import CheckpointError, RunDirError
+
 __all__ = [
-    "RunDirError",
     "RunLock",
     "LOCK_FILE",
     "acquire_lock",
@@ -54,11 +55,6 @@ __all__ = [
 
 LOCK_FILE = ".lock"
 T = TypeVar("T")
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be used: locked by a live run, holds another run, not writable,
-    or too little free space. The message says which and what to do."""
 
 
 def human_bytes(n: float) -> str:
@@ -237,7 +233,6 @@ def open_run_directory(
 # ---------------------------------------------------------------------- rank-0 decisions
 # Errors that on_rank0 re-raises on the other ranks as the same type.
 def _known_errors() -> dict:
-    from .checkpointing import CheckpointError
     from .run_config import ConfigError
 
     return {cls.__name__: cls for cls in (RunDirError, CheckpointError, ConfigError)}

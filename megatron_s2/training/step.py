@@ -10,10 +10,16 @@ With packed documents (``train.pack_documents``) each micro-batch ``[b, s]`` goe
 as one THD sequence ``[1, b * s]`` with Megatron's ``PackedSeqParams``: attention and RoPE restart
 at every document (:func:`~.data.pack_documents` builds the pack on the host). The loss covers
 the same tokens, so the 3-tuple convention is unchanged.
+
+:func:`run_schedule` is the one place the code base drives Megatron's pipeline schedule: the
+training step and the validation loss (:class:`ForwardBackward`) and the long-context
+evaluator's per-token scores (:mod:`.evaluation.scoring`) all go through it, with their own
+forward steps built on :func:`prepare_batch`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -29,6 +35,8 @@ __all__ = [
     "loss_func",
     "forward_step",
     "packed_seq_params",
+    "prepare_batch",
+    "run_schedule",
     "reduce_loss",
     "StepLoss",
     "ForwardBackward",
@@ -72,6 +80,32 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.d
     )
 
 
+def prepare_batch(
+    batch: dict,
+    device: torch.device,
+    context_parallel_size: int,
+    *,
+    pack_eod: Optional[int] = None,
+):
+    """One micro-batch of host tensors (``[b, s]`` each) made ready for the model on this rank:
+    packed into one THD sequence ``[1, b * s]`` when ``pack_eod`` is given (with its
+    ``PackedSeqParams``), moved to ``device``, and cut to this rank's part of the sequence under
+    context parallelism (Megatron's zigzag split: ``position_ids`` travel along and say where
+    each kept token belongs). Returns ``(batch, packed_seq_params or None)``."""
+    from ..context_parallel import batch_on_this_cp_rank
+
+    params = None
+    if pack_eod is not None:
+        # On the host, from the loader's CPU tensors: no device read-back per micro-batch.
+        pack = pack_documents(batch, pack_eod)
+        batch = pack.batch
+        params = packed_seq_params(pack.cu_seqlens, pack.max_seqlen, device)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if context_parallel_size > 1:
+        batch = batch_on_this_cp_rank(batch)
+    return batch, params
+
+
 def forward_step(
     device: torch.device,
     context_parallel_size: int,
@@ -88,18 +122,8 @@ def forward_step(
     packs the micro-batch ``[b, s]`` into one sequence ``[1, b * s]`` of documents
     (:func:`~.data.pack_documents`); the output is then the per-token loss ``[1, b * s]``
     instead of ``[b, s]``, in the same token order."""
-    from ..context_parallel import batch_on_this_cp_rank
-
     batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
-    params = None
-    if pack_eod is not None:
-        # On the host, from the loader's CPU tensors: no device read-back per micro-batch.
-        pack = pack_documents(batch, pack_eod)
-        batch = pack.batch
-        params = packed_seq_params(pack.cu_seqlens, pack.max_seqlen, device)
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if context_parallel_size > 1:
-        batch = batch_on_this_cp_rank(batch)
+    batch, params = prepare_batch(batch, device, context_parallel_size, pack_eod=pack_eod)
     output = model(
         batch["tokens"],
         batch["position_ids"],
@@ -108,6 +132,39 @@ def forward_step(
         packed_seq_params=params,
     )
     return output, partial(loss_func, batch["loss_mask"], poison)
+
+
+def run_schedule(
+    forward_step_func,
+    data_iterators: list,
+    model: list,
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+) -> list:
+    """One pass of Megatron's pipeline schedule for the current parallel layout (none, 1F1B or
+    interleaved) over ``num_microbatches`` micro-batches of ``[micro_batch_size, seq_length]``
+    (the shape the pipeline stages exchange activations of).
+
+    ``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)`` as Megatron
+    expects; ``data_iterators`` and ``model`` hold one entry per virtual pipeline chunk. A
+    ``forward_only`` pass runs without autograd. Returns the schedule's list of loss reports,
+    one per micro-batch, on the last pipeline stage (empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    schedule = get_forward_backward_func()
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return schedule(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterators[0] if len(data_iterators) == 1 else data_iterators,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
 
 
 @dataclass(frozen=True)
@@ -158,8 +215,6 @@ class ForwardBackward:
         context_parallel_size: int = 1,
         pack_eod: Optional[int] = None,
     ):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if pack_eod is not None:
             check_packed_sequences(context_parallel_size, where="ForwardBackward")
         self.model = model
@@ -169,7 +224,6 @@ class ForwardBackward:
         self.device = device
         self.context_parallel_size = context_parallel_size
         self.pack_eod = pack_eod
-        self._schedule = get_forward_backward_func()
 
     def __call__(
         self, data_iterators: list, *, forward_only: bool = False, poison_loss: bool = False
@@ -189,10 +243,10 @@ class ForwardBackward:
         seq_length, micro_batch_size = self.seq_length, self.micro_batch_size
         if self.pack_eod is not None:
             seq_length, micro_batch_size = seq_length * micro_batch_size, 1
-        reports = self._schedule(
-            forward_step_func=step,
-            data_iterator=data_iterators[0] if len(data_iterators) == 1 else data_iterators,
-            model=self.model,
+        reports = run_schedule(
+            step,
+            data_iterators,
+            self.model,
             num_microbatches=self.num_microbatches,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,

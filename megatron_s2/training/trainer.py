@@ -2,11 +2,12 @@
 
 The trainer wires components together, each of which decides for itself when it acts:
 
-* :mod:`.parallel` builds the process groups, model config, model chunks in DDP, optimizer;
+* :mod:`.build` starts the process groups and builds the model chunks in DDP and the optimizer
+  (from the building blocks of :mod:`.parallel`), as the evaluator does;
 * :mod:`.step` runs one global batch through Megatron's pipeline schedule;
 * :class:`~.metrics.MetricsLogger` logs (``should_log``), :class:`~.metrics.ThroughputMeter`
   times the training between records;
-* :class:`~.evaluation.Evaluator` computes the validation loss (``should_run``);
+* :class:`~.evaluation.validation.Evaluator` computes the validation loss (``should_run``);
 * :class:`~.checkpointing.Checkpointer` resumes and saves (``should_save``);
 * :class:`~.preemption.Preemption` stops on SIGTERM or Ctrl-C (``should_stop``).
 
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from . import parallel
+from .build import Runtime, build_run, model_vocab_size
 from .checkpointing import (
     Checkpointer,
     ResumeCandidate,
@@ -41,7 +42,8 @@ from .checkpointing import (
     read_checkpoint_config,
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
-from .evaluation import Evaluator
+from .errors import RunDirError
+from .evaluation.validation import Evaluator
 from .metrics import (
     MetricsLogger,
     ThroughputMeter,
@@ -52,7 +54,7 @@ from .metrics import (
 )
 from .preemption import Preemption
 from .run_config import ConfigError, RunConfig, format_changes, resume_changes
-from .run_dir import RunDirError, check_free_space, on_rank0, open_run_directory, previous_run
+from .run_dir import check_free_space, on_rank0, open_run_directory, previous_run
 from .step import ForwardBackward, zero_grad
 
 __all__ = ["Trainer", "train", "RunResult", "StepResult", "NonFiniteLossError"]
@@ -110,25 +112,15 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, restart: bool = False):
         self.cfg = cfg
-        self.gpu = torch.cuda.is_available()
-        if not self.gpu:
-            from .cpu_mode import enable_cpu_mode
-
-            enable_cpu_mode()
-        self.bf16 = parallel.use_bf16(cfg.train.precision, gpu=self.gpu)
+        self.runtime = Runtime.detect(cfg.train.precision)
+        self.gpu, self.bf16 = self.runtime.gpu, self.runtime.bf16
         self.schedule = cfg.schedule()
-        env = parallel.DistributedEnv.from_environment()
-        cfg.validate(world_size=env.world_size)
-        parallel.check_fp8(cfg.model, gpu=self.gpu, bf16=self.bf16)
-        parallel.check_transformer_impl(cfg.model.transformer_impl, gpu=self.gpu)
-        parallel.check_dense_attention(cfg.model, gpu=self.gpu)
-        parallel.init_process_group(env, gpu=self.gpu)
-        parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
+        cfg.validate(world_size=self.runtime.env.world_size)
+        self.runtime.check(cfg.model)
+        self.runtime.start(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
         self.rank0 = _rank0()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
-        )
+        self.device = self.runtime.device
         self._locks: list = []
         self.train_data: list = []
         self.metrics: Optional[MetricsLogger] = None
@@ -188,14 +180,17 @@ class Trainer:
             )
 
         model, p = cfg.model, cfg.parallel
-        self.model_config = parallel.transformer_config(model, p, self.schedule, bf16=self.bf16)
-        self.model = parallel.build_model(
-            model, self.model_config, p, self.vocab_size, gpu=self.gpu, bf16=self.bf16
+        parts = build_run(
+            model,
+            p,
+            self.schedule,
+            self.vocab_size,
+            self.runtime,
+            optimizer=cfg.optimizer,
+            train_iters=cfg.train.train_iters,
         )
-        self.optimizer, self.scheduler = parallel.build_optimizer(
-            cfg.optimizer, p, self.model, bf16=self.bf16, train_iters=cfg.train.train_iters
-        )
-        parallel.connect_schedule_hooks(self.model_config, self.model, self.optimizer, p)
+        self.model_config, self.model = parts.config, parts.model
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self._check_checkpoint_space()
 
         self.checkpointer = Checkpointer(
@@ -227,10 +222,8 @@ class Trainer:
                     f"{self.optimizer.param_groups[0]['lr']:.3e})"
                 )
 
-        from megatron.core import parallel_state as ps
-
         t = cfg.train
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        dp_rank, dp_size = parts.dp_rank, parts.dp_size
         self.train_data = chunk_micro_batches(
             len(self.model),
             self.datasets.train,
@@ -405,7 +398,7 @@ class Trainer:
     def _build_data(self) -> tuple[Datasets, int]:
         """The train/valid datasets and the model's (padded) vocabulary size. Needs
         torch.distributed: the dataset builder synchronises its index cache."""
-        from .tokenizer import load_tokenizer, padded_vocab_size
+        from .tokenizer import load_tokenizer
 
         cfg, d, t = self.cfg, self.cfg.data, self.cfg.train
         tokenizer = load_tokenizer(d.tokenizer)
@@ -417,16 +410,7 @@ class Trainer:
             prefixes, weights = [ensure_demo_data(d.demo_dir, seed=0, **extra)], None
         else:
             prefixes, weights = cfg.blend()
-        vocab_size = cfg.model.vocab_size or padded_vocab_size(
-            tokenizer.vocab_size,
-            cfg.model.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size,
-        )
-        if vocab_size < tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer.vocab_size})"
-            )
+        vocab_size = model_vocab_size(cfg.model, cfg.parallel, tokenizer)
         evaluates = bool(t.eval_interval and t.eval_iters)
         datasets = build_datasets(
             prefixes,

@@ -5,7 +5,7 @@ worked example's 125M models, trained on code and the key-value corpus, never di
 cell, the dense model included (``docs/long_context_eval.md``), so "does the S2 hybrid retrieve
 as well as its dense twin" could not be asked of them. This corpus holds whole retrieval
 documents, haystack + needle + question + answer, made by the evaluation's own
-:func:`~.long_context_eval.make_trial` under a training seed (a string, while the evaluation's
+:func:`~.tasks.make_trial` under a training seed (a string, while the evaluation's
 seeds are integers: no evaluation trial is repeated here). Blended into a run
 (``data.blend``), it teaches the question-answer format; how far back a model can then find the
 answer is what the evaluation measures.
@@ -32,8 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from .long_context_eval import TASKS, haystack_stream, make_trial
-from .run_config import ConfigError
+from ..run_config import ConfigError
+from .tasks import TASKS, haystack_stream, make_trial
 
 __all__ = ["TRAINING_TASKS", "training_task", "write_retrieval_dataset", "main"]
 
@@ -45,7 +45,7 @@ TRAINING_TASKS = {
 
 
 def training_task(name: str):
-    """The :class:`~.long_context_eval.Task` whose documents this corpus writes for ``name``."""
+    """The :class:`~.tasks.Task` whose documents this corpus writes for ``name``."""
     if name not in TRAINING_TASKS:
         raise ConfigError(f"--tasks: unknown {name!r}; known: {', '.join(TRAINING_TASKS)}")
     return TRAINING_TASKS[name]
@@ -91,7 +91,7 @@ def write_retrieval_dataset(
         raise ConfigError(
             f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
         )
-    from .code_corpus import writing_indexed_dataset
+    from ..code_corpus import writing_indexed_dataset
 
     # This process makes the trials itself (workers == 1) or only checks and writes them.
     _init_worker(tokenizer, list(tasks), max_tokens, seed)
@@ -142,7 +142,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer: str, tasks: list[str], max_tokens: int, seed: int) -> None:
-    from .code_corpus import _encoder
+    from ..code_corpus import _encoder
 
     tok, _ = _encoder(tokenizer)
     chosen = [training_task(t) for t in tasks]

@@ -22,7 +22,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .run_config import ConfigError
+from ..run_config import ConfigError
+from .model import EvalModel
+from .scoring import score_sequences
+from .tasks import TASKS, haystack_stream, heldout_documents, make_trial
 
 PROBE = "--attention-probe"
 
@@ -125,7 +128,7 @@ class _Capture:
 
 
 def probe_needle_attention(
-    em,
+    em: EvalModel,
     task_name: str,
     length: int,
     depths: Sequence[float],
@@ -137,7 +140,7 @@ def probe_needle_attention(
     """Per layer and depth, the needle's share of attention at the position that predicts the
     answer's first token, over ``trials`` prompts of ``task_name`` at ``length`` tokens (the
     retrieval evaluation's own prompts). ``em``: a one-process
-    :class:`~megatron_s2.training.long_context_eval.EvalModel`.
+    :class:`~.model.EvalModel`.
 
     Returns ``{"layers": [{"layer", "kind", "mean_head", "top_head"}], ...}`` where
     ``mean_head[d]`` is the mass averaged over heads and trials at depth ``depths[d]`` and
@@ -145,14 +148,6 @@ def probe_needle_attention(
     ``max_output_error`` is the largest relative error of the weights' output against the
     layers' own.
     """
-    from .long_context_eval import (
-        TASKS,
-        haystack_stream,
-        heldout_documents,
-        make_trial,
-        score_sequences,
-    )
-
     check_probe_layout(em.cfg)
     task = TASKS[task_name]
     if task.filler == "corpus" and documents is None:

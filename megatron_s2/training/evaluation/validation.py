@@ -6,11 +6,9 @@ validation split, so the validation curve compares like with like.
 
 from __future__ import annotations
 
-import torch
-
-from .data import chunk_micro_batches
-from .run_config import TrainConfig
-from .step import ForwardBackward
+from ..data import chunk_micro_batches
+from ..run_config import TrainConfig
+from ..step import ForwardBackward
 
 __all__ = ["Evaluator"]
 
@@ -68,11 +66,11 @@ class Evaluator:
         )
         loss_sum = tokens = 0.0
         try:
-            with torch.no_grad():
-                for _ in range(self.iters):
-                    batch = self.forward_backward(iterators, forward_only=True)
-                    loss_sum += batch.loss * batch.tokens
-                    tokens += batch.tokens
+            # forward_only: the schedule runs without autograd (step.run_schedule).
+            for _ in range(self.iters):
+                batch = self.forward_backward(iterators, forward_only=True)
+                loss_sum += batch.loss * batch.tokens
+                tokens += batch.tokens
         finally:
             for it in iterators:
                 it.close()

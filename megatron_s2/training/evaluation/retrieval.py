@@ -1,0 +1,92 @@
+"""Retrieval over a grid of context lengths x needle depths (:func:`evaluate_retrieval`).
+
+Each trial (:mod:`.tasks`) is scored in one forward pass (:mod:`.scoring`): the answer's
+log-likelihood (sum over its tokens, nats), and greedy exact match: every answer token is the
+argmax of the model's prediction at its position. With teacher forcing this is exactly greedy
+decoding of the answer (while the greedy tokens match, the prefix is the same), in one forward
+pass instead of one per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from .model import EvalModel
+from .scoring import score_sequences
+from .tasks import TASKS, check_grid, haystack_stream, heldout_documents, make_trial
+
+__all__ = ["evaluate_retrieval"]
+
+
+def evaluate_retrieval(
+    em: EvalModel,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    *,
+    seed: int = 0,
+    micro_batch_size: int = 1,
+    documents: Optional[list] = None,
+) -> dict:
+    """Every task over ``lengths`` x ``depths`` with ``trials`` prompts each (collective).
+
+    Returns ``{"tasks": {task: {"cells": [...], "trials": [...]}}, ...}``: a cell per (length,
+    depth) with ``accuracy`` (greedy exact match, fraction of trials), ``token_accuracy`` and
+    ``log_likelihood`` (mean over trials of the answer's summed log-probability, nats); a trial
+    record per prompt (its answer, the greedy answer text, ``log_likelihood``, ``exact``).
+    """
+    check_grid(tasks, depths, trials)
+    tok = em.tokenizer
+    out = {"tasks": {}}
+    for name in tasks:
+        task = TASKS[name]
+        if task.filler == "corpus" and documents is None:
+            documents = heldout_documents(em.cfg)
+        stream = haystack_stream(task, tok, documents or [], 2 * max(lengths) + 2)
+        cells, records = [], []
+        for length in lengths:
+            prompts = [
+                make_trial(task, tok, stream, length, d, i, seed=seed)
+                for d in depths
+                for i in range(trials)
+            ]
+            scores = score_sequences(
+                em, np.stack([p.tokens for p in prompts]), micro_batch_size=micro_batch_size
+            )
+            for row, p in enumerate(prompts):
+                span = slice(p.answer_at - 1, length)  # the positions that predict the answer
+                greedy = scores["greedy"][row, span]
+                records.append(
+                    {
+                        "length": length,
+                        "depth": p.target_depth,
+                        "needle_depth": p.depth,
+                        "trial": p.index,
+                        "key": p.key,
+                        "answer": tok.decode(p.tokens[p.answer_at :].tolist()),
+                        "greedy": tok.decode(greedy.tolist()),
+                        "log_likelihood": -float(scores["nll"][row, span].sum()),
+                        "token_accuracy": float(scores["correct"][row, span].mean()),
+                        "exact": bool(scores["correct"][row, span].all()),
+                    }
+                )
+        for length in lengths:
+            for d in depths:
+                cell = [r for r in records if r["length"] == length and r["depth"] == d]
+                cells.append(
+                    {
+                        "length": length,
+                        "depth": d,
+                        "accuracy": float(np.mean([r["exact"] for r in cell])),
+                        "token_accuracy": float(np.mean([r["token_accuracy"] for r in cell])),
+                        "log_likelihood": float(np.mean([r["log_likelihood"] for r in cell])),
+                        "trials": len(cell),
+                    }
+                )
+        out["tasks"][name] = {"cells": cells, "trials": records}
+    out.update(lengths=list(lengths), depths=list(depths), trials_per_cell=trials, seed=seed)
+    return out
