@@ -37,6 +37,7 @@ raise :class:`HybridModelUnavailable`.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -69,6 +70,8 @@ __all__ = [
     "get_s2_hybrid_stack_spec",
     "build_hybrid_model",
     "attention_layer_index",
+    "is_gpt_twin_pattern",
+    "gpt_checkpoint_key",
     "HybridModelUnavailable",
     "HAVE_HYBRID",
 ]
@@ -118,6 +121,32 @@ def attention_layer_index(hybrid_layer_pattern: str, layer_number: int) -> int:
     return layers[: layer_number - 1].count(ATTENTION)
 
 
+def is_gpt_twin_pattern(hybrid_layer_pattern: str) -> bool:
+    """Whether the pattern is a GPT model's twin: ``"*-" * N`` (``|`` boundaries anywhere
+    between the pairs), so hybrid layers ``2i`` and ``2i + 1`` are GPT layer ``i``."""
+    pairs = hybrid_layer_pattern.split(PIPE)
+    return bool(_main_pattern(hybrid_layer_pattern)) and all(
+        len(p) % 2 == 0 and p == "*-" * (len(p) // 2) for p in pairs
+    )
+
+
+# A sharded key of a hybrid twin's decoder: a layer (its global 0-based index) or the final norm.
+_HYBRID_DECODER_KEY = re.compile(r"decoder\.(?:layers\.(\d+)\.|(final_norm)\.)")
+
+
+def gpt_checkpoint_key(key: str, prefix: str = "") -> str:
+    """The GPT model's checkpoint key of a ``"*-" * N`` hybrid twin's sharded key: hybrid layer
+    ``2i`` (attention) and ``2i + 1`` (MLP) are GPT layer ``i`` (their parameter names do not
+    overlap: ``input_layernorm``/``self_attention`` vs ``pre_mlp_layernorm``/``mlp``), and
+    ``decoder.final_norm`` is ``decoder.final_layernorm``; other keys (embedding, output layer)
+    are the same in both. ``prefix``: the model's prefix in the state dict."""
+    m = _HYBRID_DECODER_KEY.match(key, len(prefix)) if key.startswith(prefix) else None
+    if m is None:
+        return key
+    new = f"decoder.layers.{int(m.group(1)) // 2}." if m.group(1) else "decoder.final_layernorm."
+    return prefix + new + key[m.end() :]
+
+
 def _check_pattern(pattern) -> str:
     """The pattern's layer characters; ValueError naming the setting on anything unsupported."""
     where = "S2HybridTransformerConfig.hybrid_layer_pattern"
@@ -161,6 +190,9 @@ class S2HybridTransformerConfig(S2TransformerConfig):
         hybrid_layer_pattern: Megatron's hybrid layer pattern, one character per layer: ``*``
             attention, ``-`` MLP, ``M`` Mamba (needs ``mamba_ssm``, ``causal_conv1d`` and TE),
             ``|`` pipeline-stage boundary. Required.
+        gpt_checkpoint_keys: checkpoint under the keys of the GPT model whose twin this is
+            (pattern ``"*-" * N``, ``|`` between pairs): a checkpoint of either class then
+            loads into the other (:class:`S2HybridStack`). Megatron's own hybrid keys otherwise.
 
     ``num_layers`` counts every hybrid layer (Megatron's convention: ``"*-*-"`` is 4 layers); 0
     (the default) takes it from the pattern. ``s2_schedule`` indexes the attention layers only
@@ -172,6 +204,7 @@ class S2HybridTransformerConfig(S2TransformerConfig):
 
     hybrid_layer_pattern: Optional[str] = None
     is_hybrid_model: bool = True
+    gpt_checkpoint_keys: bool = False
 
     def __post_init__(self):
         _require_hybrid("S2HybridTransformerConfig")
@@ -183,6 +216,12 @@ class S2HybridTransformerConfig(S2TransformerConfig):
                 f"S2HybridTransformerConfig.num_layers ({self.num_layers}) must equal the number "
                 f"of layers in hybrid_layer_pattern {self.hybrid_layer_pattern!r} "
                 f"({len(layers)}), or be left at 0 to take it from the pattern"
+            )
+        if self.gpt_checkpoint_keys and not is_gpt_twin_pattern(self.hybrid_layer_pattern):
+            raise ValueError(
+                f"S2HybridTransformerConfig.gpt_checkpoint_keys needs a GPT model's twin: "
+                f"hybrid_layer_pattern '*-' * N ('|' only between pairs), got "
+                f"{self.hybrid_layer_pattern!r}"
             )
         segments = self.hybrid_layer_pattern.count(PIPE) + 1
         stages = self.pipeline_model_parallel_size * (
@@ -228,9 +267,38 @@ class HybridScheduledCoreAttention(ScheduledCoreAttention):
 
 if HAVE_HYBRID:
 
+    class S2HybridModel(HybridModel):
+        """``HybridModel`` whose checkpoint matches its GPT twin's with
+        ``config.gpt_checkpoint_keys`` (the layers' keys are :class:`S2HybridStack`'s): like
+        ``GPTModel``, it leaves out the output layer's ``_extra_state``, which is empty."""
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            """``HybridModel``'s sharded state dict; with ``config.gpt_checkpoint_keys`` without
+            the (empty) output-layer extra state, as ``GPTModel``'s."""
+            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            if getattr(self.config, "gpt_checkpoint_keys", False):
+                extra = sd.pop(f"{prefix}output_layer._extra_state", None)
+                if extra is not None and extra.data:
+                    raise ValueError(
+                        f"the output layer's extra state is not empty ({extra.data!r}); a "
+                        f"GPTModel checkpoint has no place for it"
+                    )
+            return sd
+
     class S2HybridStack(HybridStack):
-        """``HybridStack`` whose final norm comes from the spec (``params={"final_norm": ...}``):
-        Megatron's stack always builds TE's norm, which the local flavour must not need."""
+        """``HybridStack`` with the final norm from the spec (``params={"final_norm": ...}``:
+        Megatron's stack always builds TE's norm, which the local flavour must not need) and,
+        with ``config.gpt_checkpoint_keys``, the GPT twin's checkpoint keys.
+
+        Checkpoint keys: ``HybridStack`` keys each layer by its own index
+        (``layers.<n>.``); a ``GPTModel``'s ``TransformerBlock`` stacks its layers into one
+        tensor per parameter (``layers.<name>`` with the layer as a leading axis), or, when the
+        checkpoint metadata asks for non-homogeneous layers, keys them ``layers.<i>.``. With
+        ``gpt_checkpoint_keys`` this stack does what ``TransformerBlock`` does with GPT layer
+        ``i`` = hybrid layers ``2i`` and ``2i + 1`` (:func:`gpt_checkpoint_key`), and keys the
+        final norm ``final_layernorm``: a checkpoint of either model class loads into the other
+        (the parameters also come in the GPT model's order, so the distributed optimizer's flat
+        buffers match)."""
 
         def __init__(self, config, submodules, *args, final_norm=SPNorm, **kwargs):
             post_layer_norm = kwargs.pop("post_layer_norm", True)
@@ -243,6 +311,46 @@ if HAVE_HYBRID:
                     hidden_size=config.hidden_size,
                     eps=config.layernorm_epsilon,
                 )
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            """``HybridStack``'s sharded state dict, under the GPT twin's keys when
+            ``config.gpt_checkpoint_keys``."""
+            if not getattr(self.config, "gpt_checkpoint_keys", False):
+                return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+            from megatron.core.transformer.utils import sharded_state_dict_default
+
+            metadata = metadata or {}
+            # TransformerBlock's rule (the flags that apply to a dense GPT model).
+            per_layer_keys = bool(
+                metadata.get("non_homogeneous_layers")
+                or metadata.get("singleton_local_shards")
+                or self.config.hetereogenous_dist_checkpoint
+            )
+            gpt_layers = self.config.num_layers // 2
+            sd = {}
+            for index, layer in enumerate(self.layers):
+                gpt_layer = (layer.layer_number - 1) // 2
+                local = f"{prefix}layers.{index}."
+                if per_layer_keys:
+                    key, offsets = f"{prefix}layers.{gpt_layer}.", []
+                else:
+                    key, offsets = f"{prefix}layers.", [(0, gpt_layer, gpt_layers)]
+                layer_sd = layer.sharded_state_dict(local, offsets, metadata)
+                replace_prefix_for_sharding(layer_sd, local, key)
+                sd.update(layer_sd)
+            for name, module in self.named_children():
+                if module is self.layers:
+                    continue
+                module_sd = sharded_state_dict_default(
+                    module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group
+                )
+                if name == "final_norm":
+                    replace_prefix_for_sharding(
+                        module_sd, f"{prefix}final_norm.", f"{prefix}final_layernorm."
+                    )
+                sd.update(module_sd)
+            return sd
 
 
 def get_s2_hybrid_stack_spec(
@@ -315,9 +423,14 @@ def get_s2_hybrid_stack_spec(
 
         layers["mamba_layer"] = hybrid_stack_spec.submodules.mamba_layer
     submodules = HybridStackSubmodules(**layers)
-    if use_te:
+    if use_te and not config.gpt_checkpoint_keys:
         return ModuleSpec(module=HybridStack, submodules=submodules)
-    return ModuleSpec(module=S2HybridStack, submodules=submodules, params={"final_norm": SPNorm})
+    final_norm = SPNorm
+    if use_te:  # the final norm HybridStack itself builds; S2HybridStack adds the GPT keys
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    return ModuleSpec(
+        module=S2HybridStack, submodules=submodules, params={"final_norm": final_norm}
+    )
 
 
 _PATTERN_KWARGS = (
@@ -353,7 +466,8 @@ def build_hybrid_model(
             ``"none"``, GPTModel's ``"learned_absolute"`` -- ``rotary_base``,
             ``share_embeddings_and_output_weights``, ...). The pattern is the config's.
     Returns:
-        the ``HybridModel`` for this rank's pipeline (and virtual pipeline) stage; its forward
+        the ``HybridModel`` (:class:`S2HybridModel`) for this rank's pipeline (and virtual
+        pipeline) stage; its forward
         takes ``(input_ids [b, s], position_ids [b, s], attention_mask, labels=[b, s])`` and
         returns the per-token loss ``[b, s]`` (logits ``[b, s, vocab / tp]`` without labels).
     """
@@ -371,7 +485,7 @@ def build_hybrid_model(
             f"S2HybridTransformerConfig.hybrid_layer_pattern ({config.hybrid_layer_pattern!r})"
         )
     spec = get_s2_hybrid_stack_spec(config, use_te=use_te, qk_layernorm=qk_layernorm)
-    return HybridModel(
+    return S2HybridModel(
         config=config,
         hybrid_stack_spec=spec,
         vocab_size=vocab_size,

@@ -304,6 +304,79 @@ def test_builder_errors():
             get_s2_hybrid_stack_spec(cfg, use_te=True)
 
 
+# ---------------------------------------------------------------------------- model class
+def test_gpt_checkpoint_key_pairs_hybrid_layers():
+    """Hybrid layers 2i and 2i+1 are GPT layer i; the final norm is renamed; the rest kept."""
+    from megatron_s2.hybrid import gpt_checkpoint_key, is_gpt_twin_pattern
+
+    assert gpt_checkpoint_key("decoder.layers.5.mlp.linear_fc1.weight") == (
+        "decoder.layers.2.mlp.linear_fc1.weight"
+    )
+    assert gpt_checkpoint_key("decoder.layers.4.self_attention.linear_qkv.weight") == (
+        "decoder.layers.2.self_attention.linear_qkv.weight"
+    )
+    assert gpt_checkpoint_key("decoder.final_norm.weight") == "decoder.final_layernorm.weight"
+    assert gpt_checkpoint_key("m.decoder.layers.3.mlp.x", "m.") == "m.decoder.layers.1.mlp.x"
+    assert gpt_checkpoint_key("output_layer.weight") == "output_layer.weight"
+    assert gpt_checkpoint_key("embedding.decoder.layers.3.x") == "embedding.decoder.layers.3.x"
+    assert is_gpt_twin_pattern("*-*-") and is_gpt_twin_pattern("*-|*-")
+    assert not any(map(is_gpt_twin_pattern, ["*--*", "**--", "*-*", "*|-", ""]))
+
+
+def _sharded_keys(model) -> dict:
+    """checkpoint key -> shape of every sharded tensor of ``model`` (a fresh, unfilled dict)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return {
+        t.key: tuple(t.global_shape)
+        for t in nested_values(model.sharded_state_dict())
+        if hasattr(t, "global_shape")
+    }
+
+
+@needs_hybrid
+def test_model_class_twins_checkpoint_under_the_same_keys():
+    """build_model of model_config("hybrid") is a HybridModel whose checkpoint keys and shapes
+    are exactly the GPTModel's (so either class resumes the other's checkpoints), with the
+    parameters in the same order (the distributed optimizer's flat buffers match); its plain
+    state_dict keeps Megatron's hybrid names."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_s2.model import build_model, model_config
+
+    fields = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        s2_schedule=TINY_SCHEDULE,
+        s2_seq_length=SEQ,
+        s2_backend="reference",
+    )
+    kw = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    gpt = build_model(model_config("gpt", **fields), VOCAB, SEQ, **kw)
+    hybrid_config = model_config("hybrid", **fields)
+    hybrid = build_model(hybrid_config, VOCAB, SEQ, **kw)
+    assert isinstance(gpt, GPTModel) and isinstance(hybrid, HybridModel)
+    assert hybrid_config.hybrid_layer_pattern == "*-" * 4 and hybrid_config.num_layers == 8
+    assert _sharded_keys(hybrid) == _sharded_keys(gpt)
+    assert "decoder.final_norm.weight" in hybrid.state_dict()
+    assert [gpt_to_hybrid_name(n) for n, _ in gpt.named_parameters()] == [
+        n for n, _ in hybrid.named_parameters()
+    ]
+    pipelined = model_config(
+        "hybrid", pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, **fields
+    )
+    assert pipelined.hybrid_layer_pattern == "*-*-|*-*-"
+
+
 # ---------------------------------------------------------------------------- TP=2 (gloo)
 def _tp2_worker(rank, port, out):
     import os
