@@ -68,6 +68,7 @@ __all__ = [
     "S2HybridTransformerConfig",
     "HybridScheduledCoreAttention",
     "get_s2_hybrid_stack_spec",
+    "s2_hybrid_stack_spec",
     "build_hybrid_model",
     "attention_layer_index",
     "is_gpt_twin_pattern",
@@ -251,18 +252,51 @@ class HybridScheduledCoreAttention(ScheduledCoreAttention):
     in ``config.s2_schedule`` and returns an :class:`S2CoreAttention` with that index's pattern,
     or ``dense_attention(...)`` (default :class:`FusedDenseAttention`; the TE spec passes
     ``TEDotProductAttention``). The returned module keeps Megatron's ``layer_number``.
+
+    A plain ``TransformerConfig`` (Megatron-LM's ``pretrain_hybrid.py --spec``) has no layer
+    pattern: it is read from Megatron-LM's arguments (``--hybrid-layer-pattern``), the schedule
+    from ``$MEGATRON_S2_SCHEDULE`` (:func:`megatron_s2.config.s2_settings_of`), checked against
+    the pattern's attention layers.
     """
 
     @classmethod
     def schedule_position(cls, config, layer_number: int) -> tuple[int, int]:
-        if not isinstance(config, S2HybridTransformerConfig):
+        if isinstance(config, S2HybridTransformerConfig):
+            index = attention_layer_index(config.hybrid_layer_pattern, layer_number)
+            return index + 1, config.s2_schedule_layers()
+        pattern = _megatron_lm_pattern()
+        if pattern is None:
             raise TypeError(
                 f"HybridScheduledCoreAttention needs a megatron_s2.hybrid."
                 f"S2HybridTransformerConfig (the hybrid layer pattern maps layer numbers to "
-                f"attention layers), got {type(config).__name__}"
+                f"attention layers), or Megatron-LM's pretrain_hybrid.py with "
+                f"--hybrid-layer-pattern; got a {type(config).__name__} and no Megatron-LM "
+                f"arguments"
             )
-        index = attention_layer_index(config.hybrid_layer_pattern, layer_number)
-        return index + 1, config.s2_schedule_layers()
+        attention_layers = _check_pattern(pattern).count(ATTENTION)
+        from .config import s2_settings_of
+
+        # s2_settings_of checks the schedule against config.num_layers, which counts every
+        # hybrid layer; the schedule indexes the attention layers only.
+        settings = s2_settings_of(config)
+        settings.schedule.validate(
+            attention_layers,
+            config.num_attention_heads,
+            settings.num_query_groups,
+            config.tensor_model_parallel_size,
+        )
+        return attention_layer_index(pattern, layer_number) + 1, attention_layers
+
+
+def _megatron_lm_pattern() -> Optional[str]:
+    """``--hybrid-layer-pattern`` of a running Megatron-LM (``pretrain_hybrid.py``), else None."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):  # no Megatron-LM, or its arguments not parsed
+        return None
+    return getattr(args, "hybrid_layer_pattern", None)
 
 
 if HAVE_HYBRID:
@@ -384,6 +418,13 @@ def get_s2_hybrid_stack_spec(
             f"builds only with Transformer Engine: use use_te=True, or a pattern of '*' and "
             f"'-' only"
         )
+    return _stack_spec(use_te, qk_layernorm, mamba=has_mamba, s2_stack=config.gpt_checkpoint_keys)
+
+
+def _stack_spec(use_te: bool, qk_layernorm: bool, *, mamba: bool, s2_stack: bool) -> ModuleSpec:
+    """The ``HybridStack`` spec of a flavour: attention and MLP layers, Mamba layers when
+    ``mamba``; :class:`S2HybridStack` for the local flavour and, with ``s2_stack`` (GPT
+    checkpoint keys), for TE."""
     m = _flavour_modules(use_te, qk_layernorm, "the S2 HybridModel spec with use_te=True")
 
     attention_layer = ModuleSpec(
@@ -418,12 +459,12 @@ def get_s2_hybrid_stack_spec(
         ),
     )
     layers = {"attention_layer": attention_layer, "mlp_layer": mlp_layer}
-    if has_mamba:
+    if mamba:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
         layers["mamba_layer"] = hybrid_stack_spec.submodules.mamba_layer
     submodules = HybridStackSubmodules(**layers)
-    if use_te and not config.gpt_checkpoint_keys:
+    if use_te and not s2_stack:
         return ModuleSpec(module=HybridStack, submodules=submodules)
     final_norm = SPNorm
     if use_te:  # the final norm HybridStack itself builds; S2HybridStack adds the GPT keys
@@ -431,6 +472,14 @@ def get_s2_hybrid_stack_spec(
     return ModuleSpec(
         module=S2HybridStack, submodules=submodules, params={"final_norm": final_norm}
     )
+
+
+# Ready object for Megatron-LM's `pretrain_hybrid.py --spec megatron_s2.hybrid
+# s2_hybrid_stack_spec` (local flavour: '*' and '-' layers, `--transformer-impl local`); None on
+# a megatron-core without HybridModel.
+s2_hybrid_stack_spec: Optional[ModuleSpec] = (
+    _stack_spec(False, False, mamba=False, s2_stack=True) if HAVE_HYBRID else None
+)
 
 
 _PATTERN_KWARGS = (

@@ -377,6 +377,58 @@ def test_model_class_twins_checkpoint_under_the_same_keys():
     assert pipelined.hybrid_layer_pattern == "*-*-|*-*-"
 
 
+# ---------------------------------------------------------------------------- Megatron-LM
+@needs_hybrid
+def test_ready_stack_spec_under_megatron_lm_pretrain_hybrid(tmp_path, monkeypatch):
+    """What Megatron-LM's pretrain_hybrid.py does with `--spec megatron_s2.hybrid
+    s2_hybrid_stack_spec`: a plain TransformerConfig (num_layers = the pattern's length), the
+    pattern in Megatron-LM's arguments, the schedule in $MEGATRON_S2_SCHEDULE. The model equals
+    the S2HybridTransformerConfig one (same weights, same loss); a schedule index beyond the
+    attention layers is refused, and without Megatron-LM's arguments the error says what is
+    missing."""
+    import types
+
+    import yaml
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.training import global_vars
+
+    from megatron_s2.hybrid import s2_hybrid_stack_spec
+
+    pattern = "*-" * 4
+    path = tmp_path / "schedule.yaml"
+    path.write_text(yaml.safe_dump(TINY_SCHEDULE))
+    monkeypatch.setenv("MEGATRON_S2_SCHEDULE", str(path))
+
+    def megatron_lm_model():
+        # hybrid_builder of Megatron-LM 0.19 (hybrid_builders.py), with our spec.
+        return HybridModel(
+            config=tiny_config(num_layers=len(pattern)),
+            hybrid_stack_spec=s2_hybrid_stack_spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            hybrid_layer_pattern=pattern,
+            position_embedding_type="learned_absolute",
+        )
+
+    with pytest.raises(TypeError, match="pretrain_hybrid.py with --hybrid-layer-pattern"):
+        megatron_lm_model()
+    monkeypatch.setattr(
+        global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(hybrid_layer_pattern=pattern)
+    )
+    model = megatron_lm_model()
+    assert [k for k, _ in _attention_layers(model)] == TINY_KINDS
+    ours = _hybrid()
+    model.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(_loss_and_grads(model)[0], _loss_and_grads(ours)[0])
+
+    # A second file: the schedule of a path is read once per process.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY_SCHEDULE, "dense_layers": {"indices": [5]}}))
+    monkeypatch.setenv("MEGATRON_S2_SCHEDULE", str(bad))
+    with pytest.raises(ScheduleError, match="layer index 5 is out of range for 4 layers"):
+        megatron_lm_model()
+
+
 # ---------------------------------------------------------------------------- TP=2 (gloo)
 def _tp2_worker(rank, port, out):
     import os
