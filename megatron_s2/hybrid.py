@@ -37,7 +37,6 @@ raise :class:`HybridModelUnavailable`.
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,7 +50,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from .attention import ScheduledCoreAttention
-from .config import S2TransformerConfig
+from .config import S2TransformerConfig, s2_settings_of
 from .norm import SPNorm
 from .specs import _flavour_modules, _mlp_spec
 
@@ -72,7 +71,6 @@ __all__ = [
     "build_hybrid_model",
     "attention_layer_index",
     "is_gpt_twin_pattern",
-    "gpt_checkpoint_key",
     "HybridModelUnavailable",
     "HAVE_HYBRID",
 ]
@@ -129,23 +127,6 @@ def is_gpt_twin_pattern(hybrid_layer_pattern: str) -> bool:
     return bool(_main_pattern(hybrid_layer_pattern)) and all(
         len(p) % 2 == 0 and p == "*-" * (len(p) // 2) for p in pairs
     )
-
-
-# A sharded key of a hybrid twin's decoder: a layer (its global 0-based index) or the final norm.
-_HYBRID_DECODER_KEY = re.compile(r"decoder\.(?:layers\.(\d+)\.|(final_norm)\.)")
-
-
-def gpt_checkpoint_key(key: str, prefix: str = "") -> str:
-    """The GPT model's checkpoint key of a ``"*-" * N`` hybrid twin's sharded key: hybrid layer
-    ``2i`` (attention) and ``2i + 1`` (MLP) are GPT layer ``i`` (their parameter names do not
-    overlap: ``input_layernorm``/``self_attention`` vs ``pre_mlp_layernorm``/``mlp``), and
-    ``decoder.final_norm`` is ``decoder.final_layernorm``; other keys (embedding, output layer)
-    are the same in both. ``prefix``: the model's prefix in the state dict."""
-    m = _HYBRID_DECODER_KEY.match(key, len(prefix)) if key.startswith(prefix) else None
-    if m is None:
-        return key
-    new = f"decoder.layers.{int(m.group(1)) // 2}." if m.group(1) else "decoder.final_layernorm."
-    return prefix + new + key[m.end() :]
 
 
 def _check_pattern(pattern) -> str:
@@ -274,8 +255,6 @@ class HybridScheduledCoreAttention(ScheduledCoreAttention):
                 f"arguments"
             )
         attention_layers = _check_pattern(pattern).count(ATTENTION)
-        from .config import s2_settings_of
-
         # s2_settings_of checks the schedule against config.num_layers, which counts every
         # hybrid layer; the schedule indexes the attention layers only.
         settings = s2_settings_of(config)
@@ -329,10 +308,10 @@ if HAVE_HYBRID:
         tensor per parameter (``layers.<name>`` with the layer as a leading axis), or, when the
         checkpoint metadata asks for non-homogeneous layers, keys them ``layers.<i>.``. With
         ``gpt_checkpoint_keys`` this stack does what ``TransformerBlock`` does with GPT layer
-        ``i`` = hybrid layers ``2i`` and ``2i + 1`` (:func:`gpt_checkpoint_key`), and keys the
-        final norm ``final_layernorm``: a checkpoint of either model class loads into the other
-        (the parameters also come in the GPT model's order, so the distributed optimizer's flat
-        buffers match)."""
+        ``i`` = hybrid layers ``2i`` and ``2i + 1`` (attention and MLP: their parameter names do
+        not overlap), and keys the final norm ``final_layernorm``: a checkpoint of either model
+        class loads into the other (the parameters also come in the GPT model's order, so the
+        distributed optimizer's flat buffers match)."""
 
         def __init__(self, config, submodules, *args, final_norm=SPNorm, **kwargs):
             post_layer_norm = kwargs.pop("post_layer_norm", True)
