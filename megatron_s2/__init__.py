@@ -20,6 +20,8 @@ from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 _LAZY = {
     "S2TransformerConfig": "config",
     "build_gpt_model": "model",
+    "build_model": "model",
+    "model_config": "model",
     "S2HybridTransformerConfig": "hybrid",
     "build_hybrid_model": "hybrid",
     "get_s2_hybrid_stack_spec": "hybrid",

@@ -50,7 +50,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from .attention import ScheduledCoreAttention
-from .config import S2TransformerConfig
+from .config import S2TransformerConfig, s2_settings_of
 from .norm import SPNorm
 from .specs import _flavour_modules, _mlp_spec
 
@@ -67,8 +67,10 @@ __all__ = [
     "S2HybridTransformerConfig",
     "HybridScheduledCoreAttention",
     "get_s2_hybrid_stack_spec",
+    "s2_hybrid_stack_spec",
     "build_hybrid_model",
     "attention_layer_index",
+    "is_gpt_twin_pattern",
     "HybridModelUnavailable",
     "HAVE_HYBRID",
 ]
@@ -118,6 +120,15 @@ def attention_layer_index(hybrid_layer_pattern: str, layer_number: int) -> int:
     return layers[: layer_number - 1].count(ATTENTION)
 
 
+def is_gpt_twin_pattern(hybrid_layer_pattern: str) -> bool:
+    """Whether the pattern is a GPT model's twin: ``"*-" * N`` (``|`` boundaries anywhere
+    between the pairs), so hybrid layers ``2i`` and ``2i + 1`` are GPT layer ``i``."""
+    pairs = hybrid_layer_pattern.split(PIPE)
+    return bool(_main_pattern(hybrid_layer_pattern)) and all(
+        len(p) % 2 == 0 and p == "*-" * (len(p) // 2) for p in pairs
+    )
+
+
 def _check_pattern(pattern) -> str:
     """The pattern's layer characters; ValueError naming the setting on anything unsupported."""
     where = "S2HybridTransformerConfig.hybrid_layer_pattern"
@@ -161,6 +172,9 @@ class S2HybridTransformerConfig(S2TransformerConfig):
         hybrid_layer_pattern: Megatron's hybrid layer pattern, one character per layer: ``*``
             attention, ``-`` MLP, ``M`` Mamba (needs ``mamba_ssm``, ``causal_conv1d`` and TE),
             ``|`` pipeline-stage boundary. Required.
+        gpt_checkpoint_keys: checkpoint under the keys of the GPT model whose twin this is
+            (pattern ``"*-" * N``, ``|`` between pairs): a checkpoint of either class then
+            loads into the other (:class:`S2HybridStack`). Megatron's own hybrid keys otherwise.
 
     ``num_layers`` counts every hybrid layer (Megatron's convention: ``"*-*-"`` is 4 layers); 0
     (the default) takes it from the pattern. ``s2_schedule`` indexes the attention layers only
@@ -172,6 +186,7 @@ class S2HybridTransformerConfig(S2TransformerConfig):
 
     hybrid_layer_pattern: Optional[str] = None
     is_hybrid_model: bool = True
+    gpt_checkpoint_keys: bool = False
 
     def __post_init__(self):
         _require_hybrid("S2HybridTransformerConfig")
@@ -183,6 +198,12 @@ class S2HybridTransformerConfig(S2TransformerConfig):
                 f"S2HybridTransformerConfig.num_layers ({self.num_layers}) must equal the number "
                 f"of layers in hybrid_layer_pattern {self.hybrid_layer_pattern!r} "
                 f"({len(layers)}), or be left at 0 to take it from the pattern"
+            )
+        if self.gpt_checkpoint_keys and not is_gpt_twin_pattern(self.hybrid_layer_pattern):
+            raise ValueError(
+                f"S2HybridTransformerConfig.gpt_checkpoint_keys needs a GPT model's twin: "
+                f"hybrid_layer_pattern '*-' * N ('|' only between pairs), got "
+                f"{self.hybrid_layer_pattern!r}"
             )
         segments = self.hybrid_layer_pattern.count(PIPE) + 1
         stages = self.pipeline_model_parallel_size * (
@@ -212,25 +233,85 @@ class HybridScheduledCoreAttention(ScheduledCoreAttention):
     in ``config.s2_schedule`` and returns an :class:`S2CoreAttention` with that index's pattern,
     or ``dense_attention(...)`` (default :class:`FusedDenseAttention`; the TE spec passes
     ``TEDotProductAttention``). The returned module keeps Megatron's ``layer_number``.
+
+    A plain ``TransformerConfig`` (Megatron-LM's ``pretrain_hybrid.py --spec``) has no layer
+    pattern: it is read from Megatron-LM's arguments (``--hybrid-layer-pattern``), the schedule
+    from ``$MEGATRON_S2_SCHEDULE`` (:func:`megatron_s2.config.s2_settings_of`), checked against
+    the pattern's attention layers.
     """
 
     @classmethod
     def schedule_position(cls, config, layer_number: int) -> tuple[int, int]:
-        if not isinstance(config, S2HybridTransformerConfig):
+        if isinstance(config, S2HybridTransformerConfig):
+            index = attention_layer_index(config.hybrid_layer_pattern, layer_number)
+            return index + 1, config.s2_schedule_layers()
+        pattern = _megatron_lm_pattern()
+        if pattern is None:
             raise TypeError(
                 f"HybridScheduledCoreAttention needs a megatron_s2.hybrid."
                 f"S2HybridTransformerConfig (the hybrid layer pattern maps layer numbers to "
-                f"attention layers), got {type(config).__name__}"
+                f"attention layers), or Megatron-LM's pretrain_hybrid.py with "
+                f"--hybrid-layer-pattern; got a {type(config).__name__} and no Megatron-LM "
+                f"arguments"
             )
-        index = attention_layer_index(config.hybrid_layer_pattern, layer_number)
-        return index + 1, config.s2_schedule_layers()
+        attention_layers = _check_pattern(pattern).count(ATTENTION)
+        # s2_settings_of checks the schedule against config.num_layers, which counts every
+        # hybrid layer; the schedule indexes the attention layers only.
+        settings = s2_settings_of(config)
+        settings.schedule.validate(
+            attention_layers,
+            config.num_attention_heads,
+            settings.num_query_groups,
+            config.tensor_model_parallel_size,
+        )
+        return attention_layer_index(pattern, layer_number) + 1, attention_layers
+
+
+def _megatron_lm_pattern() -> Optional[str]:
+    """``--hybrid-layer-pattern`` of a running Megatron-LM (``pretrain_hybrid.py``), else None."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):  # no Megatron-LM, or its arguments not parsed
+        return None
+    return getattr(args, "hybrid_layer_pattern", None)
 
 
 if HAVE_HYBRID:
 
+    class S2HybridModel(HybridModel):
+        """``HybridModel`` whose checkpoint matches its GPT twin's with
+        ``config.gpt_checkpoint_keys`` (the layers' keys are :class:`S2HybridStack`'s): like
+        ``GPTModel``, it leaves out the output layer's ``_extra_state``, which is empty."""
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            """``HybridModel``'s sharded state dict; with ``config.gpt_checkpoint_keys`` without
+            the (empty) output-layer extra state, as ``GPTModel``'s."""
+            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            if getattr(self.config, "gpt_checkpoint_keys", False):
+                extra = sd.pop(f"{prefix}output_layer._extra_state", None)
+                if extra is not None and extra.data:
+                    raise ValueError(
+                        f"the output layer's extra state is not empty ({extra.data!r}); a "
+                        f"GPTModel checkpoint has no place for it"
+                    )
+            return sd
+
     class S2HybridStack(HybridStack):
-        """``HybridStack`` whose final norm comes from the spec (``params={"final_norm": ...}``):
-        Megatron's stack always builds TE's norm, which the local flavour must not need."""
+        """``HybridStack`` with the final norm from the spec (``params={"final_norm": ...}``:
+        Megatron's stack always builds TE's norm, which the local flavour must not need) and,
+        with ``config.gpt_checkpoint_keys``, the GPT twin's checkpoint keys.
+
+        Checkpoint keys: ``HybridStack`` keys each layer by its own index
+        (``layers.<n>.``); a ``GPTModel``'s ``TransformerBlock`` stacks its layers into one
+        tensor per parameter (``layers.<name>`` with the layer as a leading axis), or, when the
+        checkpoint metadata asks for non-homogeneous layers, keys them ``layers.<i>.``. With
+        ``gpt_checkpoint_keys`` this stack does what ``TransformerBlock`` does with GPT layer
+        ``i`` = hybrid layers ``2i`` and ``2i + 1`` (attention and MLP: their parameter names do
+        not overlap), and keys the final norm ``final_layernorm``: a checkpoint of either model
+        class loads into the other (the parameters also come in the GPT model's order, so the
+        distributed optimizer's flat buffers match)."""
 
         def __init__(self, config, submodules, *args, final_norm=SPNorm, **kwargs):
             post_layer_norm = kwargs.pop("post_layer_norm", True)
@@ -243,6 +324,46 @@ if HAVE_HYBRID:
                     hidden_size=config.hidden_size,
                     eps=config.layernorm_epsilon,
                 )
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            """``HybridStack``'s sharded state dict, under the GPT twin's keys when
+            ``config.gpt_checkpoint_keys``."""
+            if not getattr(self.config, "gpt_checkpoint_keys", False):
+                return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+            from megatron.core.transformer.utils import sharded_state_dict_default
+
+            metadata = metadata or {}
+            # TransformerBlock's rule (the flags that apply to a dense GPT model).
+            per_layer_keys = bool(
+                metadata.get("non_homogeneous_layers")
+                or metadata.get("singleton_local_shards")
+                or self.config.hetereogenous_dist_checkpoint
+            )
+            gpt_layers = self.config.num_layers // 2
+            sd = {}
+            for index, layer in enumerate(self.layers):
+                gpt_layer = (layer.layer_number - 1) // 2
+                local = f"{prefix}layers.{index}."
+                if per_layer_keys:
+                    key, offsets = f"{prefix}layers.{gpt_layer}.", []
+                else:
+                    key, offsets = f"{prefix}layers.", [(0, gpt_layer, gpt_layers)]
+                layer_sd = layer.sharded_state_dict(local, offsets, metadata)
+                replace_prefix_for_sharding(layer_sd, local, key)
+                sd.update(layer_sd)
+            for name, module in self.named_children():
+                if module is self.layers:
+                    continue
+                module_sd = sharded_state_dict_default(
+                    module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group
+                )
+                if name == "final_norm":
+                    replace_prefix_for_sharding(
+                        module_sd, f"{prefix}final_norm.", f"{prefix}final_layernorm."
+                    )
+                sd.update(module_sd)
+            return sd
 
 
 def get_s2_hybrid_stack_spec(
@@ -276,6 +397,13 @@ def get_s2_hybrid_stack_spec(
             f"builds only with Transformer Engine: use use_te=True, or a pattern of '*' and "
             f"'-' only"
         )
+    return _stack_spec(use_te, qk_layernorm, mamba=has_mamba, s2_stack=config.gpt_checkpoint_keys)
+
+
+def _stack_spec(use_te: bool, qk_layernorm: bool, *, mamba: bool, s2_stack: bool) -> ModuleSpec:
+    """The ``HybridStack`` spec of a flavour: attention and MLP layers, Mamba layers when
+    ``mamba``; :class:`S2HybridStack` for the local flavour and, with ``s2_stack`` (GPT
+    checkpoint keys), for TE."""
     m = _flavour_modules(use_te, qk_layernorm, "the S2 HybridModel spec with use_te=True")
 
     attention_layer = ModuleSpec(
@@ -310,14 +438,27 @@ def get_s2_hybrid_stack_spec(
         ),
     )
     layers = {"attention_layer": attention_layer, "mlp_layer": mlp_layer}
-    if has_mamba:
+    if mamba:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
         layers["mamba_layer"] = hybrid_stack_spec.submodules.mamba_layer
     submodules = HybridStackSubmodules(**layers)
-    if use_te:
+    if use_te and not s2_stack:
         return ModuleSpec(module=HybridStack, submodules=submodules)
-    return ModuleSpec(module=S2HybridStack, submodules=submodules, params={"final_norm": SPNorm})
+    final_norm = SPNorm
+    if use_te:  # the final norm HybridStack itself builds; S2HybridStack adds the GPT keys
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    return ModuleSpec(
+        module=S2HybridStack, submodules=submodules, params={"final_norm": final_norm}
+    )
+
+
+# Ready object for Megatron-LM's `pretrain_hybrid.py --spec megatron_s2.hybrid
+# s2_hybrid_stack_spec` (local flavour: '*' and '-' layers, `--transformer-impl local`); None on
+# a megatron-core without HybridModel.
+s2_hybrid_stack_spec: Optional[ModuleSpec] = (
+    _stack_spec(False, False, mamba=False, s2_stack=True) if HAVE_HYBRID else None
+)
 
 
 _PATTERN_KWARGS = (
@@ -353,7 +494,8 @@ def build_hybrid_model(
             ``"none"``, GPTModel's ``"learned_absolute"`` -- ``rotary_base``,
             ``share_embeddings_and_output_weights``, ...). The pattern is the config's.
     Returns:
-        the ``HybridModel`` for this rank's pipeline (and virtual pipeline) stage; its forward
+        the ``HybridModel`` (:class:`S2HybridModel`) for this rank's pipeline (and virtual
+        pipeline) stage; its forward
         takes ``(input_ids [b, s], position_ids [b, s], attention_mask, labels=[b, s])`` and
         returns the per-token loss ``[b, s]`` (logits ``[b, s, vocab / tp]`` without labels).
     """
@@ -371,7 +513,7 @@ def build_hybrid_model(
             f"S2HybridTransformerConfig.hybrid_layer_pattern ({config.hybrid_layer_pattern!r})"
         )
     spec = get_s2_hybrid_stack_spec(config, use_te=use_te, qk_layernorm=qk_layernorm)
-    return HybridModel(
+    return S2HybridModel(
         config=config,
         hybrid_stack_spec=spec,
         vocab_size=vocab_size,

@@ -304,6 +304,120 @@ def test_builder_errors():
             get_s2_hybrid_stack_spec(cfg, use_te=True)
 
 
+# ---------------------------------------------------------------------------- model class
+def test_gpt_twin_patterns():
+    from megatron_s2.hybrid import is_gpt_twin_pattern
+
+    assert is_gpt_twin_pattern("*-*-") and is_gpt_twin_pattern("*-|*-")
+    assert not any(map(is_gpt_twin_pattern, ["*--*", "**--", "*-*", "*|-", ""]))
+
+
+def _sharded_keys(model) -> dict:
+    """checkpoint key -> shape of every sharded tensor of ``model`` (a fresh, unfilled dict)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return {
+        t.key: tuple(t.global_shape)
+        for t in nested_values(model.sharded_state_dict())
+        if hasattr(t, "global_shape")
+    }
+
+
+@needs_hybrid
+def test_model_class_twins_checkpoint_under_the_same_keys():
+    """build_model of model_config("hybrid") is a HybridModel whose checkpoint keys and shapes
+    are exactly the GPTModel's (so either class resumes the other's checkpoints), with the
+    parameters in the same order (the distributed optimizer's flat buffers match); its plain
+    state_dict keeps Megatron's hybrid names."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_s2.model import build_model, model_config
+
+    fields = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        s2_schedule=TINY_SCHEDULE,
+        s2_seq_length=SEQ,
+        s2_backend="reference",
+    )
+    kw = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    gpt = build_model(model_config("gpt", **fields), VOCAB, SEQ, **kw)
+    hybrid_config = model_config("hybrid", **fields)
+    hybrid = build_model(hybrid_config, VOCAB, SEQ, **kw)
+    assert isinstance(gpt, GPTModel) and isinstance(hybrid, HybridModel)
+    assert hybrid_config.hybrid_layer_pattern == "*-" * 4 and hybrid_config.num_layers == 8
+    assert _sharded_keys(hybrid) == _sharded_keys(gpt)
+    assert "decoder.final_norm.weight" in hybrid.state_dict()
+    assert [gpt_to_hybrid_name(n) for n, _ in gpt.named_parameters()] == [
+        n for n, _ in hybrid.named_parameters()
+    ]
+    pipelined = model_config(
+        "hybrid", pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, **fields
+    )
+    assert pipelined.hybrid_layer_pattern == "*-*-|*-*-"
+
+
+# ---------------------------------------------------------------------------- Megatron-LM
+@needs_hybrid
+def test_ready_stack_spec_under_megatron_lm_pretrain_hybrid(tmp_path, monkeypatch):
+    """What Megatron-LM's pretrain_hybrid.py does with `--spec megatron_s2.hybrid
+    s2_hybrid_stack_spec`: a plain TransformerConfig (num_layers = the pattern's length), the
+    pattern in Megatron-LM's arguments, the schedule in $MEGATRON_S2_SCHEDULE. The model equals
+    the S2HybridTransformerConfig one (same weights, same loss); a schedule index beyond the
+    attention layers is refused, and without Megatron-LM's arguments the error says what is
+    missing."""
+    import types
+
+    import yaml
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.training import global_vars
+
+    from megatron_s2.hybrid import s2_hybrid_stack_spec
+
+    pattern = "*-" * 4
+    path = tmp_path / "schedule.yaml"
+    path.write_text(yaml.safe_dump(TINY_SCHEDULE))
+    monkeypatch.setenv("MEGATRON_S2_SCHEDULE", str(path))
+
+    def megatron_lm_model():
+        # hybrid_builder of Megatron-LM 0.19 (hybrid_builders.py), with our spec.
+        return HybridModel(
+            config=tiny_config(num_layers=len(pattern)),
+            hybrid_stack_spec=s2_hybrid_stack_spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            hybrid_layer_pattern=pattern,
+            position_embedding_type="learned_absolute",
+        )
+
+    with pytest.raises(TypeError, match="pretrain_hybrid.py with --hybrid-layer-pattern"):
+        megatron_lm_model()
+    monkeypatch.setattr(
+        global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(hybrid_layer_pattern=pattern)
+    )
+    model = megatron_lm_model()
+    assert [k for k, _ in _attention_layers(model)] == TINY_KINDS
+    ours = _hybrid()
+    model.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(_loss_and_grads(model)[0], _loss_and_grads(ours)[0])
+
+    # A second file: the schedule of a path is read once per process.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY_SCHEDULE, "dense_layers": {"indices": [5]}}))
+    monkeypatch.setenv("MEGATRON_S2_SCHEDULE", str(bad))
+    with pytest.raises(ScheduleError, match="layer index 5 is out of range for 4 layers"):
+        megatron_lm_model()
+
+
 # ---------------------------------------------------------------------------- TP=2 (gloo)
 def _tp2_worker(rank, port, out):
     import os

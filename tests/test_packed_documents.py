@@ -199,7 +199,9 @@ MODEL_SCRIPT = textwrap.dedent("""
                                          backend="reference")
     (model,) = parallel.build_model_chunks(model_cfg, config, VOCAB, gpu=False)
     model.eval()
-    kinds = [type(l.self_attention.core_attention).__name__ for l in model.decoder.layers]
+    # The attention layers (a HybridModel's MLP layers have none; model.model_class=auto).
+    kinds = [type(l.self_attention.core_attention).__name__ for l in model.decoder.layers
+             if hasattr(l.self_attention, "core_attention")]
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, EOD, (2, SEQ), generator=gen)

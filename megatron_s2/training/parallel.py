@@ -15,8 +15,9 @@ Each block takes the config sections it needs (``ModelConfig``, ``ParallelConfig
                                            train_iters=train_iters)
     connect_schedule_hooks(config, model_chunks, optimizer, parallel)
 
-``transformer_config`` is the one place where the Megatron model config is made, and
-``build_model_chunks`` the one place where :func:`megatron_s2.model.build_gpt_model` is called.
+``transformer_config`` is the one place where the Megatron model config is made (its class,
+GPT or hybrid, by ``model.model_class``: :func:`megatron_s2.model.model_config`), and
+``build_model_chunks`` the one place where :func:`megatron_s2.model.build_model` is called.
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ def use_bf16(precision: str, *, gpu: bool) -> bool:
 def transformer_config(
     model: ModelConfig, parallel: ParallelConfig, schedule, *, bf16: bool, backend: str = "auto"
 ):
-    """The run's :class:`megatron_s2.config.S2TransformerConfig`.
+    """The run's model config: an :class:`megatron_s2.config.S2TransformerConfig`, or its
+    ``HybridModel`` twin's :class:`megatron_s2.hybrid.S2HybridTransformerConfig`
+    (``model.model_class``).
 
     Args:
         model, parallel: the run config's sections.
@@ -134,7 +137,7 @@ def transformer_config(
     """
     import torch.nn.functional as F
 
-    from ..config import S2TransformerConfig
+    from ..model import model_config
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     recompute = {}
@@ -147,7 +150,9 @@ def transformer_config(
             recompute_num_layers=model.recompute_num_layers,
         )
     vpp = parallel.virtual_pipeline_model_parallel_size
-    return S2TransformerConfig(
+    return model_config(
+        model.model_class,
+        gpt_only="model.rope_scaling=llama3" if model.rope_scaling == "llama3" else None,
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -315,20 +320,21 @@ def check_fp8(model: ModelConfig, *, gpu: bool, bf16: bool) -> None:
 
 
 def build_model_chunks(model: ModelConfig, config, vocab_size: int, *, gpu: bool) -> list:
-    """This rank's ``GPTModel`` chunks, one per virtual pipeline stage, unwrapped (fp32 or bf16
-    as ``config.params_dtype``), on the GPU when ``gpu``.
+    """This rank's model chunks (``GPTModel`` or ``HybridModel``, as ``config``'s class), one
+    per virtual pipeline stage, unwrapped (fp32 or bf16 as ``config.params_dtype``), on the GPU
+    when ``gpu``.
 
     ``config`` is the :func:`transformer_config` of the run; ``vocab_size`` the padded one.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    from ..model import build_gpt_model
+    from ..model import build_model
 
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunk = build_gpt_model(
+        chunk = build_model(
             config,
             vocab_size,
             model.seq_length,

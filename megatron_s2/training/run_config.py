@@ -107,6 +107,10 @@ class ModelConfig:
     # default), "tensorwise" (current scaling), "blockwise" (Hopper), "mxfp8" (Blackwell).
     fp8_recipe: str = "delayed"
     untie_embeddings_and_output_weights: bool = True
+    # Megatron-core model class: "gpt" (GPTModel), "hybrid" (HybridModel, the "*-" * num_layers
+    # twin of the GPT model; megatron-core >= 0.19) or "auto" (hybrid where megatron-core has it).
+    # Checkpoints of either load into the other (megatron_s2.model.build_model).
+    model_class: str = "auto"
     # Activation recomputation: "none", "selective" (core attention only) or "full".
     recompute: str = "none"
     recompute_num_layers: int = 1
@@ -179,6 +183,11 @@ class ModelConfig:
                 )
         if not 0.0 <= self.hidden_dropout < 1.0:
             raise ConfigError(f"model.hidden_dropout must be in [0, 1), got {self.hidden_dropout}")
+        from ..model import model_class_problem  # package metadata only: megatron not loaded
+
+        llama3 = "model.rope_scaling=llama3" if self.rope_scaling == "llama3" else None
+        if problem := model_class_problem(self.model_class, gpt_only=llama3):
+            raise ConfigError(f"model.model_class={self.model_class}: {problem}")
 
 
 @dataclass

@@ -49,14 +49,15 @@ def check_probe_layout(cfg) -> None:
 
 
 def core_attention_layers(model) -> list[tuple[int, torch.nn.Module]]:
-    """``(layer index, core attention module)`` of every transformer layer of ``model`` (one
-    chunk), 0-based in depth order."""
+    """``(layer index, core attention module)`` of every attention layer of ``model`` (one
+    chunk), 0-based in depth order: the index the attention schedule uses (a ``GPTModel``'s
+    layer; in a ``HybridModel`` the attention layers are counted, its MLP layers skipped)."""
     found = []
     for name, module in model.named_modules():
         if name.endswith("self_attention.core_attention"):
             parts = name.split(".")
             found.append((int(parts[parts.index("layers") + 1]), module))
-    return sorted(found, key=lambda t: t[0])
+    return [(index, module) for index, (_, module) in enumerate(sorted(found, key=lambda t: t[0]))]
 
 
 def needle_weights(
