@@ -263,7 +263,7 @@ def find_blocks(lines: list[str]) -> list[Block]:
                 raise ValueError(f"line {i + 1}: <!-- /table --> without a table marker")
             blocks.append(Block(open_[0], open_[1], open_[2], i))
             open_ = None
-        elif "<!-- table" in line:
+        elif re.match(r"^\s*<!--\s*/?\s*table", line):  # a marker line, but not one of ours
             raise ValueError(f"line {i + 1}: malformed table marker: {line.strip()}")
     if open_ is not None:
         raise ValueError(f"line {open_[2] + 1}: table marker without <!-- /table -->")
