@@ -293,7 +293,8 @@ def mixed_lengths(tokens: int, longest: int, shortest: int, seed: int = 0) -> li
 
 
 # 128-key tiles: measured +8% on the forward of a dense causal pattern at block 128 (H100,
-# docs/benchmarks.md); a key tile never spans two pattern blocks, so only blocks of 128 take them.
+# docs/notebook/2026-11-benchmarks-kernel-work.md); a key tile never spans two pattern blocks,
+# so only blocks of 128 take them.
 WIDE_KEY_TILE = 128
 
 
