@@ -235,7 +235,9 @@ def render(kind: str, sources: list[tuple[str, dict]]) -> list[str]:
         table = kernel_table(records, int(m["k"]) * 1024)
     else:
         raise ValueError(f"unknown table kind {kind!r}: kernel, kernel-<N>k or e2e")
-    return provenance(sources) + [""] + table
+    # one paragraph per raw output (consecutive lines would run together in markdown)
+    head = [x for line in provenance(sources) for x in (line, "")]
+    return head + table
 
 
 @dataclasses.dataclass
@@ -323,7 +325,8 @@ def write(doc_path: str) -> int:
     blocks = find_blocks(lines)
     new = [(b, generate(doc_path, b)) for b in blocks]
     for b, want in reversed(new):  # from the end, so earlier line numbers stay valid
-        lines[b.begin + 1 : b.end] = want
+        # blank lines around the content keep the markers out of the table's markdown
+        lines[b.begin + 1 : b.end] = ["", *want, ""]
     with open(doc_path, "w") as f:
         f.write("\n".join(lines))
     return len(new)
