@@ -79,16 +79,6 @@ LINE_MODES = {
         "config-only",
         "one process per GPU of a 125M model; the NPROC_PER_NODE=2 demo line runs this launcher",
     ),
-    "python -m megatron_s2.training --config configs/gpt-125m-s2.yaml data.demo_num_docs=4000 "
-    "train.train_iters=200 train.eval_interval=100 checkpoint.save_at_end=false": (
-        "config-only",
-        "the 125M benchmark on one H100",
-    ),
-    "NPROC_PER_NODE=2 launch/torchrun.sh configs/demo.yaml train.micro_batch_size=2 "
-    "train.train_iters=60": (
-        "config-only",
-        "the same 2-process demo as launch/README.md's NPROC_PER_NODE=2 line, which runs",
-    ),
 }
 
 # Limits of what runs here (2 CPU cores): processes per command, and the model's training

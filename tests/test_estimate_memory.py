@@ -17,7 +17,8 @@ def _estimate(overrides=(), gpus=1, vocab=384):
 
 
 def test_reproduces_the_measured_125m_run():
-    # docs/benchmarks.md: the 125M hybrid at 8k, micro batch 2, bf16, one H100: 10.7 GiB.
+    # docs/notebook/2026-11-benchmarks-training-multi-gpu.md: the 125M hybrid at 8k, micro
+    # batch 2, bf16, one H100: 10.7 GiB.
     assert _estimate().total == pytest.approx(10.7, rel=0.05)
 
 

@@ -293,7 +293,8 @@ def mixed_lengths(tokens: int, longest: int, shortest: int, seed: int = 0) -> li
 
 
 # 128-key tiles: measured +8% on the forward of a dense causal pattern at block 128 (H100,
-# docs/benchmarks.md); a key tile never spans two pattern blocks, so only blocks of 128 take them.
+# docs/notebook/2026-11-benchmarks-kernel-work.md); a key tile never spans two pattern blocks,
+# so only blocks of 128 take them.
 WIDE_KEY_TILE = 128
 
 
@@ -743,6 +744,23 @@ def summarize(results) -> str:
     return "\n".join(lines + [""] + footer + ([""] + notes if notes else []))
 
 
+def json_document(results: dict, table: str, device: str) -> dict:
+    """What ``--json`` writes (tools/docs_tables.py makes docs/benchmarks.md's tables from it):
+    ``device`` (the GPU's name), ``date`` (today, ISO), ``torch`` (its version), ``argv`` (this
+    command as run), ``results`` (every record of ``results``, ``{(seq, d, block, density):
+    records}``, case by case: a timed row's keys are :func:`timed_records`', a skipped row has
+    ``skipped``, a failed one ``error``, a ``--passes`` record ``row="pass"``) and ``table``
+    (the markdown :func:`summarize` printed)."""
+    return {
+        "device": device,
+        "date": str(datetime.date.today()),
+        "torch": torch.__version__,
+        "argv": sys.argv,
+        "results": [r for rs in results.values() for r in rs],
+        "table": table,
+    }
+
+
 def build_cases(args, rows: list) -> list:
     """(seq, head_dim, block, rows, sweep) per case: ``--seqs`` at the given shape, plus with
     ``--extra`` head_dim 64 and block 16 at 32k, each with its dense baselines and FA4 rows so
@@ -844,18 +862,7 @@ def main(argv=None):
     print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "date": str(datetime.date.today()),
-                    "torch": torch.__version__,
-                    "argv": sys.argv,
-                    "results": [r for rs in results.values() for r in rs],
-                    "table": table,
-                },
-                f,
-                indent=1,
-            )
+            json.dump(json_document(results, table, torch.cuda.get_device_name()), f, indent=1)
 
 
 if __name__ == "__main__":

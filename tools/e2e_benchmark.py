@@ -210,6 +210,20 @@ def execute(run: Run, warmup_steps: int, timeout: Optional[float]) -> dict:
         return {**out, "error": str(exc)}
 
 
+def json_document(device: str, results: list, torch_version: str) -> dict:
+    """What ``--json`` writes (tools/docs_tables.py makes docs/benchmarks.md's end-to-end table
+    from it): ``device`` (the GPU's name, or ``CPU``), ``date`` (today, ISO), ``torch`` (its
+    version), ``argv`` (this command as run) and ``results`` (one :func:`execute` record per
+    finished run, in run order)."""
+    return {
+        "device": device,
+        "date": str(datetime.date.today()),
+        "torch": torch_version,
+        "argv": sys.argv,
+        "results": results,
+    }
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -262,7 +276,7 @@ def main(argv=None) -> int:
         if args.json:
             # Rewritten after every run, so a run cut short by a time limit loses only itself.
             with open(args.json, "w") as f:
-                json.dump({"device": device, "argv": sys.argv, "results": results}, f, indent=1)
+                json.dump(json_document(device, results, torch.__version__), f, indent=1)
     print(format_table(results), flush=True)
     return 0 if all("error" not in r for r in results) else 1
 

@@ -13,7 +13,8 @@ An estimate, for choosing a layout before a GPU is spent on it, not a measuremen
   distributed optimizer;
 * activations per layer and token of ``hidden`` width: ``ACT_BYTES`` bytes with no or selective
   recompute (flash-style attention keeps no ``s x s`` scores), fitted to the 125M hybrid at 8k
-  (micro batch 2, no recompute, byte vocabulary: 10.7 GiB on an H100, docs/benchmarks.md);
+  (micro batch 2, no recompute, byte vocabulary: 10.7 GiB on an H100,
+  docs/notebook/2026-11-benchmarks-training-multi-gpu.md);
   with full recompute each layer keeps its bf16 input, and one layer at a time runs with the
   full working set, which is not alive together with the logits (the peak is the larger of the
   two); divided by TP under sequence parallelism, by CP always; 1F1B keeps up to ``PP``

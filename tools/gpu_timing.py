@@ -2,11 +2,11 @@
 with the others (CUDA events, the L2 flushed before each run), medians.
 
 Timed one after another, in blocks, rows of identical kernels differed by 4-7% on the H100s,
-always in favour of the block that came first after a compile (the GPU's clocks fall as it
-warms up: ``docs/benchmarks.md``); ``triton.testing.do_bench``'s defaults (25 ms of warm-up,
-100 ms of repeats) also ran a 128k fwd+bwd once. Here each row runs once a round, the order
-reversed every other round, at least :data:`MIN_RUNS` rounds after :data:`WARMUP_RUNS` untimed
-ones.
+always in favour of the block that came first after a compile (the GPU's clocks fall as it warms
+up: ``docs/notebook/2026-11-benchmarks-kernel-work.md``); ``triton.testing.do_bench``'s defaults
+(25 ms of warm-up, 100 ms of repeats) also ran a 128k fwd+bwd once. Here each row runs once a
+round, the order reversed every other round, at least :data:`MIN_RUNS` rounds after
+:data:`WARMUP_RUNS` untimed ones.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class PowerSampler:
     """The GPU's power draw and SM clock, sampled by ``nvidia-smi`` every ``interval_ms``
     while the ``with`` block runs (timings on the lent H100s ran at the 700 W limit, the SM
     clock 25-30% below its maximum, so a faster kernel can slow the ones around it:
-    ``docs/benchmarks.md``, "Three consumer warpgroups at head_dim 64"). ``gpu``: what
+    ``docs/notebook/2026-11-benchmarks-kernel-work.md``, "Three consumer warpgroups at head_dim
+    64"). ``gpu``: what
     ``nvidia-smi --id`` takes (an index or a PCI bus id; :func:`nvidia_smi_id`). Where
     ``command`` is missing or prints nothing, :meth:`summary` is None and nothing fails."""
 

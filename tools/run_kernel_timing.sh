@@ -10,7 +10,7 @@
 #   # device call, carry [".bench"]:  tools/run_kernel_timing.sh .bench/base-22c9e0b/kernels
 # Writes bench-*.json/.log and tune-*.log under $OUT (or ./kernel-timing without $OUT) and ends
 # with the benchmark tables. About 3 minutes per length on an H100; no FA4 needed (its rows are
-# the separate calls in docs/benchmarks.md).
+# the separate calls of docs/benchmarks.md's "Running the benchmarks").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

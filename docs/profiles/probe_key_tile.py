@@ -1,6 +1,7 @@
-"""Probe behind docs/benchmarks.md's "128-key tiles" table: the forward of a dense causal pattern
-with 64-key tiles (block 64, and block 128 sliced to 64) against 128-key tiles (block 128), and
-cuDNN's dense causal forward, on the same bf16 inputs (4 x 32k tokens, 32 heads, d 128).
+"""Probe behind the "128-key tiles" table (docs/notebook/2026-11-benchmarks-kernel-work.md, the
+section that runs this file): the forward of a dense causal pattern with 64-key tiles (block 64,
+and block 128 sliced to 64) against 128-key tiles (block 128), and cuDNN's dense causal forward,
+on the same bf16 inputs (4 x 32k tokens, 32 heads, d 128).
 
     python docs/profiles/probe_key_tile.py      # a GPU; on the CPU (interpreter) a tiny check
 
