@@ -532,8 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="print tables rebuilt from their raw outputs")
     show.add_argument("names", nargs="+", choices=sorted(TABLES))
     chk = sub.add_parser("check", help="fail when a doc's table differs from its raw output")
-    chk.add_argument("names", nargs="*", choices=sorted(TABLES))
+    # No ``choices`` here: argparse refuses an empty list against them (Python 3.11).
+    chk.add_argument("names", nargs="*", help="default: every table")
     args = parser.parse_args(argv)
+    unknown = [n for n in getattr(args, "names", []) if n not in TABLES]
+    if unknown:
+        parser.error(f"unknown tables {unknown}; `list` names them")
     if args.command == "list":
         for name, t in TABLES.items():
             print(f"{name}: {t.doc} <- {', '.join(t.raw)}")
