@@ -462,6 +462,46 @@ def run_j_depths_4k() -> str:
     return table(["at 4k tokens", "0", "0.25", "0.5", "0.75", "1"], [t.row(p) for p in order])
 
 
+CORPUS = DOCS / "code_corpus"
+
+
+def code_corpus_sizes() -> str:
+    """docs/code_corpus.md, "Sizes": the standard-library corpus's splits at both vocabularies."""
+    small = read_json(CORPUS / "stdlib-vocab8192.json")["splits"]
+    large = read_json(CORPUS / "stdlib-vocab32768.json")["splits"]
+
+    def tokens(split: dict) -> str:
+        return f"{split['tokens'] / 1e6:.2f} M ({split['bytes'] / split['tokens']:.2f} B/token)"
+
+    rows = []
+    for name in ("train", "valid"):
+        a, b = small[name], large[name]
+        # The file list and hold-out do not depend on the vocabulary; only the tokens do.
+        assert (a["files"], a["bytes"], a["packages"]) == (b["files"], b["bytes"], b["packages"])
+        longest = f"{round(b['max_document_tokens'] / 1000)}k"
+        rows.append(
+            [
+                name,
+                str(a["packages"]),
+                f"{a['files']:,}",
+                f"{a['bytes'] / 1e6:.1f}",
+                tokens(a),
+                tokens(b),
+                f"{b['long_documents']} (longest {longest})",
+            ]
+        )
+    header = [
+        "",
+        "packages",
+        "files",
+        "MB",
+        "tokens, vocab 8192",
+        "tokens, vocab 32768",
+        "documents over 32k tokens (32768)",
+    ]
+    return table(header, rows)
+
+
 @dataclass(frozen=True)
 class Table:
     """A doc table: where it is, what raw outputs it is computed from, and how."""
@@ -472,6 +512,11 @@ class Table:
 
 
 TABLES: dict[str, Table] = {
+    "code-corpus-sizes": Table(
+        "docs/code_corpus.md",
+        ("docs/code_corpus/stdlib-vocab8192.json", "docs/code_corpus/stdlib-vocab32768.json"),
+        code_corpus_sizes,
+    ),
     "quality-attention": Table(
         "docs/quality.md", ("docs/quality/code-125m-attention.csv",), quality_attention
     ),
