@@ -1,0 +1,602 @@
+"""Recompute the measurement tables of docs/ from the raw outputs committed next to them.
+
+    python tools/docs_raw_tables.py list                  # every table: name, doc, raw files
+    python tools/docs_raw_tables.py show quality-attention
+    python tools/docs_raw_tables.py check                 # every table must appear in its doc
+
+Each table of a user doc that reports a measurement names its raw output (CSV or JSON written by
+the sweep or the long-context evaluation, or the markdown tables the evaluation wrote for every
+run) in a "Raw output:" line under it. This tool rebuilds the table, row by row, from that raw
+output alone, and ``check`` (and ``tests/test_docs_raw_tables.py``) fails when the doc's table is
+not the rebuilt one verbatim, so the doc and its raw output cannot drift apart. Only the stdlib
+is used, so the check runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting: the doc tables' conventions, in one place so that every table uses the same ones.
+
+
+def f4(x: float) -> str:
+    """A loss with four decimals (``2.8993``)."""
+    return f"{x:.4f}"
+
+
+def f3(x: float) -> str:
+    """A loss with three decimals (``4.454``)."""
+    return f"{x:.3f}"
+
+
+def thousands(x: float) -> str:
+    """A rate rounded to an integer with thousands separators (``237,103``)."""
+    return f"{round(x):,}"
+
+
+def rel(a: float, b: float) -> str:
+    """``a`` relative to ``b`` in percent, signed, two decimals (``-1.47%``)."""
+    return f"{(a / b - 1) * 100:+.2f}%"
+
+
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as a speed-up factor (``1.16x``)."""
+    return f"{a / b:.2f}x"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: a header row, the ``|---|`` rule, then one line per row."""
+
+    def line(cells: list[str]) -> str:
+        # An empty cell is written "| |", as the docs have it.
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    return "\n".join([line(header), "|" + "---|" * len(header)] + [line(r) for r in rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers of the raw outputs.
+
+
+def read_csv(path: Path, key: str = "point") -> dict[str, dict[str, str]]:
+    """A sweep's ``results.csv``: one dict per row, keyed by its point name."""
+    with open(path, newline="") as f:
+        return {row[key]: row for row in csv.DictReader(f)}
+
+
+def read_json(path: Path) -> dict:
+    """A JSON raw output (loss by position of several runs, keyed by run)."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def bins_of(entry: dict | list) -> list[dict]:
+    """The position bins (``start``, ``end``, ``loss`` and maybe ``tokens``) of one run."""
+    return entry["bins"] if isinstance(entry, dict) else entry
+
+
+def bin_loss(entry: dict | list, start: int) -> float:
+    """The mean loss of the bin that starts at ``start``."""
+    (b,) = [b for b in bins_of(entry) if b["start"] == start]
+    return float(b["loss"])
+
+
+def range_loss(entry: dict | list, lo: int, hi: int) -> float:
+    """Token-weighted mean loss over the bins inside ``[lo, hi)`` (equal weights without counts)."""
+    inside = [b for b in bins_of(entry) if lo <= b["start"] and b["end"] <= hi]
+    weights = [float(b.get("tokens", 1)) for b in inside]
+    return sum(w * float(b["loss"]) for w, b in zip(weights, inside)) / sum(weights)
+
+
+@dataclass
+class MdTable:
+    """One markdown table of a results file: the headings above it (outermost first) and cells."""
+
+    headings: tuple[str, ...]
+    header: list[str]
+    rows: list[list[str]]
+
+    def column(self, name: str) -> int:
+        """Index of the column whose header is ``name``."""
+        return self.header.index(name)
+
+    def row(self, first_cell: str) -> list[str]:
+        """The row whose first cell is ``first_cell``."""
+        (r,) = [r for r in self.rows if r[0] == first_cell]
+        return r
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def read_md_tables(path: Path) -> list[MdTable]:
+    """Every table of a markdown results file with the chain of headings it sits under.
+
+    A heading of level n replaces the chain's entries of level >= n, as in an outline.
+    """
+    chain: list[tuple[int, str]] = []
+    tables: list[MdTable] = []
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            chain = [(lv, h) for lv, h in chain if lv < level] + [(level, line[level:].strip())]
+        elif line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            header = _cells(line)
+            rows = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(_cells(lines[i]))
+                i += 1
+            tables.append(MdTable(tuple(h for _, h in chain), header, rows))
+            continue
+        i += 1
+    return tables
+
+
+def find_table(tables: list[MdTable], *parts: str) -> MdTable:
+    """The one table under a heading for every one of ``parts``.
+
+    A part that is a whole heading somewhere in the file matches only that heading (so that
+    ``...: dense`` does not also find ``...: dense-to-hybrid``); any other part matches the
+    headings that start with it (``passkey: greedy exact-match`` for its accuracy table).
+    """
+    whole = {h for t in tables for h in t.headings}
+
+    def matches(part: str, heading: str) -> bool:
+        return heading == part if part in whole else heading.startswith(part)
+
+    hits = [t for t in tables if all(any(matches(p, h) for h in t.headings) for p in parts)]
+    if len(hits) != 1:
+        raise LookupError(f"{len(hits)} tables under headings with {parts!r}, expected 1")
+    return hits[0]
+
+
+def depth_means(t: MdTable) -> dict[str, float]:
+    """Mean over the depths (rows) of a ``depth \\ length`` table, per length column."""
+    return {
+        length: sum(float(r[j]) for r in t.rows) / len(t.rows)
+        for j, length in enumerate(t.header)
+        if j > 0
+    }
+
+
+def all_cells_mean(t: MdTable) -> float:
+    """Mean of every cell of a ``depth \\ length`` table."""
+    values = [float(c) for r in t.rows for c in r[1:]]
+    return sum(values) / len(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tables. Each builder returns the markdown table exactly as the doc carries it.
+
+QUALITY = DOCS / "quality"
+LONG = DOCS / "long_context"
+
+
+def quality_attention() -> str:
+    """docs/quality.md, "Result": dense vs 1:1 hybrid vs all-S2 at 100M tokens (H100)."""
+    runs = read_csv(QUALITY / "code-125m-attention.csv")
+    dense = float(runs["dense"]["final_valid_loss"])
+    models = [
+        ("dense", "dense", "all dense"),
+        ("hybrid-DS", "hybrid (`DS`)", "dense, S2, dense, S2, ..."),
+        ("all-s2", "all-S2 (`S`)", "all S2"),
+    ]
+    rows = []
+    for point, label, layers in models:
+        r = runs[point]
+        valid = float(r["final_valid_loss"])
+        rows.append(
+            [
+                label,
+                layers,
+                f"{float(r['attention_density']):.3f}",
+                f4(valid),
+                "" if point == "dense" else rel(valid, dense),
+                f4(float(r["final_train_loss"])),
+                thousands(float(r["tokens_per_s"])),
+                f"{float(r['tflops_per_gpu']):.1f}",
+                f"{float(r['peak_memory_gib']):.1f} GiB",
+                f"{round(float(r['wall_time_s']))} s",
+            ]
+        )
+    header = [
+        "model",
+        "attention (12 layers)",
+        "attention density at 4k",
+        "valid loss",
+        "vs dense",
+        "train loss (last step)",
+        "tokens/s",
+        "model TFLOP/s",
+        "peak memory",
+        "wall",
+    ]
+    return table(header, rows)
+
+
+def quality_loss_by_position() -> str:
+    """docs/quality.md, "Loss by token position": five bins and the whole 4k, three models."""
+    runs = read_json(QUALITY / "code-125m-loss-by-position.json")
+    dense, hybrid, s2 = runs["dense"], runs["hybrid-DS"], runs["all-s2"]
+    rows = []
+    for start in (0, 768, 1792, 2816, 3840):
+        d, h, s = (bin_loss(x, start) for x in (dense, hybrid, s2))
+        rows.append([f"{start}-{start + 256}", f4(d), f4(h), rel(h, d), f4(s), rel(s, d)])
+    d, h, s = (float(x["loss"]) for x in (dense, hybrid, s2))
+    rows.append(["all 4096", f4(d), f4(h), rel(h, d), f4(s), rel(s, d)])
+    return table(["positions", "dense", "hybrid", "vs dense", "all-S2", "vs dense"], rows)
+
+
+def quality_stride_window() -> str:
+    """docs/quality.md, "Stride x local window": the 7 points at 25M tokens (2x H200)."""
+    runs = read_csv(QUALITY / "code-125m-stride-window.csv")
+    positions = read_json(QUALITY / "stride-window-loss-by-position.json")
+    dense_valid = float(runs["dense"]["final_valid_loss"])
+    dense_mean = range_loss(positions["dense"], 0, 4096)
+    rows = []
+    for stride in (4, 8, 12):
+        for local in (4, 16):
+            point = f"vert_stride={stride},local_blocks={local}"
+            default = " (the default)" if (stride, local) == (8, 16) else ""
+            rows.append((point, f"stride {stride}, local {local}{default}"))
+    rows.append(("dense", "dense"))
+    out = []
+    for point, label in rows:
+        r, p = runs[point], positions[point]
+        valid = float(r["final_valid_loss"])
+        mean = range_loss(p, 0, 4096)
+        out.append(
+            [
+                label,
+                f"{float(r['attention_density']):.3f}",
+                f4(valid),
+                "" if point == "dense" else rel(valid, dense_valid),
+                f4(bin_loss(p, 0)),
+                f4(bin_loss(p, 3840)),
+                "" if point == "dense" else rel(mean, dense_mean),
+                thousands(float(r["tokens_per_s"])),
+            ]
+        )
+    header = [
+        "point",
+        "density at 4k",
+        "valid loss, step 190",
+        "vs dense",
+        "loss by position, 0-256",
+        "3840-4096",
+        "mean over 4k vs dense",
+        "tokens/s",
+    ]
+    return table(header, out)
+
+
+# Run E: the worked extension example's first complete run (docs/long_context/example_results.md).
+RUN_E_RUNS = [
+    ("code-125m-4k-base", "dense", "4k base, dense"),
+    ("code-125m-4k-base", "hybrid-DS", "4k base, hybrid-DS"),
+    ("code-125m-extend-16k", "dense", "16k extension, dense -> dense"),
+    ("code-125m-extend-16k", "hybrid-DS", "16k extension, hybrid-DS -> hybrid-DS"),
+    ("code-125m-extend-16k", "dense-to-hybrid", "16k extension, dense -> hybrid-DS"),
+]
+
+
+# The retrieval and loss-by-position tables name the extensions by the model they end as.
+RUN_E_LABELS = {
+    ("code-125m-4k-base", "dense"): "4k base, dense",
+    ("code-125m-4k-base", "hybrid-DS"): "4k base, hybrid-DS",
+    ("code-125m-extend-16k", "dense"): "16k extension, dense",
+    ("code-125m-extend-16k", "hybrid-DS"): "16k extension, hybrid-DS",
+    ("code-125m-extend-16k", "dense-to-hybrid"): "16k extension, dense -> hybrid-DS",
+}
+
+
+def _tokens_of(t: MdTable) -> str:
+    """The study's token count from its ``train loss @ N tokens`` column, in millions."""
+    (col,) = [h for h in t.header if h.startswith("train loss @ ")]
+    n = int(col.removeprefix("train loss @ ").removesuffix(" tokens").replace(",", ""))
+    return f"{n / 1e6:.1f}M"
+
+
+def run_e_training() -> str:
+    """docs/long_context_eval.md, run E: tokens, density, speed, memory, valid loss per run."""
+    tables = read_md_tables(LONG / "example_results.md")
+    rows = []
+    for study, point, label in RUN_E_RUNS:
+        t = _study_table(tables, study)
+        r = t.row(point)
+        tps = float(r[t.column("tokens/s")].replace(",", ""))
+        dense_tps = float(t.row("dense")[t.column("tokens/s")].replace(",", ""))
+        speed = thousands(tps) + ("" if point == "dense" else f" ({ratio(tps, dense_tps)})")
+        rows.append(
+            [
+                label,
+                _tokens_of(t),
+                r[t.column("attn density")],
+                speed,
+                str(round(float(r[t.column("model TFLOP/s/GPU")]))),
+                f"{float(r[t.column('peak mem GiB')]):.1f} GiB",
+                r[t.column("valid loss")],
+            ]
+        )
+    header = [
+        "run",
+        "tokens",
+        "attention density",
+        "tokens/s",
+        "model TFLOP/s",
+        "peak memory",
+        "valid loss",
+    ]
+    return table(header, rows)
+
+
+def _study_table(tables: list[MdTable], study: str) -> MdTable:
+    """A study's results table: the one directly under the heading that is the study's name."""
+    hits = [t for t in tables if t.headings and t.headings[-1] == study and "point" in t.header]
+    if len(hits) != 1:
+        raise LookupError(f"{len(hits)} results tables of study {study!r}, expected 1")
+    return hits[0]
+
+
+def run_e_retrieval() -> str:
+    """docs/long_context_eval.md, run E: exact match over all cells, then the answer's mean
+    log-likelihood at each length, per task."""
+    tables = read_md_tables(LONG / "example_results.md")
+    rows = []
+    for (study, point), label in RUN_E_LABELS.items():
+        cells = [label]
+        for task in ("passkey", "needle", "kv-filler"):
+            run = f"{study} / {point}: retrieval"
+            acc = all_cells_mean(find_table(tables, run, f"{task}: greedy exact-match"))
+            ll = depth_means(find_table(tables, run, f"{task}: answer log-likelihood"))
+            cells.append(" / ".join([f"{acc * 100:.0f}%"] + [f"{v:.1f}" for v in ll.values()]))
+        rows.append(cells)
+    return table(["model", "passkey", "needle", "kv-filler"], rows)
+
+
+def _position_ranges(entry: dict) -> list[str]:
+    """Loss over 0-1k, 1k-4k, 4k-8k, 8k-16k and all positions, three decimals."""
+    k = 1024
+    ranges = [(0, k), (k, 4 * k), (4 * k, 8 * k), (8 * k, 16 * k)]
+    return [f3(range_loss(entry, lo, hi)) for lo, hi in ranges] + [f3(float(entry["loss"]))]
+
+
+def run_e_loss_by_position() -> str:
+    """docs/long_context_eval.md, run E: loss by position ranges on 41 held-out 16k files."""
+    runs = read_json(LONG / "loss_by_position.json")
+    # The same runs as the retrieval table, named as there.
+    rows = [
+        [label] + _position_ranges(runs[f"{study}/{point}"])
+        for (study, point), label in RUN_E_LABELS.items()
+    ]
+    return table(["model", "bin 0-1k", "1k-4k", "4k-8k", "8k-16k", "all"], rows)
+
+
+RUN_H_RUNS = [
+    ("4k base, 2,000 steps: dense", "4k base, dense"),
+    ("4k base, 2,000 steps: hybrid-DS", "4k base, hybrid-DS"),
+    ("16k extension (150 steps): dense", "16k extension, dense"),
+    ("16k extension (150 steps): hybrid-DS", "16k extension, hybrid-DS"),
+    ("16k extension (150 steps): dense-to-hybrid", "16k extension, dense -> hybrid-DS"),
+]
+
+
+def run_h_passkey() -> str:
+    """docs/long_context_eval.md, run H: passkey exact match (log-likelihood) per length."""
+    tables = read_md_tables(LONG / "run_h_results.md")
+    rows = []
+    for run, label in RUN_H_RUNS:
+        acc = depth_means(find_table(tables, run, "passkey: greedy exact-match"))
+        ll = depth_means(find_table(tables, run, "passkey: answer log-likelihood"))
+        rows.append([label] + [f"{acc[n] * 100:.0f}% ({ll[n]:.1f})" for n in acc])
+    return table(["model", "1k", "2k", "4k", "8k", "16k"], rows)
+
+
+def run_h_depths_8k() -> str:
+    """docs/long_context_eval.md, run H: the extensions' passkey exact match by depth at 8k."""
+    tables = read_md_tables(LONG / "run_h_results.md")
+    rows = []
+    for run, label in RUN_H_RUNS[2:]:
+        t = find_table(tables, run, "passkey: greedy exact-match")
+        j = t.column("8192")
+        rows.append([label] + [f"{float(r[j]):.2f}" for r in t.rows])
+    return table(["model", "depth 0", "0.25", "0.5", "0.75", "1"], rows)
+
+
+RUN_J_REMEDIES = [
+    ("dense", "dense -> dense (the reference)"),
+    ("hybrid-DS", "hybrid-DS (run H's hybrid)"),
+    ("hybrid-DS-local32", "larger local window: 32 blocks (2k tokens)"),
+    ("hybrid-DS-long", "longer extension: 300 steps (39M tokens)"),
+    ("hybrid-DS-more-dense", "more dense layers: 3 and 7 as well (8 of 12)"),
+]
+
+
+def run_j_remedies() -> str:
+    """docs/long_context_eval.md, run J: each remedy's passkey exact match, valid loss, speed."""
+    tables = read_md_tables(LONG / "run_j_results.md")
+    study = _study_table(tables, "code-125m-extend-16k-remedies")
+    passkey = find_table(tables, "code-125m-extend-16k-remedies", "passkey: exact match, mean")
+    dense_tps = float(study.row("dense")[study.column("tokens/s")].replace(",", ""))
+    rows = []
+    for point, label in RUN_J_REMEDIES:
+        r = study.row(point)
+        tps = float(r[study.column("tokens/s")].replace(",", ""))
+        speed = thousands(tps) + ("" if point == "dense" else f" ({ratio(tps, dense_tps)})")
+        exact = [c.split()[0] for c in passkey.row(point)[1:]]
+        rows.append([label] + exact + [r[study.column("valid loss")], speed])
+    header = [
+        "16k extension (passkey exact match, mean of five depths, 100 trials a length)",
+        "1k",
+        "2k",
+        "4k",
+        "8k",
+        "16k",
+        "valid loss",
+        "tokens/s",
+    ]
+    return table(header, rows)
+
+
+def run_j_depths_4k() -> str:
+    """docs/long_context_eval.md, run J: the extensions' passkey exact match by depth at 4k."""
+    tables = read_md_tables(LONG / "run_j_results.md")
+    t = find_table(tables, "code-125m-extend-16k-remedies", "passkey at 4k")
+    order = ["dense", "hybrid-DS", "hybrid-DS-long", "hybrid-DS-more-dense", "hybrid-DS-local32"]
+    return table(["at 4k tokens", "0", "0.25", "0.5", "0.75", "1"], [t.row(p) for p in order])
+
+
+CORPUS = DOCS / "code_corpus"
+
+
+def code_corpus_sizes() -> str:
+    """docs/code_corpus.md, "Sizes": the standard-library corpus's splits at both vocabularies."""
+    small = read_json(CORPUS / "stdlib-vocab8192.json")["splits"]
+    large = read_json(CORPUS / "stdlib-vocab32768.json")["splits"]
+
+    def tokens(split: dict) -> str:
+        return f"{split['tokens'] / 1e6:.2f} M ({split['bytes'] / split['tokens']:.2f} B/token)"
+
+    rows = []
+    for name in ("train", "valid"):
+        a, b = small[name], large[name]
+        # The file list and hold-out do not depend on the vocabulary; only the tokens do.
+        assert (a["files"], a["bytes"], a["packages"]) == (b["files"], b["bytes"], b["packages"])
+        longest = f"{round(b['max_document_tokens'] / 1000)}k"
+        rows.append(
+            [
+                name,
+                str(a["packages"]),
+                f"{a['files']:,}",
+                f"{a['bytes'] / 1e6:.1f}",
+                tokens(a),
+                tokens(b),
+                f"{b['long_documents']} (longest {longest})",
+            ]
+        )
+    header = [
+        "",
+        "packages",
+        "files",
+        "MB",
+        "tokens, vocab 8192",
+        "tokens, vocab 32768",
+        "documents over 32k tokens (32768)",
+    ]
+    return table(header, rows)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A doc table: where it is, what raw outputs it is computed from, and how."""
+
+    doc: str
+    raw: tuple[str, ...]
+    build: Callable[[], str]
+
+
+TABLES: dict[str, Table] = {
+    "code-corpus-sizes": Table(
+        "docs/code_corpus.md",
+        ("docs/code_corpus/stdlib-vocab8192.json", "docs/code_corpus/stdlib-vocab32768.json"),
+        code_corpus_sizes,
+    ),
+    "quality-attention": Table(
+        "docs/quality.md", ("docs/quality/code-125m-attention.csv",), quality_attention
+    ),
+    "quality-loss-by-position": Table(
+        "docs/quality.md",
+        ("docs/quality/code-125m-loss-by-position.json",),
+        quality_loss_by_position,
+    ),
+    "quality-stride-window": Table(
+        "docs/quality.md",
+        (
+            "docs/quality/code-125m-stride-window.csv",
+            "docs/quality/stride-window-loss-by-position.json",
+        ),
+        quality_stride_window,
+    ),
+    "run-e-training": Table(
+        "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
+    ),
+    "run-e-retrieval": Table(
+        "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_retrieval
+    ),
+    "run-e-loss-by-position": Table(
+        "docs/long_context_eval.md",
+        ("docs/long_context/loss_by_position.json",),
+        run_e_loss_by_position,
+    ),
+    "run-h-passkey": Table(
+        "docs/long_context_eval.md", ("docs/long_context/run_h_results.md",), run_h_passkey
+    ),
+    "run-h-depths-8k": Table(
+        "docs/long_context_eval.md", ("docs/long_context/run_h_results.md",), run_h_depths_8k
+    ),
+    "run-j-remedies": Table(
+        "docs/long_context_eval.md", ("docs/long_context/run_j_results.md",), run_j_remedies
+    ),
+    "run-j-depths-4k": Table(
+        "docs/long_context_eval.md", ("docs/long_context/run_j_results.md",), run_j_depths_4k
+    ),
+}
+
+
+def check(names: list[str]) -> list[str]:
+    """The names of the tables whose rebuilt text is not verbatim in their doc."""
+    stale = []
+    for name in names:
+        t = TABLES[name]
+        if t.build() not in (REPO / t.doc).read_text():
+            stale.append(name)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``list``, ``show NAME...`` or ``check [NAME...]`` (exit 1 on a stale table)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="every table with its doc and raw outputs")
+    show = sub.add_parser("show", help="print tables rebuilt from their raw outputs")
+    show.add_argument("names", nargs="+", choices=sorted(TABLES))
+    chk = sub.add_parser("check", help="fail when a doc's table differs from its raw output")
+    # No ``choices`` here: argparse refuses an empty list against them (Python 3.11).
+    chk.add_argument("names", nargs="*", help="default: every table")
+    args = parser.parse_args(argv)
+    unknown = [n for n in getattr(args, "names", []) if n not in TABLES]
+    if unknown:
+        parser.error(f"unknown tables {unknown}; `list` names them")
+    if args.command == "list":
+        for name, t in TABLES.items():
+            print(f"{name}: {t.doc} <- {', '.join(t.raw)}")
+        return 0
+    if args.command == "show":
+        print("\n\n".join(TABLES[n].build() for n in args.names))
+        return 0
+    stale = check(args.names or list(TABLES))
+    for name in stale:
+        t = TABLES[name]
+        print(f"{name}: the table in {t.doc} is not the one {', '.join(t.raw)} gives:")
+        print(t.build(), end="\n\n")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
