@@ -10,7 +10,7 @@ tracked by parent pid (proctrack/linuxproc) and tasks are not bound (task/none).
 
 Manual use (root)::
 
-    python tests/slurm/cluster.py /tmp/slurm-test   # starts, prints the env to export, waits for ^C
+    python -m tests.helpers.slurm_cluster /tmp/slurm-test   # starts, prints the env, waits for ^C
 """
 
 from __future__ import annotations

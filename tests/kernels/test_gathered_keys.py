@@ -1,13 +1,12 @@
 """Gathered key tiles (``s2attn.gathered_keys``): blocks 16 and 32 on the Gluon kernels' 64-key
 tiles. Without a GPU: the layout over the gathered tiles expands to the pattern's token mask, and
 the three Gluon passes' schedules, emulated in float64 on gathered K/V, give the reference's
-output and gradients (tests/test_kernels_gpu.py runs the kernels)."""
+output and gradients (tests/kernels/test_kernels_gpu.py runs the kernels)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import float64_s2_case, token_mask
 
 import s2attn.gluon_dkdv as gd
 import s2attn.gluon_dq as gq
@@ -20,6 +19,7 @@ from s2attn.gathered_keys import (
     sum_groups,
     unsupported_reason,
 )
+from tests.helpers.kernels import float64_s2_case, token_mask
 
 pytestmark = pytest.mark.version_independent
 

@@ -1,15 +1,15 @@
 """The Gluon dQ pass (``s2attn.gluon_dq``) without a GPU: its schedule emulated in float64
 against the reference's gradients, and a compile for sm_90 with the installed Triton
-(tests/test_kernels_gpu.py has its device checks)."""
+(tests/kernels/test_kernels_gpu.py has its device checks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import float64_packed_case, float64_s2_case, sm90_compile_stats
 
 import s2attn.gluon_dq as gq
 from s2attn import s2_attention_varlen_reference
+from tests.helpers.kernels import float64_packed_case, float64_s2_case, sm90_compile_stats
 
 pytestmark = pytest.mark.version_independent
 

@@ -4,7 +4,7 @@ Gluon kernels do not run under the Triton interpreter, so the CPU checks are: th
 schedule emulated in float64 against the reference (tile lists, program order, warpgroup
 split, masks, online softmax), the TMA views' address arithmetic for every layout the wrapper
 takes, when the forward is chosen, and a compile of the kernel for sm_90 with the installed
-Triton. tests/test_kernels_gpu.py runs the kernel itself on an H100.
+Triton. tests/kernels/test_kernels_gpu.py runs the kernel itself on an H100.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import sm90_compile_stats
 
 import s2attn.gluon_forward as gf
 from s2attn import S2Pattern, s2_attention_reference, s2_attention_varlen_reference
 from s2attn.triton_attention import Varlen, kernel_config
+from tests.helpers.kernels import sm90_compile_stats
 
 pytestmark = pytest.mark.version_independent
 

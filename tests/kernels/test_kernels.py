@@ -12,7 +12,10 @@ import zlib
 
 import pytest
 import torch
-from conftest import (
+
+import s2attn.triton_attention as tri_mod
+from s2attn import S2Pattern, s2_attention, s2_attention_reference
+from tests.helpers.kernels import (
     DEVICE,
     assert_matches,
     attention_with_grads,
@@ -22,9 +25,6 @@ from conftest import (
     token_mask,
     upstream_grads,
 )
-
-import s2attn.triton_attention as tri_mod
-from s2attn import S2Pattern, s2_attention, s2_attention_reference
 
 # Independent of the megatron-core version: CI runs this module in its first suite only.
 pytestmark = pytest.mark.version_independent

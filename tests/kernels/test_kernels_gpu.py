@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CUDA, assert_matches, attention_with_grads, token_mask
 
 from s2attn import (
     S2Pattern,
@@ -19,6 +18,7 @@ from s2attn import (
     s2_attention_varlen,
     s2_attention_varlen_reference,
 )
+from tests.helpers.kernels import CUDA, assert_matches, attention_with_grads, token_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
@@ -142,7 +142,7 @@ def test_bf16_16k_same_magnitude_as_dense_causal():
 @pytest.mark.timeout(300)
 def test_fp32_small_cases_exact_on_gpu():
     """The interpreter cases' fp32 exactness also holds for the compiled kernels."""
-    from test_kernels import CASES, FP32_TOL, _run_case
+    from tests.kernels.test_kernels import CASES, FP32_TOL, _run_case
 
     for c in CASES:
         if c.id in ("b16-d32-mha", "b64-d16-mqa", "k_after_q", "sbhd-gqa", "b128-d32"):
@@ -262,7 +262,7 @@ def _timings(name, runs):
     """Median ms of each ``(label, fn)``, all timed round by round with each other
     (``tools/gpu_timing.time_rows``, the benchmark tools' timing: clock and thermal drift reach
     every label alike), printed."""
-    from megatron_helpers import import_tool
+    from tests.helpers.megatron import import_tool
 
     ms = dict(
         zip((label for label, _ in runs), import_tool("gpu_timing").time_rows([f for _, f in runs]))

@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
-from conftest import token_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from s2attn import S2Pattern
 from s2attn.layout import build_layout, layout_for
+from tests.helpers.kernels import token_mask
 
 # Independent of the megatron-core version: CI runs this module in its first suite only.
 pytestmark = pytest.mark.version_independent
@@ -528,7 +528,7 @@ def test_layout_128k_build_time():
         f"nnz {lay.nnz}"
     )
     # On the CPU this is a sanity bound (O(nnz) work, ~4.7M entries, shared 2-core CI box); the
-    # kernels build layouts on the GPU, where tests/test_kernels_gpu.py requires < 1 s.
+    # kernels build layouts on the GPU, where tests/kernels/test_kernels_gpu.py requires < 1 s.
     assert cpu < 12.0
 
 

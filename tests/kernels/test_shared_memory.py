@@ -108,7 +108,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """``{case: {"fixed fwd": {"shared": bytes, "config": ...}, ...}}`` of every launch."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     tmp = tmp_path_factory.mktemp("sm90")
     # This checkout's kernels as `s2attn`, whatever an installed copy points at.
     (tmp / "s2attn").symlink_to(root / "kernels", target_is_directory=True)
@@ -164,7 +164,7 @@ def test_tile_loops_keep_tiles_in_flight(compiled, case):
 
 
 def _tool():
-    from megatron_helpers import import_tool
+    from tests.helpers.megatron import import_tool
 
     return import_tool("inspect_kernels")
 
@@ -196,7 +196,7 @@ def test_loop_waits_reads_innermost_tile_loops():
 @pytest.mark.timeout(600)
 def test_inspect_kernels_tool_prints_a_table():
     """The tool end to end at a small shape: one row per kernel, tensor-core MMAs counted."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     args = ["--head-dim", "64", "--block-size", "64", "--seq", "256", "--kv-heads", "2"]

@@ -15,10 +15,10 @@ import zlib
 
 import pytest
 import torch
-from conftest import DEVICE, assert_matches, attention_with_grads, rel_err, token_mask
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen, s2_attention_varlen_reference
 from s2attn.layout import varlen_layout_len, varlen_programs
+from tests.helpers.kernels import DEVICE, assert_matches, attention_with_grads, rel_err, token_mask
 
 # Independent of the megatron-core version: CI runs this module in its first suite only.
 pytestmark = pytest.mark.version_independent

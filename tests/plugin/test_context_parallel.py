@@ -4,22 +4,20 @@ attending the whole sequence (CP=1), outputs and dq/dk/dv of S2 and dense layers
 Each rank holds Megatron's load-balanced chunks (rank r: chunks r and 3 - r of four) of the same
 random q/k/v; every rank's rows of the CP=2 result must equal the same rows of the CP=1 result.
 The model-level equivalence (losses and gradients of a training step, also with TP=2) is in
-tests/test_megatron_parallel.py.
+tests/plugin/test_megatron_parallel.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-sys.path.insert(0, os.path.dirname(__file__))
-from megatron_helpers import free_port, tiny_s2_config  # noqa: E402
+from tests.helpers.megatron import free_port, tiny_s2_config  # noqa: E402
 
 SEQ = 128
 BATCH = 2

@@ -3,7 +3,7 @@ output rows and dq/dk/dv equal the whole-sequence attention's, in float64 on the
 
 The CP ranks run as threads of one process that exchange through a shared mailbox (a
 ``StandInGroup``), so CP=4 costs no process start. The modules with a real gloo group (CP=2,
-both comm types) are in tests/test_context_parallel.py; the GPU test runs the real kernels on
+both comm types) are in tests/plugin/test_context_parallel.py; the GPU test runs the real kernels on
 one device.
 """
 

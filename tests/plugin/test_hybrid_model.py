@@ -10,7 +10,8 @@ import re
 
 import pytest
 import torch
-from megatron_helpers import TINY_SCHEDULE, free_port, init_single_process, tiny_config
+
+from tests.helpers.megatron import TINY_SCHEDULE, free_port, init_single_process, tiny_config
 
 pytest.importorskip("megatron.core")
 

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from megatron_helpers import import_tool
+
+from tests.helpers.megatron import import_tool
 
 pytest.importorskip("megatron.core")
 
@@ -80,9 +81,9 @@ def test_build_gpt_model_bf16_trains_on_cuda():
     kernels on S2 layers and SDPA on dense ones, RoPE, a few AdamW steps lower the loss on a
     repeated batch."""
     from megatron.core import parallel_state, tensor_parallel
-    from megatron_helpers import TINY_SCHEDULE, init_single_process
 
     from megatron_s2 import S2TransformerConfig, build_gpt_model
+    from tests.helpers.megatron import TINY_SCHEDULE, init_single_process
 
     init_single_process()
     tensor_parallel.model_parallel_cuda_manual_seed(0)

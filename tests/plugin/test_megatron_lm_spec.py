@@ -16,7 +16,8 @@ import sys
 import textwrap
 
 import pytest
-from megatron_helpers import REPO
+
+from tests.helpers.megatron import REPO
 
 pytest.importorskip("megatron.core")
 

@@ -4,7 +4,14 @@ import os
 
 import pytest
 import torch
-from megatron_helpers import REPO, TINY_SCHEDULE, init_single_process, tiny_config, tiny_s2_config
+
+from tests.helpers.megatron import (
+    REPO,
+    TINY_SCHEDULE,
+    init_single_process,
+    tiny_config,
+    tiny_s2_config,
+)
 
 pytest.importorskip("megatron.core")
 

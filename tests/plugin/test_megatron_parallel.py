@@ -11,7 +11,8 @@ The S2 layers use the PyTorch reference backend here; the kernels have their own
 """
 
 import pytest
-from megatron_helpers import import_tool
+
+from tests.helpers.megatron import import_tool
 
 pytest.importorskip("megatron.core")
 

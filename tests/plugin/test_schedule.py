@@ -7,7 +7,7 @@ import pytest
 
 from megatron_s2.schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HYBRID = {
     "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8, "head_offset": 1},

@@ -18,13 +18,14 @@ import sys
 
 import pytest
 import torch
-from megatron_helpers import import_tool
+
+from tests.helpers.megatron import import_tool
 
 pytest.importorskip("megatron.core")
 
 from megatron_s2.specs import HAVE_TE  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TE = "transformer_engine"
 
 needs_te = pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine")
@@ -74,9 +75,8 @@ def test_trainer_te_spec_resume_reproduces_uninterrupted_losses(tmp_path):
     the trainer's resume path was written and CPU-tested for: a TE-spec run stopped at step k
     (the SIGTERM hook saves there) and resumed in a new process trains the uninterrupted run's
     losses and learning rates."""
-    from test_trainer import run_trainer
-
     from megatron_s2.training.demo_corpus import ensure_demo_data
+    from tests.training.test_trainer import run_trainer
 
     demo = str(tmp_path / "demo")
     ensure_demo_data(demo)
@@ -204,10 +204,9 @@ def test_local_state_dict_renamed_for_the_te_spec(normalization):
     """A real local-spec model's unsharded parameters get exactly the TE spec's names (the
     norms fused into the following linear, LayerNorm biases included); tensors travel
     untouched and the renaming inverts."""
-    from megatron_helpers import TINY_SCHEDULE, init_single_process, tiny_s2_config
-
     from megatron_s2 import build_gpt_model
     from megatron_s2.unsharded import unsharded_parameters
+    from tests.helpers.megatron import TINY_SCHEDULE, init_single_process, tiny_s2_config
 
     tool = import_tool()
     init_single_process()

@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
-from megatron_helpers import import_tool
 
 from s2attn import S2Pattern
 from s2attn.reference import s2_attention_reference
+from tests.helpers.megatron import import_tool
 
 bench = import_tool("benchmark")
 timing = import_tool("gpu_timing")
@@ -425,7 +425,7 @@ def test_baseline_package_is_a_second_copy_that_computes_the_same(tmp_path):
     pattern class) and, being the same code here, gives the same attention on the same inputs."""
     import shutil
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     copy = tmp_path / "kernels"
     shutil.copytree(os.path.join(root, "kernels"), copy)
     base = bench.load_baseline(str(copy))
@@ -449,7 +449,7 @@ def test_kernel_timing_script_needs_a_baseline_package(tmp_path):
     """tools/run_kernel_timing.sh refuses, before any GPU work, a folder that is no package."""
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = os.path.join(root, "tools", "run_kernel_timing.sh")
     run = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 2 and "no s2attn package" in run.stderr

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.version_independent
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_retrieval.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "compare_retrieval.py"
 LENGTHS = (1024, 4096)
 DEPTHS = (0.0, 0.5, 1.0)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from megatron_helpers import import_tool
+
+from tests.helpers.megatron import import_tool
 
 cpb = import_tool("cp_benchmark")
 

@@ -15,7 +15,7 @@ Each command gets one of three plans:
   stand-ins for the placeholder configs ``RUN.yaml`` and ``my_run.yaml``). A run longer than
   ``MAX_DOC_ITERS`` steps gets ``train.train_iters=2 optimizer.lr_warmup_iters=1`` appended;
   shorter documented runs run exactly as written. Slurm commands are submitted to the
-  single-machine cluster of ``tests/test_slurm.py``.
+  single-machine cluster of ``tests/tools/test_slurm.py``.
 * **config-only**: GPU-scale runs. The run config with the command's overrides is loaded and
   checked for the command's world size.
 * **skip**: needs downloads, GPUs, several nodes or another checkout.
@@ -50,14 +50,13 @@ import pytest
 import torch
 import yaml
 
-# The single-machine Slurm cluster of tests/test_slurm.py (skips without root or Slurm packages).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_slurm import slurm  # noqa: E402, F401
+# The single-machine Slurm cluster of tests/tools/test_slurm.py (skips without root or Slurm).
+from tests.tools.test_slurm import slurm  # noqa: F401
 
 # Independent of the megatron-core version: CI runs this module in its first suite only.
 pytestmark = pytest.mark.version_independent
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(str(REPO / "docs/*.md")))]
 DOCS.append("launch/README.md")
 
@@ -601,7 +600,7 @@ def run_sbatch(cluster, line: str, plan: Plan, cwd: Path, iters: int, extra: lis
     try:
         socket.gethostbyname(cluster.host)
     except OSError:
-        env["MASTER_ADDR"] = "127.0.0.1"  # the documented override, as tests/test_slurm.py does
+        env["MASTER_ADDR"] = "127.0.0.1"  # the documented override, as tests/tools/test_slurm.py does
     r = run_bash(line, cwd, env, timeout=60)
     assert r.returncode == 0, f"$ {line}\n{r.stdout}\n{r.stderr}"
     m = re.search(r"Submitted batch job (\d+)", r.stdout)

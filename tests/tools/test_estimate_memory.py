@@ -3,11 +3,11 @@
 import os
 
 import pytest
-from megatron_helpers import import_tool
 
 from megatron_s2.training.run_config import load_config
+from tests.helpers.megatron import import_tool
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "gpt-125m-s2.yaml")
 tool = import_tool("estimate_memory")
 

@@ -4,7 +4,8 @@ the argument checks (the profiling itself needs a GPU and Nsight Compute)."""
 from __future__ import annotations
 
 import pytest
-from megatron_helpers import import_tool
+
+from tests.helpers.megatron import import_tool
 
 pytestmark = pytest.mark.version_independent
 

@@ -18,7 +18,7 @@ import yaml
 # A shell script's orchestration: CI runs it in its first suite only.
 pytestmark = pytest.mark.version_independent
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Logs its arguments and CUDA_VISIBLE_DEVICES; plays the sweep, the evaluation and the plot;
 # runs everything else (the script's inline Python) with the real interpreter.

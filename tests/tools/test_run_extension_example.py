@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.version_independent
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "run_extension_example.sh"
 # Its environment settings (the header lists them), which the tests set themselves.
 SCRIPT_KNOBS = {

@@ -1,7 +1,7 @@
 """The launchers, run for real.
 
 ``test_sbatch_demo_with_requeue`` starts a single-machine Slurm cluster (munged, slurmctld,
-slurmd; see tests/slurm/cluster.py), submits the CPU demo through ``launch/slurm.sbatch`` as one
+slurmd; see tests/helpers/slurm_cluster.py), submits the CPU demo through ``launch/slurm.sbatch`` as one
 node x 2 trainer processes, sends the time-limit warning signal mid-run, and checks that the
 trainer checkpointed, the job was requeued under the same id, resumed from that checkpoint and
 completed, with both ranks taking part. It needs root and apt-get (installs ``slurm-wlm`` and
@@ -22,13 +22,17 @@ import pytest
 # Independent of the megatron-core version: CI runs this module in its first suite only.
 pytestmark = pytest.mark.version_independent
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN = REPO / "launch" / "torchrun.sh"
 CONFIG = REPO / "configs" / "demo.yaml"
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
-from cluster import ClusterError, MiniSlurm, install_packages, missing_binaries  # noqa: E402
+from tests.helpers.slurm_cluster import (  # noqa: E402
+    ClusterError,
+    MiniSlurm,
+    install_packages,
+    missing_binaries,
+)
 
 ITERS = 16
 

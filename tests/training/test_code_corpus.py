@@ -19,12 +19,9 @@ import warnings
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from test_trainer import read_metrics, run_trainer  # noqa: E402
-
-from megatron_s2.training import code_corpus as cc  # noqa: E402
-from megatron_s2.training.tokenizer import load_tokenizer  # noqa: E402
+from megatron_s2.training import code_corpus as cc
+from megatron_s2.training.tokenizer import load_tokenizer
+from tests.training.test_trainer import read_metrics, run_trainer
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 # Small packages of every CPython 3.11+ stdlib; "json" is held out explicitly, the hash-ordered
@@ -301,7 +298,9 @@ def test_tool_runs_without_hf_datasets(tmp_path):
     root = tmp_path / "lib"
     _tree(root, {f"p{i}/m.py": f"y = {i}\n".encode() * 20 for i in range(3)})
     tool = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "build_code_corpus.py"
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "tools",
+        "build_code_corpus.py",
     )
     blocked = ["datasets", "dill", "multiprocess", "tqdm", "pyarrow"]
     code = (

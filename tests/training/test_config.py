@@ -7,7 +7,7 @@ import pytest
 
 from megatron_s2.training.run_config import ConfigError, RunConfig, apply_overrides, load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # Context-extension recipes (they start from another run's checkpoint).
 EXTEND_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "extend", "*.yaml")))

@@ -5,7 +5,8 @@
 import os
 
 import pytest
-from test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
+
+from tests.training.test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
 
 DENSE = "attention={dense_layers: {pattern: D}}"
 
@@ -135,8 +136,8 @@ import torch
 from megatron_s2.training.cpu_mode import enable_cpu_mode
 
 enable_cpu_mode()
-sys.path.insert(0, "tests")
-from megatron_helpers import TINY_SCHEDULE, init_single_process, tiny_s2_config  # noqa: E402
+sys.path.insert(0, ".")  # the working directory is the repository root: tests.helpers
+from tests.helpers.megatron import TINY_SCHEDULE, init_single_process, tiny_s2_config  # noqa: E402
 
 from megatron_s2.model import build_gpt_model  # noqa: E402
 from megatron_s2.training.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
@@ -204,7 +205,7 @@ def test_bf16_start_from_weights_keeps_them_through_the_first_step(tmp_path):
     import subprocess
     import sys
 
-    from megatron_helpers import REPO
+    from tests.helpers.megatron import REPO
 
     script = tmp_path / "bf16_start.py"
     script.write_text(_BF16_START_SCRIPT)

@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 import torch
-from megatron_helpers import REPO, free_port
+
+from tests.helpers.megatron import REPO, free_port
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU mode is for machines without CUDA"

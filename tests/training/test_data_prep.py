@@ -25,7 +25,7 @@ from megatron_s2.training.tokenizer import (
 
 IndexedDataset = pytest.importorskip("megatron.core.datasets.indexed_dataset").IndexedDataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 DOCS = [
     "hello world",

@@ -28,7 +28,7 @@ from megatron_s2.training.preprocess import PreprocessStats, preprocess
 from megatron_s2.training.run_config import ConfigError
 from megatron_s2.training.tokenizer import ByteTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOK = ByteTokenizer()
 # A subprocess of the trainer or prepare_data takes seconds; a hang would take forever.
 SUBPROCESS_TIMEOUT = 240

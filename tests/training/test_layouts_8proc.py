@@ -24,7 +24,8 @@ import sys
 
 import pytest
 import yaml
-from test_trainer import REPO, demo_dir, run_trainer  # noqa: F401  (fixture)
+
+from tests.training.test_trainer import REPO, demo_dir, run_trainer  # noqa: F401  (fixture)
 
 pytest.importorskip("megatron.core")
 

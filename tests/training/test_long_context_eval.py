@@ -14,10 +14,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_trainer import DEMO, REPO, _env, demo_dir, run_trainer  # noqa: E402, F401
-
-from megatron_s2.training.long_context_eval import main  # noqa: E402
+from megatron_s2.training.long_context_eval import main
+from tests.training.test_trainer import DEMO, REPO, _env, demo_dir, run_trainer  # noqa: F401
 
 EVAL = [sys.executable, os.path.join(REPO, "tools", "eval_long_context.py")]
 GRID = [
@@ -264,7 +262,7 @@ def test_length_above_seq_length_or_off_the_blocks(run_dir, capsys):
 
 
 def test_checkpoint_that_does_not_match_the_config(run_dir, capsys):
-    from test_trainer import TINY
+    from tests.training.test_trainer import TINY
 
     err = _fails(
         capsys,
@@ -300,7 +298,7 @@ def test_checkpoint_that_does_not_match_the_config(run_dir, capsys):
 )
 def test_parallel_layouts_give_the_single_process_scores(run_dir, evaluated, layout, shown):
     """Two processes under each layout of training, from the single-process checkpoint."""
-    from test_trainer import TWO_PROCESSES
+    from tests.training.test_trainer import TWO_PROCESSES
 
     _, single = evaluated
     out = run_dir / f"eval_{shown.replace(' ', '')}"

@@ -312,9 +312,9 @@ def short_documents(tmp_path_factory):
 
 
 def _train(tmp_path, prefix, name, *overrides, check=True, two_processes=False):
-    """The trainer CLI (tests/test_trainer.py's runner and its tiny model) on the corpus
+    """The trainer CLI (tests/training/test_trainer.py's runner and its tiny model) on the corpus
     ``prefix``; returns the process and every record of its metrics.jsonl."""
-    from test_trainer import TWO_PROCESSES, run_trainer
+    from tests.training.test_trainer import TWO_PROCESSES, run_trainer
 
     proc, _ = run_trainer(
         tmp_path,

@@ -1,7 +1,7 @@
 """Run safety without training (issue 9): what a resume may change, the run-directory lock,
 starting over, the start-up checks, checkpoint verification and fallback, the summary.
 
-The same behaviour through the real CLI is in ``tests/test_run_safety_cli.py``.
+The same behaviour through the real CLI is in ``tests/training/test_run_safety_cli.py``.
 """
 
 import errno

@@ -17,11 +17,11 @@ import sys
 import time
 
 import pytest
-from test_trainer import DEMO, TINY, _env, read_metrics, run_trainer
 
 from megatron_s2.training import cli
 from megatron_s2.training.checkpointing import TRACKER, checkpoint_path, find_checkpoint
 from megatron_s2.training.run_dir import RunDirError
+from tests.training.test_trainer import DEMO, TINY, _env, read_metrics, run_trainer
 
 # The base run: demo.yaml's optimizer (lr 3e-3, min 3e-4, cosine) with TINY's 2 warm-up steps.
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 2

@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent(
 def _run_parent(script: str) -> subprocess.CompletedProcess:
     """``script`` run with ``python -c`` in its own session (process group), from the
     checkout's root."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,

@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_trainer import TINY  # noqa: E402
+from megatron_s2.training import sweep
+from megatron_s2.training.sweep import StudyError, load_study
+from tests.training.test_trainer import TINY
 
-from megatron_s2.training import sweep  # noqa: E402
-from megatron_s2.training.sweep import StudyError, load_study  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_study(tmp_path, **study):

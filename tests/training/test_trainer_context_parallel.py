@@ -2,7 +2,8 @@
 as one process, and its checkpoint resumes in one process (CP=1)."""
 
 import pytest
-from test_trainer import TWO_PROCESSES, demo_dir, run_trainer  # noqa: F401  (fixture)
+
+from tests.training.test_trainer import TWO_PROCESSES, demo_dir, run_trainer  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 

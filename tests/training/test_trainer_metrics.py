@@ -12,7 +12,9 @@ from megatron_s2.training.metrics import (
 )
 from megatron_s2.training.run_config import load_config
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs"
+)
 
 
 def test_flops_dense_matches_the_textbook_formula():
