@@ -600,7 +600,7 @@ def run_sbatch(cluster, line: str, plan: Plan, cwd: Path, iters: int, extra: lis
     try:
         socket.gethostbyname(cluster.host)
     except OSError:
-        env["MASTER_ADDR"] = "127.0.0.1"  # the documented override, as tests/tools/test_slurm.py does
+        env["MASTER_ADDR"] = "127.0.0.1"  # the documented override, as test_slurm.py does
     r = run_bash(line, cwd, env, timeout=60)
     assert r.returncode == 0, f"$ {line}\n{r.stdout}\n{r.stderr}"
     m = re.search(r"Submitted batch job (\d+)", r.stdout)

@@ -1,7 +1,7 @@
 """The launchers, run for real.
 
 ``test_sbatch_demo_with_requeue`` starts a single-machine Slurm cluster (munged, slurmctld,
-slurmd; see tests/helpers/slurm_cluster.py), submits the CPU demo through ``launch/slurm.sbatch`` as one
+slurmd; tests/helpers/slurm_cluster.py), submits the CPU demo via ``launch/slurm.sbatch`` as one
 node x 2 trainer processes, sends the time-limit warning signal mid-run, and checks that the
 trainer checkpointed, the job was requeued under the same id, resumed from that checkpoint and
 completed, with both ranks taking part. It needs root and apt-get (installs ``slurm-wlm`` and
