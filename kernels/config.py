@@ -122,7 +122,7 @@ GPU_DQ_NARROW_WARPS = 4
 GPU_BWD_WIDE_STAGES = 2
 # fp32 inputs (tests, exact checks) take twice the shared memory per tile: at d >= 128 the dQ
 # pass's 128-row tile, 3 stages deep, would need 288 KB (Hopper has 227 KB per block), so it
-# runs 64-row tiles (208 KB). bf16/fp16 are unaffected (tests/test_shared_memory.py compiles
+# runs 64-row tiles (208 KB). bf16/fp16 are unaffected (tests/kernels/test_shared_memory.py compiles
 # every default for sm_90 and checks the budget).
 FP32_DQ_BLOCK_M = 64
 # Interpreter: query tiles of two pattern blocks still exercise Merge-Q while keeping the CPU

@@ -34,7 +34,7 @@ documents start on 16 bytes, :func:`document_aligned_stats`), and needs ``delta`
 (``rowsum(dO * O) - dLSE``, from the dQ pass). The default at those blocks wherever the Gluon
 forward is (``KernelConfig.gluon_dkdv``, ``S2ATTN_GLUON_FORWARD=0`` turns both off): checked on
 the CPU (:func:`emulate_dkdv`, an sm_90 compile) and on H200/H100 GPUs
-(``tests/test_kernels_gpu.py``); timings in ``docs/benchmarks.md``.
+(``tests/kernels/test_kernels_gpu.py``); timings in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ its extra rows' LSE as +inf and stores dQ through a masked store) or gathered on
 and 32, ``gathered_keys.py``), and is
 the default wherever the Gluon dK/dV pass is (``KernelConfig.gluon_dq``; ``S2ATTN_GLUON_FORWARD=0``
 turns all three Gluon kernels off): checked on the CPU (:func:`emulate_dq`, an sm_90 compile) and
-on an H200 (``tests/test_kernels_gpu.py``), fwd+bwd up to 4% faster than with the ``tl`` dQ
+on an H200 (``tests/kernels/test_kernels_gpu.py``), fwd+bwd up to 4% faster than with the ``tl`` dQ
 pass, never slower (``docs/benchmarks.md``).
 """
 

@@ -11,7 +11,7 @@ model class.
 
 megatron-core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``; 0.16.1 has no
 ``HybridModel``. ``"auto"`` picks ``HybridModel`` where it exists (its losses equal the GPT
-model's: ``tests/test_trainer_model_class.py``), else ``GPTModel``.
+model's: ``tests/training/test_trainer_model_class.py``), else ``GPTModel``.
 """
 
 from __future__ import annotations

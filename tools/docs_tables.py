@@ -39,7 +39,7 @@ import sys
 from typing import Optional
 
 # The dense kernels of other people that tools/benchmark.py compares against (its
-# DENSE_BASELINES; tests/test_docs_tables.py checks that the two agree). Our own dense-pattern
+# DENSE_BASELINES; tests/tools/test_docs_tables.py checks that the two agree). Our own dense-pattern
 # row is not one of them: it is what they measure.
 DENSE_BASELINES = ("flash", "cudnn", "fa4")
 # The line a marked block holds until its raw output is committed.

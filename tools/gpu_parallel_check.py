@@ -28,7 +28,7 @@ local spec's own checkpoint key map (``input_layernorm.weight`` <->
 ``self_attention.linear_qkv.layer_norm_weight``). Without Transformer Engine, or with --cpu, the
 TE mode is refused (exit status 2).
 
-The functions are importable (the CPU tests in tests/test_megatron_parallel.py use them).
+The functions are importable (the CPU tests in tests/plugin/test_megatron_parallel.py use them).
 """
 
 from __future__ import annotations

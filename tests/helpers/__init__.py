@@ -1,0 +1,7 @@
+"""Plain helpers shared by the tests (no fixtures or hooks: those are in ``tests/conftest.py``).
+
+- ``kernels``: s2attn inputs, token masks, fp64 references and error checks;
+- ``megatron``: tiny Megatron configs, a one-process gloo world, importing ``tools/`` scripts;
+- ``slurm_cluster``: a throw-away single-machine Slurm cluster (``python -m
+  tests.helpers.slurm_cluster DIR`` starts one by hand).
+"""

@@ -1,0 +1,82 @@
+"""Shared helpers for the Megatron integration tests (tiny models, single-process setup)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(REPO, "tools")
+
+TINY_SCHEDULE = {
+    "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 8, "head_offset": 1},
+    "dense_layers": {"pattern": "SD"},
+    "overrides": {2: {"vert_stride": 4, "num_dense_heads": 2}},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process() -> None:
+    """gloo world of one and Megatron TP=PP=1 in this process (idempotent; no CPU mode)."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        try:
+            torch.distributed.get_rank(group=parallel_state.get_pipeline_model_parallel_group())
+        except (ValueError, RuntimeError):
+            # Groups of a world an earlier test tore down and replaced: start over.
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def tiny_config(config_class=None, **kw):
+    """A 4-layer, hidden-64, 8-head (4 KV groups, head size 16) TransformerConfig for CPU tests."""
+    from megatron.core.transformer import TransformerConfig
+
+    # kv_channels 16: the smallest head size the Triton kernels take (the test session runs them
+    # under the interpreter on CPU).
+    base = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=torch.float32,
+    )
+    base.update(kw)
+    return (config_class or TransformerConfig)(**base)
+
+
+def tiny_s2_config(schedule, **kw):
+    """:func:`tiny_config` as a ``megatron_s2.S2TransformerConfig`` carrying ``schedule``."""
+    from megatron_s2.config import S2TransformerConfig
+
+    return tiny_config(config_class=S2TransformerConfig, s2_schedule=schedule, **kw)
+
+
+def import_tool(name: str = "gpu_parallel_check"):
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    return __import__(name)

@@ -1,0 +1,304 @@
+"""tools/run_extension_example.sh's orchestration, with a stand-in interpreter (the real steps are
+tested in test_code_corpus.py, test_demo_corpus.py, test_sweep.py, test_context_extension.py and
+test_long_context_eval.py): the key-value corpus is blended into both studies at KV_WEIGHT and
+the retrieval training documents (one corpus per study) at RETRIEVAL_WEIGHT, the
+4k models are evaluated before the extension trains (not beside it: its tokens/s is a result),
+every run is evaluated once on held-out code alone, and a second run redoes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# How the study scripts run the long-context evaluation.
+EVAL_MODULE = ["-m", "megatron_s2.training.evaluation.long_context"]
+
+pytestmark = pytest.mark.version_independent
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "run_extension_example.sh"
+# Its environment settings (the header lists them), which the tests set themselves.
+SCRIPT_KNOBS = {
+    "PYTHON", "CORPUS", "KV_PREFIX", "KV_WEIGHT", "RETRIEVAL_PREFIX", "RETRIEVAL_WEIGHT",
+    "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
+    "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
+    "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH",
+}  # fmt: skip
+POINTS = {
+    "code-125m-4k-base": ["dense", "hybrid-DS"],
+    "code-125m-extend-16k": ["dense", "hybrid-DS", "dense-to-hybrid"],
+    "code-125m-extend-16k-remedies": [
+        "hybrid-DS-long",
+        "dense",
+        "hybrid-DS",
+        "hybrid-DS-local32",
+        "hybrid-DS-more-dense",
+    ],
+}
+
+# Logs each call with its start and end; plays the corpus builders, the sweeps (their runs'
+# summary.json), the evaluations and the plot; runs the script's inline Python for real.
+FAKE = textwrap.dedent(
+    """\
+    #!{python}
+    import json, os, subprocess, sys, time
+    args = sys.argv[1:]
+    start = time.time()
+    points = {points!r}
+    def log():
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(json.dumps({{"args": args, "start": start, "end": time.time(),
+                                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
+    tool = os.path.basename(args[0]) if args else ""
+    if tool == "build_code_corpus.py":
+        out = args[args.index("--out") + 1]
+        os.makedirs(out)
+        overrides = ("data.demo=false data.blend=[data/code/train_valid] data.split=9,1,0 "
+                     "data.tokenizer=data/code/tokenizer")
+        json.dump({{"overrides": overrides}}, open(os.path.join(out, "corpus.json"), "w"))
+    elif tool in ("make_demo_corpus.py", "make_retrieval_corpus.py"):
+        prefix = args[args.index("--output-prefix") + 1]
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        open(prefix + ".idx", "w").close()
+    elif args[:3] == ["-m", "megatron_s2.training.sweep", "run"]:
+        name = os.path.basename(args[3])[: -len(".yaml")]
+        time.sleep(1.0)  # long enough for the evaluations beside it to start
+        for p in points[name]:
+            os.makedirs(f"sweeps/{{name}}/runs/{{p}}/checkpoints", exist_ok=True)
+            open(f"sweeps/{{name}}/runs/{{p}}/summary.json", "w").write("{{}}")
+    elif args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
+        run = os.path.dirname(args[args.index("--checkpoint") + 1])
+        os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
+        open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w").write("{{}}")
+        acc = float(os.environ.get("FAKE_ACCURACY", "0"))
+        cells = [{{"length": n, "depth": 0.5, "accuracy": acc if n <= 4096 else 0.0,
+                   "token_accuracy": 0.0, "log_likelihood": -11.5, "trials": 10}}
+                 for n in (2048, 4096, 8192)]
+        json.dump({{"tasks": {{"passkey": {{"cells": cells}}}}}},
+                  open(os.path.join(run, "long_context_eval", "retrieval.json"), "w"))
+    elif tool == "plot_loss_by_position.py":
+        pass
+    else:
+        sys.exit(subprocess.call([{python!r}, *args]))
+    log()
+    """
+)
+
+
+def _run(tmp_path, log, **extra):
+    # The script's own knobs come from the test alone, not from the caller's environment.
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
+    env.update(PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25", **extra)
+    r = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [json.loads(x) for x in log.read_text().splitlines()]
+
+
+def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log)
+
+    tools = [os.path.basename(c["args"][0]) for c in calls]
+    assert tools.count("build_code_corpus.py") == 1
+    (kv,) = [c for c in calls if os.path.basename(c["args"][0]) == "make_demo_corpus.py"]
+    assert kv["args"][kv["args"].index("--tokenizer") + 1] == "data/code/tokenizer"
+
+    sweeps = {
+        Path(c["args"][3]).stem: c
+        for c in calls
+        if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
+    }
+    # One retrieval corpus per study, trials no longer than its sequence, in the code tokenizer.
+    retrieval = {
+        c["args"][c["args"].index("--output-prefix") + 1]: c
+        for c in calls
+        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
+    }
+    assert sorted(retrieval) == [
+        "data/retrieval/retrieval_code_16k",
+        "data/retrieval/retrieval_code_4k",
+    ]
+    for prefix, c in retrieval.items():
+        assert c["args"][c["args"].index("--tokenizer") + 1] == "data/code/tokenizer"
+        assert c["args"][c["args"].index("--tasks") + 1] == "passkey,needle"
+        max_tokens = c["args"][c["args"].index("--max-tokens") + 1]
+        assert max_tokens == {"4k": "4096", "16k": "16384"}[prefix.rsplit("_", 1)[1]]
+    assert sorted(sweeps) == ["code-125m-4k-base", "code-125m-extend-16k"]
+    for name, c in sweeps.items():
+        tag = "4k" if name == "code-125m-4k-base" else "16k"
+        assert c["args"][4:] == [
+            "data.demo=false",
+            "data.blend=[data/code/train_valid]",
+            "data.split=9,1,0",
+            "data.tokenizer=data/code/tokenizer",
+            # after the corpus's own blend, so that it wins; code gets what the others leave
+            "data.blend=[[0.55, data/code/train_valid], [0.25, data/kv/kv_code], "
+            f"[0.2, data/retrieval/retrieval_code_{tag}]]",
+        ]
+    extension = sweeps["code-125m-extend-16k"]
+    assert sweeps["code-125m-4k-base"]["end"] <= extension["start"]
+
+    eval_calls = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    evals = {Path(c["args"][c["args"].index("--checkpoint") + 1]).parent: c for c in eval_calls}
+    expected = {
+        Path("sweeps") / s / "runs" / p
+        for s, ps in POINTS.items()
+        if not s.endswith("remedies")
+        for p in ps
+    }
+    assert set(evals) == expected and len(eval_calls) == len(expected)  # each run once
+    for run, c in evals.items():
+        assert c["args"][-1] == "data.blend=[data/code/train_valid]"  # held-out code only
+        assert "--attention-probe" not in c["args"]  # only with PROBE_LENGTH
+        before_extension = run.parts[1] == "code-125m-4k-base"
+        assert ("--allow-extrapolation" in c["args"]) == before_extension
+        if before_extension:
+            # not beside the extension: its tokens/s is a result
+            assert c["end"] <= extension["start"]
+        else:
+            assert c["start"] >= extension["end"]
+        assert (tmp_path / run / "long_context_eval.log").exists()
+    plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
+    assert len(plots) == 2
+    # the real tools/compare_retrieval.py, on the stand-in evaluations
+    summary = (tmp_path / "sweeps" / "code-125m-extend-16k" / "retrieval_summary.md").read_text()
+    assert "| dense-to-hybrid | 0% (-11.5) | 0% (-11.5) | 0% (-11.5) |" in summary
+    assert "all done (exit 0)" in (tmp_path / "example_status.log").read_text()
+
+    # Again: the corpora exist and every run has its evaluation; the sweeps are asked again
+    # (they skip finished points themselves).
+    log.write_text("")
+    calls = _run(tmp_path, log)
+    tools = [os.path.basename(c["args"][0]) for c in calls]
+    assert not {"build_code_corpus.py", "make_demo_corpus.py", "make_retrieval_corpus.py"} & set(
+        tools
+    )
+    assert not [c for c in calls if c["args"][:2] == EVAL_MODULE]
+
+
+def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_path):
+    """RETRIEVAL_WEIGHT=0 is run E's blend: no retrieval corpus is written or blended."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, RETRIEVAL_WEIGHT="0")
+    tools = [os.path.basename(c["args"][0]) for c in calls]
+    assert "make_retrieval_corpus.py" not in tools
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert len(sweeps) == 2
+    run_e_blend = "data.blend=[[0.75, data/code/train_valid], [0.25, data/kv/kv_code]]"
+    assert [c["args"][-1] for c in sweeps] == [run_e_blend, run_e_blend]
+
+
+@pytest.mark.parametrize("accuracy, extends", [("0.0", False), ("0.3", True)])
+def test_example_script_extends_only_models_that_retrieve(tmp_path, accuracy, extends):
+    """EXTEND_MIN_ACCURACY: the extension (and its device time) only for base models whose
+    passkey accuracy up to their own 4k reaches it."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, EXTEND_MIN_ACCURACY="0.2", FAKE_ACCURACY=accuracy)
+    studies = [
+        Path(c["args"][3]).stem
+        for c in calls
+        if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
+    ]
+    status = (tmp_path / "example_status.log").read_text()
+    if extends:
+        assert studies == ["code-125m-4k-base", "code-125m-extend-16k"]
+        assert "all done (exit 0)" in status
+    else:
+        assert studies == ["code-125m-4k-base"]
+        assert "extension skipped" in status and "EXTEND_MIN_ACCURACY=0.2" in status
+
+
+def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
+    """DEVICES=0,1: both studies get the sweep's --devices (a point per GPU) and the evaluations
+    of a study go round the GPUs, one process each."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, DEVICES="0, 1")  # spaces as a user may type them
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert len(sweeps) == 2
+    for c in sweeps:
+        assert c["args"][-2:] == ["--devices", "0,1"]
+    for study in ("code-125m-4k-base", "code-125m-extend-16k"):
+        points = POINTS[study]
+        gpus = [
+            c["gpus"]
+            for c in calls
+            if c["args"][:2] == EVAL_MODULE
+            and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
+        ]
+        assert len(gpus) == len(points)
+        assert sorted(gpus) == sorted(["0", "1", "0"][: len(points)])
+
+
+def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
+    """EXTEND_STUDIES: each extension study from the same 4k models, one after another, each
+    evaluated after its own training and plotted."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    studies = ["code-125m-extend-16k", "code-125m-extend-16k-remedies"]
+    calls = _run(tmp_path, log, EXTEND_STUDIES=" ".join(studies))
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert [Path(c["args"][3]).stem for c in sweeps] == ["code-125m-4k-base", *studies]
+    assert all(Path(c["args"][3]).is_file() for c in sweeps)  # the studies exist
+    for sweep, study in zip(sweeps[1:], studies):
+        evals = [
+            c
+            for c in calls
+            if c["args"][:2] == EVAL_MODULE
+            and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
+        ]
+        assert len(evals) == len(POINTS[study])
+        assert all(c["start"] >= sweep["end"] for c in evals)
+    plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
+    assert sorted(c["args"][c["args"].index("--out") + 1] for c in plots) == sorted(
+        f"sweeps/{s}/loss_by_position.png" for s in ["code-125m-4k-base", *studies]
+    )
+
+
+def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
+    env.update(PYTHON=str(fake), FAKE_LOG=str(log), EXTEND_STUDIES="code-125m-extend-16k-remedis")
+    r = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert "no study code-125m-extend-16k-remedis" in r.stdout
+    assert "code-125m-extend-16k-remedies" in r.stdout  # the studies there are, listed
+    assert not log.exists()  # nothing ran
+
+
+def test_example_script_probes_attention_when_asked(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    calls = _run(tmp_path, tmp_path / "calls.jsonl", PROBE_LENGTH="8192")
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    assert evals
+    for c in evals:
+        at = c["args"].index("--attention-probe")
+        assert c["args"][at + 1] == "8192"

@@ -1,0 +1,140 @@
+"""The explicit CPU mode (``megatron_s2.training.cpu_mode``) on the installed megatron-core.
+
+CPU mode patches torch process-wide, so each check runs in a fresh interpreter: the rest of the
+session must keep the real torch. The data-parallel check takes one optimizer step on two gloo
+ranks through the seams that differ between megatron-core versions (0.19's ``start_grad_sync``
+asks for the current CUDA stream on every step) and through the distributed optimizer's
+reduce-scatter, which runs inside a coalescing manager: an emulated reduce-scatter there once
+left data-parallel gradients unreduced.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.helpers.megatron import REPO, free_port
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU mode is for machines without CUDA"
+)
+
+
+def _run_args(*args: str) -> str:
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1"
+    )
+    # The kernels are not involved; the interpreter would only slow the imports down.
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _run(code: str) -> str:
+    return _run_args("-c", textwrap.dedent(code))
+
+
+def _run_file(path, *args: str) -> str:
+    return _run_args(str(path), *args)
+
+
+def test_streams_and_events_are_inert_only_after_enabling():
+    out = _run("""
+        import torch
+        before = torch.cuda.current_stream
+        from megatron_s2.training import cpu_mode
+        assert torch.cuda.current_stream is before, "importing must not patch"
+        assert not cpu_mode.cpu_mode_enabled()
+        cpu_mode.enable_cpu_mode()
+        cpu_mode.enable_cpu_mode()
+        s = torch.cuda.current_stream()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        s.wait_event(e)
+        s.wait_stream(torch.cuda.default_stream())
+        assert s.record_event().query()
+        side = torch.cuda.Stream(device=torch.cuda.current_device())
+        with torch.cuda.stream(side):
+            x = torch.ones(3, device="cuda")
+        x.record_stream(side)
+        side.synchronize()
+        torch.cuda.synchronize()
+        assert x.device.type == "cpu" and e.elapsed_time(e) == 0.0
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+_DDP_SCRIPT = """
+import sys
+
+import torch
+
+# CPU mode before any Megatron import, as in the trainer: patches must not depend on import order.
+from megatron_s2.training.cpu_mode import enable_cpu_mode
+
+enable_cpu_mode()
+
+
+def main(rank, dist_opt, overlap):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                               use_cpu_initialization=True)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    ref = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt,
+                                              overlap_grad_reduce=overlap, bucket_size=100),
+        module)
+    # The distributed optimizer takes only Adam; eps 1 keeps its step proportional to the
+    # gradient, so a wrongly reduced gradient cannot hide behind Adam's sign-like first step.
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=0.5, adam_eps=1.0, weight_decay=0.0, clip_grad=0.0,
+                        use_distributed_optimizer=dist_opt), [ddp])
+    x = torch.randn(2, 4, 8)  # one batch per rank, same seed everywhere
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(x[rank]).sum().backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok
+    # A data-parallel step is a step on the mean of the ranks' gradients.
+    h = torch.nn.functional.linear(x, ref[0], ref[1])
+    (torch.nn.functional.linear(h, ref[2], ref[3]).sum((1, 2)).mean()).backward()
+    torch.optim.Adam(ref, lr=0.5, eps=1.0).step()
+    for p, r in zip(module.parameters(), ref):
+        torch.testing.assert_close(p.detach(), r.detach())
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(main, args=(sys.argv[1] == "1", sys.argv[2] == "1"), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize(
+    "dist_opt,overlap", [(False, False), (True, True)], ids=["allreduce", "distopt_overlap"]
+)
+def test_megatron_data_parallel_step_in_cpu_mode(tmp_path, dist_opt, overlap):
+    """Two gloo ranks through Megatron's DDP grad sync (0.19: the current-stream waits) and
+    optimizer (the distributed one reduce-scatters inside a coalescing manager)."""
+    script = tmp_path / "ddp_step.py"
+    script.write_text(_DDP_SCRIPT)
+    _run_file(script, str(int(dist_opt)), str(int(overlap)))

@@ -1,0 +1,319 @@
+"""Seeds as a first-class sweep axis, and the seeded summary (intervals, paired differences,
+the differences-within-noise verdict) that docs/quality.md's tables are recomputed with."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from scipy import stats
+
+from megatron_s2.training import seed_stats, sweep
+from megatron_s2.training.sweep import StudyError, load_study
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_study(tmp_path, **study):
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    return path
+
+
+# ---- the study file ----------------------------------------------------------------------------
+def test_seeds_expand_every_point_with_the_seed_last(tmp_path):
+    path = write_study(
+        tmp_path,
+        overrides={"train.train_iters": 50},
+        grid={"attention.s2.vert_stride": [2, 4]},
+        points=[{"name": "dense", "attention.dense_layers.pattern": "D"}],
+        seeds=[7, 3],
+        reference="dense",
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    assert [p.name for p in study.points] == [
+        "vert_stride=2,seed=7",
+        "vert_stride=2,seed=3",
+        "vert_stride=4,seed=7",
+        "vert_stride=4,seed=3",
+        "dense,seed=7",
+        "dense,seed=3",
+    ]
+    assert [p.setting for p in study.points] == [
+        "vert_stride=2",
+        "vert_stride=2",
+        "vert_stride=4",
+        "vert_stride=4",
+        "dense",
+        "dense",
+    ]
+    assert study.axes[-1] == "train.seed" and study.seeds == [7, 3]
+    assert [p.config.train.seed for p in study.points] == [7, 3, 7, 3, 7, 3]
+    assert all(p.valid for p in study.points)
+    # The seed reaches the trainer's command line like every other point value.
+    argv, _ = sweep.point_command(study, study.points[1])
+    assert "train.seed=3" in argv
+
+
+def test_a_study_without_seeds_names_points_as_before(tmp_path):
+    study = load_study(write_study(tmp_path, points=[{"name": "a", "train.seed": 5}]))
+    assert [(p.name, p.setting) for p in study.points] == [("a", "a")]
+    assert study.seeds is None and study.points[0].config.train.seed == 5
+
+
+@pytest.mark.parametrize(
+    "study, message",
+    [
+        ({"seeds": [], "points": [{}]}, "seeds must be a non-empty list"),
+        ({"seeds": [1, "2"], "points": [{}]}, "seeds must be a non-empty list of integers"),
+        ({"seeds": [-1], "points": [{}]}, "integers >= 0"),
+        ({"seeds": [1, 1], "points": [{}]}, "seeds has a value twice"),
+        ({"seeds": [1], "points": [{"train.seed": 2}]}, "train.seed is set in grid/points"),
+        ({"seeds": [1], "overrides": {"train.seed": 2}, "points": [{}]}, "set in overrides"),
+        ({"seeds": [1], "points": [{"name": "a"}], "reference": "b"}, "reference 'b' is not"),
+        ({"points": [{"name": "a"}], "reference": 3}, "reference must be a point's name"),
+    ],
+)
+def test_seed_settings_are_checked_at_load(tmp_path, study, message):
+    with pytest.raises(StudyError) as e:
+        load_study(write_study(tmp_path, **study))
+    assert message in str(e.value)
+
+
+def test_seed_on_the_command_line_and_in_seeds_is_refused(tmp_path):
+    path = write_study(tmp_path, seeds=[1, 2], points=[{"name": "a"}])
+    with pytest.raises(StudyError, match="set in command line"):
+        load_study(path, extra_overrides=["train.seed=4"])
+
+
+def test_the_16k_seeded_study_loads_at_equal_tokens(tmp_path):
+    corpus = [
+        "data.demo=false",
+        f"data.blend=[{tmp_path}/train_valid]",
+        "data.split=100,3,0",
+        f"data.tokenizer={tmp_path}/tokenizer",
+    ]
+    study = load_study(
+        REPO / "configs" / "studies" / "code-125m-16k-seeds.yaml", extra_overrides=corpus
+    )
+    assert all(p.valid for p in study.points), [p.error for p in study.points]
+    assert len(study.points) == 12 and study.reference == "dense"
+    assert {p.config.model.seq_length for p in study.points} == {16384}
+    per_setting: dict = {}
+    for p in study.points:
+        per_setting.setdefault(p.setting, []).append(p.config.train.seed)
+    assert per_setting == {s: [1, 2, 3] for s in ("dense", "hybrid-DS", "hybrid-SSSD", "all-s2")}
+    tokens = {
+        p.config.train.train_iters * p.config.train.global_batch_size * p.config.model.seq_length
+        for p in study.points
+    }
+    assert tokens == {366 * 8 * 16384}  # 48.0M tokens per run
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+def test_mean_interval_is_students_t():
+    rng = random.Random(0)
+    for n in (2, 3, 5):
+        xs = [rng.gauss(3.0, 0.1) for _ in range(n)]
+        est = seed_stats.mean_interval(xs)
+        lo, hi = stats.t.interval(0.95, n - 1, loc=sum(xs) / n, scale=stats.sem(xs))
+        assert est.n == n
+        assert est.low == pytest.approx(lo, rel=1e-12) and est.high == pytest.approx(hi, rel=1e-12)
+    one = seed_stats.mean_interval([2.5])
+    assert one.half_width is None and one.text() == "2.5000"
+    with pytest.raises(ValueError):
+        seed_stats.mean_interval([])
+
+
+def test_paired_difference_uses_the_same_seeds_and_welch_otherwise():
+    ref = {"1": 3.00, "2": 3.10, "3": 2.95}
+    # The same seed shifts both: pairing sees a steady +1% where the spread between seeds is 5%.
+    arm = {s: v * 1.01 + (0.0001 if s == "2" else 0.0) for s, v in ref.items()}
+    diff, how = seed_stats.difference_interval(arm, ref)
+    assert how == "paired"
+    ref_mean = sum(ref.values()) / 3
+    d = [(arm[s] - ref[s]) * 100 / ref_mean for s in ref]
+    res = stats.ttest_rel([arm[s] for s in ref], [ref[s] for s in ref])
+    ci = res.confidence_interval()
+    assert diff.mean == pytest.approx(sum(d) / 3)
+    assert diff.low == pytest.approx(ci.low * 100 / ref_mean)
+    assert seed_stats.verdict(diff) == "higher (worse)"
+    # Different seeds: Welch's interval of the difference of the means.
+    other = {"4": 2.99, "5": 3.12, "6": 2.97}
+    diff2, how2 = seed_stats.difference_interval(other, ref)
+    assert how2 == "Welch"
+    ci2 = stats.ttest_ind(list(other.values()), list(ref.values()), equal_var=False)
+    ci2 = ci2.confidence_interval()
+    assert diff2.low == pytest.approx(ci2.low * 100 / ref_mean)
+    assert diff2.high == pytest.approx(ci2.high * 100 / ref_mean)
+    assert seed_stats.verdict(diff2) == "no difference"
+    assert seed_stats.difference_interval({"1": 3.0}, {"2": 3.1}) == (None, "")
+
+
+@pytest.mark.parametrize(
+    "mean, half, expected",
+    [
+        (0.5, 1.0, "no difference"),
+        (-0.5, 1.0, "no difference"),
+        (1.5, 1.0, "higher (worse)"),
+        (-1.5, 1.0, "lower (better)"),
+        (1.5, None, "one seed: no interval"),
+    ],
+)
+def test_verdict_never_calls_a_difference_inside_the_interval(mean, half, expected):
+    assert seed_stats.verdict(seed_stats.Estimate(mean, half, 3)) == expected
+
+
+# ---- summary from the sweep's table ------------------------------------------------------------
+def _rows(losses: dict, speeds: dict):
+    """results.csv-like rows (strings) for settings -> [loss per seed]."""
+    rows = []
+    for setting, per_seed in losses.items():
+        for seed, loss in enumerate(per_seed, start=1):
+            rows.append(
+                {
+                    "point": f"{setting},seed={seed}",
+                    "status": "finished",
+                    "setting": setting,
+                    "attention.dense_layers.pattern": {"dense": "D"}.get(setting, "DS"),
+                    "train.seed": str(seed),
+                    "model.seq_length": "16384",
+                    "final_valid_loss": repr(loss),
+                    "tokens_per_s": repr(speeds[setting][seed - 1]),
+                }
+            )
+    return rows
+
+
+def test_summary_table_and_files(tmp_path):
+    rows = _rows(
+        {"dense": [3.00, 3.10, 2.95], "hybrid": [3.01, 3.11, 2.96]},
+        {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
+    )
+    rows.append({**rows[0], "point": "x,seed=1", "setting": "x", "status": "failed"})
+    out = seed_stats.summarize(rows, "dense", ["attention.dense_layers.pattern"])
+    assert [s.setting for s in out] == ["dense", "hybrid"]  # a failed run is left out
+    hyb = out[1]
+    assert hyb.speedup == pytest.approx(1.2)
+    assert hyb.loss_diff_method == "paired" and hyb.verdict == "higher (worse)"
+    text = seed_stats.summary_markdown(out, "dense", ["attention.dense_layers.pattern"])
+    assert "| **hybrid** | DS | 1,2,3 |" in text  # faster, so on the Pareto front
+    assert "1.20x" in text and "(paired)" in text
+    written = seed_stats.write_summary(rows, str(tmp_path), reference="dense", title="t")
+    assert [os.path.basename(p) for p in written] == ["summary.csv", "summary.md", "frontier.png"]
+    with open(tmp_path / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["setting"] for r in table] == ["dense", "hybrid"]
+    assert float(table[1]["speedup"]) == pytest.approx(1.2)
+    assert math.isclose(float(table[0]["valid_loss_mean"]), (3.00 + 3.10 + 2.95) / 3)
+    with pytest.raises(ValueError, match="reference 'nope'"):
+        seed_stats.summarize(rows, "nope")
+
+
+def test_quality_tables_tool_recomputes_the_summary(tmp_path):
+    rows = _rows(
+        {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
+        {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
+    )
+    path = tmp_path / "results.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "quality_tables.py"),
+            str(path),
+            "--reference",
+            "dense",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = seed_stats.summary_markdown(
+        seed_stats.summarize(
+            seed_stats.read_results(path),
+            "dense",
+            list(c for c in seed_stats.SUMMARY_COLUMNS if rows[0].get(c)),
+        ),
+        "dense",
+        [c for c in seed_stats.SUMMARY_COLUMNS if rows[0].get(c)],
+    )
+    assert res.stdout == expected
+    assert "no difference" in res.stdout
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "quality_tables.py"),
+            str(path),
+            "--reference",
+            "none",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "reference 'none'" in bad.stderr
+
+
+def test_collect_writes_seed_columns_and_summary(tmp_path):
+    """collect on runs that finished (their metrics written here, no training): the table has
+    the setting, the seed and the length of every row, and the summary groups the seeds."""
+    path = write_study(
+        tmp_path,
+        overrides={"train.train_iters": 40},
+        points=[
+            {"name": "dense", "attention.dense_layers.pattern": "D"},
+            {"name": "hyb", "attention.dense_layers.pattern": "DS"},
+        ],
+        seeds=[1, 2, 3],
+        reference="dense",
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    for p in study.points:
+        os.makedirs(p.run_dir)
+        base = 3.0 + 0.01 * p.config.train.seed + (0.02 if p.setting == "hyb" else 0.0)
+        recs = [
+            {
+                "kind": "train",
+                "iteration": 2,
+                "loss": base + 1,
+                "tokens_per_s": 10.0,
+                "step_time_s": 1.0,
+                "consumed_samples": 16,
+            },
+            {
+                "kind": "train",
+                "iteration": 4,
+                "loss": base + 0.5,
+                "tokens_per_s": 10.0,
+                "step_time_s": 1.0,
+                "consumed_samples": 32,
+            },
+            {"kind": "valid", "iteration": 40, "loss": base},
+        ]
+        with open(os.path.join(p.run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+        with open(os.path.join(p.run_dir, "summary.json"), "w") as f:
+            json.dump({"iteration": 40}, f)
+    sweep.collect_and_write(study)
+    with open(tmp_path / "out" / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["setting"], r["train.seed"], r["model.seq_length"]) for r in table][:2] == [
+        ("dense", "1", str(study.points[0].config.model.seq_length)),
+        ("dense", "2", str(study.points[0].config.model.seq_length)),
+    ]
+    for key in ("attention.dense_layers.pattern", "final_valid_loss", "tokens_per_s"):
+        assert key in table[0]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| hyb | DS" in summary and "higher (worse)" in summary  # +0.02 on every seed
+    assert (tmp_path / "out" / "frontier.png").stat().st_size > 0

@@ -1,0 +1,432 @@
+"""megatron-s2-sweep: study files, point expansion and names, and a tiny CPU study end to end
+(an invalid point skipped, an interrupted point resumed, the table's values read back from the
+runs' metrics, finished points not rerun)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_s2.training import sweep
+from megatron_s2.training.sweep import StudyError, load_study
+from tests.training.test_trainer import TINY
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_study(tmp_path, **study):
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    return path
+
+
+# ---- the study file ----------------------------------------------------------------------------
+def test_grid_and_list_expansion_and_names(tmp_path):
+    path = write_study(
+        tmp_path,
+        name="st",
+        overrides={"train.train_iters": 50},
+        grid={"attention.s2.vert_stride": [2, 4], "attention.s2.local_blocks": [2, 8]},
+        points=[
+            {"attention.dense_layers.pattern": "D"},
+            {"name": "my point/1", "attention.s2.vert_stride": 4, "optimizer.lr": 3.0e-4},
+        ],
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    names = [p.name for p in study.points]
+    assert names == [
+        "vert_stride=2,local_blocks=2",
+        "vert_stride=2,local_blocks=8",
+        "vert_stride=4,local_blocks=2",
+        "vert_stride=4,local_blocks=8",
+        "pattern=D",
+        "my_point_1",  # an explicit name, made safe as a directory and run name
+    ]
+    assert study.axes == [
+        "attention.s2.vert_stride",
+        "attention.s2.local_blocks",
+        "attention.dense_layers.pattern",
+        "optimizer.lr",
+    ]
+    p = study.points[3]
+    assert p.valid, p.error
+    assert p.run_dir == str(tmp_path / "out" / "runs" / p.name)
+    # The config each point runs: base (the demo) < study overrides < point values.
+    assert p.config.attention["s2"]["vert_stride"] == 4
+    assert p.config.attention["s2"]["local_blocks"] == 8
+    assert p.config.train.train_iters == 50 and p.config.name == p.name
+    assert p.config.logging.run_dir == p.run_dir
+    assert study.points[5].config.optimizer.lr == 3.0e-4
+    assert study.points[4].config.schedule().layer_kinds(4) == ["dense"] * 4
+    # The command is the trainer's own, with those overrides.
+    argv, _ = sweep.point_command(study, p)
+    assert argv[1:5] == ["-m", "megatron_s2.training", "--config", study.base]
+    assert "attention.s2.vert_stride=4" in argv and f"logging.run_dir={p.run_dir}" in argv
+
+
+def test_names_disambiguate_keys_and_are_filesystem_safe(tmp_path):
+    path = write_study(
+        tmp_path,
+        points=[
+            {"attention.s2.vert_stride": 2, "attention.overrides.1.vert_stride": 4},
+            {"data.blend": ["a/b c", "d"], "data.demo": False},
+        ],
+    )
+    study = load_study(path)
+    assert study.name == "study"  # the file's stem
+    assert study.points[0].name == "s2.vert_stride=2,1.vert_stride=4"
+    name = study.points[1].name
+    assert "/" not in name and " " not in name and re.fullmatch(r"[A-Za-z0-9._=,+-]+", name)
+    assert name.startswith("blend=")
+    assert study.output_dir == os.path.abspath(os.path.join("sweeps", "study"))
+
+
+@pytest.mark.parametrize(
+    "study, message",
+    [
+        ({"gird": {"train.seed": [1, 2]}}, "unknown key(s) gird"),
+        ({"grid": {"train.train_iter": [1, 2]}}, "'train.train_iter'"),
+        ({"grid": {"attention.s2.vert_strid": [2]}}, "'attention.s2.vert_strid'"),
+        ({"points": [{"attention.dense.pattern": "D"}]}, "'attention.dense.pattern'"),
+        ({"points": [{"model.hidden_size.x": 1}]}, "model.hidden_size is a value"),
+        ({"overrides": {"trian.seed": 1}, "points": [{}]}, "'trian.seed'"),
+        ({"grid": {"train.seed": []}}, "grid.train.seed must be a non-empty list"),
+        ({"points": [{"train.seed": 1}, {"train.seed": 1}]}, "the same name"),
+        ({"points": [{"name": "x"}], "nproc_per_node": 0}, "nproc_per_node"),
+        ({"points": [{"logging.run_dir": "x"}]}, "logging.run_dir is set by the sweep"),
+        ({"name": "st"}, "no points"),
+        ({"base": "missing.yaml", "points": [{}]}, "does not exist"),
+    ],
+)
+def test_study_errors_name_the_key(tmp_path, study, message):
+    with pytest.raises(StudyError) as e:
+        load_study(write_study(tmp_path, **study))
+    assert message in str(e.value)
+    # The CLI says so in one line and exits with 2.
+    assert sweep.main(["list", str(tmp_path / "study.yaml")]) == 2
+
+
+def test_invalid_point_is_reported_with_its_config_error(tmp_path, capsys):
+    path = write_study(
+        tmp_path,
+        overrides=TINY,
+        points=[
+            {"attention.s2.vert_stride": 2},
+            {"attention.s2.vert_stride": 8},  # 4 heads cannot cover 8 stripe phases
+            {"train.global_batch_size": 3},
+        ],
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    ok, holes, batch = study.points
+    assert ok.valid
+    assert not holes.valid and "unseen" in holes.error and "vert_stride=8" in holes.error
+    assert "train.global_batch_size (3) must be divisible" in batch.error
+    assert [sweep.point_state(p) for p in study.points] == ["new", "invalid", "invalid"]
+    sweep.report_invalid(study)
+    out = capsys.readouterr().out
+    assert f"point {holes.name}: config error, skipped: attention.s2" in out
+    # No point valid: a study error, nothing is run.
+    bad = write_study(tmp_path, overrides=TINY, points=[{"attention.s2.vert_stride": 8}])
+    assert sweep.main(["run", str(bad), "--output-dir", str(tmp_path / "out2")]) == 2
+    assert not (tmp_path / "out2" / "runs").exists()
+
+
+def test_command_line_overrides_sit_between_study_and_point(tmp_path, capsys):
+    path = write_study(
+        tmp_path,
+        overrides=[*TINY, "train.seed=5", "train.train_iters=3"],
+        points=[{"train.train_iters": 7}, {"attention.s2.local_blocks": 2}],
+    )
+    study = load_study(path, extra_overrides=["train.seed=11", "train.train_iters=4"])
+    longer, window = study.points
+    # The command line wins over the study's overrides, the point's own values over both.
+    assert longer.config.train.seed == 11 and longer.config.train.train_iters == 7
+    assert window.config.train.seed == 11 and window.config.train.train_iters == 4
+    for bad, message in [
+        (["train.seeed=1"], "'train.seeed'"),
+        (["train.seed"], "not of the form key=value"),
+        (["name=x"], "name is set by the sweep"),
+    ]:
+        with pytest.raises(StudyError, match=message):
+            load_study(path, extra_overrides=bad)
+    assert sweep.main(["list", str(path), "train.seeed=1"]) == 2
+    assert "'train.seeed'" in capsys.readouterr().err
+
+
+def test_loss_at_tokens_and_pareto_front():
+    curve = [(100, 4.0), (200, 3.0), (400, 2.0)]
+    assert sweep.loss_at_tokens(curve, 200) == 3.0
+    assert sweep.loss_at_tokens(curve, 300) == pytest.approx(2.5)
+    assert sweep.loss_at_tokens(curve, 500) is None
+    xy = [(0.5, 3.0), (0.3, 3.5), (1.0, 2.9), (0.6, 3.2), (0.3, 3.6)]
+    assert sweep.pareto_front(xy) == [1, 0, 2]
+
+
+# ---- a tiny CPU study, end to end --------------------------------------------------------------
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def _sweep(*args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)  # conftest's, for the kernel tests: the trainer runs slower
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_s2.training.sweep", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory):
+    from megatron_s2.training.demo_corpus import ensure_demo_data
+
+    d = tmp_path_factory.mktemp("sweep_demo")
+    ensure_demo_data(str(d))
+    return str(d)
+
+
+# The sweep's orchestration does not depend on megatron-core's version (the trainer runs it
+# starts are tested under both versions elsewhere): first CI suite only.
+@pytest.mark.version_independent
+@pytest.mark.timeout(600)
+def test_tiny_study_end_to_end(tmp_path, demo_data):
+    iters = 3
+    path = write_study(
+        tmp_path,
+        name="tiny",
+        overrides=[
+            *TINY,
+            f"train.train_iters={iters}",
+            "train.eval_interval=3",
+            "train.eval_iters=1",
+            "checkpoint.save_at_end=true",
+            f"data.demo_dir={demo_data}",
+        ],
+        grid={"attention.s2.vert_stride": [2, 8], "attention.s2.local_blocks": [2]},
+        points=[{"attention.dense_layers.pattern": "D"}, {"attention.s2.vert_stride": 4}],
+        output_dir="out",
+    )
+    # output_dir "out" is relative to the current directory: tmp_path for the sweep run below.
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    names = [p.name for p in study.points]
+    assert names == [
+        "vert_stride=2,local_blocks=2",
+        "vert_stride=8,local_blocks=2",
+        "pattern=D",
+        "vert_stride=4",
+    ]
+    interrupted, invalid = study.points[0], study.points[1]
+    assert not invalid.valid
+
+    # Interrupt point 0 after its first iteration (the trainer checkpoints and stops as on
+    # SIGTERM), as a sweep cut short would leave it.
+    argv, env = sweep.point_command(study, interrupted)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(
+        [*argv, "debug.sigterm_at_iter=1"],
+        cwd=tmp_path,
+        env=dict(env, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sweep.point_state(interrupted) == "interrupted"
+
+    r = _sweep("run", str(path), cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert f"point {invalid.name}: config error, skipped: attention.s2" in out
+    assert not os.path.exists(invalid.run_dir)
+    assert f"point {interrupted.name}: interrupted, resuming from its checkpoint" in out
+    assert "resumed from" in out
+    for name in ("pattern=D", "vert_stride=4"):
+        assert f"point {name}: running in" in out
+    assert [sweep.point_state(p) for p in study.points] == [
+        "finished",
+        "invalid",
+        "finished",
+        "finished",
+    ]
+    # The resumed point's curve is one run: iterations 1..3, each once.
+    recs = _records(interrupted.run_dir)
+    assert [x["iteration"] for x in recs if x["kind"] == "train"] == [1, 2, 3]
+
+    out_dir = tmp_path / "out"
+    for f in ("results.csv", "results.md", "pareto.png", "loss_curves.png"):
+        assert (out_dir / f).stat().st_size > 0, f
+    for png in ("pareto.png", "loss_curves.png"):
+        assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(out_dir / "results.csv") as f:
+        rows = {row["point"]: row for row in csv.DictReader(f)}
+    assert list(rows) == names
+    assert rows[invalid.name]["status"] == "invalid" and "unseen" in rows[invalid.name]["error"]
+    assert rows[invalid.name]["final_train_loss"] == ""
+    md = (out_dir / "results.md").read_text()
+    assert all(f"| {n} |" in md for n in names)
+    assert "Skipped (config errors)" in md
+
+    # Every value as the runs' metrics say, computed here independently.
+    tokens_per_iter = 4 * 128
+    for point in (study.points[0], study.points[2], study.points[3]):
+        row = rows[point.name]
+        recs = _records(point.run_dir)
+        train = [x for x in recs if x["kind"] == "train"]
+        valid = [x for x in recs if x["kind"] == "valid"]
+        assert row["status"] == "finished"
+        assert row["attention.s2.vert_stride"] == (
+            str(point.values["attention.s2.vert_stride"])
+            if "attention.s2.vert_stride" in point.values
+            else ""
+        )
+        assert float(row["final_train_loss"]) == train[-1]["loss"]
+        assert int(row["final_train_iteration"]) == iters
+        assert float(row["final_valid_loss"]) == valid[-1]["loss"]
+        assert int(row["final_valid_iteration"]) == iters
+        assert int(float(row["tokens"])) == iters * tokens_per_iter
+        # Equal tokens: every point ran as long, so the loss there is the final one.
+        assert int(float(row["equal_tokens"])) == iters * tokens_per_iter
+        assert float(row["loss_at_equal_tokens"]) == pytest.approx(train[-1]["loss"], rel=1e-12)
+        # Throughput: the logged windows after the first, weighted by their time.
+        seconds = sum(x["step_time_s"] for x in train[1:])
+        assert float(row["tokens_per_s"]) == pytest.approx(
+            (len(train) - 1) * tokens_per_iter / seconds, rel=1e-9
+        )
+        assert float(row["tflops_per_gpu"]) == pytest.approx(
+            sum(x["tflops_per_gpu"] * x["step_time_s"] for x in train[1:]) / seconds, rel=1e-9
+        )
+        assert float(row["peak_memory_gib"]) == max(x["cpu_rss_gib"] for x in train)
+        assert row["memory"] == "cpu rss"
+        assert float(row["union_coverage"]) == 1.0
+        assert float(row["wall_time_s"]) > 0
+        log = (out_dir / "logs" / f"{point.name}.log").read_text()
+        printed = re.findall(r"model attention density at 128 tokens: ([0-9.]+)", log)
+        assert printed and abs(float(row["attention_density"]) - float(printed[-1])) <= 5e-4
+        if point is not interrupted:  # the summary's throughput is its last session's
+            summary = json.loads((Path(point.run_dir) / "summary.json").read_text())
+            assert float(row["tokens_per_s"]) == pytest.approx(summary["tokens_per_s"], rel=1e-6)
+    assert float(rows["pattern=D"]["attention_density"]) == 1.0
+    assert float(rows["vert_stride=4"]["attention_density"]) < float(
+        rows["vert_stride=2,local_blocks=2"]["attention_density"]
+    )
+
+    # Again: nothing is rerun, the runs' files are untouched, the table is written again.
+    mtimes = {
+        p.name: os.stat(Path(p.run_dir) / "metrics.jsonl").st_mtime_ns
+        for p in study.points
+        if p.valid
+    }
+    before = (out_dir / "results.csv").read_text()
+    r = _sweep("run", str(path), cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    for name in mtimes:
+        assert f"point {name}: finished, not rerun" in out
+    assert "[megatron-s2] " not in out  # no trainer started
+    assert mtimes == {
+        p.name: os.stat(Path(p.run_dir) / "metrics.jsonl").st_mtime_ns
+        for p in study.points
+        if p.valid
+    }
+    assert (out_dir / "results.csv").read_text() == before
+    r = _sweep("list", str(path), cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.count("finished") == 3 and "invalid" in r.stdout
+
+
+def test_devices_run_points_at_once_each_on_its_gpus(tmp_path, demo_data):
+    path = write_study(
+        tmp_path,
+        name="pair",
+        overrides=[
+            *TINY,
+            "train.train_iters=3",
+            "train.eval_interval=3",
+            "train.eval_iters=1",
+            f"data.demo_dir={demo_data}",
+        ],
+        grid={"attention.s2.vert_stride": [2, 4]},
+        output_dir="out",
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    r = _sweep("run", str(path), "--devices", "3,5", cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert [sweep.point_state(p) for p in study.points] == ["finished", "finished"]
+    spans = []
+    for point, gpu in zip(study.points, ("3", "5")):
+        assert f"point {point.name}: on GPU {gpu}," in out
+        log = (tmp_path / "out" / "logs" / f"{point.name}.log").read_text()
+        assert log.startswith(f"CUDA_VISIBLE_DEVICES={gpu}\n")
+        (session,) = [json.loads(x) for x in open(Path(point.run_dir) / sweep.SESSIONS)]
+        spans.append((session["start"], session["end"]))
+    assert "[megatron-s2] " not in r.stdout  # trainers' output goes to their logs only
+    # Both trainers ran at the same time.
+    assert max(s for s, _ in spans) < min(e for _, e in spans)
+    assert (tmp_path / "out" / "results.csv").stat().st_size > 0
+
+
+@pytest.mark.parametrize("devices", [["0", "0"], [], ["0", "1", "2"]])
+def test_devices_must_be_distinct_and_fill_whole_groups(tmp_path, devices):
+    path = write_study(
+        tmp_path, name="t", overrides=[*TINY], points=[{"train.seed": 1}], nproc_per_node=2
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    with pytest.raises(StudyError, match=r"--devices .*nproc_per_node \(2\)"):
+        sweep.device_groups(study, devices)
+    assert sweep.device_groups(study, ["0", "1", "2", "3"]) == [["0", "1"], ["2", "3"]]
+    assert sweep.main(["run", str(path), "--devices", ",".join(devices) or ","]) == 2
+    assert sweep.main(["run", str(path), "--devices", "0,1", "--slurm"]) == 2
+
+
+def test_example_study_loads():
+    study = load_study(REPO / "configs" / "studies" / "s2-stride-window.yaml")
+    assert len(study.points) == 11 and all(p.valid for p in study.points), [
+        p.error for p in study.points if not p.valid
+    ]
+    assert study.points[0].name == "vert_stride=4,local_blocks=4"
+    assert {p.config.model.seq_length for p in study.points} == {8192}
+
+
+@pytest.mark.parametrize(
+    "name, points",
+    [
+        ("code-125m-attention", 3),
+        ("code-125m-stride-window", 7),
+        ("code-125m-4k-base", 2),
+        ("code-125m-extend-16k", 3),
+        ("code-125m-extend-16k-remedies", 5),
+    ],
+)
+def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
+    """The studies of docs/quality.md take the corpus from the command line, as
+    tools/run_code_study.sh passes it (the corpus need not exist to validate the configs)."""
+    corpus = [
+        "data.demo=false",
+        f"data.blend=[{tmp_path}/train_valid]",
+        "data.split=100,3,0",
+        f"data.tokenizer={tmp_path}/tokenizer",
+    ]
+    study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
+    assert len(study.points) == points and all(p.valid for p in study.points), [
+        p.error for p in study.points if not p.valid
+    ]
+    tokens = {
+        p.config.train.train_iters * p.config.train.global_batch_size * p.config.model.seq_length
+        for p in study.points
+    }
+    # every point at equal tokens, but for the remedies' longer extension (a remedy of its own)
+    assert len(tokens) == (2 if name.endswith("remedies") else 1)
+    assert {p.config.data.split for p in study.points} == {"100,3,0"}
