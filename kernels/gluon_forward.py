@@ -99,9 +99,10 @@ BLOCK_SIZES = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 ELEMENT_BYTES = 2  # of those dtypes: what shared memory holds per tile element
 SM90 = (9, 0)  # the CUDA capability the kernels are written for (H100, H200: wgmma, TMA)
-# Triton versions whose Gluon kernels have been checked on an H100/H200 (tests/kernels/test_kernels_gpu.py);
-# on others they run only when S2ATTN_GLUON_FORWARD=1 asks for it (the switch also governs the
-# Gluon dK/dV pass, which kernel_config turns on with the forward).
+# Triton versions whose Gluon kernels have been checked on an H100/H200
+# (tests/kernels/test_kernels_gpu.py); on others they run only when S2ATTN_GLUON_FORWARD=1 asks
+# for it (the switch also governs the Gluon dK/dV pass, which kernel_config turns on with the
+# forward).
 CHECKED_TRITON = ("3.6",)
 ENV_SWITCH = "S2ATTN_GLUON_FORWARD"  # "0": never, "1": on any Triton with Gluon, unset: checked
 LN2 = math.log(2.0)

@@ -7,9 +7,9 @@
 Each table of a user doc that reports a measurement names its raw output (CSV or JSON written by
 the sweep or the long-context evaluation, or the markdown tables the evaluation wrote for every
 run) in a "Raw output:" line under it. This tool rebuilds the table, row by row, from that raw
-output alone, and ``check`` (and ``tests/tools/test_docs_raw_tables.py``) fails when the doc's table is
-not the rebuilt one verbatim, so the doc and its raw output cannot drift apart. Only the stdlib
-is used, so the check runs anywhere.
+output alone, and ``check`` (and ``tests/tools/test_docs_raw_tables.py``) fails when the doc's
+table is not the rebuilt one verbatim, so the doc and its raw output cannot drift apart. Only
+the stdlib is used, so the check runs anywhere.
 """
 
 from __future__ import annotations
