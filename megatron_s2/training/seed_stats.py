@@ -31,6 +31,7 @@ __all__ = [
     "verdict",
     "read_results",
     "summarize",
+    "position_rows",
     "summary_markdown",
     "write_summary",
 ]
@@ -58,10 +59,11 @@ class Estimate:
         return None if self.half_width is None else self.mean + self.half_width
 
     def text(self, fmt: str = "{:.4f}") -> str:
-        """``2.8568 ± 0.0123`` (the ± is the interval's half-width), or the mean alone."""
+        """``2.8568 ± 0.0123`` (the ± is the interval's half-width), or the mean alone; a sign
+        in ``fmt`` (``{:+.2f}``) applies to the mean only."""
         if self.half_width is None:
             return fmt.format(self.mean)
-        return f"{fmt.format(self.mean)} ± {fmt.format(self.half_width)}"
+        return f"{fmt.format(self.mean)} ± {fmt.replace('+', '').format(self.half_width)}"
 
 
 def _t_half_width(sd: float, n: int, level: float) -> float:
@@ -161,15 +163,19 @@ def _setting_of(row: dict) -> str:
 
 
 def summarize(
-    rows: Iterable[dict], reference: Optional[str] = None, columns: Sequence[str] = ()
+    rows: Iterable[dict],
+    reference: Optional[str] = None,
+    columns: Sequence[str] = (),
+    loss_key: str = LOSS,
 ) -> list[SettingSummary]:
-    """One :class:`SettingSummary` per setting with a finished run that has a validation loss,
-    in the rows' order; ``columns``: table columns copied from the setting's first row.
+    """One :class:`SettingSummary` per setting with a finished run that has a ``loss_key``
+    value (default the final validation loss), in the rows' order; ``columns``: table columns
+    copied from the setting's first row.
 
     Raises ValueError if ``reference`` names no such setting."""
     groups: dict = {}
     for row in rows:
-        loss = _number(row.get(LOSS))
+        loss = _number(row.get(loss_key))
         if loss is None or row.get("status", "finished") != "finished":
             continue
         seed = row.get(SEED_KEY, "")
@@ -205,6 +211,49 @@ def summarize(
     return out
 
 
+def position_rows(runs_dir: str, window: int) -> list[dict]:
+    """Rows (setting, ``train.seed``, ``loss_in_window``, ``loss_beyond_window``) of every run
+    under ``runs_dir`` (a sweep's ``runs/`` folder, or a copy holding each run's
+    ``loss_by_position.json`` directly or in ``long_context_eval/``): the mean loss per token
+    (nats) of the positions before ``window`` tokens and of those at or after it, weighted by
+    the tokens in each bin. A bin that straddles ``window`` is left out of both."""
+    import json
+
+    rows = []
+    for name in sorted(os.listdir(runs_dir)):
+        folder = os.path.join(runs_dir, name)
+        for path in (
+            os.path.join(folder, "loss_by_position.json"),
+            os.path.join(folder, "long_context_eval", "loss_by_position.json"),
+        ):
+            if os.path.isfile(path):
+                break
+        else:
+            continue
+        with open(path) as f:
+            bins = json.load(f)["bins"]
+        parts: dict = {"in": [0.0, 0], "beyond": [0.0, 0]}
+        for b in bins:
+            side = "in" if b["end"] <= window else "beyond" if b["start"] >= window else None
+            if side:
+                parts[side][0] += b["loss"] * b["tokens"]
+                parts[side][1] += b["tokens"]
+        setting, _, seed = name.rpartition(",seed=")
+        rows.append(
+            {
+                "point": name,
+                "status": "finished",
+                "setting": setting or name,
+                SEED_KEY: seed if setting else "",
+                "loss_in_window": parts["in"][0] / parts["in"][1] if parts["in"][1] else "",
+                "loss_beyond_window": (
+                    parts["beyond"][0] / parts["beyond"][1] if parts["beyond"][1] else ""
+                ),
+            }
+        )
+    return rows
+
+
 def pareto_fastest(summaries: Sequence[SettingSummary]) -> list[int]:
     """Indices of the settings no other setting beats on both mean loss (lower) and mean
     tokens/s (higher), fastest first."""
@@ -219,11 +268,14 @@ def pareto_fastest(summaries: Sequence[SettingSummary]) -> list[int]:
 
 
 def summary_markdown(
-    summaries: Sequence[SettingSummary], reference: Optional[str], columns: Sequence[str] = ()
+    summaries: Sequence[SettingSummary],
+    reference: Optional[str],
+    columns: Sequence[str] = (),
+    loss_name: str = "valid loss",
 ) -> str:
-    """The summary table: per setting its seeds, the mean validation loss and tokens/s with 95%
+    """The summary table: per setting its seeds, the mean ``loss_name`` and tokens/s with 95%
     intervals, and against the reference the loss difference (its interval) and the verdict."""
-    head = ["setting", *columns, "seeds", "valid loss (95% CI)", "tokens/s (95% CI)"]
+    head = ["setting", *columns, "seeds", f"{loss_name} (95% CI)", "tokens/s (95% CI)"]
     if reference is not None:
         head += [f"speed vs {reference}", f"loss vs {reference} (95% CI)", "verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -285,7 +337,12 @@ def write_frontier_plot(summaries: Sequence[SettingSummary], path: str, title: s
     front = [summaries[i] for i in pareto_fastest(summaries)]
     if front:
         ax.plot(
-            [s.speed.mean for s in front], [s.loss.mean for s in front], "r--", label="Pareto front"
+            [s.speed.mean for s in front],
+            [s.loss.mean for s in front],
+            "r--o",
+            mfc="none",
+            ms=14,
+            label="Pareto front (means)",
         )
         ax.legend()
     ax.set_xlabel("training tokens/s (mean over seeds)")

@@ -3,90 +3,34 @@
 The graph is the ```modules block of the document: a package line ``name (folder/)``, then one
 indented line per module, ``module -> imported, imported`` (names of the same package, or
 dotted names of the other one; ``s2attn`` alone is the package itself), ``#`` starting a
-comment. The real graph is read from the source files' syntax trees (every ``import`` and
-``from ... import``, at any depth, relative ones resolved), so the test needs neither package
-to import. It checks that every documented module exists, every documented edge is a real
-import, every module of the tree appears, every import between them is drawn, and the layering
-the document states (s2attn imports nothing of megatron_s2; the plugin never imports the
-application).
+comment. The real graph is read from the source files' syntax trees by
+``tests/helpers/imports.py`` (every ``import`` and ``from ... import``, at any depth, relative
+ones resolved), so the test needs neither package to import. It checks that every documented
+module exists, every documented edge is a real import, every module of the tree appears, every
+import between them is drawn, and the layering the document states (s2attn imports nothing of
+megatron_s2; the plugin never imports the application).
 
-    python tests/project/test_architecture_doc.py   # print the real graph in the document's format
+    python -m tests.project.test_architecture_doc   # print the real graph in the document's format
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import imports
+from tests.helpers.imports import PACKAGES, REPO, import_graph, module_files
+
 DOC = os.path.join(REPO, "docs", "architecture.md")
-# Import name -> folder of the packages whose graph the document draws.
-PACKAGES = {"s2attn": "kernels", "megatron_s2": "megatron_s2"}
 APPLICATION = "megatron_s2.training"
 ARROW = re.compile(r"\s*(?:->|──►)\s*")
 HEADER = re.compile(r"^(?P<package>[\w.]+)\s+\((?P<folder>[\w/]+)\)$")
 
 
-# ---- the real graph -----------------------------------------------------------------------------
-def real_modules() -> dict[str, str]:
-    """``{dotted module name: file path}`` of every module of ``PACKAGES`` (a package's
-    ``__init__.py`` under the package's own name)."""
-    mods = {}
-    for package, folder in PACKAGES.items():
-        root = os.path.join(REPO, folder)
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
-            for name in filenames:
-                if not name.endswith(".py"):
-                    continue
-                rel = os.path.relpath(os.path.join(dirpath, name), root)[: -len(".py")]
-                parts = [package, *rel.split(os.sep)]
-                if parts[-1] == "__init__":
-                    parts.pop()
-                mods[".".join(parts)] = os.path.join(dirpath, name)
-    return mods
-
-
-def _imported(module: str, node: ast.AST, mods: dict[str, str]) -> set[str]:
-    """The modules of ``mods`` that one import statement of ``module`` names (the longest
-    known prefix of each imported name: ``from a.b import c`` is ``a.b.c`` where that is a
-    module, else ``a.b``)."""
-    names = []
-    if isinstance(node, ast.Import):
-        names = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-            parts = module.split(".")
-            if not mods[module].endswith("__init__.py"):
-                parts = parts[:-1]  # relative to the module's package
-            parts = parts[: len(parts) - (node.level - 1)]
-            base = ".".join(parts + ([base] if base else []))
-        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-    out = set()
-    for name in names:
-        while name not in mods and "." in name:
-            name = name.rsplit(".", 1)[0]
-        if name in mods and name != module:
-            out.add(name)
-    return out
-
-
-def real_graph() -> dict[str, set[str]]:
-    """``{module: the modules of PACKAGES it imports}``, for every module of the tree."""
-    mods = real_modules()
-    graph = {}
-    for module, path in mods.items():
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-        graph[module] = set().union(*(_imported(module, n, mods) for n in ast.walk(tree)))
-    return graph
-
-
 def is_package(module: str, mods: dict[str, str]) -> bool:
-    return mods[module].endswith("__init__.py")
+    """Whether ``module`` is a package (its file an ``__init__.py``)."""
+    return imports.is_package(mods[module])
 
 
 # ---- the documented graph -----------------------------------------------------------------------
@@ -145,10 +89,10 @@ def parse_doc(text: str, known: set[str]) -> DocGraph:
 
 
 def documented() -> tuple[DocGraph, dict[str, set[str]], dict[str, str]]:
-    mods = real_modules()
+    mods = module_files()
     with open(DOC) as f:
         doc = parse_doc(f.read(), set(mods))
-    return doc, real_graph(), mods
+    return doc, import_graph(), mods
 
 
 # ---- the checks ---------------------------------------------------------------------------------
@@ -162,7 +106,7 @@ def test_every_documented_module_exists():
     missing = [f"line {n}: {m}" for m, n in doc.modules.items() if m not in graph]
     assert not missing, (
         "docs/architecture.md's module graph lists modules that are not in the tree (moved or "
-        "renamed? `python tests/project/test_architecture_doc.py` prints the real graph):\n"
+        "renamed? `python -m tests.project.test_architecture_doc` prints the real graph):\n"
         + "\n".join(missing)
     )
 
@@ -249,4 +193,4 @@ def format_graph(graph: dict[str, set[str]], mods: dict[str, str]) -> str:
 
 
 if __name__ == "__main__":
-    print(format_graph(real_graph(), real_modules()))
+    print(format_graph(import_graph(), module_files()))

@@ -1,91 +1,20 @@
 """No import circles in ``s2attn`` (``kernels/``) and ``megatron_s2``.
 
-The graph is read from the source (AST), not by importing: every ``import`` statement counts,
-the ones inside functions included, since a function-level import that closes a circle only
-hides it until the function runs. A module that imports another, directly or through others,
-must not be imported back by it.
+The graph is read from the source (AST), not by importing (``tests/helpers/imports.py``): every
+``import`` statement counts, the ones inside functions included, since a function-level import
+that closes a circle only hides it until the function runs. A module that imports another,
+directly or through others, must not be imported back by it. This covers the kernels too
+(``tests/kernels/test_kernel_imports.py`` checks only their direction).
 
-Run as a script (``python tests/project/test_import_graph.py``) it prints the graph's edges.
+Run as a script (``python -m tests.project.test_import_graph``) it prints the graph's edges and
+its circles.
 """
 
 from __future__ import annotations
 
-import ast
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Import name -> folder: the kernels import as ``s2attn`` (pyproject's package-dir).
-PACKAGES = {
-    "s2attn": os.path.join(ROOT, "kernels"),
-    "megatron_s2": os.path.join(ROOT, "megatron_s2"),
-}
-
-
-def module_files() -> dict[str, str]:
-    """Dotted module name -> source file, for every module of :data:`PACKAGES`."""
-    found = {}
-    for package, folder in PACKAGES.items():
-        for dirpath, dirnames, filenames in os.walk(folder):
-            dirnames[:] = [d for d in dirnames if not d.startswith((".", "__"))]
-            rel = os.path.relpath(dirpath, folder)
-            parts = [package] + ([] if rel == "." else rel.split(os.sep))
-            for name in filenames:
-                if not name.endswith(".py"):
-                    continue
-                stem = name[:-3]
-                dotted = ".".join(parts if stem == "__init__" else parts + [stem])
-                found[dotted] = os.path.join(dirpath, name)
-    return found
-
-
-def _absolute(module: str, is_package: bool, level: int, target: str | None) -> str:
-    """The absolute name of ``from <level dots><target> import ...`` written in ``module``."""
-    if level == 0:
-        return target or ""
-    base = module.split(".")
-    # A package's __init__ is its own anchor; a plain module's anchor is its package.
-    base = base if is_package else base[:-1]
-    base = base[: len(base) - (level - 1)]
-    return ".".join(base + ([target] if target else []))
-
-
-def imports_of(module: str, path: str, known: set[str]) -> set[str]:
-    """The modules of ``known`` that ``module`` (source ``path``) imports, at any depth of its
-    code. ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else
-    ``pkg``; an import of something outside ``known`` is left out."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    is_package = os.path.basename(path) == "__init__.py"
-    out = set()
-
-    def add(name: str) -> None:
-        # The longest known prefix: ``megatron_s2.training.step.forward_step`` -> the module.
-        parts = name.split(".")
-        for n in range(len(parts), 0, -1):
-            candidate = ".".join(parts[:n])
-            if candidate in known:
-                out.add(candidate)
-                return
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            base = _absolute(module, is_package, node.level, node.module)
-            for alias in node.names:
-                full = f"{base}.{alias.name}" if base else alias.name
-                add(full if full in known else base)
-    out.discard(module)
-    return out
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules it imports (within :data:`PACKAGES`)."""
-    files = module_files()
-    known = set(files)
-    return {m: imports_of(m, p, known) for m, p in sorted(files.items())}
+from tests.helpers.imports import import_graph, imports_of
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -123,6 +52,33 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def circle_through(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One import circle through ``component[0]`` inside ``component`` (a strongly connected
+    component), the shortest: ``[a, b, ..., a]``."""
+    start, inside = component[0], set(component)
+    previous, queue = {}, [start]
+    for v in queue:
+        for w in sorted(graph.get(v, ())):
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(previous[path[-1]])
+                return [start, *reversed(path[:-1]), start]
+            if w in inside and w not in previous:
+                previous[w] = v
+                queue.append(w)
+    raise ValueError(f"{component} is not strongly connected")
+
+
+def describe(graph: dict[str, set[str]], found: list[list[str]]) -> str:
+    """One line per component: a circle in it, then every module of the component."""
+    return "\n".join(
+        f"  {' -> '.join(circle_through(graph, c))}"
+        + (f"   (all entangled: {', '.join(c)})" if len(c) > 2 else "")
+        for c in found
+    )
+
+
 def test_the_graph_sees_the_packages():
     graph = import_graph()
     # A few edges that exist by design: a reader of a failure can trust the graph itself.
@@ -137,13 +93,29 @@ def test_function_level_imports_count(tmp_path):
     assert imports_of("pkg.m", str(src), {"pkg.m", "pkg.other"}) == {"pkg.other"}
 
 
+def test_import_names_resolve_to_modules(tmp_path):
+    known = {"pkg", "pkg.sub", "pkg.sub.mod", "pkg.sub.other", "pkg.top"}
+    init = tmp_path / "__init__.py"  # pkg.sub's __init__: its own anchor
+    init.write_text("from . import mod\nfrom .other import name\nfrom .. import top\n")
+    assert imports_of("pkg.sub", str(init), known) == {"pkg.sub.mod", "pkg.sub.other", "pkg.top"}
+    src = tmp_path / "mod.py"  # pkg.sub.mod: relative to pkg.sub
+    src.write_text("import pkg.sub.other.name\nfrom pkg import sub, missing\nimport os\n")
+    assert imports_of("pkg.sub.mod", str(src), known) == {"pkg.sub.other", "pkg.sub", "pkg"}
+
+
 def test_cycles_are_found():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "b"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert circle_through(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert describe(graph, [["b", "c"]]) == "  b -> c -> b"
 
 
 def test_no_import_cycles():
-    found = cycles(import_graph())
-    assert not found, "import circles among:\n" + "\n".join("  " + ", ".join(c) for c in found)
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import circles (modules that import each other, directly or through " + (
+        "others):\n" + describe(graph, found)
+    )
 
 
 if __name__ == "__main__":
@@ -151,5 +123,5 @@ if __name__ == "__main__":
     for m, targets in g.items():
         print(m, "->", ", ".join(sorted(targets)) or "-")
     c = cycles(g)
-    print("cycles:", c or "none")
+    print("cycles:", ("\n" + describe(g, c)) if c else "none")
     sys.exit(1 if c else 0)

@@ -317,3 +317,33 @@ def test_collect_writes_seed_columns_and_summary(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| hyb | DS" in summary and "higher (worse)" in summary  # +0.02 on every seed
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
+
+
+def test_quality_doc_tables_are_the_tools_output_from_the_committed_raw_files():
+    """docs/quality.md's 16k section is what tools/quality_tables.py computes from the committed
+    results.csv and runs/ (so the doc and its raw output cannot drift apart)."""
+    study = REPO / "docs" / "quality" / "code-125m-16k-seeds"
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "quality_tables.py"),
+            str(study / "results.csv"),
+            "--reference",
+            "dense",
+            "--positions",
+            str(study / "runs"),
+            "--window",
+            "1024",
+            "--curve",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    doc = (REPO / "docs" / "quality.md").read_text()
+    tables = [b for b in res.stdout.split("\n\n") if b.startswith("| setting")]
+    assert len(tables) == 6  # final loss, in / beyond the window, the three validation steps
+    tables[1] = tables[1].replace("| setting |", "| setting (positions < 1024) |", 1)
+    tables[2] = tables[2].replace("| setting |", "| setting (positions >= 1024) |", 1)
+    for table in tables[:5]:  # the last validation step is the final loss's table
+        assert table.strip() in doc, table.splitlines()[0]
