@@ -16,6 +16,7 @@ import torch
 
 from s2attn import S2Pattern
 from s2attn.reference import s2_attention_reference
+from tests.helpers.benchmark import fake_power_sampler
 from tests.helpers.megatron import import_tool
 
 bench = import_tool("benchmark")
@@ -528,20 +529,7 @@ def test_timed_records_keep_the_row_order_and_report_a_failing_row(monkeypatch, 
         sm_mhz_min=1350.0, samples=12,
     )  # fmt: skip
 
-    class FakeSampler:
-        def __init__(self, gpu):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def summary(self):
-            return summary
-
-    monkeypatch.setattr(bench, "PowerSampler", FakeSampler)
+    monkeypatch.setattr(bench, "PowerSampler", fake_power_sampler(summary))
 
     def fails():
         raise RuntimeError("out of memory at this size")

@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from tests.helpers.benchmark import fake_power_sampler
 from tests.helpers.megatron import REPO, import_tool
 
 bench = import_tool("benchmark")
@@ -36,20 +37,7 @@ def fake_gpu(monkeypatch):
     """tools/benchmark.py's timing without a GPU: each row's call returns its time in ms."""
     monkeypatch.setattr(bench, "time_rows", lambda fns: [float(fn()) for fn in fns])
 
-    class Sampler:
-        def __init__(self, gpu):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def summary(self):
-            return POWER
-
-    monkeypatch.setattr(bench, "PowerSampler", Sampler)
+    monkeypatch.setattr(bench, "PowerSampler", fake_power_sampler(POWER))
     monkeypatch.setattr(bench, "nvidia_smi_id", lambda: "0")
 
 

@@ -15,6 +15,7 @@ from importlib import metadata
 import pytest
 
 from megatron_s2.training.run_config import ConfigError, load_config
+from tests.training.test_trainer import TINY  # the same tiny model as the trainer tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo.yaml")
@@ -30,23 +31,6 @@ needs_hybrid = pytest.mark.skipif(not HAS_HYBRID, reason="megatron-core < 0.19: 
 # summation order that a future megatron-core might change, far below a step's loss change.
 LOSS_TOLERANCE = 1e-5
 
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.seq_length=128",
-    "attention.s2.local_blocks=2",
-    "attention.s2.vert_stride=2",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
-    "train.eval_interval=0",
-    "optimizer.lr_warmup_iters=2",
-    "logging.log_interval=1",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "logging.plot=false",
-    "checkpoint.save_at_end=false",
-]
 # Layer 0 dense, layer 1 S2 (the demo's "DS"); and every layer dense.
 SCHEDULES = {"s2": [], "dense": ["attention.dense_layers.pattern=D"]}
 
