@@ -372,9 +372,16 @@ def test_demo_corpus_regenerated_after_training_next_to_it(tmp_path, caplog):
 
     def train_on_it():
         ds = build_datasets(
-            [prefix], None, tokenizer=TOK, seq_length=64, seed=1, split="1,0,0",
-            train_samples=16, valid_samples=0, cache_dir=None,
-        )  # fmt: skip
+            [prefix],
+            None,
+            tokenizer=TOK,
+            seq_length=64,
+            seed=1,
+            split="1,0,0",
+            train_samples=16,
+            valid_samples=0,
+            cache_dir=None,  # Megatron's default: the cache goes to <prefix>/cache/
+        )
         return [ds.train[i]["tokens"] for i in range(len(ds.train))]
 
     samples = train_on_it()
