@@ -378,3 +378,24 @@ def test_attention_probe_needs_one_process(run_dir, capsys):
     assert "parallel.context_parallel_size=2" in err
     err = _fails(capsys, *ckpt, "--attention-probe", "1024")
     assert "--attention-probe: 1024 exceeds model.seq_length=128" in err
+
+
+def test_config_error_is_one_line_without_megatron_warnings(run_dir):
+    # Issue 53, item 7: the trainer's warning filter, in the evaluator. Without it Megatron's
+    # import-time warnings (Transformer Engine and Apex missing, a deprecated default: 8 lines)
+    # came before the one-line error, and before every table of a good run too.
+    proc = subprocess.run(
+        [*EVAL, "--checkpoint", str(run_dir / "checkpoints"), "--lengths", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=run_dir,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "megatron-s2-eval-long-context: error: --lengths: 100 is not a multiple of 16 tokens, "
+        "which the run's attention needs (attention S2 block sizes [16], "
+        "parallel.context_parallel_size=1); use e.g. 96"
+    ], proc.stderr
+    assert proc.stdout == ""

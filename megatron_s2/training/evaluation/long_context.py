@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
+from ..known_warnings import quiet_known_warnings
 from ..run_config import ConfigError, RunConfig, apply_overrides, load_config
 from .attention_probe import check_probe_layout, probe_needle_attention, probe_table
 from .loss_by_position import evaluate_loss_by_position
@@ -216,6 +217,9 @@ def run(args) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; exit code 2 on a config or input error, 4 on a checkpoint error."""
     args = build_arg_parser().parse_args(argv)
+    # The trainer's filter: Megatron's import-time and deprecation warnings, printed by every
+    # rank, would otherwise bury a one-line error (Megatron is imported lazily, after this).
+    quiet_known_warnings()
     # A caller's process group (an in-process test) is left alone; ours is shut down.
     started = not torch.distributed.is_initialized()
     try:
