@@ -26,7 +26,7 @@ from .attention_probe import check_probe_layout, probe_needle_attention, probe_t
 from .loss_by_position import evaluate_loss_by_position
 from .model import PREFIX, check_lengths, load_eval_model, resolve_checkpoint, saved_config
 from .report import plot_loss_by_position, plot_retrieval, retrieval_table, write
-from .retrieval import evaluate_retrieval
+from .retrieval import at_chance_note, evaluate_retrieval
 from .tasks import TASKS, check_grid, default_tasks, heldout_documents
 
 __all__ = ["build_arg_parser", "run", "main"]
@@ -133,6 +133,10 @@ def run(args) -> dict:
         f"{cfg.parallel.context_parallel_size}, DP {em.dp_size})",
         flush=True,
     )
+    note = at_chance_note(em.trained_tokens)
+    if note and (not args.skip_retrieval or probe):
+        # At the top, before the tables: on the demo they are all zeros, as they should be.
+        say(f"{PREFIX} {note}", flush=True)
     files, result = [], {"checkpoint": em.checkpoint, "iteration": em.iteration}
     if em.rank0:
         os.makedirs(out_dir, exist_ok=True)
