@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .errors import CheckpointError, RunDirError
+from .known_warnings import quiet_known_warnings
 from .run_config import ConfigError, load_config
 from .trainer import NonFiniteLossError, train
 
@@ -44,15 +45,6 @@ EXIT_RUN_DIR = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 PROG = "megatron-s2-train"
-
-# Warnings that every run of the pip wheel prints and that need no action.
-KNOWN_WARNINGS = (
-    r"Transformer Engine and Apex are not installed",
-    r"Apex is not installed",
-    r"full scope is deprecated",
-    r"The \.grad attribute of a Tensor that is not a leaf",
-    r"`load_state_dict` is deprecated and will be removed",  # Megatron's own call, on resume
-)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -78,19 +70,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _quiet_known_warnings() -> None:
-    import warnings
-
-    for msg in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=msg)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the process exit code."""
     # Options may come after the overrides (`megatron-s2-train train.train_iters=9 --restart`).
     args = build_arg_parser().parse_intermixed_args(argv)
-    _quiet_known_warnings()
+    quiet_known_warnings()
     # Megatron logs every parameter and its whole config at INFO; the trainer prints its own
     # summary.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -588,6 +588,27 @@ def _encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- driver ------------------------------------------------------------------------------------
+def _is_index_cache(path: str) -> bool:
+    """Whether the directory ``path`` holds nothing but Megatron's sample-index cache of the
+    dataset that ``path`` is the prefix of.
+
+    Without a ``path_to_cache`` (the trainer's ``data.cache_dir`` unset) Megatron's
+    ``GPTDataset`` writes its indices to ``<prefix>/cache/GPTDataset_indices``, so a corpus
+    that has been trained on has a directory of the prefix's own name beside its ``.bin``/
+    ``.idx``. Re-writing the corpus there (after a damaged copy, or the demo's regeneration)
+    is what the prefix is for, not a directory given by mistake. The cached indices are
+    keyed by the corpus's fingerprint (``data.DatasetTokenizer``), so the old ones are never
+    read for the new corpus.
+    """
+    try:
+        if os.listdir(path) != ["cache"]:
+            return False
+        cache = os.path.join(path, "cache")
+        return os.path.isdir(cache) and all(e.endswith("_indices") for e in os.listdir(cache))
+    except OSError:
+        return False
+
+
 def preprocess(
     inputs,
     output_prefix: str | os.PathLike,
@@ -654,7 +675,7 @@ def preprocess(
         raise ValueError(
             f"output_prefix {output_prefix!r} should not include .bin/.idx; give the common prefix"
         )
-    if os.path.isdir(output_prefix):
+    if os.path.isdir(output_prefix) and not _is_index_cache(output_prefix):
         raise ValueError(
             f"output_prefix {output_prefix!r} is a directory; give a file prefix inside it, "
             f"e.g. {output_prefix}/corpus"

@@ -543,6 +543,36 @@ def test_config_as_written(cmd, config_dir):
     load_checked(plan, plan.overrides, config_dir)
 
 
+def test_runs_other_than_the_demo_do_not_resume_it(config_dir):
+    """A documented trainer command that changes the demo's settings has a run directory of its
+    own. The docs' first command is the demo; a later command that left out ``name=`` would
+    resume the finished demo in ``runs/demo`` and answer "nothing to do" (issue 53, item 8:
+    the packing override). Continuing the demo to more steps is a resume, and allowed."""
+    from megatron_s2.training.run_config import load_config
+
+    demo = load_config(None, [])
+    same_place = []
+    for cmd in _config_commands():
+        try:
+            plan = plan_for(cmd)
+        except NoPlan:
+            continue  # test_every_command_has_a_plan reports it
+        # The Slurm script names each job's run directory, --print-config trains nothing, and
+        # the placeholders stand for the reader's own config (their stand-ins are demo-based).
+        if plan.runner == "sbatch" or plan.print_config or plan.config in PLACEHOLDERS:
+            continue
+        cfg = load_checked(plan, plan.overrides, config_dir)
+        if cfg.to_dict() == demo.to_dict() or cfg.train.train_iters > demo.train.train_iters:
+            continue
+        if demo.run_dir in (cfg.run_dir, os.path.dirname(cfg.checkpoint_dir)):
+            same_place.append(f"{cmd.id}: {cmd.text}")
+    assert not same_place, (
+        f"commands that change the demo's settings but train in its run directory "
+        f"({demo.run_dir}); after the demo they do nothing: give them a name=\n"
+        + "\n".join(same_place)
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: c.id)

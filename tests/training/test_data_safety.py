@@ -361,6 +361,47 @@ def test_demo_corpus_regenerated_when_damaged(tmp_path, caplog):
     check_indexed_dataset(prefix, vocab_size=TOK.vocab_size, eod=TOK.eod)
 
 
+@pytest.mark.timeout(120)
+def test_demo_corpus_regenerated_after_training_next_to_it(tmp_path, caplog):
+    # Issue 53, item 2: without data.cache_dir Megatron caches its sample indices in
+    # <prefix>/cache/, a directory of the prefix's own name. A demo corpus that had been
+    # trained on and was then deleted or truncated could not be written again ("output_prefix
+    # ... is a directory"); it is regenerated, and the next build reads the new files.
+    prefix = ensure_demo_data(tmp_path, seed=4, num_docs=20)
+    good = {ext: Path(prefix + ext).read_bytes() for ext in (".bin", ".idx")}
+
+    def train_on_it():
+        ds = build_datasets(
+            [prefix],
+            None,
+            tokenizer=TOK,
+            seq_length=64,
+            seed=1,
+            split="1,0,0",
+            train_samples=16,
+            valid_samples=0,
+            cache_dir=None,  # Megatron's default: the cache goes to <prefix>/cache/
+        )
+        return [ds.train[i]["tokens"] for i in range(len(ds.train))]
+
+    samples = train_on_it()
+    assert (Path(prefix) / "cache" / "GPTDataset_indices").is_dir()  # Megatron's default place
+    for damage in (lambda: os.remove(prefix + ".bin"), lambda: os.truncate(prefix + ".bin", 100)):
+        damage()
+        with caplog.at_level("WARNING"):
+            assert ensure_demo_data(tmp_path, seed=4, num_docs=20) == prefix
+        assert {ext: Path(prefix + ext).read_bytes() for ext in good} == good
+        again = train_on_it()
+        assert len(again) == len(samples)
+        assert all(np.array_equal(a, b) for a, b in zip(again, samples))
+    assert "regenerating" in caplog.text
+    # A directory that is not Megatron's cache is still refused as an output prefix.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="is a directory"):
+        preprocess(prefix[: -len("_text_document")] + ".jsonl", tmp_path / "mine", progress=False)
+
+
 # ---- item 2: prepare_data's input errors ---------------------------------------------------------
 def run_prep(tmp_path, inputs, out="out", **kw):
     kw.setdefault("cache_dir", str(tmp_path / "hf"))

@@ -15,6 +15,12 @@ import sys
 import pytest
 
 from megatron_s2.training.evaluation.long_context import main
+from megatron_s2.training.evaluation.model import PREFIX, trained_tokens
+from megatron_s2.training.evaluation.retrieval import (
+    CHANCE_BELOW_TOKENS,
+    EXPECTATIONS_DOC,
+    at_chance_note,
+)
 from tests.training.test_trainer import DEMO, REPO, _env, demo_dir, run_trainer  # noqa: F401
 
 EVAL = [sys.executable, os.path.join(REPO, "tools", "eval_long_context.py")]
@@ -378,3 +384,51 @@ def test_attention_probe_needs_one_process(run_dir, capsys):
     assert "parallel.context_parallel_size=2" in err
     err = _fails(capsys, *ckpt, "--attention-probe", "1024")
     assert "--attention-probe: 1024 exceeds model.seq_length=128" in err
+
+
+def test_config_error_is_one_line_without_megatron_warnings(run_dir):
+    # Issue 53, item 7: the trainer's warning filter, in the evaluator. Without it Megatron's
+    # import-time warnings (Transformer Engine and Apex missing, a deprecated default: 8 lines)
+    # came before the one-line error, and before every table of a good run too.
+    proc = subprocess.run(
+        [*EVAL, "--checkpoint", str(run_dir / "checkpoints"), "--lengths", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=run_dir,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "megatron-s2-eval-long-context: error: --lengths: 100 is not a multiple of 16 tokens, "
+        "which the run's attention needs (attention S2 block sizes [16], "
+        "parallel.context_parallel_size=1); use e.g. 96"
+    ], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_run_too_short_to_retrieve_says_so_at_the_top(evaluated):
+    # Issue 53, item 1: on the demo every retrieval cell is 0.00, as it should be; the tool
+    # says so before the tables, in the line after the checkpoint's, with the run's tokens
+    # (3 steps x 4 sequences x 128 tokens here) and where the docs explain it.
+    stdout, _ = evaluated
+    lines = stdout.splitlines()
+    assert lines[0].startswith(PREFIX) and "(iteration 3)" in lines[0], lines[:3]
+    assert lines[1] == f"{PREFIX} {at_chance_note(3 * 4 * 128)}", lines[:3]
+    assert "this run trained 1,536 tokens, too few to learn a lookup" in lines[1]
+    assert "retrieval is expected at chance" in lines[1]
+    title = EXPECTATIONS_DOC.split('"')[1]
+    doc = open(os.path.join(REPO, "docs", "long_context_eval.md")).read()
+    assert f"**{title}.**" in doc.split("## What the scores mean")[0]  # at the top of the doc
+
+
+def test_the_chance_note_covers_the_demo_and_only_short_runs():
+    from megatron_s2.training.run_config import load_config
+
+    demo = load_config(DEMO, [])
+    tokens = demo.train.train_iters * demo.train.global_batch_size * demo.model.seq_length
+    assert tokens == 512_000 and "trained 512,000 tokens" in at_chance_note(tokens)
+    assert at_chance_note(CHANCE_BELOW_TOKENS) is None and at_chance_note(None) is None
+    # A run that started from another run's weights does not know its tokens: no note.
+    saved = {"model": {"seq_length": 128}, "checkpoint": {"load_dir": "runs/base/checkpoints"}}
+    assert trained_tokens("unused", saved) is None

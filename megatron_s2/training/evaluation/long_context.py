@@ -20,12 +20,13 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
+from ..known_warnings import quiet_known_warnings
 from ..run_config import ConfigError, RunConfig, apply_overrides, load_config
 from .attention_probe import check_probe_layout, probe_needle_attention, probe_table
 from .loss_by_position import evaluate_loss_by_position
 from .model import PREFIX, check_lengths, load_eval_model, resolve_checkpoint, saved_config
 from .report import plot_loss_by_position, plot_retrieval, retrieval_table, write
-from .retrieval import evaluate_retrieval
+from .retrieval import at_chance_note, evaluate_retrieval
 from .tasks import TASKS, check_grid, default_tasks, heldout_documents
 
 __all__ = ["build_arg_parser", "run", "main"]
@@ -132,6 +133,10 @@ def run(args) -> dict:
         f"{cfg.parallel.context_parallel_size}, DP {em.dp_size})",
         flush=True,
     )
+    note = at_chance_note(em.trained_tokens)
+    if note and (not args.skip_retrieval or probe):
+        # At the top, before the tables: on the demo they are all zeros, as they should be.
+        say(f"{PREFIX} {note}", flush=True)
     files, result = [], {"checkpoint": em.checkpoint, "iteration": em.iteration}
     if em.rank0:
         os.makedirs(out_dir, exist_ok=True)
@@ -216,6 +221,9 @@ def run(args) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; exit code 2 on a config or input error, 4 on a checkpoint error."""
     args = build_arg_parser().parse_args(argv)
+    # The trainer's filter: Megatron's import-time and deprecation warnings, printed by every
+    # rank, would otherwise bury a one-line error (Megatron is imported lazily, after this).
+    quiet_known_warnings()
     # A caller's process group (an in-process test) is left alone; ours is shut down.
     started = not torch.distributed.is_initialized()
     try:

@@ -31,6 +31,7 @@ __all__ = [
     "check_lengths",
     "resolve_checkpoint",
     "saved_config",
+    "trained_tokens",
 ]
 
 # What the evaluation's own lines on stdout start with.
@@ -56,6 +57,8 @@ class EvalModel:
     length_unit: int
     dp_rank: int
     dp_size: int
+    # Tokens the run trained on from random weights (see trained_tokens); None: unknown.
+    trained_tokens: Optional[int] = None
 
     @property
     def rank0(self) -> bool:
@@ -123,6 +126,23 @@ def saved_config(root: str, iteration: int) -> tuple[Optional[dict], Optional[in
     from ..checkpointing import checkpoint_path, read_checkpoint_config
 
     return read_checkpoint_config(checkpoint_path(root, iteration))
+
+
+def trained_tokens(path: str, saved: Optional[dict]) -> Optional[int]:
+    """Tokens the run of the checkpoint at ``path`` trained on since its random initialisation:
+    its consumed samples x its ``model.seq_length`` (``saved``: the run config stored in the
+    checkpoint). None where that is unknown: a checkpoint without its config or sample count,
+    or a run that started from another run's weights (``checkpoint.load_dir``), whose own count
+    leaves out the tokens of the run it started from."""
+    from megatron.core import dist_checkpointing
+
+    if not saved or (saved.get("checkpoint") or {}).get("load_dir"):
+        return None
+    samples = dist_checkpointing.load_common_state_dict(path).get("consumed_samples")
+    seq_length = (saved.get("model") or {}).get("seq_length")
+    if samples is None or seq_length is None:
+        return None
+    return int(samples) * int(seq_length)
 
 
 def _check_checkpoint_matches(
@@ -223,4 +243,5 @@ def load_eval_model(
         length_unit=_length_unit(cfg),
         dp_rank=parts.dp_rank,
         dp_size=parts.dp_size,
+        trained_tokens=trained_tokens(path, saved),
     )

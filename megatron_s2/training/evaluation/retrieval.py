@@ -18,7 +18,29 @@ from .model import EvalModel
 from .scoring import score_sequences
 from .tasks import TASKS, check_grid, haystack_stream, heldout_documents, make_trial
 
-__all__ = ["evaluate_retrieval"]
+__all__ = ["evaluate_retrieval", "at_chance_note", "CHANCE_BELOW_TOKENS", "EXPECTATIONS_DOC"]
+
+# Below this many training tokens retrieval is expected at chance. In the CPU probes of the
+# demo's shape (docs/notebook/2026-11-long-context.md), models that read passkey trials and
+# nothing else first copied answers between 4M and 8M tokens (0% exact at 4.1M); the 125M runs
+# of docs/long_context_eval.md (run H) were at 0% after 65M tokens and retrieved after 131M.
+# The demo trains 0.5M tokens.
+CHANCE_BELOW_TOKENS = 4_000_000
+# Where the docs say what to expect from such a run and which runs retrieve.
+EXPECTATIONS_DOC = 'docs/long_context_eval.md, "What to expect on the demo"'
+
+
+def at_chance_note(trained_tokens: Optional[int]) -> Optional[str]:
+    """One line saying that retrieval is expected at chance, for a run that trained fewer than
+    :data:`CHANCE_BELOW_TOKENS` tokens (``trained_tokens``; None, unknown, gives None too):
+    the demo is such a run, and its all-zero tables are what to expect, not a failure."""
+    if trained_tokens is None or trained_tokens >= CHANCE_BELOW_TOKENS:
+        return None
+    return (
+        f"note: this run trained {trained_tokens:,} tokens, too few to learn a lookup: retrieval "
+        f"is expected at chance (0.00 in every cell); here the loss by position shows the use "
+        f"of context. What to expect, and which runs retrieve: {EXPECTATIONS_DOC}"
+    )
 
 
 def evaluate_retrieval(
