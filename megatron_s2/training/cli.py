@@ -55,19 +55,32 @@ KNOWN_WARNINGS = (
 )
 
 
+# --help's example overrides; a test checks the demo accepts them.
+HELP_EXAMPLE = (
+    "name=short",
+    "train.train_iters=50",
+    "optimizer.lr=1e-3",
+    "attention.s2.vert_stride=2",
+)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     """The argument parser of ``megatron-s2-train``."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Pretrain an S2 hybrid GPT with Megatron-core. Without --config: the built-in "
         "demo.",
-        epilog="Overrides: any config key as key.sub=value, e.g. train.train_iters=50 "
-        "parallel.tensor_model_parallel_size=2 attention.s2.vert_stride=16",
+        epilog=f"Overrides: any config key as key.sub=value, e.g. {' '.join(HELP_EXAMPLE)}",
     )
     p.add_argument(
         "--config", "-c", default=None, help="run config YAML (default: configs/demo.yaml)"
     )
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="check the config as the trainer would (at the launcher's world size) and print it "
+        "resolved; a config error exits 2",
+    )
     p.add_argument(
         "--restart",
         action="store_true",
@@ -99,6 +112,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.print_config:
             import yaml
 
+            from .parallel import DistributedEnv
+
+            # What the trainer checks before it starts anything: the attention schedule against
+            # the model and layout, and the layout against the launch's world size.
+            cfg.schedule()
+            cfg.validate(world_size=DistributedEnv.from_environment().world_size)
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             return EXIT_OK
         train(cfg, restart=args.restart)

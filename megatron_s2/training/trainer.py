@@ -90,7 +90,7 @@ class StepResult:
     iteration: int  # the iteration it completed
     loss: float
     grad_norm: float  # NaN when the optimizer reports none
-    lr: float
+    lr: float  # the learning rate this step used (set before it, moved on after it)
 
 
 def _rank0() -> bool:
@@ -272,11 +272,22 @@ class Trainer:
                     if not cfg.checkpoint.resume
                     else "but no checkpoint of its own to resume from"
                 )
+                # Only the checkpoint directory holds the previous run: that is what to change.
+                ckpt_only = cfg.checkpoint.dir is not None and found == [
+                    f"checkpoints in {cfg.checkpoint_dir}"
+                ]
+                where = f"checkpoint.dir {cfg.checkpoint_dir}" if ckpt_only else cfg.run_dir
+                if ckpt_only:
+                    other = "checkpoint.dir="
+                elif cfg.checkpoint.dir is not None:
+                    other = "name=/logging.run_dir= and checkpoint.dir="
+                else:
+                    other = "name=/logging.run_dir="
+                moved = cfg.checkpoint_dir if ckpt_only else cfg.run_dir
                 raise RunDirError(
-                    f"{cfg.run_dir} holds a previous run ({', '.join(found)}) {why}: a new run "
+                    f"{where} holds a previous run ({', '.join(found)}) {why}: a new run "
                     f"there would mix the two runs' metrics and checkpoints. Start over with "
-                    f"--restart (moves it to {cfg.run_dir}.old-<time>), or use another "
-                    f"name=/logging.run_dir="
+                    f"--restart (moves it to {moved}.old-<time>), or use another {other}"
                 )
         if candidate is None:
             return None, None, None
@@ -464,6 +475,8 @@ class Trainer:
                 f"optimizer.lr, a longer optimizer.lr_warmup_iters or a smaller "
                 f"optimizer.clip_grad."
             )
+        # The LR this step uses: the scheduler moves it on for the next step right after.
+        lr = self.optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = self.optimizer.step()
         if grad_norm is not None and not math.isfinite(grad_norm):
             # The step already used it: stop before a checkpoint can store the damage.
@@ -481,7 +494,7 @@ class Trainer:
             done,
             loss,
             float(grad_norm) if grad_norm is not None else math.nan,
-            self.optimizer.param_groups[0]["lr"],
+            lr,
         )
 
     # ---------------------------------------------------------------- the other concerns
