@@ -51,6 +51,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -605,36 +606,39 @@ def _run_one(
                 if echo:
                     sys.stdout.write(line)
                 log.write(line)
+                log.flush()  # a log to follow while the point runs (tail -f)
 
-        interrupted = False
+        # Copied by a thread: a Ctrl-C reaches only the main thread, and one that interrupted a
+        # read here would drop what the trainer printed last (where it saved).
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
         try:
-            try:
-                copy_output()
-            except KeyboardInterrupt:
-                # The trainer got the Ctrl-C too (same process group): it finishes its
-                # iteration, checkpoints and stops; its last lines (where it saved) are copied.
-                interrupted = True
-                try:
-                    copy_output()
-                except KeyboardInterrupt:
-                    pass  # a second Ctrl-C: the trainer aborts on it as well
-            code = _wait_for_end(proc)
+            interrupted = _wait_through_ctrl_c(proc)
+            reader.join()
         finally:
             _record_session(point.run_dir, start, time.time(), proc.poll(), "local")
     sys.stdout.flush()
     if interrupted:
         raise KeyboardInterrupt
-    return code
+    return proc.returncode
 
 
-def _wait_for_end(proc: subprocess.Popen) -> int:
-    """``proc``'s exit code once it has ended, waiting through further Ctrl-Cs (each of which
-    reaches it too, and ends it)."""
+def _wait_through_ctrl_c(proc: subprocess.Popen) -> bool:
+    """Wait for ``proc`` to end; return whether Ctrl-C was pressed meanwhile.
+
+    A terminal's Ctrl-C reaches the trainer too (same process group): it finishes its
+    iteration, checkpoints and stops, so the first one only waits. A further one is passed on
+    (the trainer aborts on its second; where the first reached the sweep alone, as ``kill
+    -INT`` sends it, this is the trainer's first)."""
+    interrupted = False
     while True:
         try:
-            return proc.wait()
+            proc.wait()
+            return interrupted
         except KeyboardInterrupt:
-            continue
+            if interrupted and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            interrupted = True
 
 
 def _record_session(run_dir: str, start: float, end: float, code, how: str) -> None:
