@@ -55,6 +55,7 @@ __all__ = [
     "find_checkpoint",
     "estimate_checkpoint_bytes",
     "read_checkpoint_config",
+    "stored_run_dir",
     "TRACKER",
     "Checkpointer",
     "ResumeCandidate",
@@ -553,6 +554,26 @@ def read_checkpoint_config(path: str) -> tuple[Optional[dict], Optional[int]]:
 
     common = dist_checkpointing.load_common_state_dict(path)
     return common.get("config"), common.get("padded_vocab_size")
+
+
+def stored_run_dir(root: str) -> Optional[str]:
+    """The run directory (absolute; a relative one as seen from here) that the run config
+    stored in the newest checkpoint under ``root`` names: ``logging.run_dir``, else
+    ``runs/<name>``. None when there is no checkpoint, or it cannot be read (a damaged one is
+    reported when the run looks for one to resume)."""
+    try:
+        iterations = _iteration_dirs(root)
+        if not iterations:
+            return None
+        saved, _ = read_checkpoint_config(checkpoint_path(root, max(iterations)))
+    except Exception:
+        return None
+    if not isinstance(saved, dict):
+        return None
+    run_dir = (saved.get("logging") or {}).get("run_dir")
+    if not run_dir and saved.get("name"):
+        run_dir = os.path.join("runs", str(saved["name"]))
+    return os.path.realpath(run_dir) if run_dir else None
 
 
 def load_checkpoint(

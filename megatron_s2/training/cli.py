@@ -24,7 +24,7 @@ import torch
 
 from .errors import CheckpointError, RunDirError
 from .run_config import ConfigError, load_config
-from .trainer import NonFiniteLossError, train
+from .trainer import NonFiniteLossError, check_config, train
 
 __all__ = [
     "main",
@@ -112,12 +112,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.print_config:
             import yaml
 
-            from .parallel import DistributedEnv
-
-            # What the trainer checks before it starts anything: the attention schedule against
-            # the model and layout, and the layout against the launch's world size.
-            cfg.schedule()
-            cfg.validate(world_size=DistributedEnv.from_environment().world_size)
+            # A config the trainer would refuse is refused here too (exit 2), not printed.
+            check_config(cfg)
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             return EXIT_OK
         train(cfg, restart=args.restart)

@@ -154,36 +154,20 @@ def _looks_like_run_dir(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "config.yaml"))
 
 
-def _stored_owner(checkpoint_dir: str) -> Optional[str]:
-    """The run directory named by the run config stored in ``checkpoint_dir``'s newest
-    checkpoint (relative paths as seen from here), or None when there is none to read."""
-    from .checkpointing import _iteration_dirs, checkpoint_path, read_checkpoint_config
-
-    try:
-        iterations = _iteration_dirs(checkpoint_dir)
-        if not iterations:
-            return None
-        saved, _ = read_checkpoint_config(checkpoint_path(checkpoint_dir, max(iterations)))
-    except Exception:  # a damaged checkpoint: find_checkpoint reports it later
-        return None
-    if not isinstance(saved, dict):
-        return None
-    logging_ = saved.get("logging") or {}
-    owner = logging_.get("run_dir") or (
-        os.path.join("runs", saved["name"]) if saved.get("name") else None
-    )
-    return os.path.realpath(owner) if owner else None
-
-
-def checkpoint_dir_owner(checkpoint_dir: str, run_dir: str) -> Optional[str]:
+def checkpoint_dir_owner(
+    checkpoint_dir: str,
+    run_dir: str,
+    stored_owner: Optional[Callable[[str], Optional[str]]] = None,
+) -> Optional[str]:
     """The run directory of *another* run that ``checkpoint_dir`` belongs to, or None (it is
     this run's, in ``run_dir`` or claimed by it before, or nobody's yet).
 
     Read from, in order: the lock file of the checkpoint directory or of the nearest folder
     above it that has one (it names the run that last held it: a run's own ``checkpoints/``
     has none, its run directory's does; locks written before they named their run count for
-    the folder they are in when it is a run directory), else the run config stored in its
-    newest checkpoint."""
+    the folder they are in when it is a run directory), else ``stored_owner(checkpoint_dir)``
+    (the trainer passes :func:`.checkpointing.stored_run_dir`: the run directory the config
+    stored in the newest checkpoint names; this module does not read checkpoints)."""
     if _is_relative_to(checkpoint_dir, run_dir):
         return None
     ours = os.path.realpath(run_dir)
@@ -200,8 +184,8 @@ def checkpoint_dir_owner(checkpoint_dir: str, run_dir: str) -> Optional[str]:
         if parent == directory:
             break
         directory = parent
-    if owner is None:
-        owner = _stored_owner(checkpoint_dir)
+    if owner is None and stored_owner is not None:
+        owner = stored_owner(checkpoint_dir)
     return owner if owner is not None and owner != ours else None
 
 
@@ -316,17 +300,22 @@ class RunDirectory:
 
 
 def open_run_directory(
-    run_dir: str, checkpoint_dir: str, *, restart: bool
+    run_dir: str,
+    checkpoint_dir: str,
+    *,
+    restart: bool,
+    stored_owner: Optional[Callable[[str], Optional[str]]] = None,
 ) -> tuple[RunDirectory, list]:
-    """Lock the run (and an external checkpoint) directory, move a previous run aside when
-    ``restart``, and check both directories are writable. Rank 0 only; returns the
-    description and the locks to release at exit."""
+    """Lock the run (and an external checkpoint) directory, refuse an external checkpoint
+    directory of another run (:func:`checkpoint_dir_owner`, with ``stored_owner``) unless
+    ``restart``, move a previous run aside when ``restart``, and check both directories are
+    writable. Rank 0 only; returns the description and the locks to release at exit."""
     locks = [acquire_lock(run_dir)]
     external = not _is_relative_to(checkpoint_dir, run_dir)
     try:
         if external:
             # Before its lock is taken: the lock file names the run that held it last.
-            owner = None if restart else checkpoint_dir_owner(checkpoint_dir, run_dir)
+            owner = None if restart else checkpoint_dir_owner(checkpoint_dir, run_dir, stored_owner)
             if owner is not None:
                 raise RunDirError(_owned_by_another_run(checkpoint_dir, owner))
             locks.append(acquire_lock(checkpoint_dir, "checkpoint directory", run_dir))

@@ -40,6 +40,7 @@ from .checkpointing import (
     estimate_checkpoint_bytes,
     find_resume,
     read_checkpoint_config,
+    stored_run_dir,
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
 from .errors import RunDirError
@@ -57,7 +58,7 @@ from .run_config import ConfigError, RunConfig, format_changes, resume_changes
 from .run_dir import check_free_space, on_rank0, open_run_directory, previous_run
 from .step import ForwardBackward, zero_grad
 
-__all__ = ["Trainer", "train", "RunResult", "StepResult", "NonFiniteLossError"]
+__all__ = ["Trainer", "train", "check_config", "RunResult", "StepResult", "NonFiniteLossError"]
 
 # Perplexity is reported as exp(loss); beyond this loss it only overflows.
 MAX_LOSS_FOR_PPL = 50.0
@@ -97,6 +98,17 @@ def _rank0() -> bool:
     return torch.distributed.get_rank() == 0
 
 
+def check_config(cfg: RunConfig) -> Runtime:
+    """The checks of ``cfg`` the trainer makes before it starts anything (``--print-config``
+    makes them too): the precision on this machine, the attention schedule against the model
+    and layout, the layout against the launch's world size (torchrun's ``WORLD_SIZE``, else 1).
+    Raises :class:`ConfigError`; returns the runtime it detected."""
+    runtime = Runtime.detect(cfg.train.precision)
+    cfg.schedule()
+    cfg.validate(world_size=runtime.env.world_size)
+    return runtime
+
+
 class Trainer:
     """A training run of ``cfg``, set up on construction (collective over all ranks).
 
@@ -112,10 +124,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, restart: bool = False):
         self.cfg = cfg
-        self.runtime = Runtime.detect(cfg.train.precision)
+        self.runtime = check_config(cfg)
         self.gpu, self.bf16 = self.runtime.gpu, self.runtime.bf16
         self.schedule = cfg.schedule()
-        cfg.validate(world_size=self.runtime.env.world_size)
         self.runtime.check(cfg.model)
         self.runtime.start(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
@@ -137,7 +148,10 @@ class Trainer:
         # The run directory: lock, --restart, writable (rank 0 acts, every rank learns).
         def claim():
             info, self._locks = open_run_directory(
-                self.cfg.run_dir, self.cfg.checkpoint_dir, restart=restart
+                self.cfg.run_dir,
+                self.cfg.checkpoint_dir,
+                restart=restart,
+                stored_owner=stored_run_dir,
             )
             return info
 

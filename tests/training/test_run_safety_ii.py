@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from megatron_s2.training import cli, run_dir
+from megatron_s2.training import checkpointing, cli, run_dir
 from megatron_s2.training.errors import RunDirError
 from megatron_s2.training.run_config import ConfigError, load_config
 from megatron_s2.training.run_dir import acquire_lock, check_writable, open_run_directory
@@ -104,9 +104,10 @@ def test_checkpoints_without_a_lock_are_told_by_their_stored_config(tmp_path, mo
     ckpt = tmp_path / "ckpt"
     os.makedirs(ckpt)
     _fake_checkpoint(ckpt, 4)  # stores the config {"name": "x"}
+    stored = {"stored_owner": checkpointing.stored_run_dir}
     with pytest.raises(RunDirError, match=re.escape(str(tmp_path / "runs" / "x"))):
-        open_run_directory("runs/B", str(ckpt), restart=False)
-    _release(open_run_directory("runs/x", str(ckpt), restart=False)[1])
+        open_run_directory("runs/B", str(ckpt), restart=False, **stored)
+    _release(open_run_directory("runs/x", str(ckpt), restart=False, **stored)[1])
 
 
 def test_cli_refuses_another_runs_checkpoint_dir_before_any_work(tmp_path):
