@@ -314,6 +314,10 @@ def test_the_demo_runs_short_with_train_iters_alone():
         load_config(None, ["train.train_iters=20", "optimizer.lr_warmup_iters=20"])
     with pytest.raises(ConfigError, match="not both"):
         load_config(None, ["optimizer.lr_warmup_iters=2", "optimizer.lr_warmup_fraction=0.1"])
+    # checkpoint.on_resume=keep on a checkpoint that set the warm-up in iterations keeps those.
+    saved = load_config(None, ["optimizer.lr_warmup_iters=20"]).to_dict()
+    kept = load_config(None, []).keeping(saved, ["optimizer.lr_warmup_iters"]).optimizer
+    assert (kept.lr_warmup_iters, kept.lr_warmup_fraction) == (20, None)
 
 
 def test_scheduler_gets_the_fractional_warm_up():
