@@ -27,6 +27,7 @@ format would carry it across, but in megatron-core 0.16.1 it cannot be loaded in
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ __all__ = [
     "find_checkpoint",
     "estimate_checkpoint_bytes",
     "read_checkpoint_config",
+    "stored_run_dir",
     "TRACKER",
     "Checkpointer",
     "ResumeCandidate",
@@ -360,6 +362,40 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
 
 
+def file_size_limit() -> Optional[int]:
+    """This process's file-size limit in bytes (``ulimit -f``, RLIMIT_FSIZE), None if none."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _hit_file_size_limit(error: BaseException) -> bool:
+    """Whether ``error`` is a write stopped by the file-size limit: ``EFBIG`` from a plain
+    write (the checkpoint shards), or torch.save's zip writer's ``unexpected pos`` (common.pt),
+    which is how that writer reports a short write; only while a limit is set."""
+    if file_size_limit() is None:
+        return False
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, tuple):  # a torch CheckpointException failure: (exception, traceback)
+            todo.extend(x for x in e if isinstance(x, BaseException))
+            continue
+        if isinstance(e, OSError) and e.errno == errno.EFBIG:
+            return True
+        if "unexpected pos" in str(e) or "File too large" in str(e):
+            return True
+        todo.extend([e.__cause__, e.__context__, *(getattr(e, "failures", None) or {}).values()])
+    return False
+
+
 def _save_failed(root: str, path: str, error: BaseException) -> str:
     try:
         last = latest_iteration(root)
@@ -370,6 +406,14 @@ def _save_failed(root: str, path: str, error: BaseException) -> str:
         if last is not None
         else "no checkpoint of this run was completed"
     )
+    if _hit_file_size_limit(error):
+        # Not a full disk: the free space would point at the wrong cause.
+        limit = file_size_limit()
+        return (
+            f"saving checkpoint {path} failed: a file of it reached this process's file-size "
+            f"limit (ulimit -f: {human_bytes(limit)}). Raise the limit (ulimit -f unlimited, "
+            f"or the job's setting) and resume; {last_text}. The partial folder was removed."
+        )
     return (
         f"saving checkpoint {path} failed ({_error_text(error)}). Free space there: "
         f"{_free_space(root)}; {last_text}. The partial folder was removed."
@@ -510,6 +554,26 @@ def read_checkpoint_config(path: str) -> tuple[Optional[dict], Optional[int]]:
 
     common = dist_checkpointing.load_common_state_dict(path)
     return common.get("config"), common.get("padded_vocab_size")
+
+
+def stored_run_dir(root: str) -> Optional[str]:
+    """The run directory (absolute; a relative one as seen from here) that the run config
+    stored in the newest checkpoint under ``root`` names: ``logging.run_dir``, else
+    ``runs/<name>``. None when there is no checkpoint, or it cannot be read (a damaged one is
+    reported when the run looks for one to resume)."""
+    try:
+        iterations = _iteration_dirs(root)
+        if not iterations:
+            return None
+        saved, _ = read_checkpoint_config(checkpoint_path(root, max(iterations)))
+    except Exception:
+        return None
+    if not isinstance(saved, dict):
+        return None
+    run_dir = (saved.get("logging") or {}).get("run_dir")
+    if not run_dir and saved.get("name"):
+        run_dir = os.path.join("runs", str(saved["name"]))
+    return os.path.realpath(run_dir) if run_dir else None
 
 
 def load_checkpoint(

@@ -25,7 +25,7 @@ import torch
 from .errors import CheckpointError, RunDirError
 from .known_warnings import quiet_known_warnings
 from .run_config import ConfigError, load_config
-from .trainer import NonFiniteLossError, train
+from .trainer import NonFiniteLossError, check_config, train
 
 __all__ = [
     "main",
@@ -47,19 +47,32 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 PROG = "megatron-s2-train"
 
 
+# --help's example overrides; a test checks the demo accepts them.
+HELP_EXAMPLE = (
+    "name=short",
+    "train.train_iters=50",
+    "optimizer.lr=1e-3",
+    "attention.s2.vert_stride=2",
+)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     """The argument parser of ``megatron-s2-train``."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Pretrain an S2 hybrid GPT with Megatron-core. Without --config: the built-in "
         "demo.",
-        epilog="Overrides: any config key as key.sub=value, e.g. train.train_iters=50 "
-        "parallel.tensor_model_parallel_size=2 attention.s2.vert_stride=16",
+        epilog=f"Overrides: any config key as key.sub=value, e.g. {' '.join(HELP_EXAMPLE)}",
     )
     p.add_argument(
         "--config", "-c", default=None, help="run config YAML (default: configs/demo.yaml)"
     )
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="check the config as the trainer would (at the launcher's world size) and print it "
+        "resolved; a config error exits 2",
+    )
     p.add_argument(
         "--restart",
         action="store_true",
@@ -83,6 +96,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.print_config:
             import yaml
 
+            # A config the trainer would refuse is refused here too (exit 2), not printed.
+            check_config(cfg)
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             return EXIT_OK
         train(cfg, restart=args.restart)

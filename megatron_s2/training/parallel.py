@@ -424,7 +424,7 @@ def build_optimizer(
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters,
+        lr_warmup_steps=o.warmup_steps(decay),
         lr_decay_steps=decay,
         lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay,

@@ -49,6 +49,7 @@ __all__ = [
     "RunConfig",
     "load_config",
     "apply_overrides",
+    "yaml_load",
     "DEMO_CONFIG",
     "ON_RESUME",
     "SettingChange",
@@ -290,7 +291,12 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    lr_warmup_iters: int = 20
+    # Warm-up length, as Megatron's --lr-warmup-iters / --lr-warmup-fraction (give at most one):
+    # iterations, or a fraction of the decay length (optimizer.lr_decay_iters, else the run),
+    # which follows train.train_iters (the demo's 0.08: 20 of its 250 iterations, 1.6 of 20).
+    # Neither: 20 iterations. A command-line override of one replaces the YAML file's other.
+    lr_warmup_iters: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
     # None: decay over the whole run.
     lr_decay_iters: Optional[int] = None
     lr_decay_style: str = "cosine"
@@ -308,7 +314,19 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad < 0:
             raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 = off), got {self.clip_grad}")
-        _at_least("optimizer.lr_warmup_iters", self.lr_warmup_iters, 0)
+        if self.lr_warmup_iters is not None:
+            _at_least("optimizer.lr_warmup_iters", self.lr_warmup_iters, 0)
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters is not None:
+                raise ConfigError(
+                    "give one of optimizer.lr_warmup_iters and optimizer.lr_warmup_fraction "
+                    "(Megatron's --lr-warmup-iters / --lr-warmup-fraction), not both"
+                )
+            if not 0.0 <= self.lr_warmup_fraction < 1.0:
+                raise ConfigError(
+                    f"optimizer.lr_warmup_fraction must be in [0, 1) (a fraction of the decay "
+                    f"length), got {self.lr_warmup_fraction}"
+                )
         if self.lr_decay_iters is not None:
             _at_least("optimizer.lr_decay_iters", self.lr_decay_iters, 1)
         _one_of(
@@ -316,6 +334,20 @@ class OptimizerConfig:
             self.lr_decay_style,
             ("constant", "linear", "cosine", "inverse-square-root"),
         )
+
+    def warmup_steps(self, decay_iters: int) -> float:
+        """Warm-up length in iterations for a decay over ``decay_iters`` iterations: the
+        fraction of it (a float, as Megatron-LM passes ``--lr-warmup-fraction`` to its
+        scheduler), else ``lr_warmup_iters``, else the default 20."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * decay_iters
+        if self.lr_warmup_iters is not None:
+            return self.lr_warmup_iters
+        return DEFAULT_WARMUP_ITERS
+
+
+# The warm-up of a config that sets neither optimizer.lr_warmup_iters nor lr_warmup_fraction.
+DEFAULT_WARMUP_ITERS = 20
 
 
 @dataclass
@@ -485,8 +517,7 @@ class RunConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.validate()
-        if not self.name or "/" in self.name:
-            raise ConfigError(f"name must be a non-empty string without '/', got {self.name!r}")
+        _check_name(self.name)
         for check in _CROSS_SECTION_CHECKS:
             check(self)
         if world_size is not None:
@@ -584,6 +615,12 @@ class RunConfig:
         d = self.to_dict()
         for key in keys:
             _set_dotted(d, key, _get_dotted(saved, key))
+        for key, other in (WARMUP_KEYS, WARMUP_KEYS[::-1]):
+            # The checkpoint's warm-up, in whichever of the two keys it is given, replaces this
+            # config's (the two are alternatives).
+            kept = f"optimizer.{key}" in keys and _get_dotted(saved, f"optimizer.{key}") is not None
+            if kept and f"optimizer.{other}" not in keys:
+                d["optimizer"][other] = None
         try:
             return RunConfig.from_dict(d)
         except ConfigError as e:
@@ -595,6 +632,30 @@ class RunConfig:
     def blend(self) -> tuple[list[str], Optional[list[float]]]:
         """``data.blend`` as (prefixes, weights or None)."""
         return _blend_pairs(self.data.blend or [])
+
+
+# The longest ``name``: the run directory ``runs/<name>`` must stay one valid file name also as
+# ``--restart`` renames it (``<name>.old-YYYYmmdd-HHMMSS-N``), and Linux file names have at most
+# 255 bytes (NAME_MAX).
+NAME_MAX_BYTES = 255 - len(".old-YYYYmmdd-HHMMSS-99")
+
+
+def _check_name(name: str) -> None:
+    """``name`` is one folder name under ``runs/``: not empty, not ``.``/``..`` (they would be
+    ``runs/`` itself or the checkout), no path separator, short enough for the file system."""
+    if not name or name in (".", "..") or any(c in name for c in ("/", "\\", "\0")):
+        raise ConfigError(
+            f"name must be one folder name (the run directory is runs/<name>): not empty, not "
+            f"'.' or '..', without '/' or '\\', got {name!r}; to put the run elsewhere set "
+            f"logging.run_dir"
+        )
+    size = len(name.encode())
+    if size > NAME_MAX_BYTES:
+        raise ConfigError(
+            f"name is {size} bytes long, more than the {NAME_MAX_BYTES} a run directory's name "
+            f"may have (file names have at most 255 bytes, and --restart appends "
+            f"'.old-<time>'): choose a shorter name"
+        )
 
 
 # ---- checks across sections (RunConfig.validate runs them after every section's own) ---------
@@ -748,10 +809,14 @@ def _check_lr_schedule(cfg: RunConfig) -> None:
     """The warm-up ends before the decay does (``optimizer.lr_decay_iters``, else the run)."""
     o = cfg.optimizer
     decay = o.lr_decay_iters if o.lr_decay_iters is not None else cfg.train.train_iters
-    if o.lr_warmup_iters >= decay:
+    warmup = o.warmup_steps(decay)
+    if warmup >= decay:
+        given = "" if o.lr_warmup_iters is not None else ", the default"
         raise ConfigError(
-            f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be smaller than the "
-            f"decay length ({decay}, optimizer.lr_decay_iters or train.train_iters)"
+            f"optimizer.lr_warmup_iters ({warmup:g}{given}) must be smaller than the decay "
+            f"length ({decay}, optimizer.lr_decay_iters or train.train_iters); set a shorter "
+            f"optimizer.lr_warmup_iters, or optimizer.lr_warmup_fraction (a fraction of the "
+            f"decay length, which follows train.train_iters)"
         )
 
 
@@ -883,6 +948,41 @@ def _build(cls, d: Any, prefix: str):
     return cls(**kwargs)
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A YAML mapping gives one key twice (:class:`UniqueKeyLoader`)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (plain PyYAML keeps the
+    last value silently: a config edited in two places would run with whichever came later)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+                seen.setdefault(key, line)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                raise DuplicateKeyError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (lines {first} and {line}); "
+                    f"keep one",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_load(text) -> Any:
+    """Parse YAML ``text`` (a string or an open file) like ``yaml.safe_load``, but refuse
+    duplicate keys (:class:`UniqueKeyLoader`); raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
     """Apply ``key.sub=value`` strings to the nested mapping ``d`` (in place; returned).
 
@@ -895,7 +995,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml_load(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
         node = d
@@ -916,17 +1016,53 @@ def load_config(
 ) -> RunConfig:
     """Load ``path`` (None = the built-in demo config), apply overrides, validate."""
     path = Path(path) if path is not None else DEMO_CONFIG
+    if path.is_dir():
+        yamls = sorted(str(p) for p in path.glob("*.yaml"))[:5]
+        hint = f" (it holds {', '.join(yamls)})" if yamls else ""
+        raise ConfigError(
+            f"--config {str(path)!r} is a directory; give one run config YAML file{hint}"
+        )
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    with open(path) as f:
-        try:
-            d = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {what}")
+    try:
+        with open(path) as f:
+            d = yaml_load(f)
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{path}: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({e})") from None
+    if d is None or d == {}:
+        # Without this the defaults would run and the first complaint would be data.blend.
+        raise ConfigError(
+            f"{path} is empty (no settings): a run config needs at least its data "
+            f"(data.blend, or data.demo: true); start from configs/demo.yaml or "
+            f"configs/gpt-125m-s2.yaml"
+        )
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    apply_overrides(d, overrides or [])
+    overrides = overrides or []
+    _warmup_override_replaces_the_files(d, overrides)
+    apply_overrides(d, overrides)
     return RunConfig.from_dict(d)
+
+
+WARMUP_KEYS = ("lr_warmup_iters", "lr_warmup_fraction")
+
+
+def _warmup_override_replaces_the_files(d: dict, overrides: list[str]) -> None:
+    """The two warm-up keys are alternatives: an override of one (``optimizer.lr_warmup_iters=2``
+    on the demo, whose file sets the fraction) drops the file's other, as the later value of
+    one setting replaces an earlier one; both given as overrides stay both (and are refused)."""
+    given = {item.partition("=")[0].strip() for item in overrides}
+    section = d.get("optimizer")
+    if not isinstance(section, dict):
+        return
+    for key, other in (WARMUP_KEYS, WARMUP_KEYS[::-1]):
+        if f"optimizer.{key}" in given and f"optimizer.{other}" not in given:
+            section.pop(other, None)
 
 
 # ---- resuming: which settings may differ from the checkpoint's ---------------------------------

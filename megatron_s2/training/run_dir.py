@@ -14,6 +14,11 @@ default ``checkpoints/``) for as long as it is alive:
   checkpoint; when there is none to resume from (or ``checkpoint.resume=false``) the run refuses
   to start instead of mixing two runs' files. ``--restart`` moves the previous run aside to
   ``<run_dir>.old-<timestamp>`` (its external checkpoint directory likewise) and starts afresh.
+* **A checkpoint directory belongs to one run.** A new run given another run's
+  ``checkpoint.dir`` (its ``checkpoints/``, or an external folder it saved into) is refused
+  before anything is written: it would resume that run's weights and save into its folder. The
+  lock files name their run directory, and so tell whose a folder is after the run ended;
+  ``checkpoint.load_dir`` is the way to start from another run's weights.
 * **Start-up checks**, before anything trains: the run and checkpoint directories can be created
   and written (a probe file is written and removed: a read-only or full file system fails
   here, not at the first save), and the checkpoint directory's file system has room for one
@@ -46,6 +51,7 @@ __all__ = [
     "previous_run",
     "move_aside",
     "check_writable",
+    "checkpoint_dir_owner",
     "check_free_space",
     "on_rank0",
     "human_bytes",
@@ -88,9 +94,13 @@ class RunLock:
             self.fd = None
 
 
-def acquire_lock(directory: str, what: str = "run directory") -> RunLock:
+def acquire_lock(
+    directory: str, what: str = "run directory", run_dir: Optional[str] = None
+) -> RunLock:
     """Lock ``directory`` (created if missing) for this process, or raise :class:`RunDirError`
-    naming the live process that holds it."""
+    naming the live process that holds it. The lock file then names this process and the run
+    directory ``run_dir`` (default: ``directory``), which stays readable after the run ended:
+    :func:`checkpoint_dir_owner` reads it."""
     import fcntl
 
     path = os.path.join(directory, LOCK_FILE)
@@ -108,15 +118,100 @@ def acquire_lock(directory: str, what: str = "run directory") -> RunLock:
         with open(path, errors="replace") as f:
             holder = f.read().strip() or "another process"
         os.close(fd)
+        other = "checkpoint.dir=" if what == "checkpoint directory" else "name=/logging.run_dir="
         raise RunDirError(
             f"{what} {directory} is in use by a live run ({holder}). Two runs in one directory "
             f"would interleave their metrics and delete each other's checkpoints: wait for it "
-            f"to finish, stop it, or use another name=/logging.run_dir="
+            f"to finish, stop it, or use another {other}"
         ) from None
     started = datetime.datetime.now().isoformat(timespec="seconds")
+    owner = os.path.realpath(run_dir or directory)
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n".encode())
+    os.write(
+        fd,
+        f"pid {os.getpid()} on {socket.gethostname()} since {started}{RUN_MARK}{owner}\n".encode(),
+    )
     return RunLock(path, fd)
+
+
+# Between the holder and the run directory in a lock file's line.
+RUN_MARK = "; run "
+
+
+def _lock_owner(path: str) -> Optional[str]:
+    """The run directory a lock file names (None: unreadable, or written before lock files
+    named their run)."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    _, mark, owner = text.rpartition(RUN_MARK)
+    return owner or None if mark else None
+
+
+def _looks_like_run_dir(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "config.yaml"))
+
+
+def checkpoint_dir_owner(
+    checkpoint_dir: str,
+    run_dir: str,
+    stored_owner: Optional[Callable[[str], Optional[str]]] = None,
+) -> Optional[str]:
+    """The run directory of *another* run that ``checkpoint_dir`` belongs to, or None (it is
+    this run's, in ``run_dir`` or claimed by it before, or nobody's yet).
+
+    Read from, in order: the lock file of the checkpoint directory or of the nearest folder
+    above it that has one (it names the run that last held it: a run's own ``checkpoints/``
+    has none, its run directory's does; locks written before they named their run count for
+    the folder they are in when it is a run directory), else ``stored_owner(checkpoint_dir)``
+    (the trainer passes :func:`.checkpointing.stored_run_dir`: the run directory the config
+    stored in the newest checkpoint names; this module does not read checkpoints)."""
+    if _is_relative_to(checkpoint_dir, run_dir):
+        return None
+    ours = os.path.realpath(run_dir)
+    start = directory = os.path.realpath(checkpoint_dir)
+    owner = None
+    while True:
+        lock = os.path.join(directory, LOCK_FILE)
+        if os.path.isfile(lock):
+            owner = _lock_owner(lock)
+            if owner is None and directory != start and _looks_like_run_dir(directory):
+                owner = directory
+            break
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    if owner is None and stored_owner is not None:
+        owner = stored_owner(checkpoint_dir)
+    return owner if owner is not None and owner != ours else None
+
+
+def _run_name(run_dir: str) -> Optional[str]:
+    """The ``name`` in ``<run_dir>/config.yaml``, if it can be read."""
+    try:
+        import yaml
+
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            name = (yaml.safe_load(f) or {}).get("name")
+        return str(name) if name else None
+    except Exception:
+        return None
+
+
+def _owned_by_another_run(checkpoint_dir: str, owner: str) -> str:
+    name = _run_name(owner)
+    run = f"run '{name}' in {owner}" if name else f"the run in {owner}"
+    return (
+        f"checkpoint.dir {checkpoint_dir} belongs to another run ({run}): this run would resume "
+        f"that run's weights and write its checkpoints into that run's folder. Give this run "
+        f"a fresh checkpoint.dir (or leave it unset: <run dir>/checkpoints); to start from "
+        f"those weights use checkpoint.load_dir={checkpoint_dir} instead; or take the folder "
+        f"over with --restart (moves its checkpoints aside to "
+        f"{checkpoint_dir.rstrip(os.sep)}.old-<time>)"
+    )
 
 
 # ------------------------------------------------------------------------- a previous run
@@ -168,6 +263,13 @@ def check_writable(directory: str, what: str) -> None:
 
 
 def _not_writable(what: str, directory: str, error: OSError) -> str:
+    if error.errno == errno.ENAMETOOLONG:
+        # Not a permission problem: the path itself cannot exist on this file system.
+        return (
+            f"{what} {directory} cannot be created: a name in the path is too long for the "
+            f"file system ({error.strerror}; a file name has at most 255 bytes). Use a shorter "
+            f"name=, logging.run_dir or checkpoint.dir"
+        )
     return (
         f"{what} {directory} is not writable ({error.strerror or error}): checked at start-up, "
         f"since a run that cannot save its checkpoints would lose its training. Fix its "
@@ -198,16 +300,25 @@ class RunDirectory:
 
 
 def open_run_directory(
-    run_dir: str, checkpoint_dir: str, *, restart: bool
+    run_dir: str,
+    checkpoint_dir: str,
+    *,
+    restart: bool,
+    stored_owner: Optional[Callable[[str], Optional[str]]] = None,
 ) -> tuple[RunDirectory, list]:
-    """Lock the run (and an external checkpoint) directory, move a previous run aside when
-    ``restart``, and check both directories are writable. Rank 0 only; returns the
-    description and the locks to release at exit."""
+    """Lock the run (and an external checkpoint) directory, refuse an external checkpoint
+    directory of another run (:func:`checkpoint_dir_owner`, with ``stored_owner``) unless
+    ``restart``, move a previous run aside when ``restart``, and check both directories are
+    writable. Rank 0 only; returns the description and the locks to release at exit."""
     locks = [acquire_lock(run_dir)]
     external = not _is_relative_to(checkpoint_dir, run_dir)
     try:
         if external:
-            locks.append(acquire_lock(checkpoint_dir, "checkpoint directory"))
+            # Before its lock is taken: the lock file names the run that held it last.
+            owner = None if restart else checkpoint_dir_owner(checkpoint_dir, run_dir, stored_owner)
+            if owner is not None:
+                raise RunDirError(_owned_by_another_run(checkpoint_dir, owner))
+            locks.append(acquire_lock(checkpoint_dir, "checkpoint directory", run_dir))
         moved = []
         if restart and previous_run(run_dir, checkpoint_dir):
             # Move while holding the locks (a live run cannot be moved away from under itself),
@@ -218,7 +329,7 @@ def open_run_directory(
             old = locks
             locks = [acquire_lock(run_dir)]
             if external:
-                locks.append(acquire_lock(checkpoint_dir, "checkpoint directory"))
+                locks.append(acquire_lock(checkpoint_dir, "checkpoint directory", run_dir))
             for lock in old:
                 lock.release()
         check_writable(run_dir, "run directory")

@@ -34,7 +34,9 @@ with the config error and skipped. Running again skips finished points (``summar
 resume; a point interrupted before its first checkpoint starts over with ``--restart``).
 
 Exit codes: 0 every valid point finished (or was submitted); 1 a point failed; 2 a study error
-(unreadable YAML, unknown key, no valid point).
+(unreadable YAML, unknown key, no valid point); 130 Ctrl-C (the running points' trainers get
+it from the terminal too, checkpoint and stop; the sweep waits for them, starts no other point
+and prints one line; running it again resumes).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -61,7 +64,14 @@ from typing import Any, Optional
 
 import yaml
 
-from .run_config import DEMO_CONFIG, ConfigError, RunConfig, load_config
+from .run_config import (
+    DEMO_CONFIG,
+    ConfigError,
+    DuplicateKeyError,
+    RunConfig,
+    load_config,
+    yaml_load,
+)
 
 __all__ = [
     "StudyError",
@@ -84,6 +94,7 @@ SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN = REPO / "launch" / "torchrun.sh"
 
 EXIT_OK, EXIT_FAILED, EXIT_STUDY_ERROR = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the trainer
 
 STUDY_KEYS = (
     "name",
@@ -327,9 +338,12 @@ def load_study(
     such as a corpus built on this machine, kept out of the study file)."""
     path = Path(path)
     if not path.is_file():
-        raise StudyError(f"study file {str(path)!r} does not exist")
+        what = "is a directory, not a study YAML" if path.is_dir() else "does not exist"
+        raise StudyError(f"study file {str(path)!r} {what}")
     try:
-        d = yaml.safe_load(path.read_text()) or {}
+        d = yaml_load(path.read_text()) or {}
+    except DuplicateKeyError as e:
+        raise StudyError(f"{path}: {e.problem}") from None
     except yaml.YAMLError as e:
         raise StudyError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(d, dict):
@@ -586,20 +600,45 @@ def _run_one(
         proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        try:
+
+        def copy_output() -> None:
             for line in proc.stdout:
                 if echo:
                     sys.stdout.write(line)
                 log.write(line)
-            code = proc.wait()
-        except KeyboardInterrupt:
-            # The trainer got the Ctrl-C too (same process group): let it checkpoint and stop.
-            code = proc.wait()
-            raise
+                log.flush()  # a log to follow while the point runs (tail -f)
+
+        # Copied by a thread: a Ctrl-C reaches only the main thread, and one that interrupted a
+        # read here would drop what the trainer printed last (where it saved).
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
+        try:
+            interrupted = _wait_through_ctrl_c(proc)
+            reader.join()
         finally:
             _record_session(point.run_dir, start, time.time(), proc.poll(), "local")
     sys.stdout.flush()
-    return code
+    if interrupted:
+        raise KeyboardInterrupt
+    return proc.returncode
+
+
+def _wait_through_ctrl_c(proc: subprocess.Popen) -> bool:
+    """Wait for ``proc`` to end; return whether Ctrl-C was pressed meanwhile.
+
+    A terminal's Ctrl-C reaches the trainer too (same process group): it finishes its
+    iteration, checkpoints and stops, so the first one only waits. A further one is passed on
+    (the trainer aborts on its second; where the first reached the sweep alone, as ``kill
+    -INT`` sends it, this is the trainer's first)."""
+    interrupted = False
+    while True:
+        try:
+            proc.wait()
+            return interrupted
+        except KeyboardInterrupt:
+            if interrupted and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            interrupted = True
 
 
 def _record_session(run_dir: str, start: float, end: float, code, how: str) -> None:
@@ -652,8 +691,10 @@ def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
         todo.put(point)
     concurrent = len(groups) > 1
 
+    stop = threading.Event()  # Ctrl-C: no further point starts
+
     def worker(group: Optional[list]) -> None:
-        while True:
+        while not stop.is_set():
             try:
                 point = todo.get_nowait()
             except queue.Empty:
@@ -675,8 +716,20 @@ def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
         threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in groups]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except KeyboardInterrupt:
+            # Only this (the main) thread sees the Ctrl-C; the running points' trainers got it
+            # from the terminal and are saving: let them end, start no other point.
+            stop.set()
+            for t in threads:
+                while t.is_alive():
+                    try:
+                        t.join()
+                    except KeyboardInterrupt:
+                        continue
+            raise
     else:
         worker(groups[0])
     if failed:
@@ -1115,7 +1168,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
+    """Console entry point; returns the exit code (130 after Ctrl-C)."""
     args = build_arg_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        # The running points' trainers got the Ctrl-C too and have saved and stopped by now
+        # (_run_one waits for them); a rerun of the same command resumes them.
+        print(
+            f"\n{PROG}: interrupted; the running point(s) saved a checkpoint where they could; "
+            f"run the same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         study = load_study(args.study, args.output_dir, extra_overrides=args.overrides)
     except StudyError as e:

@@ -40,6 +40,7 @@ from .checkpointing import (
     estimate_checkpoint_bytes,
     find_resume,
     read_checkpoint_config,
+    stored_run_dir,
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
 from .errors import RunDirError
@@ -57,7 +58,7 @@ from .run_config import ConfigError, RunConfig, format_changes, resume_changes
 from .run_dir import check_free_space, on_rank0, open_run_directory, previous_run
 from .step import ForwardBackward, zero_grad
 
-__all__ = ["Trainer", "train", "RunResult", "StepResult", "NonFiniteLossError"]
+__all__ = ["Trainer", "train", "check_config", "RunResult", "StepResult", "NonFiniteLossError"]
 
 # Perplexity is reported as exp(loss); beyond this loss it only overflows.
 MAX_LOSS_FOR_PPL = 50.0
@@ -90,11 +91,22 @@ class StepResult:
     iteration: int  # the iteration it completed
     loss: float
     grad_norm: float  # NaN when the optimizer reports none
-    lr: float
+    lr: float  # the learning rate this step used (set before it, moved on after it)
 
 
 def _rank0() -> bool:
     return torch.distributed.get_rank() == 0
+
+
+def check_config(cfg: RunConfig) -> Runtime:
+    """The checks of ``cfg`` the trainer makes before it starts anything (``--print-config``
+    makes them too): the precision on this machine, the attention schedule against the model
+    and layout, the layout against the launch's world size (torchrun's ``WORLD_SIZE``, else 1).
+    Raises :class:`ConfigError`; returns the runtime it detected."""
+    runtime = Runtime.detect(cfg.train.precision)
+    cfg.schedule()
+    cfg.validate(world_size=runtime.env.world_size)
+    return runtime
 
 
 class Trainer:
@@ -112,10 +124,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, restart: bool = False):
         self.cfg = cfg
-        self.runtime = Runtime.detect(cfg.train.precision)
+        self.runtime = check_config(cfg)
         self.gpu, self.bf16 = self.runtime.gpu, self.runtime.bf16
         self.schedule = cfg.schedule()
-        cfg.validate(world_size=self.runtime.env.world_size)
         self.runtime.check(cfg.model)
         self.runtime.start(cfg.parallel, seed=cfg.train.seed)
         self.world_size = torch.distributed.get_world_size()
@@ -137,7 +148,10 @@ class Trainer:
         # The run directory: lock, --restart, writable (rank 0 acts, every rank learns).
         def claim():
             info, self._locks = open_run_directory(
-                self.cfg.run_dir, self.cfg.checkpoint_dir, restart=restart
+                self.cfg.run_dir,
+                self.cfg.checkpoint_dir,
+                restart=restart,
+                stored_owner=stored_run_dir,
             )
             return info
 
@@ -272,11 +286,22 @@ class Trainer:
                     if not cfg.checkpoint.resume
                     else "but no checkpoint of its own to resume from"
                 )
+                # Only the checkpoint directory holds the previous run: that is what to change.
+                ckpt_only = cfg.checkpoint.dir is not None and found == [
+                    f"checkpoints in {cfg.checkpoint_dir}"
+                ]
+                where = f"checkpoint.dir {cfg.checkpoint_dir}" if ckpt_only else cfg.run_dir
+                if ckpt_only:
+                    other = "checkpoint.dir="
+                elif cfg.checkpoint.dir is not None:
+                    other = "name=/logging.run_dir= and checkpoint.dir="
+                else:
+                    other = "name=/logging.run_dir="
+                moved = cfg.checkpoint_dir if ckpt_only else cfg.run_dir
                 raise RunDirError(
-                    f"{cfg.run_dir} holds a previous run ({', '.join(found)}) {why}: a new run "
+                    f"{where} holds a previous run ({', '.join(found)}) {why}: a new run "
                     f"there would mix the two runs' metrics and checkpoints. Start over with "
-                    f"--restart (moves it to {cfg.run_dir}.old-<time>), or use another "
-                    f"name=/logging.run_dir="
+                    f"--restart (moves it to {moved}.old-<time>), or use another {other}"
                 )
         if candidate is None:
             return None, None, None
@@ -464,6 +489,8 @@ class Trainer:
                 f"optimizer.lr, a longer optimizer.lr_warmup_iters or a smaller "
                 f"optimizer.clip_grad."
             )
+        # The LR this step uses: the scheduler moves it on for the next step right after.
+        lr = self.optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = self.optimizer.step()
         if grad_norm is not None and not math.isfinite(grad_norm):
             # The step already used it: stop before a checkpoint can store the damage.
@@ -481,7 +508,7 @@ class Trainer:
             done,
             loss,
             float(grad_norm) if grad_norm is not None else math.nan,
-            self.optimizer.param_groups[0]["lr"],
+            lr,
         )
 
     # ---------------------------------------------------------------- the other concerns

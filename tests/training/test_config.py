@@ -130,7 +130,7 @@ def test_override_null_and_int_to_float():
         ("train", "override 'train' must look like key.sub=value"),
         ("train..x=1", "must look like key.sub=value"),
         ("train.seed.x=1", "override 'train.seed.x=1': train.seed is not a section"),
-        ("name=a/b", "name must be a non-empty string without '/'"),
+        ("name=a/b", "name must be one folder name"),
         (
             "checkpoint.on_resume=merge",
             "checkpoint.on_resume must be one of ['apply', 'keep'], got 'merge'",

@@ -28,7 +28,8 @@ LR, MIN_LR, WARMUP = 3e-3, 3e-4, 2
 
 
 def megatron_lr(step, max_lr, min_lr, warmup, decay):
-    """Megatron's cosine schedule; a record's ``lr`` at iteration i is its value at step i."""
+    """Megatron's cosine schedule at ``step`` steps done; a record's ``lr`` at iteration i is
+    the one that iteration used, the value at step i - 1."""
     if step <= warmup:
         return max_lr * step / warmup
     ratio = min(1.0, (step - warmup) / (decay - warmup))
@@ -105,9 +106,9 @@ def test_resume_applies_changed_schedule_and_says_so(tmp_path, demo_dir, base_ru
     assert table_row(out, "train.train_iters") == ["6", "8"]
     assert sorted(recs) == list(range(1, 9))
     for i in range(1, 5):  # before the resume: the old schedule
-        assert recs[i]["lr"] == pytest.approx(megatron_lr(i, LR, MIN_LR, WARMUP, 6), rel=1e-6)
+        assert recs[i]["lr"] == pytest.approx(megatron_lr(i - 1, LR, MIN_LR, WARMUP, 6), rel=1e-6)
     for i in range(5, 9):
-        assert recs[i]["lr"] == pytest.approx(megatron_lr(i, 1e-2, 1e-3, WARMUP, 8), rel=1e-6)
+        assert recs[i]["lr"] == pytest.approx(megatron_lr(i - 1, 1e-2, 1e-3, WARMUP, 8), rel=1e-6)
     config = (run / "config.yaml").read_text()
     assert "lr: 0.01" in config and "train_iters: 8" in config
 
@@ -122,7 +123,7 @@ def test_resume_keep_uses_the_checkpoints_schedule_and_a_finished_run_is_left_al
     assert table_row(proc.stdout, "optimizer.lr") == ["0.003", "0.01"]  # kept, ignored
     assert sorted(recs) == list(range(1, 7))  # train.train_iters kept at 6
     for i in (5, 6):
-        assert recs[i]["lr"] == pytest.approx(megatron_lr(i, LR, MIN_LR, WARMUP, 6), rel=1e-6)
+        assert recs[i]["lr"] == pytest.approx(megatron_lr(i - 1, LR, MIN_LR, WARMUP, 6), rel=1e-6)
     config = (run / "config.yaml").read_text()
     assert "lr: 0.003" in config and "train_iters: 6" in config
     summary = json.loads((run / "summary.json").read_text())
