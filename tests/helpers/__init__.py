@@ -2,6 +2,7 @@
 
 - ``kernels``: s2attn inputs, token masks, fp64 references and error checks;
 - ``megatron``: tiny Megatron configs, a one-process gloo world, importing ``tools/`` scripts;
-- ``slurm_cluster``: a throw-away single-machine Slurm cluster (``python -m
-  tests.helpers.slurm_cluster DIR`` starts one by hand).
+- ``slurm_cluster``: throw-away Slurm clusters on this machine, one node or two nodes in network
+  namespaces of their own (``python -m tests.helpers.slurm_cluster [--two-nodes] DIR`` starts one
+  by hand).
 """
