@@ -24,6 +24,7 @@ import fcntl
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -48,19 +49,22 @@ def missing_binaries() -> list[str]:
     ]
 
 
-def install_packages(timeout: float = 600) -> None:
-    """apt-get install the Slurm and munge packages (needs root and apt).
+def install_packages(
+    timeout: float = 600, packages: tuple[str, ...] = PACKAGES, missing=missing_binaries
+) -> None:
+    """apt-get install ``packages`` (default: Slurm and munge) unless ``missing()`` is empty
+    (needs root and apt).
 
     Under a lock: two pytest-xdist workers (test_slurm and the documented sbatch commands) may
     both find Slurm missing, and apt-get fails at once on the other's dpkg lock."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     with open(Path(tempfile.gettempdir()) / "megatron-s2-slurm-install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not missing_binaries():  # the other worker installed them while this one waited
+        if not missing():  # the other worker installed them while this one waited
             return
         for cmd in (
             ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
         ):
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             if r.returncode != 0:
@@ -317,7 +321,13 @@ class TwoNodeSlurm(MiniSlurm):
     # -------------------------------------------------------------- setup
     @staticmethod
     def unavailable() -> Optional[str]:
-        """Why network namespaces cannot be used here (a reason to skip), or None."""
+        """Why network namespaces cannot be used here (a reason to skip), or None; apt-get
+        installs iproute2 if ``ip`` is missing. Call after ``slurm_unavailable()`` (root)."""
+        if shutil.which("ip") is None and shutil.which("apt-get") is not None:
+            try:  # slim images lack iproute2; root is checked before this is called
+                install_packages(packages=("iproute2",), missing=lambda: not shutil.which("ip"))
+            except (ClusterError, OSError, subprocess.TimeoutExpired) as exc:
+                return f"could not apt-get install iproute2 (offline?): {exc}"
         if shutil.which("ip") is None:
             return "the two-node Slurm cluster needs iproute2 (`ip netns`)"
         probe = f"s2probe{os.getpid()}"
@@ -338,21 +348,8 @@ class TwoNodeSlurm(MiniSlurm):
             self._made_netns.append(ns)
         # Both ends are created inside the namespaces, so no interface ever exists outside them.
         a, b = self.netns
-        self._sh(
-            "ip",
-            "-n",
-            a,
-            "link",
-            "add",
-            self.IFNAME,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.IFNAME,
-            "netns",
-            b,
-        )
+        veth = f"ip -n {a} link add {self.IFNAME} type veth peer name {self.IFNAME} netns {b}"
+        self._sh(*veth.split())
         for ns, addr in zip(self.netns, self.addrs):
             self._sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", self.IFNAME)
             self._sh("ip", "-n", ns, "link", "set", self.IFNAME, "up")
@@ -492,7 +489,7 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         for i, ns in enumerate(self._made_netns):
             for pid in self.node_pids(i):
                 try:
-                    os.kill(pid, 9)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
