@@ -4,6 +4,7 @@
 - ``megatron``: tiny Megatron configs, a one-process gloo world, importing ``tools/`` scripts;
 - ``benchmark``: stand-ins for tools/benchmark.py's GPU parts (the power sampler);
 - ``imports``: the import graph of s2attn and megatron_s2 read from the source (AST);
-- ``slurm_cluster``: a throw-away single-machine Slurm cluster (``python -m
-  tests.helpers.slurm_cluster DIR`` starts one by hand).
+- ``slurm_cluster``: throw-away Slurm clusters on this machine, one node or two nodes in network
+  namespaces of their own (``python -m tests.helpers.slurm_cluster [--two-nodes] DIR`` starts one
+  by hand).
 """

@@ -1,4 +1,8 @@
-"""A throw-away single-machine Slurm cluster (munged + slurmctld + slurmd) for launcher tests.
+"""Throw-away Slurm clusters on this machine (munged + slurmctld + slurmd) for launcher tests.
+
+``MiniSlurm``: one node, this host, on 127.0.0.1. ``TwoNodeSlurm``: two nodes, each slurmd in a
+network namespace of its own (``ip netns``) with its own address, so that a job spans two nodes
+that reach each other only over the network, as on a real cluster (see its docstring).
 
 Everything lives under one directory: munge key and socket, slurm.conf, state, spool and logs.
 The daemons run in the foreground as children of this process, so ``stop()`` ends exactly the
@@ -10,14 +14,17 @@ tracked by parent pid (proctrack/linuxproc) and tasks are not bound (task/none).
 
 Manual use (root)::
 
-    python -m tests.helpers.slurm_cluster /tmp/slurm-test   # starts, prints the env, waits for ^C
+    python -m tests.helpers.slurm_cluster /tmp/slurm-test           # one node; prints the env
+    python -m tests.helpers.slurm_cluster --two-nodes /tmp/slurm-2  # two nodes; waits for ^C
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -42,19 +49,22 @@ def missing_binaries() -> list[str]:
     ]
 
 
-def install_packages(timeout: float = 600) -> None:
-    """apt-get install the Slurm and munge packages (needs root and apt).
+def install_packages(
+    timeout: float = 600, packages: tuple[str, ...] = PACKAGES, missing=missing_binaries
+) -> None:
+    """apt-get install ``packages`` (default: Slurm and munge) unless ``missing()`` is empty
+    (needs root and apt).
 
     Under a lock: two pytest-xdist workers (test_slurm and the documented sbatch commands) may
     both find Slurm missing, and apt-get fails at once on the other's dpkg lock."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     with open(Path(tempfile.gettempdir()) / "megatron-s2-slurm-install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not missing_binaries():  # the other worker installed them while this one waited
+        if not missing():  # the other worker installed them while this one waited
             return
         for cmd in (
             ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
         ):
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             if r.returncode != 0:
@@ -62,6 +72,31 @@ def install_packages(timeout: float = 600) -> None:
                     f"{' '.join(cmd)} failed ({r.returncode}):\n"
                     f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
                 )
+
+
+# Set (to anything but 0) to keep a root test run from apt-get installing Slurm and munge: the
+# Slurm tests then skip where they are missing.
+NO_APT_VARIABLE = "MEGATRON_S2_TEST_NO_APT"
+
+
+def slurm_unavailable() -> Optional[str]:
+    """Why a Slurm cluster cannot be started here (a reason to skip), or None once the binaries
+    are there (apt-get installing them if needed, which needs root)."""
+    if not sys.platform.startswith("linux"):
+        return "a Slurm test cluster needs Linux"
+    if os.geteuid() != 0:
+        return "a Slurm test cluster needs root (it starts munged/slurmctld/slurmd, may apt-get)"
+    if missing_binaries():
+        if shutil.which("apt-get") is None:
+            return f"Slurm binaries {missing_binaries()} missing and apt-get is not available"
+        if os.environ.get(NO_APT_VARIABLE, "") not in ("", "0"):
+            # The README names this opt-out next to its test command.
+            return f"Slurm binaries {missing_binaries()} missing and {NO_APT_VARIABLE} is set"
+        try:
+            install_packages()
+        except (ClusterError, OSError, subprocess.TimeoutExpired) as exc:
+            return f"could not apt-get install {' '.join(PACKAGES)} (offline?): {exc}"
+    return None
 
 
 def _which(name: str) -> str:
@@ -146,10 +181,21 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 
     def start(self, timeout: float = 60) -> MiniSlurm:
         self.root.mkdir(parents=True, exist_ok=True)
+        self._write_conf()
+        self._start_munged(timeout)
+        # -i: ignore stale state from a previous cluster in this directory.
+        self._spawn(
+            "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], self.env()
+        )
+        self._wait_for_controller(timeout)
+        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf)], self.env())
+        self._wait(self._node_idle, timeout, f"node {self.host} to become idle")
+        return self
+
+    def _start_munged(self, timeout: float) -> None:
         key = self._write_munge_key()
         self.munge_socket.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(self.munge_socket.parent, 0o755)
-        self._write_conf()
         log = self.root / "log"
         self._spawn(
             "munged",
@@ -165,15 +211,11 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             ],
         )
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged socket")
-        env = self.env()
-        # -i: ignore stale state from a previous cluster in this directory.
-        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], env)
+
+    def _wait_for_controller(self, timeout: float) -> None:
         self._wait(
             lambda: self._run(["scontrol", "ping"]).stdout.count("UP") > 0, timeout, "slurmctld"
         )
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf)], env)
-        self._wait(self._node_idle, timeout, f"node {self.host} to become idle")
-        return self
 
     def _spawn(self, name: str, cmd: list[str], env: Optional[dict] = None) -> None:
         out = open(self.root / "log" / f"{name}.stdout", "ab")
@@ -182,8 +224,15 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         )
         out.close()
 
+    def client(self, cmd: list[str]) -> list[str]:
+        """``cmd`` (sbatch, scontrol, ...) as it has to be run to reach this cluster's controller
+        (with ``env()``): here unchanged; ``TwoNodeSlurm`` runs it inside the first node."""
+        return list(cmd)
+
     def _run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=30, **kw)
+        return subprocess.run(
+            self.client(cmd), env=self.env(), capture_output=True, text=True, timeout=30, **kw
+        )
 
     def _node_idle(self) -> bool:
         out = self._run(["sinfo", "-h", "-n", self.host, "-o", "%T"]).stdout.strip().lower()
@@ -231,7 +280,7 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
     # -------------------------------------------------------------- teardown
     def stop(self) -> None:
         # Reverse start order: slurmd first so it does not log a lost controller.
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in reversed(list(self.procs)):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -244,10 +293,226 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         self.procs.clear()
 
 
+class TwoNodeSlurm(MiniSlurm):
+    """Two Slurm nodes, ``s2n0`` and ``s2n1``, on this machine: each slurmd runs in a network
+    namespace of its own, created for this cluster, with one address there (10.213.0.1 and .2 on
+    a veth pair between the two namespaces, which exists nowhere else); the controller runs on
+    the first node, as on a small cluster's head node. A job's processes on the two nodes share
+    the file system but reach each other only through those addresses, so a launcher that
+    rendezvouses on 127.0.0.1, binds to the wrong address or mixes up node ranks fails here as it
+    would between two machines.
+
+    The Debian/Ubuntu Slurm packages are built without ``--enable-multiple-slurmd`` (slurmctld
+    stops with "Duplicated NodeHostName" for two nodes on one host), hence the namespaces.
+
+    Name resolution: each node's daemons (and so every process of a job) see their own
+    ``/etc/hosts``, bind-mounted in a private mount namespace, that maps both node names and this
+    machine's host name to the node's own address, as a node's resolver would; the real
+    ``/etc/hosts`` is not touched. Clients (sbatch, scontrol, scancel) must run on the first node:
+    ``client(cmd)``. Needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN (``ip netns``).
+    """
+
+    SUBNET = "10.213.0"
+    IFNAME = "s2eth"
+
+    def __init__(self, root: str | os.PathLike, cpus: int = 1):
+        super().__init__(root, cpus)
+        self.nodes = ["s2n0", "s2n1"]
+        self.addrs = [f"{self.SUBNET}.{i + 1}" for i in range(len(self.nodes))]
+        self.host = self.nodes[0]
+        # Namespace names are global on the machine: unique per cluster so that two test runs
+        # (two pytest workers, two worktrees) cannot delete each other's.
+        tag = f"{os.getpid()}x{time.monotonic_ns() % 10**6}"
+        self.netns = [f"s2t{tag}{n}" for n in self.nodes]
+        self._made_netns: list[str] = []
+
+    # -------------------------------------------------------------- setup
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        """Why network namespaces cannot be used here (a reason to skip), or None; apt-get
+        installs iproute2 if ``ip`` is missing. Call after ``slurm_unavailable()`` (root)."""
+        if shutil.which("ip") is None and shutil.which("apt-get") is not None:
+            try:  # slim images lack iproute2; root is checked before this is called
+                install_packages(packages=("iproute2",), missing=lambda: not shutil.which("ip"))
+            except (ClusterError, OSError, subprocess.TimeoutExpired) as exc:
+                return f"could not apt-get install iproute2 (offline?): {exc}"
+        if shutil.which("ip") is None:
+            return "the two-node Slurm cluster needs iproute2 (`ip netns`)"
+        probe = f"s2probe{os.getpid()}"
+        r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"cannot create a network namespace (ip netns add: {r.stderr.strip()})"
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+        return None
+
+    def _sh(self, *cmd: str) -> None:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise ClusterError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+
+    def _make_network(self) -> None:
+        for ns in self.netns:
+            self._sh("ip", "netns", "add", ns)
+            self._made_netns.append(ns)
+        # Both ends are created inside the namespaces, so no interface ever exists outside them.
+        a, b = self.netns
+        veth = f"ip -n {a} link add {self.IFNAME} type veth peer name {self.IFNAME} netns {b}"
+        self._sh(*veth.split())
+        for ns, addr in zip(self.netns, self.addrs):
+            self._sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", self.IFNAME)
+            self._sh("ip", "-n", ns, "link", "set", self.IFNAME, "up")
+            self._sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _write_hosts(self) -> None:
+        real_host = socket.gethostname()
+        for i, node in enumerate(self.nodes):
+            lines = ["127.0.0.1 localhost"]
+            for j, (other, addr) in enumerate(zip(self.nodes, self.addrs)):
+                # The machine's own name resolves to the node's address, as on a real node;
+                # gloo binds to the address of the host name.
+                lines.append(f"{addr} {other}" + (f" {real_host}" if i == j else ""))
+            (self.root / f"hosts.{node}").write_text("\n".join(lines) + "\n")
+
+    def _write_conf(self) -> None:
+        for d in ("state", "log", "run", *(f"spool/{n}" for n in self.nodes)):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        r = self.root
+        nodes = "\n".join(
+            f"NodeName={n} NodeAddr={a} CPUs={self.cpus} State=UNKNOWN"
+            for n, a in zip(self.nodes, self.addrs)
+        )
+        # slurmctld insists on running on the host named in SlurmctldHost: this machine's name,
+        # with the first node's address. Each node has its own network, so the standard ports
+        # are free there; the two slurmd share the file system, so their spool, pid and log
+        # files are per node (%n).
+        conf = f"""\
+ClusterName=s2two
+SlurmctldHost={socket.gethostname().split(".")[0]}({self.addrs[0]})
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=6817
+SlurmdPort=6818
+AuthType=auth/munge
+AuthInfo=socket={self.munge_socket},cred_expire=10
+CredType=cred/munge
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/run/slurmctld.pid
+SlurmdPidFile={r}/run/slurmd-%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MinJobAge=3600
+# Short: a step whose tasks are told to stop is SIGKILLed after this many seconds.
+KillWait=10
+SlurmdTimeout=60
+{nodes}
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
+"""
+        self.conf.write_text(conf)
+
+    def on_node(self, i: int, cmd: list[str]) -> list[str]:
+        """``cmd`` run on node ``i``: in its network namespace, with its /etc/hosts."""
+        hosts = self.root / f"hosts.{self.nodes[i]}"
+        # nsenter, not `ip netns exec`: that one also remounts /sys, which hides the cgroup file
+        # system slurmd needs. The bind mount lives in a private mount namespace (unshare), so
+        # only the command and its children see it.
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.netns[i]}",
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"',
+            str(hosts),
+            *cmd,
+        ]
+
+    def client(self, cmd: list[str]) -> list[str]:
+        return self.on_node(0, cmd)
+
+    def start(self, timeout: float = 60) -> TwoNodeSlurm:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            # Namespaces and daemons outlive this process: never leave them behind.
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> TwoNodeSlurm:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._write_conf()
+        self._write_hosts()
+        self._make_network()
+        # munged stays outside: Slurm reaches it through its socket file, on the shared file system.
+        self._start_munged(timeout)
+        env = self.env()
+        slurmctld = [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)]
+        self._spawn("slurmctld", self.on_node(0, slurmctld), env)
+        self._wait_for_controller(timeout)
+        for i, node in enumerate(self.nodes):
+            slurmd = [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf)]
+            self._spawn(f"slurmd-{node}", self.on_node(i, slurmd), env)
+        self._wait(self._node_idle, timeout, f"nodes {self.nodes} to become idle")
+        return self
+
+    def _node_idle(self) -> bool:
+        out = self._run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split("\n")
+        states = dict(line.split()[:2] for line in out if len(line.split()) >= 2)
+        return all(states.get(n, "").lower().startswith("idle") for n in self.nodes)
+
+    # -------------------------------------------------------------- use
+    def node_pids(self, i: int) -> list[int]:
+        """The processes running on node ``i`` (in its network namespace)."""
+        r = subprocess.run(
+            ["ip", "netns", "pids", self.netns[i]], capture_output=True, text=True, timeout=30
+        )
+        return [int(p) for p in r.stdout.split()]
+
+    # -------------------------------------------------------------- teardown
+    def stop(self) -> None:
+        if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
+            # End the jobs first: their processes are children of slurmstepd, not of this one.
+            try:
+                self._run(["scancel", "--full", "--user=root"])
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+        super().stop()
+        # What is left in the namespaces was started through this cluster (job steps): end it
+        # by pid before the namespaces go.
+        for i, ns in enumerate(self._made_netns):
+            for pid in self.node_pids(i):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+        self._made_netns.clear()
+
+
 if __name__ == "__main__":
-    root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/s2-minislurm"
-    c = MiniSlurm(root).start()
-    print(f"export SLURM_CONF={c.conf}   # node {c.host}, {c.cpus} CPUs; ^C stops the cluster")
+    two = "--two-nodes" in sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--two-nodes"]
+    root = args[0] if args else "/tmp/s2-minislurm"
+    c = (TwoNodeSlurm if two else MiniSlurm)(root).start()
+    run_on = f"; clients run on {c.nodes[0]}: {shlex.join(c.client(['sinfo']))}" if two else ""
+    print(
+        f"export SLURM_CONF={c.conf}   # node {c.host}, {c.cpus} CPUs; ^C stops the cluster{run_on}"
+    )
     try:
         while True:
             time.sleep(3600)

@@ -10,7 +10,6 @@ completed, with both ranks taking part. It needs root and apt-get (installs ``sl
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,12 +26,7 @@ SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN = REPO / "launch" / "torchrun.sh"
 CONFIG = REPO / "configs" / "demo.yaml"
 
-from tests.helpers.slurm_cluster import (  # noqa: E402
-    ClusterError,
-    MiniSlurm,
-    install_packages,
-    missing_binaries,
-)
+from tests.helpers.slurm_cluster import ClusterError, MiniSlurm, slurm_unavailable  # noqa: E402
 
 ITERS = 16
 
@@ -120,30 +114,11 @@ def test_torchrun_launcher_cpu_demo(tmp_path):
 
 
 # ---- the real Slurm path ------------------------------------------------------------------------
-# Set (to anything but 0) to keep a root test run from apt-get installing Slurm and munge: the
-# Slurm tests then skip where they are missing.
-NO_APT_VARIABLE = "MEGATRON_S2_TEST_NO_APT"
-
-
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    if not sys.platform.startswith("linux"):
-        pytest.skip("single-machine Slurm test needs Linux")
-    if os.geteuid() != 0:
-        pytest.skip(
-            "single-machine Slurm test needs root "
-            "(it starts munged/slurmctld/slurmd and may apt-get install)"
-        )
-    if missing_binaries():
-        if shutil.which("apt-get") is None:
-            pytest.skip(f"Slurm binaries {missing_binaries()} missing and apt-get is not available")
-        if os.environ.get(NO_APT_VARIABLE, "") not in ("", "0"):
-            # The README names this opt-out next to its test command.
-            pytest.skip(f"Slurm binaries {missing_binaries()} missing and {NO_APT_VARIABLE} is set")
-        try:
-            install_packages()
-        except (ClusterError, OSError, subprocess.TimeoutExpired) as exc:
-            pytest.skip(f"could not apt-get install slurm-wlm munge (offline?): {exc}")
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
     cluster = MiniSlurm(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.start()

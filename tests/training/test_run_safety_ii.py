@@ -168,7 +168,7 @@ def test_readme_says_what_the_test_command_installs():
     after = readme[command : command + 2500]
     for needed in ("numpy<2.4", "apt-get install", "slurm-wlm", "munge", "root"):
         assert needed in after, needed
-    from tests.tools.test_slurm import NO_APT_VARIABLE
+    from tests.helpers.slurm_cluster import NO_APT_VARIABLE
 
     assert f"{NO_APT_VARIABLE}=1" in after
 
