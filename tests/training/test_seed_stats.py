@@ -13,19 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from scipy import stats
 
 from megatron_s2.training import seed_stats, sweep
 from megatron_s2.training.sweep import StudyError, load_study
+from tests.training.test_sweep import write_study
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_study(tmp_path, **study):
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(study, sort_keys=False))
-    return path
 
 
 # ---- the study file ----------------------------------------------------------------------------
