@@ -10,9 +10,10 @@ again. Filters are installed before Megatron is first imported, which both entry
 
 from __future__ import annotations
 
+import logging
 import warnings
 
-__all__ = ["KNOWN_WARNINGS", "quiet_known_warnings"]
+__all__ = ["KNOWN_WARNINGS", "QUIET_LOGGERS", "quiet_known_warnings"]
 
 # Regular expressions matched against the start of the warning's message.
 KNOWN_WARNINGS = (
@@ -21,12 +22,21 @@ KNOWN_WARNINGS = (
     r"full scope is deprecated",
     r"The \.grad attribute of a Tensor that is not a leaf",
     r"`load_state_dict` is deprecated and will be removed",  # Megatron's own call, on resume
+    # Reading a checkpoint's metadata before the process group exists (the evaluator checks a
+    # checkpoint against its config first): torch assumes one process, which is right there.
+    r"torch\.distributed is disabled, unavailable or uninitialized",
 )
+# torch's CUDA build on a machine without a CUDA runtime (CPU mode) logs at import that it found
+# none; the message is about compiling C++ extensions, which neither command does.
+QUIET_LOGGERS = ("torch.utils.cpp_extension",)
 
 
 def quiet_known_warnings() -> None:
     """Ignore :data:`KNOWN_WARNINGS` and torch.distributed's FutureWarnings (deprecations inside
-    the checkpoint code Megatron calls) for the rest of this process."""
+    the checkpoint code Megatron calls), and keep :data:`QUIET_LOGGERS` to errors, for the rest
+    of this process."""
     for msg in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=msg)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
