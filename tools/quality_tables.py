@@ -43,13 +43,43 @@ def curve_tables(runs_dir: str, rows: list, reference) -> list:
             for line in f:
                 rec = json.loads(line) if line.strip() else {}
                 if rec.get("kind") == "valid" and "loss" in rec:
+                    # A validation point of a run stopped later is a real measurement: the LR
+                    # schedule up to it depends only on train_iters, not on where the run
+                    # stopped, so it counts like a finished run's.
                     step_rows = by_step.setdefault(rec["iteration"], [])
-                    step_rows.append({**row, "final_valid_loss": rec["loss"]})
+                    step_rows.append({**row, "status": "finished", "final_valid_loss": rec["loss"]})
     out = []
     for step in sorted(by_step):
         name = f"valid loss at step {step}"
         out.append((name, summarize(by_step[step], reference, ()), name))
     return out
+
+
+def curve_markdown(curves: list, reference: str, tokens_per_step: float) -> str:
+    """One table of the learning curve: a row per validation step (its training tokens, in
+    millions, from ``tokens_per_step``) and a column per setting other than ``reference``: the
+    loss difference to it (%, 95% interval, paired by seed) and the number of seeds."""
+    settings: list = []
+    for _, summaries, _ in curves:
+        for s in summaries:
+            if s.setting != reference and s.setting not in settings:
+                settings.append(s.setting)
+    head = ["step", "tokens (M)"] + [f"{s} vs {reference}" for s in settings]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for title, summaries, _ in curves:
+        step = int(title.rsplit(" ", 1)[1])
+        by = {s.setting: s for s in summaries}
+        cells = [str(step), f"{step * tokens_per_step / 1e6:.1f}"]
+        for name in settings:
+            s = by.get(name)
+            if s is None:
+                cells.append("")
+            elif s.loss_diff is None:
+                cells.append(f"{len(s.seeds)} seed(s): no interval")
+            else:
+                cells.append(f"{s.loss_diff.text('{:+.2f}')}% ({len(s.seeds)}, {s.verdict})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -68,6 +98,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the validation loss at every validation step (from --positions' metrics.jsonl)",
     )
+    ap.add_argument(
+        "--curve-table",
+        type=float,
+        default=None,
+        metavar="TOKENS_PER_STEP",
+        help="with --curve: the learning curve as one table of differences to the reference "
+        "instead of one table per step (TOKENS_PER_STEP: global batch x sequence length)",
+    )
     ap.add_argument("--write", default=None, metavar="DIR", help="also write the summary files")
     args = ap.parse_args(argv)
     rows = read_results(args.results)
@@ -83,13 +121,26 @@ def main(argv=None) -> int:
             )
             for r in pos:
                 r[SPEED] = speed.get(r["point"], "")
+            if not pos:
+                print(
+                    f"quality_tables: no loss_by_position.json under {args.positions}",
+                    file=sys.stderr,
+                )
             for key, name in (
-                ("loss_in_window", f"loss at positions < {args.window}"),
-                ("loss_beyond_window", f"loss at positions >= {args.window}"),
+                ()
+                if not pos
+                else (
+                    ("loss_in_window", f"loss at positions < {args.window}"),
+                    ("loss_beyond_window", f"loss at positions >= {args.window}"),
+                )
             ):
                 tables.append((name, summarize(pos, args.reference, (), loss_key=key), name))
         if args.curve and args.positions:
-            tables += curve_tables(args.positions, rows, args.reference)
+            curves = curve_tables(args.positions, rows, args.reference)
+            if args.curve_table and args.reference:
+                tables.append(("learning curve", curves, None))
+            else:
+                tables += curves
     except ValueError as e:
         print(f"quality_tables: {e}", file=sys.stderr)
         return 2
@@ -97,6 +148,9 @@ def main(argv=None) -> int:
         if i:
             sys.stdout.write(f"\n{title}:\n\n")
         cols = columns if i == 0 else ()
+        if loss_name is None:
+            sys.stdout.write(curve_markdown(summaries, args.reference, args.curve_table))
+            continue
         sys.stdout.write(summary_markdown(summaries, args.reference, cols, loss_name=loss_name))
     if args.write:
         write_summary(rows, args.write, reference=args.reference)

@@ -341,3 +341,35 @@ def test_quality_doc_tables_are_the_tools_output_from_the_committed_raw_files():
     tables[2] = tables[2].replace("| setting |", "| setting (positions >= 1024) |", 1)
     for table in tables[:5]:  # the last validation step is the final loss's table
         assert table.strip() in doc, table.splitlines()[0]
+
+
+def test_quality_doc_100m_tables_are_the_tools_output():
+    """docs/quality.md's 100M-token section (the final table and the one-table learning curve)
+    is what tools/quality_tables.py computes from that study's committed raw files; stopped
+    runs count at the validation points they reached."""
+    study = REPO / "docs" / "quality" / "code-125m-16k-seeds-100m"
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "quality_tables.py"),
+            str(study / "results.csv"),
+            "--reference",
+            "dense",
+            "--positions",
+            str(study / "runs"),
+            "--curve",
+            "--curve-table",
+            "131072",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    doc = (REPO / "docs" / "quality.md").read_text()
+    tables = [
+        b for b in res.stdout.split("\n\n") if b.startswith("| setting") or b.startswith("| step")
+    ]
+    assert len(tables) == 2
+    for table in tables:
+        assert table.strip() in doc, table.splitlines()[0]
+    assert "| 763 | 100.0 |" in tables[1]
