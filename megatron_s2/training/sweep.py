@@ -308,6 +308,38 @@ def expand_points(grid: Any, points: Any) -> list[tuple[Optional[str], dict]]:
     return out
 
 
+SEED_FIELD = "{seed}"
+
+
+def _with_seed(overrides: list, seed: Optional[int]) -> list:
+    """``overrides`` with every ``{seed}`` replaced by the point's seed: a value that depends on
+    the seed, e.g. an extension study's ``checkpoint.load_dir`` of the base run with the same
+    seed (``.../runs/dense,seed={seed}/checkpoints``). Raises StudyError for ``{seed}`` in a
+    study without ``seeds``."""
+    if seed is None:
+        for item in overrides:
+            if SEED_FIELD in item:
+                raise StudyError(
+                    f"{item!r} uses {SEED_FIELD} but the study has no seeds list; add "
+                    f"'seeds: [...]' or give the value itself"
+                )
+        return overrides
+    return [item.replace(SEED_FIELD, str(seed)) for item in overrides]
+
+
+def only_seeds(study: Study, seeds: Sequence[int]) -> list:
+    """The points of ``study`` whose seed is in ``seeds`` (``run --seeds``: a study's seeds
+    spread over several machines or leases). Raises StudyError for a seed the study lacks."""
+    if study.seeds is None:
+        raise StudyError("--seeds needs a study with a seeds list")
+    unknown = [s for s in seeds if s not in study.seeds]
+    if unknown:
+        raise StudyError(
+            f"--seeds {','.join(map(str, unknown))}: not among the study's seeds {study.seeds}"
+        )
+    return [p for p in study.points if p.values.get(SEED_KEY) in seeds]
+
+
 def _seeds(raw: Any) -> Optional[list]:
     """The study's ``seeds``: None, or a non-empty list of distinct integers >= 0."""
     if raw is None:
@@ -456,6 +488,7 @@ def load_study(
             f"name={pname}",
             f"logging.run_dir={run_dir}",
         ]
+        overrides = _with_seed(overrides, values.get(SEED_KEY) if seeds is not None else None)
         point = Point(i, pname, values, overrides, run_dir, setting=setting)
         try:
             cfg = load_config(study.base, overrides)
@@ -1163,6 +1196,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="GPU ids of this machine, e.g. 0,1,2,3: run as many points at once as there are "
         "groups of nproc_per_node ids, each on its own group (default: one after another)",
     )
+    run.add_argument(
+        "--seeds",
+        default=None,
+        metavar="K,...",
+        help="run only the points of these seeds (of the study's seeds list); the table and "
+        "summary still cover every finished point",
+    )
     run.add_argument("--sbatch-script", default=str(SBATCH), help=argparse.SUPPRESS)
     return p
 
@@ -1198,6 +1238,26 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "collect":
         collect_and_write(study)
         return EXIT_OK
+    if getattr(args, "seeds", None):
+        try:
+            chosen = [int(x) for x in args.seeds.split(",")]
+        except ValueError:
+            print(
+                f"{PROG}: study error: --seeds takes seeds separated by commas, e.g. 1,2; "
+                f"got {args.seeds!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_STUDY_ERROR
+        try:
+            subset = only_seeds(study, chosen)
+        except StudyError as e:
+            print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
+            return EXIT_STUDY_ERROR
+        everything = study
+        study = dataclasses.replace(study, points=subset)
+    else:
+        everything = study
     if not any(p.valid for p in study.points):
         report_invalid(study)
         print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)
@@ -1214,7 +1274,7 @@ def _main(args: argparse.Namespace) -> int:
         sbatch_args = shlex.split(args.sbatch_args)
         code = submit_slurm(study, sbatch_args, args.sbatch_script)
         if "--wait" in sbatch_args or "-W" in sbatch_args:
-            collect_and_write(study)
+            collect_and_write(everything)
             if any(point_state(p) not in ("finished", "invalid") for p in study.points):
                 code = EXIT_FAILED
         return code
@@ -1226,7 +1286,7 @@ def _main(args: argparse.Namespace) -> int:
             print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
             return EXIT_STUDY_ERROR
     code = run_local(study, devices)
-    collect_and_write(study)
+    collect_and_write(everything)
     return code
 
 

@@ -57,6 +57,40 @@ def test_seeds_expand_every_point_with_the_seed_last(tmp_path):
     assert "train.seed=3" in argv
 
 
+def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch):
+    """{seed} in a value becomes each point's seed (an extension loading the base run of the
+    same seed); ``run --seeds`` runs only those seeds' points and collects all of them."""
+    path = write_study(
+        tmp_path,
+        overrides={"train.train_iters": 50, "checkpoint.load_dir": "base/runs/d,seed={seed}/ck"},
+        points=[{"name": "dense", "attention.dense_layers.pattern": "D"}],
+        seeds=[1, 2, 3],
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    assert [p.config.checkpoint.load_dir for p in study.points] == [
+        f"base/runs/d,seed={k}/ck" for k in (1, 2, 3)
+    ]
+    assert [p.name for p in sweep.only_seeds(study, [3, 1])] == ["dense,seed=1", "dense,seed=3"]
+    with pytest.raises(StudyError, match="--seeds 4: not among the study's seeds"):
+        sweep.only_seeds(study, [4])
+    ran, collected = [], []
+    monkeypatch.setattr(
+        sweep, "run_local", lambda st, dev: ran.extend(p.name for p in st.points) or 0
+    )
+    monkeypatch.setattr(
+        sweep, "collect_and_write", lambda st: collected.extend(p.name for p in st.points)
+    )
+    code = sweep.main(["run", str(path), "--output-dir", str(tmp_path / "out"), "--seeds", "2"])
+    assert code == 0 and ran == ["dense,seed=2"]
+    assert collected == ["dense,seed=1", "dense,seed=2", "dense,seed=3"]
+    assert sweep.main(["run", str(path), "--seeds", "x"]) == sweep.EXIT_STUDY_ERROR
+    no_seeds = write_study(
+        tmp_path, name="n", overrides={"checkpoint.load_dir": "b/{seed}"}, points=[{"name": "a"}]
+    )
+    with pytest.raises(StudyError, match="uses \\{seed\\} but the study has no seeds"):
+        load_study(no_seeds, output_dir=str(tmp_path / "n"))
+
+
 def test_a_study_without_seeds_names_points_as_before(tmp_path):
     study = load_study(write_study(tmp_path, points=[{"name": "a", "train.seed": 5}]))
     assert [(p.name, p.setting) for p in study.points] == [("a", "a")]
