@@ -25,7 +25,8 @@ from collections import defaultdict
 def _resolve(arg: str) -> tuple[str, str]:
     """``(label, retrieval.json path)`` of one argument."""
     label, sep, path = arg.partition("=")
-    if not sep:
+    if not sep or os.path.exists(arg.rstrip("/")):
+        # A run folder of a seeded study ("dense,seed=2") has "=" in its own name.
         label, path = "", arg
     path = path.rstrip("/")
     if os.path.isdir(os.path.join(path, "long_context_eval")):

@@ -21,7 +21,9 @@
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
 #
 # Resumable: run it again and the finished studies' points and evaluations are skipped.
-# Environment: PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
+# Environment: BASE_STUDY (code-125m-4k-base), SEEDS (unset: every seed; e.g. 1,2), EXTEND_TAG
+# (16k: the RETRIEVAL_SPECS tag blended into the extensions), RESULTS_DIR (unset; a folder: the
+# evaluator's JSON of every run copied to RESULTS_DIR/<study>/<arm>/seed<k>/), PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
 # RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS per study: trial lengths in tokens and document count;
@@ -58,14 +60,22 @@ DEVICES=${DEVICES// /}  # "0, 1" as "0,1": the ids become CUDA_VISIBLE_DEVICES a
 SWEEP_DEVICES=()
 [[ -n "$DEVICES" ]] && SWEEP_DEVICES=(--devices "$DEVICES")
 STATUS=${STATUS:-example_status.log}
-BASE=$ROOT/configs/studies/code-125m-4k-base.yaml
+# The base study (configs/studies/NAME.yaml) and, with SEEDS (e.g. "1" or "1,2"), only those seeds
+# of studies that have a seeds list (the extension then loads the base run of the same seed:
+# `{seed}` in its checkpoint.load_dir).
+BASE_NAME=${BASE_STUDY:-code-125m-4k-base}
+BASE=$ROOT/configs/studies/$BASE_NAME.yaml
+SEED_ARGS=()
+[[ -n "${SEEDS:-}" ]] && SEED_ARGS=(--seeds "$SEEDS")
+# The retrieval corpus (a RETRIEVAL_SPECS tag) blended into the extension studies.
+EXTEND_TAG=${EXTEND_TAG:-16k}
 # Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models.
 read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
 status=0
 note() { echo "$(date +%T) $*" | tee -a "$STATUS"; }
 # Before any work: a misspelt study would otherwise stop the script after the base study.
 (( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }
-for study in "${EXTEND_NAMES[@]}"; do
+for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
     if [[ ! -f "$ROOT/configs/studies/$study.yaml" ]]; then
         note "EXTEND_STUDIES: no study $study (configs/studies/$study.yaml); there are:" \
             "$(cd "$ROOT/configs/studies" && ls -- *.yaml | sed 's/[.]yaml$//' | paste -sd' ' -)"
@@ -125,7 +135,7 @@ evaluate() {  # RUN [extra options]: held-out code only, for the loss by positio
 }
 
 "$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" "${BASE_EXTRA[@]}" \
-    "${SWEEP_DEVICES[@]}" \
+    "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" \
     || status=$?
 note "base study done (exit $status)"
 evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU(s)
@@ -148,7 +158,7 @@ evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side 
 # Before the extension, not beside it: the extension's tokens/s (S2 vs dense) is a result, and an
 # evaluation sharing the GPU would distort it. Lengths above the 4k the models were trained at:
 # that is the "before extension" column.
-evaluate_study code-125m-4k-base --allow-extrapolation
+evaluate_study "$BASE_NAME" --allow-extrapolation
 if [[ -n "${EXTEND_MIN_ACCURACY:-}" ]]; then
     # Prints the best 4k model's passkey accuracy up to 4096 tokens; fails below the threshold.
     if ! best=$("$PYTHON" -c '
@@ -165,7 +175,7 @@ for path in sys.argv[2:]:
 best = max(scores, default=0.0)
 print(best)
 sys.exit(best < float(sys.argv[1]))' "$EXTEND_MIN_ACCURACY" \
-        sweeps/code-125m-4k-base/runs/*/long_context_eval/retrieval.json); then
+        sweeps/"$BASE_NAME"/runs/*/long_context_eval/retrieval.json); then
         note "extension skipped: the best 4k model's passkey accuracy up to 4096 tokens is $best," \
             "below EXTEND_MIN_ACCURACY=$EXTEND_MIN_ACCURACY"
         exit "$status"
@@ -173,16 +183,33 @@ sys.exit(best < float(sys.argv[1]))' "$EXTEND_MIN_ACCURACY" \
 fi
 for study in "${EXTEND_NAMES[@]}"; do
     "$PYTHON" -m megatron_s2.training.sweep run "$ROOT/configs/studies/$study.yaml" "${OVERRIDES[@]}" \
-        "$(blend 16k)" "${EXTEND_EXTRA[@]}" "${SWEEP_DEVICES[@]}" || status=$?
+        "$(blend "$EXTEND_TAG")" "${EXTEND_EXTRA[@]}" "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" || status=$?
     note "extension study $study done (exit $status)"
     evaluate_study "$study"
 done
-for study in code-125m-4k-base "${EXTEND_NAMES[@]}"; do
+for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
     "$PYTHON" "$ROOT"/tools/plot_loss_by_position.py --out "sweeps/$study/loss_by_position.png" \
         sweeps/$study/runs/*/long_context_eval/loss_by_position.json || status=$?
     # The study's runs side by side: retrieval per length, by depth at 8k, loss by position.
     "$PYTHON" "$ROOT"/tools/compare_retrieval.py --depth-table 8192 sweeps/"$study"/runs/*/ \
         > "sweeps/$study/retrieval_summary.md" || status=$?
 done
-note "all done (exit $status): sweeps/code-125m-4k-base $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")"
+if [[ -n "${RESULTS_DIR:-}" ]]; then
+    # The evaluator's own files of every evaluated run, as RESULTS_DIR/<study>/<arm>/seed<k>/
+    # (a run without a seed: seed0), for the docs and tools/retrieval_tables.py.
+    for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
+        for run in sweeps/"$study"/runs/*/; do
+            run=${run%/}
+            [[ -f "$run/long_context_eval/retrieval.json" ]] || continue
+            point=$(basename "$run")
+            arm=${point%%,seed=*}
+            seed=seed0
+            [[ $point == *,seed=* ]] && seed=seed${point##*,seed=}
+            mkdir -p "$RESULTS_DIR/$study/$arm/$seed"
+            cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/" || status=$?
+        done
+    done
+    note "evaluator outputs copied to $RESULTS_DIR"
+fi
+note "all done (exit $status): sweeps/$BASE_NAME $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")"
 exit "$status"

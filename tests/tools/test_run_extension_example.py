@@ -28,7 +28,8 @@ SCRIPT_KNOBS = {
     "PYTHON", "CORPUS", "KV_PREFIX", "KV_WEIGHT", "RETRIEVAL_PREFIX", "RETRIEVAL_WEIGHT",
     "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
-    "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH",
+    "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
+    "RESULTS_DIR",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -302,3 +303,38 @@ def test_example_script_probes_attention_when_asked(tmp_path):
     for c in evals:
         at = c["args"].index("--attention-probe")
         assert c["args"][at + 1] == "8192"
+
+
+def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tmp_path):
+    """BASE_STUDY, SEEDS, EXTEND_TAG and RESULTS_DIR (issue 50's studies: one or two seeds of
+    every arm per GPU lease): both sweeps get --seeds, the extension blends the EXTEND_TAG
+    corpus, and each evaluated run's JSON lands in RESULTS_DIR/<study>/<arm>/seed<k>/."""
+    points = {
+        "code-125m-extend-16k-remedies": ["dense,seed=2", "hybrid-DS,seed=2"],
+        "code-125m-extend-16k": ["dense,seed=2", "hybrid-DS,seed=2"],
+    }
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=points))
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(
+        tmp_path,
+        log,
+        BASE_STUDY="code-125m-extend-16k-remedies",  # any study file that exists
+        SEEDS="2",
+        EXTEND_TAG="32k",
+        RETRIEVAL_SPECS="4k:128:4096:10 32k:256:32768:10",
+        RESULTS_DIR="results",
+    )
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert [Path(c["args"][3]).stem for c in sweeps] == [
+        "code-125m-extend-16k-remedies",
+        "code-125m-extend-16k",
+    ]
+    for c in sweeps:
+        assert c["args"][-2:] == ["--seeds", "2"]
+    assert sweeps[1]["args"][-3].endswith("[0.2, data/retrieval/retrieval_code_32k]]")
+    for study in points:
+        for arm in ("dense", "hybrid-DS"):
+            got = tmp_path / "results" / study / arm / "seed2" / "retrieval.json"
+            assert json.loads(got.read_text())["tasks"]["passkey"]["cells"]
