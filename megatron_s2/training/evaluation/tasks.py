@@ -313,10 +313,14 @@ def _digits(rng: random.Random, task: Task) -> str:
     return value
 
 
-def _snap(ok: np.ndarray, target: int) -> int:
-    """The insertion point at or before haystack token ``target``: after the last boundary
-    token before it (0, the haystack's start, if none)."""
-    hits = np.flatnonzero(ok[:target])
+def _snap(ok: np.ndarray, target: int, nearest: bool = False) -> int:
+    """The insertion point for haystack token ``target``: after the last boundary token before
+    it (0, the haystack's start, if none); with ``nearest``, after the boundary token closest
+    to it on either side (for ``top_level`` tasks, whose haystack starts mid-line: the
+    haystack's last token is always such a boundary)."""
+    hits = np.flatnonzero(ok[:target]) if not nearest else np.flatnonzero(ok)
+    if nearest and hits.size:
+        return int(hits[np.argmin(np.abs(hits + 1 - target))]) + 1
     return int(hits[-1]) + 1 if target and hits.size else 0
 
 
@@ -334,7 +338,8 @@ def make_trial(
     of the context, 1 = just before the question), deterministic in ``seed``.
 
     The haystack is a window of ``stream`` (:func:`haystack_stream`) ending at a boundary;
-    the asked needle goes after the last boundary at or before ``depth`` of it, the other
+    the asked needle goes after the last boundary at or before ``depth`` of it (for a
+    ``top_level`` task, the nearest: the realised depth is in the trial), the other
     needles of a multi-needle task (``task.needles`` > 1; distinct keys and values) at depths
     drawn uniformly, each on a boundary no other needle took where the haystack has enough. The
     keys are drawn until none occurs in the haystack. Raises :class:`ConfigError` naming
@@ -386,10 +391,10 @@ def make_trial(
     else:
         raise ConfigError(f"task {task.name}: no key absent from the haystack was found")
     ok = _boundaries(tokenizer, haystack, task)
-    at = [_snap(ok, int(round(depth * room)))]
+    at = [_snap(ok, int(round(depth * room)), task.top_level)]
     for _ in range(1, task.needles):
         for _ in range(DEPTH_ATTEMPTS):
-            other = _snap(ok, int(round(rng.random() * room)))
+            other = _snap(ok, int(round(rng.random() * room)), task.top_level)
             if other not in at:
                 break
         at.append(other)
