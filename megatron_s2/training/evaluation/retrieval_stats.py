@@ -63,8 +63,10 @@ def wilson_interval(successes: int, trials: int, level: float = CONFIDENCE) -> t
     half = (
         math.sqrt(z2) / (1 + z2 / trials) * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials**2))
     )
-    # Clamp rounding: at 0 or n successes one bound is exactly 0 or 1.
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low, high = max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
+    # At 0 or n successes the bound is exactly 0 or 1 (a root of the equation), not its
+    # floating-point neighbour.
+    return (0.0 if successes == 0 else low), (1.0 if successes == trials else high)
 
 
 def cell_counts(cell: Mapping) -> tuple[int, int]:
