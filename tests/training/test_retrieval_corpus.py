@@ -164,6 +164,14 @@ def test_seq_length_makes_each_document_one_training_sample(tmp_path):
     )
     docs = _docs(prefix)
     assert [d.size for d in docs] == [1500] * 9
+    # Megatron's own sample index over these documents (shuffled, as GPTDataset orders them):
+    # every sample starts at a document's first token, so no trial is cut.
+    from megatron.core.datasets import helpers
+
+    sizes = np.array([d.size for d in docs], dtype=np.int32)
+    order = np.random.default_rng(0).permutation(len(docs)).astype(np.int32)
+    index = helpers.build_sample_idx(sizes, order, 1500, 1, int(sizes.sum()), True, True)
+    assert (index[:, 1] == 0).all() and list(index[:, 0]) == list(range(len(index)))
     dist = _passkey_distances(docs[::3], load_tokenizer("byte"))
     assert (dist[:, 0] < 1500).all()
 
