@@ -119,3 +119,163 @@ def test_cli(tmp_path, capsys):
     assert len(_docs(prefix)) == 2
     assert main(argv + ["--tasks", "nope"]) == 2
     assert "--tasks: unknown 'nope'" in capsys.readouterr().err
+
+
+def _passkey_distances(docs, tok):
+    """Per document: (fact-question distance, trial length) in tokens (the byte tokenizer: a
+    character is a token), the distance from the passkey sentence's end to the question."""
+    needle, question = PATTERNS["passkey"]
+    out = []
+    for doc in docs:
+        text = tok.decode(doc[:-1].tolist())
+        fact = re.search(needle, text)
+        asked = re.search(question, text)
+        out.append((asked.start() - fact.end(), doc.size - 2))
+    return np.array(out)
+
+
+def test_default_distances_cover_the_whole_document(tmp_path):
+    """The point of issue 50: with the writer's defaults the fact is as often far from its
+    question as near, over the whole document (old behaviour: log-uniform trial lengths from
+    256 tokens, so few distances reached half the longest trial, and the study's 128-1024
+    token trials kept every fact inside S2's 1k-token local window)."""
+    tok = load_tokenizer("byte")
+    prefix = str(tmp_path / "d")
+    write_retrieval_dataset(prefix, "byte", tasks=["passkey"], num_docs=80, seed=11)
+    dist = _passkey_distances(_docs(prefix), tok)
+    longest = 16384  # the default --max-tokens: the training context the corpus is written for
+    far = np.mean(dist[:, 0] > longest / 2)
+    assert far >= 0.3, far  # the old writer: 0.04
+    assert (dist[:, 1] == longest).all()  # every document as long as the context
+    assert np.mean(dist[:, 0] > 1024) >= 0.8  # beyond a 1k local window
+    assert dist[:, 0].max() > 0.9 * longest and dist[:, 0].min() < 0.1 * longest
+    # Uniform over [0, L): a Kolmogorov-Smirnov test at a generous level (80 draws).
+    from scipy import stats
+
+    assert stats.kstest(dist[:, 0] / longest, "uniform").pvalue > 0.001
+
+
+def test_seq_length_makes_each_document_one_training_sample(tmp_path):
+    """``--seq-length S``: trials of S - 2 tokens, so trial + answer's last token + EOD is S
+    tokens, and Megatron's samples (every S tokens, S + 1 read) start at a document's start."""
+    prefix = str(tmp_path / "s")
+    write_retrieval_dataset(
+        prefix, "byte", tasks=["passkey", "needle", "multikey"], num_docs=9, seq_length=1500
+    )
+    docs = _docs(prefix)
+    assert [d.size for d in docs] == [1500] * 9
+    # Megatron's own sample index over these documents (shuffled, as GPTDataset orders them):
+    # every sample starts at a document's first token, so no trial is cut.
+    from megatron.core.datasets import helpers
+
+    sizes = np.array([d.size for d in docs], dtype=np.int32)
+    order = np.random.default_rng(0).permutation(len(docs)).astype(np.int32)
+    index = helpers.build_sample_idx(sizes, order, 1500, 1, int(sizes.sum()), True, True)
+    assert (index[:, 1] == 0).all() and list(index[:, 0]) == list(range(len(index)))
+    dist = _passkey_distances(docs[::3], load_tokenizer("byte"))
+    assert (dist[:, 0] < 1500).all()
+
+
+def test_log_uniform_distances_favour_near_facts(tmp_path):
+    tok = load_tokenizer("byte")
+    kw = dict(tasks=["passkey"], num_docs=60, max_tokens=2048, seed=2)
+    write_retrieval_dataset(tmp_path / "u", "byte", **kw)
+    write_retrieval_dataset(tmp_path / "l", "byte", depth_distribution="log-uniform", **kw)
+    uni = _passkey_distances(_docs(str(tmp_path / "u")), tok)[:, 0]
+    log = _passkey_distances(_docs(str(tmp_path / "l")), tok)[:, 0]
+    # Median of a log-uniform distance over [1, 2048) is about 45 tokens; uniform, about 1024.
+    assert np.median(log) < 200 < 700 < np.median(uni)
+    # Still some far ones: every doubling of the distance is as likely.
+    assert np.mean(log > 1024) > 0.02
+
+
+def test_multikey_documents(tmp_path):
+    """``multikey``: N needles of one format with distinct keys and values, the question asks
+    one of them, and the answer is that key's value."""
+    tok = load_tokenizer("byte")
+    prefix = str(tmp_path / "m")
+    write_retrieval_dataset(
+        prefix, "byte", tasks=["multikey"], num_docs=6, max_tokens=1200, multikey_needles=6
+    )
+    for doc in _docs(prefix):
+        text = tok.decode(doc[:-1].tolist())
+        found = re.findall(r"The value of key ([a-z]{6}) is (\d{6})\.\n", text)
+        assert len(found) == 6
+        assert len({k for k, _ in found}) == 6 and len({v for _, v in found}) == 6
+        asked = re.search(
+            r"What is the value of key ([a-z]{6})\? The value of key \1 is (\d{6})$", text
+        )
+        assert asked is not None and tuple(asked.groups()) in found
+
+
+def test_heldout_task_is_refused_and_never_written(tmp_path, capsys):
+    """``code-value`` is held out: the writer refuses it (function and CLI), no training task
+    carries it, and its template's text is in no training document of any training task."""
+    from megatron_s2.training.evaluation.retrieval_corpus import TRAINING_TASKS, training_task
+    from megatron_s2.training.evaluation.tasks import HELDOUT_TASKS, TASKS
+
+    assert "code-value" in HELDOUT_TASKS
+    for name in HELDOUT_TASKS:
+        with pytest.raises(ConfigError, match="held-out evaluation task"):
+            training_task(name)
+        with pytest.raises(ConfigError, match=re.escape(f"--tasks: {name!r} is a held-out")):
+            write_retrieval_dataset(tmp_path / "h", "byte", tasks=["passkey", name], num_docs=2)
+        assert not (tmp_path / "h.bin").exists()
+    assert not any(t.held_out for t in TRAINING_TASKS.values())
+    argv = ["--tokenizer", "byte", "--output-prefix", str(tmp_path / "c"), "--num-docs", "2"]
+    assert main(argv + ["--tasks", "code-value"]) == 2
+    assert "held-out" in capsys.readouterr().err
+    # Every training task's documents: none holds the held-out needle or question.
+    prefix = str(tmp_path / "all")
+    write_retrieval_dataset(prefix, "byte", tasks=list(TRAINING_TASKS), num_docs=6, max_tokens=2000)
+    tok = load_tokenizer("byte")
+    held = TASKS["code-value"]
+    fixed = [held.needle.split("{key}")[0], held.question.split("{key}")[0], "  # ->"]
+    for doc in _docs(prefix):
+        text = tok.decode(doc[:-1].tolist())
+        assert not any(f in text for f in fixed), fixed
+        assert re.search(r"[A-Z_]{4,} = \d+", text) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"depth_distribution": "normal"},
+            "--depth-distribution: unknown 'normal'; allowed: uniform, log-uniform",
+        ),
+        (
+            {"tasks": ["multikey"], "multikey_needles": 1},
+            "--multikey-needles must be an integer from 2 to 16",
+        ),
+        (
+            {"tasks": ["multikey"], "multikey_needles": 40},
+            "--multikey-needles must be an integer from 2 to 16",
+        ),
+        ({"seq_length": 2048, "max_tokens": 1000}, "--seq-length and --max-tokens: give one"),
+        ({"seq_length": 2}, "--seq-length must be >= 3"),
+    ],
+)
+def test_new_options_refuse_bad_values(tmp_path, kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_cli_new_options(tmp_path, capsys):
+    prefix = str(tmp_path / "o")
+    argv = ["--tokenizer", "byte", "--output-prefix", prefix, "--num-docs", "4"]
+    opts = ["--tasks", "multikey,passkey", "--seq-length", "700", "--multikey-needles", "5",
+            "--depth-distribution", "log-uniform"]  # fmt: skip
+    assert main(argv + opts) == 0
+    docs = _docs(prefix)
+    assert [d.size for d in docs] == [700] * 4
+    text = load_tokenizer("byte").decode(docs[0][:-1].tolist())
+    assert len(re.findall(r"The value of key [a-z]+ is \d+\.\n", text)) == 5
+    import json
+
+    meta = json.load(open(prefix + ".meta.json"))
+    assert meta["depth_distribution"] == "log-uniform" and meta["max_tokens"] == 698
+    assert main(argv + ["--depth-distribution", "far"]) == 2
+    err = capsys.readouterr().err
+    assert "--depth-distribution: unknown 'far'; allowed: uniform, log-uniform" in err

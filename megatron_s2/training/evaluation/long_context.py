@@ -27,7 +27,14 @@ from .loss_by_position import evaluate_loss_by_position
 from .model import PREFIX, check_lengths, load_eval_model, resolve_checkpoint, saved_config
 from .report import plot_loss_by_position, plot_retrieval, retrieval_table, write
 from .retrieval import at_chance_note, evaluate_retrieval
-from .tasks import TASKS, check_grid, default_tasks, heldout_documents
+from .tasks import (
+    MULTIKEY_NEEDLES,
+    MULTIKEY_RANGE,
+    TASKS,
+    check_grid,
+    default_tasks,
+    heldout_documents,
+)
 
 __all__ = ["build_arg_parser", "run", "main"]
 
@@ -56,6 +63,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
     p.add_argument("--trials", type=int, default=5, help="prompts per (length, depth)")
     p.add_argument("--tasks", help=f"of {', '.join(TASKS)} (default: kv,passkey on the demo)")
+    p.add_argument(
+        "--multikey-needles",
+        type=int,
+        help=f"needles in a multikey haystack (default {MULTIKEY_NEEDLES}, from "
+        f"{MULTIKEY_RANGE[0]} to {MULTIKEY_RANGE[1]})",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--allow-extrapolation",
@@ -113,7 +126,7 @@ def run(args) -> dict:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     probe = [args.attention_probe] if args.attention_probe is not None else []
     if not args.skip_retrieval or probe:
-        check_grid(tasks, depths, args.trials)
+        check_grid(tasks, depths, args.trials, args.multikey_needles)
     pos_length = args.position_length or max(lengths)
     check_lengths(
         cfg, [pos_length], allow_extrapolation=args.allow_extrapolation, what="--position-length"
@@ -154,6 +167,7 @@ def run(args) -> dict:
             seed=args.seed,
             micro_batch_size=args.micro_batch_size,
             documents=documents,
+            multikey_needles=args.multikey_needles,
         )
         retrieval.update(checkpoint=em.checkpoint, iteration=em.iteration)
         result["retrieval"] = retrieval
@@ -164,6 +178,10 @@ def run(args) -> dict:
                     f"## {task}: greedy exact-match accuracy",
                     "",
                     retrieval_table(retrieval, task),
+                    "",
+                    f"## {task}: greedy exact match with its 95% Wilson score interval",
+                    "",
+                    retrieval_table(retrieval, task, "interval"),
                     "",
                     f"## {task}: answer log-likelihood (nats)",
                     "",

@@ -15,8 +15,9 @@ from typing import Optional
 import numpy as np
 
 from .model import EvalModel
+from .retrieval_stats import CONFIDENCE, wilson_interval
 from .scoring import score_sequences
-from .tasks import TASKS, check_grid, haystack_stream, heldout_documents, make_trial
+from .tasks import check_grid, get_task, haystack_stream, heldout_documents, make_trial
 
 __all__ = ["evaluate_retrieval", "at_chance_note", "CHANCE_BELOW_TOKENS", "EXPECTATIONS_DOC"]
 
@@ -53,19 +54,26 @@ def evaluate_retrieval(
     seed: int = 0,
     micro_batch_size: int = 1,
     documents: Optional[list] = None,
+    multikey_needles: Optional[int] = None,
 ) -> dict:
-    """Every task over ``lengths`` x ``depths`` with ``trials`` prompts each (collective).
+    """Every task over ``lengths`` x ``depths`` with ``trials`` prompts each (collective);
+    ``multikey_needles``: needles of a multi-needle task (default
+    :data:`~.tasks.MULTIKEY_NEEDLES`).
 
-    Returns ``{"tasks": {task: {"cells": [...], "trials": [...]}}, ...}``: a cell per (length,
-    depth) with ``accuracy`` (greedy exact match, fraction of trials), ``token_accuracy`` and
-    ``log_likelihood`` (mean over trials of the answer's summed log-probability, nats); a trial
-    record per prompt (its answer, the greedy answer text, ``log_likelihood``, ``exact``).
+    Returns ``{"tasks": {task: {"cells": [...], "by_length": [...], "trials": [...]}}, ...}``:
+    a cell per (length, depth) with ``accuracy`` (greedy exact match, fraction of trials),
+    ``correct`` (trials exactly right), ``ci_low``/``ci_high`` (the accuracy's Wilson score
+    interval at ``interval.level``, 0.95), ``token_accuracy`` and ``log_likelihood`` (mean over
+    trials of the answer's summed log-probability, nats); ``by_length``: the same exact-match
+    fields per length over all its depths' trials; a trial record per prompt (its answer, the
+    greedy answer text, ``log_likelihood``, ``exact``, the needle's real depth, its
+    ``distance`` to the question in tokens, the task's ``needles``).
     """
-    check_grid(tasks, depths, trials)
+    check_grid(tasks, depths, trials, multikey_needles)
     tok = em.tokenizer
     out = {"tasks": {}}
     for name in tasks:
-        task = TASKS[name]
+        task = get_task(name, multikey_needles)
         if task.filler == "corpus" and documents is None:
             documents = heldout_documents(em.cfg)
         stream = haystack_stream(task, tok, documents or [], 2 * max(lengths) + 2)
@@ -88,6 +96,8 @@ def evaluate_retrieval(
                         "depth": p.target_depth,
                         "needle_depth": p.depth,
                         "trial": p.index,
+                        "distance": p.distance,
+                        "needles": task.needles,
                         "key": p.key,
                         "answer": tok.decode(p.tokens[p.answer_at :].tolist()),
                         "greedy": tok.decode(greedy.tolist()),
@@ -103,12 +113,36 @@ def evaluate_retrieval(
                     {
                         "length": length,
                         "depth": d,
-                        "accuracy": float(np.mean([r["exact"] for r in cell])),
+                        **_exact_match(cell),
                         "token_accuracy": float(np.mean([r["token_accuracy"] for r in cell])),
                         "log_likelihood": float(np.mean([r["log_likelihood"] for r in cell])),
                         "trials": len(cell),
                     }
                 )
-        out["tasks"][name] = {"cells": cells, "trials": records}
-    out.update(lengths=list(lengths), depths=list(depths), trials_per_cell=trials, seed=seed)
+        by_length = [
+            {"length": n, **_exact_match([r for r in records if r["length"] == n])} for n in lengths
+        ]
+        out["tasks"][name] = {"cells": cells, "by_length": by_length, "trials": records}
+    out.update(
+        lengths=list(lengths),
+        depths=list(depths),
+        trials_per_cell=trials,
+        seed=seed,
+        interval={"method": "wilson", "level": CONFIDENCE},
+        multikey_needles=get_task("multikey", multikey_needles).needles,
+    )
     return out
+
+
+def _exact_match(records: list) -> dict:
+    """Exact match over ``records`` (trial records): ``accuracy``, ``correct``, ``trials`` and
+    the Wilson interval ``ci_low``/``ci_high``."""
+    k = sum(bool(r["exact"]) for r in records)
+    low, high = wilson_interval(k, len(records))
+    return {
+        "accuracy": k / len(records),
+        "correct": k,
+        "trials": len(records),
+        "ci_low": low,
+        "ci_high": high,
+    }

@@ -11,8 +11,17 @@ seeds are integers: no evaluation trial is repeated here). Blended into a run
 answer is what the evaluation measures.
 
 Haystacks: ``passkey`` in its repeated filler sentences, as the evaluation does (the classic
-passkey training set-up); ``needle`` in the demo corpus's filler sentences, while the
-evaluation hides the needle in held-out code, a haystack these documents never show.
+passkey training set-up); ``needle`` and ``multikey`` in the demo corpus's filler sentences,
+while the evaluation hides them in held-out code, a haystack these documents never show. The
+held-out tasks (:data:`~.tasks.HELDOUT_TASKS`, ``code-value``) are refused: they measure
+retrieval the model was never drilled on.
+
+Where the fact sits. Run J of ``docs/long_context_eval.md`` trained on trials of 128-1024
+tokens, so every passkey lay within 1k tokens of its question, inside the S2 layers' local
+window, and nothing taught the dense layers to reach further. By default every document is now
+one training sequence long (``--seq-length``, or ``--max-tokens`` with ``--min-tokens`` equal to
+it) and the distance between the fact and the question is drawn uniformly over the document
+(``--depth-distribution``), so the distances cover the whole training context.
 
 Command line: ``tools/make_retrieval_corpus.py``.
 """
@@ -33,28 +42,71 @@ from typing import Optional
 import numpy as np
 
 from ..run_config import ConfigError
-from .tasks import TASKS, haystack_stream, make_trial
+from .tasks import HELDOUT_TASKS, TASKS, check_multikey_needles, haystack_stream, make_trial
 
-__all__ = ["TRAINING_TASKS", "training_task", "write_retrieval_dataset", "main"]
+__all__ = [
+    "TRAINING_TASKS",
+    "DEPTH_DISTRIBUTIONS",
+    "training_task",
+    "write_retrieval_dataset",
+    "main",
+]
 
 # Each training task, with the haystack its documents use (see the module docstring).
 TRAINING_TASKS = {
     "passkey": TASKS["passkey"],
     "needle": replace(TASKS["needle"], filler="kv-filler"),
+    "multikey": replace(TASKS["multikey"], filler="kv-filler"),
 }
+# How the distance between the fact and the question is drawn (_depth).
+DEPTH_DISTRIBUTIONS = ("uniform", "log-uniform")
 
 
-def training_task(name: str):
-    """The :class:`~.tasks.Task` whose documents this corpus writes for ``name``."""
+def training_task(name: str, multikey_needles: Optional[int] = None):
+    """The :class:`~.tasks.Task` whose documents this corpus writes for ``name`` (a multi-needle
+    task with ``multikey_needles`` needles). Raises :class:`ConfigError` naming ``--tasks`` for a
+    held-out or unknown task."""
+    if name in HELDOUT_TASKS:
+        raise ConfigError(
+            f"--tasks: {name!r} is a held-out evaluation task, never written into training "
+            f"documents; training tasks: {', '.join(TRAINING_TASKS)}"
+        )
     if name not in TRAINING_TASKS:
         raise ConfigError(f"--tasks: unknown {name!r}; known: {', '.join(TRAINING_TASKS)}")
-    return TRAINING_TASKS[name]
+    task = TRAINING_TASKS[name]
+    # A held-out task smuggled in under another name would defeat the point of holding it out.
+    assert not task.held_out, name
+    if task.needles > 1 and multikey_needles is not None:
+        check_multikey_needles(multikey_needles)
+        task = replace(task, needles=int(multikey_needles))
+    return task
 
 
 def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
-    # Log-uniform: with the defaults as many documents under 1k tokens as between 4k and 16k, so
-    # that a short training context still sees whole documents while a long one sees far needles.
+    # Log-uniform between lo and hi (when a range is asked for): as many documents in each
+    # doubling of the length; with lo == hi (the default) every document is hi tokens.
+    if lo == hi:
+        return [hi] * n
     return [int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) for _ in range(n)]
+
+
+def _depth(u: float, length: int, distribution: str) -> float:
+    """The needle depth (fraction of the haystack; 1 = next to the question) for a uniform draw
+    ``u`` in [0, 1), so that the fact-question distance is ``distribution`` over
+    [0, ``length``) tokens.
+
+    ``uniform`` (the default): every distance is as likely, so half the trials put the fact
+    more than half the document back, and at 4k-32k documents 75-97% lie beyond S2's 1k local
+    window: the range the dense layers must learn to reach, and the depths the evaluation scores
+    alike (its grid is uniform in depth). ``log-uniform``: as many trials in each doubling of
+    the distance (1-2, ..., 2k-4k tokens): near facts dominate (at 4k half lie within 64 tokens),
+    a curriculum-like mix for a model that does not yet copy at all; it under-teaches the far
+    range that the uniform draw is there to cover.
+    """
+    if distribution == "uniform":
+        return u
+    distance = math.exp(u * math.log(max(2, length)))  # in [1, length)
+    return min(1.0, max(0.0, 1.0 - distance / length))
 
 
 def write_retrieval_dataset(
@@ -63,8 +115,11 @@ def write_retrieval_dataset(
     *,
     tasks: Sequence[str] = ("passkey", "needle"),
     num_docs: int = 4000,
-    min_tokens: int = 256,
-    max_tokens: int = 16384,
+    min_tokens: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+    seq_length: Optional[int] = None,
+    depth_distribution: str = "uniform",
+    multikey_needles: Optional[int] = None,
     seed: int = 0,
     workers: int = 1,
 ) -> dict:
@@ -73,20 +128,42 @@ def write_retrieval_dataset(
     local HF tokenizer directory, e.g. ``data/code/tokenizer``).
 
     Document ``i`` is task ``tasks[i % len(tasks)]``: a trial at length ``L`` (haystack with the
-    needle at a uniform depth, question and answer: ``L + 1`` tokens, as the evaluation builds
-    it) and EOD, with ``L`` drawn log-uniformly from ``[min_tokens, max_tokens]``. Returns
-    ``{"documents", "tokens"}`` (EOD included). ``workers`` > 1 makes the trials in that many
-    processes (the documents are the same for any count). Raises :class:`ConfigError` for an
-    empty or unknown task list, fewer than one document or worker, or a length range the tasks
-    do not fit in.
+    needle, question and answer: ``L + 1`` tokens, as the evaluation builds it) and EOD. ``L``:
+    ``seq_length - 2`` for a run of that ``model.seq_length`` (each document is then exactly
+    one training sample: Megatron's samples start every ``seq_length`` tokens, so documents of
+    that length never straddle two), else ``max_tokens`` (default 16384), or drawn
+    log-uniformly from ``[min_tokens, max_tokens]`` when ``min_tokens`` is given below it. The
+    fact-question distance is drawn by ``depth_distribution`` over the whole trial
+    (:func:`_depth`). ``multikey_needles``: needles per ``multikey`` document (default
+    :data:`~.tasks.MULTIKEY_NEEDLES`). Returns ``{"documents", "tokens"}`` (EOD included).
+    ``workers`` > 1 makes the trials in that many processes (the documents are the same for any
+    count). Raises :class:`ConfigError` naming the option, before writing anything, for an
+    empty, unknown or held-out task, fewer than one document or worker, a length range the tasks
+    do not fit in, an unknown depth distribution or needle count.
     """
     if not tasks:
         raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
-    chosen = [training_task(t) for t in tasks]
+    chosen = [training_task(t, multikey_needles) for t in tasks]
     if num_docs < 1:
         raise ConfigError(f"--num-docs must be >= 1, got {num_docs}")
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if depth_distribution not in DEPTH_DISTRIBUTIONS:
+        raise ConfigError(
+            f"--depth-distribution: unknown {depth_distribution!r}; allowed: "
+            + ", ".join(DEPTH_DISTRIBUTIONS)
+        )
+    if seq_length is not None:
+        if max_tokens is not None:
+            raise ConfigError(
+                "--seq-length and --max-tokens: give one (--seq-length S writes trials of "
+                "S - 2 tokens, one training sample each with the answer's last token and EOD)"
+            )
+        if seq_length < 3:
+            raise ConfigError(f"--seq-length must be >= 3 (a training sequence), got {seq_length}")
+        max_tokens = seq_length - 2
+    max_tokens = 16384 if max_tokens is None else max_tokens
+    min_tokens = max_tokens if min_tokens is None else min_tokens
     if not 1 <= min_tokens <= max_tokens:
         raise ConfigError(
             f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
@@ -94,7 +171,8 @@ def write_retrieval_dataset(
     from ..code_corpus import writing_indexed_dataset
 
     # This process makes the trials itself (workers == 1) or only checks and writes them.
-    _init_worker(tokenizer, list(tasks), max_tokens, seed)
+    init = (tokenizer, list(tasks), max_tokens, seed, multikey_needles)
+    _init_worker(*init)
     tok, streams = _WORKER["tok"], _WORKER["streams"]
     for task in chosen:
         # The shortest trial must hold the needle, question and answer: say so before writing.
@@ -108,7 +186,10 @@ def write_retrieval_dataset(
     rng = random.Random(f"retrieval-train-{seed}")
     lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
     # Drawn here, in document order, so that the documents do not depend on ``workers``.
-    jobs = [(i, length, rng.random()) for i, length in enumerate(lengths)]
+    jobs = [
+        (i, length, _depth(rng.random(), length, depth_distribution))
+        for i, length in enumerate(lengths)
+    ]
     tokens = 0
     with contextlib.ExitStack() as stack:
         writer = stack.enter_context(
@@ -116,7 +197,6 @@ def write_retrieval_dataset(
         )
         docs = map(_document, jobs)
         if workers > 1:
-            init = (tokenizer, list(tasks), max_tokens, seed)
             ctx = multiprocessing.get_context("spawn")
             pool = stack.enter_context(ctx.Pool(workers, _init_worker, init))
             docs = pool.imap(_document, jobs, chunksize=64)
@@ -125,11 +205,13 @@ def write_retrieval_dataset(
             tokens += doc.size
         stats = {"documents": num_docs, "tokens": tokens}
         writer.meta = {
-            "generator": "retrieval-train-v1",
+            "generator": "retrieval-train-v2",
             "tasks": list(tasks),
             "seed": seed,
             "min_tokens": min_tokens,
             "max_tokens": max_tokens,
+            "depth_distribution": depth_distribution,
+            "multikey_needles": max(t.needles for t in chosen),
             "tokenizer": str(tokenizer),
             **stats,
         }
@@ -141,11 +223,13 @@ def write_retrieval_dataset(
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer: str, tasks: list[str], max_tokens: int, seed: int) -> None:
+def _init_worker(
+    tokenizer: str, tasks: list[str], max_tokens: int, seed: int, multikey_needles=None
+) -> None:
     from ..code_corpus import _encoder
 
     tok, _ = _encoder(tokenizer)
-    chosen = [training_task(t) for t in tasks]
+    chosen = [training_task(t, multikey_needles) for t in tasks]
     streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
     _WORKER.update(tok=tok, tasks=chosen, streams=streams, seed=seed)
 
@@ -162,17 +246,43 @@ def _document(job: tuple[int, int, float]) -> np.ndarray:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``tools/make_retrieval_corpus.py``); exit code 2 on bad input."""
     p = argparse.ArgumentParser(
         prog="make_retrieval_corpus",
-        description="Write passkey/needle retrieval training documents (the long-context "
+        description="Write passkey/needle/multikey retrieval training documents (the long-context "
         "evaluation's formats, a training seed) as a Megatron indexed dataset to blend in.",
     )
     p.add_argument("--tokenizer", required=True, help="byte, or a local HF tokenizer directory")
     p.add_argument("--output-prefix", required=True, help="dataset prefix (.bin/.idx written)")
-    p.add_argument("--tasks", default="passkey,needle", help="comma list of passkey, needle")
+    p.add_argument(
+        "--tasks",
+        default="passkey,needle",
+        help=f"comma list of {', '.join(TRAINING_TASKS)} (held out, refused: "
+        f"{', '.join(HELDOUT_TASKS)})",
+    )
     p.add_argument("--num-docs", type=int, default=4000, help="documents (default 4000)")
-    p.add_argument("--min-tokens", type=int, default=256, help="shortest trial (default 256)")
-    p.add_argument("--max-tokens", type=int, default=16384, help="longest trial (default 16384)")
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        help="the training run's model.seq_length: trials of SEQ_LENGTH - 2 tokens, each "
+        "document exactly one training sample (instead of --max-tokens)",
+    )
+    p.add_argument("--max-tokens", type=int, help="trial length (default 16384; or --seq-length)")
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        help="shortest trial: lengths drawn log-uniformly from [min, max] (default: all max)",
+    )
+    p.add_argument(
+        "--depth-distribution",
+        default="uniform",
+        help="fact-question distance over the trial: uniform (default) or log-uniform",
+    )
+    p.add_argument(
+        "--multikey-needles",
+        type=int,
+        help="needles in a multikey document (default 4, from 2 to 16)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--workers", type=int, default=1, help="processes making trials (default 1; same output)"
@@ -186,6 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             num_docs=args.num_docs,
             min_tokens=args.min_tokens,
             max_tokens=args.max_tokens,
+            seq_length=args.seq_length,
+            depth_distribution=args.depth_distribution,
+            multikey_needles=args.multikey_needles,
             seed=args.seed,
             workers=args.workers,
         )

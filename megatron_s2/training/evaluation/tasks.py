@@ -6,7 +6,10 @@ key-value statement) at a depth fraction of it, a question and the answer (:func
 Tasks (:data:`TASKS`): ``passkey`` (Mohtashami & Jaggi's repeated filler sentences),
 ``needle`` (a "special magic number" sentence in held-out text of the run's corpus), ``kv``
 (the demo corpus's ``let key=value;`` statements in held-out demo text: what a model trained on
-it can retrieve) and ``kv-filler`` (the same statement in the demo corpus's filler sentences).
+it can retrieve), ``kv-filler`` (the same statement in the demo corpus's filler sentences),
+``multikey`` (several key-value sentences with distinct keys at different depths, one asked for)
+and ``code-value`` (a constant defined once as a Python statement in held-out code and printed
+at the end: held out, never written into training documents, :data:`HELDOUT_TASKS`).
 
 Nothing here runs a model: the retrieval training corpus (:mod:`.retrieval_corpus`) writes
 its documents with the same functions.
@@ -17,7 +20,8 @@ from __future__ import annotations
 import random
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -27,6 +31,10 @@ __all__ = [
     "PASSKEY_FILLER",
     "Task",
     "TASKS",
+    "HELDOUT_TASKS",
+    "MULTIKEY_NEEDLES",
+    "MULTIKEY_RANGE",
+    "get_task",
     "Trial",
     "default_tasks",
     "heldout_documents",
@@ -41,6 +49,12 @@ PASSKEY_FILLER = (
 )
 # Fresh keys are drawn until one does not occur in the haystack (an ambiguous needle otherwise).
 KEY_ATTEMPTS = 100
+# multikey: needles in one haystack by default, and the range a caller may ask for (one needle is
+# the `needle` task; past 16 the needles crowd short haystacks out).
+MULTIKEY_NEEDLES = 4
+MULTIKEY_RANGE = (2, 16)
+# Distractor needles are redrawn this often to land on a boundary no other needle took.
+DEPTH_ATTEMPTS = 20
 
 
 def _run_prefixes(cfg: RunConfig) -> list[str]:
@@ -93,6 +107,11 @@ class Task:
     ``filler``: ``"passkey"`` (the repeated passkey sentences), ``"corpus"`` (held-out text of
     the run) or ``"kv-filler"`` (the demo corpus's filler sentences, :func:`filler_text`).
     ``boundary``: text a haystack token must end with for the needle to follow it.
+    ``needles``: key-value needles in one haystack (distinct keys; the first is asked for).
+    ``key_alphabet``: the letters keys are drawn from. ``value_first_nonzero``: the value's first
+    digit is 1-9 (a Python integer literal). ``top_level``: a boundary must also be followed by
+    a line that starts in column 0 (a top-level statement boundary of code). ``held_out``: never
+    in training documents (:mod:`.retrieval_corpus` refuses it).
     """
 
     name: str
@@ -103,6 +122,11 @@ class Task:
     boundary: str
     key_letters: int
     value_digits: int
+    needles: int = 1
+    key_alphabet: str = string.ascii_lowercase
+    value_first_nonzero: bool = False
+    top_level: bool = False
+    held_out: bool = False
 
 
 TASKS = {
@@ -149,7 +173,65 @@ TASKS = {
         key_letters=3,
         value_digits=4,
     ),
+    # Several needles of one format with distinct keys (RULER's multi-key needle): the model has
+    # to find the asked key's value among look-alikes, not the one number in the haystack.
+    "multikey": Task(
+        "multikey",
+        needle="The value of key {key} is {value}.\n",
+        question="What is the value of key {key}? The value of key {key} is",
+        answer=" {value}",
+        filler="corpus",
+        boundary="\n",
+        key_letters=6,
+        value_digits=6,
+        needles=MULTIKEY_NEEDLES,
+    ),
+    # Held out: a module constant defined once, between two top-level statements of held-out
+    # code, and printed at the end with the value as a doctest-style comment. The answer is its
+    # digits (no leading zero: a valid literal), scored by exact match as every task. No
+    # training document has this form (retrieval_corpus refuses the task; a test checks its
+    # template's text is absent from them), so it measures retrieval the model was not drilled on.
+    "code-value": Task(
+        "code-value",
+        needle="MAX_{key} = {value}\n",
+        question="print(MAX_{key})  # ->",
+        answer=" {value}",
+        filler="corpus",
+        boundary="\n",
+        key_letters=8,
+        value_digits=5,
+        key_alphabet=string.ascii_uppercase,
+        value_first_nonzero=True,
+        top_level=True,
+        held_out=True,
+    ),
 }
+# Tasks that no training document may hold.
+HELDOUT_TASKS = tuple(name for name, task in TASKS.items() if task.held_out)
+
+
+def get_task(name: str, multikey_needles: Optional[int] = None) -> Task:
+    """The :class:`Task` ``name`` of :data:`TASKS`; ``multikey_needles`` sets the needle count
+    of a multi-needle task (default :data:`MULTIKEY_NEEDLES`). Raises :class:`ConfigError`
+    naming ``--tasks`` or ``--multikey-needles`` and the allowed values."""
+    if name not in TASKS:
+        raise ConfigError(f"--tasks: unknown {name!r}; known: {', '.join(TASKS)}")
+    task = TASKS[name]
+    if multikey_needles is None or task.needles == 1:
+        return task
+    check_multikey_needles(multikey_needles)
+    return replace(task, needles=int(multikey_needles))
+
+
+def check_multikey_needles(n) -> None:
+    """Raise :class:`ConfigError` naming ``--multikey-needles`` unless ``n`` is an integer in
+    :data:`MULTIKEY_RANGE`."""
+    lo, hi = MULTIKEY_RANGE
+    if isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= hi:
+        raise ConfigError(
+            f"--multikey-needles must be an integer from {lo} to {hi} (needles in one haystack), "
+            f"got {n!r}"
+        )
 
 
 def default_tasks(cfg: RunConfig) -> list[str]:
@@ -184,9 +266,11 @@ def haystack_stream(task: Task, tokenizer, documents: Sequence[np.ndarray], min_
 @dataclass(frozen=True)
 class Trial:
     """One retrieval prompt: ``tokens`` (``[length + 1]``; the model reads ``[:length]``) with the
-    needle at token ``needle_at`` (``depth`` = ``needle_at`` / haystack tokens, after snapping
-    to a boundary) and the answer in ``tokens[answer_at:]``; the model predicts answer token
-    ``i`` at position ``i - 1``."""
+    asked needle at token ``needle_at`` (``depth`` = haystack tokens before it / haystack
+    tokens, after snapping to a boundary), the question at ``question_at`` and the answer in
+    ``tokens[answer_at:]``; the model predicts answer token ``i`` at position ``i - 1``.
+    ``distance``: tokens between the asked needle's end and the question. ``others``: the other
+    needles of a multi-needle task, ``(key, value, token offset)`` each."""
 
     task: str
     length: int
@@ -198,13 +282,46 @@ class Trial:
     tokens: np.ndarray
     needle_at: int
     answer_at: int
+    question_at: int = 0
+    distance: int = 0
+    others: tuple = ()
 
 
-def _boundaries(tokenizer, ids: np.ndarray, boundary: str) -> np.ndarray:
-    """Per token of ``ids``: whether its text ends with ``boundary`` (a needle may follow)."""
+def _starts_line(text: str) -> bool:
+    # A line starting in column 0 that is not the closing bracket of a multi-line expression.
+    return bool(text) and not text[0].isspace() and text[0] not in ")]}"
+
+
+def _boundaries(tokenizer, ids: np.ndarray, task: Task) -> np.ndarray:
+    """Per token of ``ids``: whether a needle may follow it: its text ends with
+    ``task.boundary``, and for a ``top_level`` task the next token starts a column-0 line (not a
+    parse: a decorator's line may precede such a point; the last token counts, as the question,
+    a column-0 line, follows it)."""
     uniq = np.unique(ids)
-    ends = {int(t): tokenizer.decode([int(t)]).endswith(boundary) for t in uniq}
-    return np.fromiter((ends[int(t)] for t in ids), dtype=bool, count=ids.size)
+    text = {int(t): tokenizer.decode([int(t)]) for t in uniq}
+    ok = np.fromiter((text[int(t)].endswith(task.boundary) for t in ids), bool, count=ids.size)
+    if task.top_level and ids.size:
+        nxt = np.fromiter((_starts_line(text[int(t)]) for t in ids[1:]), bool, count=ids.size - 1)
+        ok[:-1] &= nxt
+    return ok
+
+
+def _digits(rng: random.Random, task: Task) -> str:
+    value = "".join(rng.choice(string.digits) for _ in range(task.value_digits))
+    if task.value_first_nonzero and value[0] == "0":
+        value = rng.choice("123456789") + value[1:]
+    return value
+
+
+def _snap(ok: np.ndarray, target: int, nearest: bool = False) -> int:
+    """The insertion point for haystack token ``target``: after the last boundary token before
+    it (0, the haystack's start, if none); with ``nearest``, after the boundary token closest
+    to it on either side (for ``top_level`` tasks, whose haystack starts mid-line: the
+    haystack's last token is always such a boundary)."""
+    hits = np.flatnonzero(ok[:target]) if not nearest else np.flatnonzero(ok)
+    if nearest and hits.size:
+        return int(hits[np.argmin(np.abs(hits + 1 - target))]) + 1
+    return int(hits[-1]) + 1 if target and hits.size else 0
 
 
 def make_trial(
@@ -221,21 +338,37 @@ def make_trial(
     of the context, 1 = just before the question), deterministic in ``seed``.
 
     The haystack is a window of ``stream`` (:func:`haystack_stream`) ending at a boundary;
-    the needle goes after the last boundary at or before ``depth`` of it. The key is drawn until
-    it does not occur in the haystack. Raises :class:`ConfigError` naming ``--lengths`` when the
-    length leaves no room for a haystack.
+    the asked needle goes after the last boundary at or before ``depth`` of it (for a
+    ``top_level`` task, the nearest: the realised depth is in the trial), the other
+    needles of a multi-needle task (``task.needles`` > 1; distinct keys and values) at depths
+    drawn uniformly, each on a boundary no other needle took where the haystack has enough. The
+    keys are drawn until none occurs in the haystack. Raises :class:`ConfigError` naming
+    ``--lengths`` when the length leaves no room for a haystack.
     """
     rng = random.Random(f"{seed}-{task.name}-{length}-{depth!r}-{index}")
-    value = "".join(rng.choice(string.digits) for _ in range(task.value_digits))
+    value = _digits(rng, task)
     start = rng.randrange(max(1, stream.size - length))
-    key = ""
+    keys: list[str] = []
+    values = [value]
     for _ in range(KEY_ATTEMPTS):
-        key = "".join(rng.choice(string.ascii_lowercase) for _ in range(task.key_letters))
-        fill = {"key": key, "value": value}
-        needle = np.asarray(tokenizer.encode(task.needle.format(**fill)), dtype=np.int64)
+        # One needle draws exactly what the single-needle tasks always drew: same prompts.
+        keys = ["".join(rng.choice(task.key_alphabet) for _ in range(task.key_letters))]
+        while len(keys) < task.needles:
+            k = "".join(rng.choice(task.key_alphabet) for _ in range(task.key_letters))
+            if all(k not in o and o not in k for o in keys):
+                keys.append(k)
+        while len(values) < task.needles:
+            v = _digits(rng, task)
+            if v not in values:
+                values.append(v)
+        fill = {"key": keys[0], "value": value}
+        needles = [
+            np.asarray(tokenizer.encode(task.needle.format(key=k, value=v)), dtype=np.int64)
+            for k, v in zip(keys, values)
+        ]
         question = np.asarray(tokenizer.encode(task.question.format(**fill)), dtype=np.int64)
         answer = np.asarray(tokenizer.encode(task.answer.format(**fill)), dtype=np.int64)
-        room = length + 1 - needle.size - question.size - answer.size
+        room = length + 1 - sum(n.size for n in needles) - question.size - answer.size
         if room < 1:
             raise ConfigError(
                 f"--lengths: {length} tokens leave no room for a haystack around task "
@@ -246,34 +379,62 @@ def make_trial(
         if window.size < room + length:
             window = np.resize(stream, room + length)
         # The haystack ends at a boundary, so the question follows a whole statement.
-        cut = _boundaries(tokenizer, window[room:], task.boundary)
+        cut = _boundaries(tokenizer, window, task)[room:]
+        if task.top_level and not cut.any():
+            # Indented code all the way: the question ends the last whole line instead.
+            cut = _boundaries(tokenizer, window[room:], replace(task, top_level=False))
         end = room + (int(np.argmax(cut)) + 1 if cut.any() else 0)
         haystack = window[end - room : end]
-        if not key or key not in tokenizer.decode(haystack.tolist()):
+        text = tokenizer.decode(haystack.tolist()) if keys[0] else ""
+        if not any(k and k in text for k in keys):
             break
     else:
         raise ConfigError(f"task {task.name}: no key absent from the haystack was found")
-    target = int(round(depth * room))
-    ok = _boundaries(tokenizer, haystack[:target], task.boundary)
-    at = int(np.flatnonzero(ok)[-1]) + 1 if target and ok.any() else 0
-    tokens = np.concatenate([haystack[:at], needle, haystack[at:], question, answer])
+    ok = _boundaries(tokenizer, haystack, task)
+    at = [_snap(ok, int(round(depth * room)), task.top_level)]
+    for _ in range(1, task.needles):
+        for _ in range(DEPTH_ATTEMPTS):
+            other = _snap(ok, int(round(rng.random() * room)), task.top_level)
+            if other not in at:
+                break
+        at.append(other)
+    # Needles in haystack order; at one point in the order drawn (the asked one first).
+    order = sorted(range(task.needles), key=lambda j: (at[j], j))
+    parts, offsets, prev = [], [0] * task.needles, 0
+    for j in order:
+        parts.append(haystack[prev : at[j]])
+        offsets[j] = sum(p.size for p in parts)
+        parts.append(needles[j])
+        prev = at[j]
+    parts += [haystack[prev:], question, answer]
+    tokens = np.concatenate(parts)
+    question_at = tokens.size - answer.size - question.size
     return Trial(
         task=task.name,
         length=length,
         target_depth=depth,
-        depth=at / room,
+        depth=at[0] / room,
         index=index,
-        key=key,
+        key=keys[0],
         value=value,
         tokens=tokens,
-        needle_at=at,
+        needle_at=offsets[0],
         answer_at=tokens.size - answer.size,
+        question_at=question_at,
+        distance=question_at - offsets[0] - needles[0].size,
+        others=tuple((keys[j], values[j], offsets[j]) for j in range(1, task.needles)),
     )
 
 
-def check_grid(tasks: Sequence[str], depths: Sequence[float], trials: int) -> None:
+def check_grid(
+    tasks: Sequence[str],
+    depths: Sequence[float],
+    trials: int,
+    multikey_needles: Optional[int] = None,
+) -> None:
     """Raise :class:`ConfigError` naming the option when the retrieval grid is empty or holds
-    an unknown task, a depth outside [0, 1] or fewer than one trial."""
+    an unknown task, a depth outside [0, 1], fewer than one trial or a multi-key needle count
+    outside :data:`MULTIKEY_RANGE`."""
     if not depths:
         raise ConfigError("--depths is empty: give at least one needle depth in [0, 1]")
     if not tasks:
@@ -286,3 +447,5 @@ def check_grid(tasks: Sequence[str], depths: Sequence[float], trials: int) -> No
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ConfigError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
+    if multikey_needles is not None:
+        check_multikey_needles(multikey_needles)

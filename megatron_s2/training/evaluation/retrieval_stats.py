@@ -1,0 +1,233 @@
+"""Confidence intervals of retrieval scores: per cell over trials, and per arm over seeds.
+
+* Within one evaluation (one seed of one model) a cell's exact match is ``k`` successes in
+  ``n`` trials: its 95% interval is Wilson's score interval (:func:`wilson_interval`), which
+  unlike the normal approximation stays inside [0, 1] and is not empty at 0 or n successes, the
+  cells that matter most here (a hybrid at 0%, a dense model at 100%).
+* Over seeds (:func:`seed_summary`, :func:`difference_to_reference`) the unit is one training
+  run: a length's score is the mean over its depths of one seed's cells, and the interval is
+  Student's t over seeds (:mod:`..seed_stats`); the trials' own binomial noise is inside each
+  seed's value, so it is not counted twice. Differences to the reference arm (``dense``) are
+  paired by seed when both ran the same seeds, in points (percentage points of exact match).
+
+Input: the evaluator's ``retrieval.json`` (:func:`~.retrieval.evaluate_retrieval`); files
+written before these fields existed are read too (a cell's successes are its accuracy times its
+trials).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+from ..seed_stats import CONFIDENCE, Estimate, difference_interval, mean_interval
+
+__all__ = [
+    "CONFIDENCE",
+    "wilson_interval",
+    "cell_counts",
+    "cell_interval",
+    "length_means",
+    "seed_summary",
+    "difference_to_reference",
+    "read_arm_results",
+    "format_estimate",
+    "tasks_of",
+    "study_markdown",
+]
+
+
+def _z(level: float) -> float:
+    from scipy import stats
+
+    return float(stats.norm.ppf(0.5 + level / 2))
+
+
+def wilson_interval(successes: int, trials: int, level: float = CONFIDENCE) -> tuple[float, float]:
+    """Wilson's score interval ``(low, high)`` for a proportion of ``successes`` in ``trials``
+    at confidence ``level`` (fractions in [0, 1]): the ``p`` with
+    ``(successes / trials - p)^2 <= z^2 p (1 - p) / trials``, ``z`` the normal quantile.
+    Raises ValueError for ``trials`` < 1 or ``successes`` outside [0, trials]."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= trials, trials >= 1; got "
+                         f"{successes} of {trials}")  # fmt: skip
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"wilson_interval: level must be in (0, 1), got {level}")
+    z2 = _z(level) ** 2
+    p = successes / trials
+    centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = (
+        math.sqrt(z2) / (1 + z2 / trials) * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials**2))
+    )
+    low, high = max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
+    # At 0 or n successes the bound is exactly 0 or 1 (a root of the equation), not its
+    # floating-point neighbour.
+    return (0.0 if successes == 0 else low), (1.0 if successes == trials else high)
+
+
+def cell_counts(cell: Mapping) -> tuple[int, int]:
+    """``(successes, trials)`` of a retrieval cell: its ``correct`` count, or (files written
+    before it existed) its accuracy times its trials, rounded."""
+    n = int(cell["trials"])
+    k = cell.get("correct")
+    return (int(k) if k is not None else int(round(float(cell["accuracy"]) * n))), n
+
+
+def cell_interval(cell: Mapping, level: float = CONFIDENCE) -> tuple[float, float]:
+    """The cell's ``(ci_low, ci_high)``: stored ones, else Wilson's from its counts."""
+    if "ci_low" in cell and "ci_high" in cell:
+        return float(cell["ci_low"]), float(cell["ci_high"])
+    return wilson_interval(*cell_counts(cell), level=level)
+
+
+def length_means(result: Mapping, task: str) -> dict[int, float]:
+    """One evaluation's exact match per length for ``task``: the mean over the length's depths
+    of the cells' accuracies (a fraction; every cell has the same trials, so also the fraction
+    of the length's trials). Raises KeyError naming the task when the file lacks it."""
+    tasks = result["tasks"]
+    if task not in tasks:
+        raise KeyError(f"task {task!r} not in this retrieval.json (it has {', '.join(tasks)})")
+    by_length: dict[int, list[float]] = {}
+    for c in tasks[task]["cells"]:
+        by_length.setdefault(int(c["length"]), []).append(float(c["accuracy"]))
+    return {n: sum(v) / len(v) for n, v in sorted(by_length.items())}
+
+
+def seed_summary(
+    results: Mapping[int, Mapping], task: str, level: float = CONFIDENCE
+) -> dict[int, Estimate]:
+    """One arm over seeds: ``{length: Estimate}`` of the exact match in points (0-100), the
+    mean over seeds of each seed's mean over depths, with the Student-t ``level`` interval
+    over seeds (``half_width`` None with one seed). ``results`` maps seed -> retrieval.json
+    content. Lengths missing from some seed are summarised over the seeds that have them."""
+    per_seed = _per_seed_points(results, task)
+    lengths = sorted({n for values in per_seed.values() for n in values})
+    return {n: mean_interval([v[n] for v in per_seed.values() if n in v], level) for n in lengths}
+
+
+def difference_to_reference(
+    results: Mapping[int, Mapping],
+    reference: Mapping[int, Mapping],
+    task: str,
+    level: float = CONFIDENCE,
+) -> dict[int, tuple[Optional[Estimate], str]]:
+    """``{length: (Estimate, how)}``: the arm's exact match minus the reference arm's, in
+    points, with its ``level`` interval over seeds: paired by seed when at least two seeds are
+    common ("paired"), Welch's otherwise ("Welch"), none with too few seeds (``(None, "")``).
+    Lengths present in both arms only."""
+    mine, ref = _per_seed_points(results, task), _per_seed_points(reference, task)
+    lengths = sorted({n for v in mine.values() for n in v} & {n for v in ref.values() for n in v})
+    out = {}
+    for n in lengths:
+        a = {s: v[n] for s, v in mine.items() if n in v}
+        b = {s: v[n] for s, v in ref.items() if n in v}
+        out[n] = difference_interval(a, b, level, relative=False)
+    return out
+
+
+def _per_seed_points(results: Mapping[int, Mapping], task: str) -> dict[int, dict[int, float]]:
+    if not results:
+        raise ValueError("no seeds: give at least one retrieval.json per arm")
+    return {
+        seed: {n: 100.0 * v for n, v in length_means(r, task).items()}
+        for seed, r in results.items()
+    }
+
+
+_SEED_DIR = re.compile(r"^seed(\d+)$")
+
+
+def read_arm_results(study_dir: str | os.PathLike) -> dict[str, dict[int, dict]]:
+    """The raw results of one study: ``{arm: {seed: retrieval.json content}}`` from
+    ``study_dir/<arm>/seed<k>/retrieval.json`` (the layout of ``docs/long_context/results/``).
+    Raises FileNotFoundError naming the layout when there is none."""
+    found: dict[str, dict[int, dict]] = {}
+    for arm in sorted(os.listdir(study_dir)):
+        arm_dir = os.path.join(study_dir, arm)
+        if not os.path.isdir(arm_dir):
+            continue
+        for name in sorted(os.listdir(arm_dir)):
+            m = _SEED_DIR.match(name)
+            path = os.path.join(arm_dir, name, "retrieval.json")
+            if m and os.path.isfile(path):
+                with open(path) as f:
+                    found.setdefault(arm, {})[int(m.group(1))] = json.load(f)
+    if not found:
+        raise FileNotFoundError(
+            f"{study_dir}: no <arm>/seed<k>/retrieval.json files (the layout of "
+            f"docs/long_context/results/<study>/)"
+        )
+    return found
+
+
+def format_estimate(est: Optional[Estimate], signed: bool = False) -> str:
+    """``41.0 ± 5.2`` (points, the half-width of the interval), the mean alone for one seed,
+    ``–`` for none."""
+    if est is None:
+        return "–"
+    return est.text("{:+.1f}" if signed else "{:.1f}")
+
+
+def tasks_of(results: Sequence[Mapping]) -> list[str]:
+    """The tasks present in every one of ``results`` (retrieval.json contents), in the first's
+    order."""
+    names = list(results[0]["tasks"]) if results else []
+    return [t for t in names if all(t in r["tasks"] for r in results)]
+
+
+def study_markdown(
+    arms: Mapping[str, Mapping[int, Mapping]],
+    tasks: Optional[Sequence[str]] = None,
+    reference: str = "dense",
+    level: float = CONFIDENCE,
+) -> str:
+    """Markdown tables of a study (``arms``: ``{arm: {seed: retrieval.json content}}``, as
+    :func:`read_arm_results` returns): per task, each arm's exact match per length (points, mean
+    over depths, then over seeds, ± the half-width of the t-interval over seeds), and each other
+    arm's difference to ``reference`` (points, paired by seed where possible, ± its interval).
+    ``tasks``: default every task that all arms' files hold. Raises ValueError naming the
+    reference when it is not among the arms."""
+    if reference not in arms:
+        raise ValueError(f"reference arm {reference!r} not among the arms: {', '.join(arms)}")
+    if tasks is None:
+        tasks = tasks_of([r for seeds in arms.values() for r in seeds.values()])
+    order = [reference] + [a for a in arms if a != reference]
+    pct = f"{100 * level:g}%"
+    lines: list[str] = []
+    for task in tasks:
+        summaries = {a: seed_summary(arms[a], task, level) for a in order}
+        lengths = sorted({n for s in summaries.values() for n in s})
+        head = "| " + " | ".join(str(n) for n in lengths) + " |"
+        rule = "|---|---|" + "---|" * len(lengths)
+        lines += [
+            f"### {task}: exact match (points; mean over depths and seeds ± {pct} t-interval "
+            "over seeds)",
+            "",
+            "| arm | seeds " + head,
+            rule,
+        ]
+        for a in order:
+            seeds = ",".join(str(s) for s in sorted(arms[a]))
+            cells = [format_estimate(summaries[a].get(n)) for n in lengths]
+            lines.append(f"| {a} | {seeds} | " + " | ".join(cells) + " |")
+        lines.append("")
+        if len(order) > 1:
+            lines += [
+                f"### {task}: difference to {reference} (points ± {pct} interval; paired by "
+                "seed where both ran two or more of the same seeds, Welch's otherwise)",
+                "",
+                "| arm | method " + head,
+                rule,
+            ]
+            for a in order[1:]:
+                diffs = difference_to_reference(arms[a], arms[reference], task, level)
+                methods = sorted({how for _, how in diffs.values() if how}) or ["one seed"]
+                cells = [format_estimate(diffs.get(n, (None, ""))[0], signed=True)
+                         for n in lengths]  # fmt: skip
+                lines.append(f"| {a} | {'/'.join(methods)} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,258 @@
+"""Retrieval scores and their intervals, CPU, no trained model: Wilson's interval against
+published values and its defining equation, the evaluator's retrieval.json fields (a stand-in
+for the model's scores), the report's tables and heatmap, the combination of seeds, and
+tools/retrieval_tables.py on synthetic raw results."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from megatron_s2.training.evaluation import retrieval as R
+from megatron_s2.training.evaluation import retrieval_stats as S
+from megatron_s2.training.evaluation.report import plot_retrieval, retrieval_table
+from megatron_s2.training.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.version_independent
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Newcombe (1998), "Two-sided confidence intervals for the single proportion", Statistics in
+# Medicine 17:857-872, Table I, method 3 (Wilson's score interval without continuity correction).
+NEWCOMBE = [
+    (81, 263, 0.2553, 0.3662),
+    (15, 148, 0.0624, 0.1605),
+    (0, 20, 0.0000, 0.1611),
+    (1, 29, 0.0061, 0.1718),
+]
+
+
+@pytest.mark.parametrize("k, n, low, high", NEWCOMBE)
+def test_wilson_matches_published_values(k, n, low, high):
+    lo, hi = S.wilson_interval(k, n)
+    assert lo == pytest.approx(low, abs=6e-5) and hi == pytest.approx(high, abs=6e-5)
+
+
+def test_wilson_solves_its_equation_for_random_counts():
+    """The bounds are the roots p of (k/n - p)^2 = z^2 p (1 - p) / n, inside [0, 1], around
+    k/n; at 0 or n successes one bound is exactly 0 or 1."""
+    rng = random.Random(17)
+    for _ in range(200):
+        n = rng.randint(1, 500)
+        k = rng.randint(0, n)
+        level = rng.choice([0.8, 0.9, 0.95, 0.99])
+        z = stats.norm.ppf(0.5 + level / 2)
+        lo, hi = S.wilson_interval(k, n, level)
+        p = k / n
+        assert 0.0 <= lo <= p <= hi <= 1.0
+        for b in (lo, hi):
+            if 0 < b < 1:
+                assert (p - b) ** 2 == pytest.approx(z * z * b * (1 - b) / n, rel=1e-9, abs=1e-12)
+        if k == 0:
+            assert lo == 0.0
+        if k == n:
+            assert hi == 1.0
+    # Narrower with more trials at the same proportion.
+    assert np.diff(S.wilson_interval(50, 100))[0] < np.diff(S.wilson_interval(5, 10))[0]
+
+
+@pytest.mark.parametrize("k, n", [(-1, 5), (6, 5), (0, 0)])
+def test_wilson_refuses_impossible_counts(k, n):
+    with pytest.raises(ValueError, match="successes <= trials"):
+        S.wilson_interval(k, n)
+
+
+def _fake_model(tok, exact_rows):
+    """A stand-in for the evaluator's model: ``score_sequences`` says a row's answer tokens
+    are all the argmax when ``exact_rows(row)`` holds, one wrong token otherwise."""
+    em = types.SimpleNamespace(tokenizer=tok, cfg=None)
+    calls = {"rows": 0}
+
+    def score(_em, batch, micro_batch_size=1):
+        rows, width = batch.shape
+        correct = np.ones((rows, width - 1), dtype=bool)
+        for r in range(rows):
+            if not exact_rows(calls["rows"] + r):
+                correct[r, -1] = False
+        calls["rows"] += rows
+        return {
+            "greedy": batch[:, 1:],
+            "nll": np.full((rows, width - 1), 0.5),
+            "correct": correct,
+        }
+
+    return em, score
+
+
+def test_retrieval_json_has_counts_and_wilson_intervals(monkeypatch):
+    tok = load_tokenizer("byte")
+    docs = [np.asarray(tok.encode("x = 1\n" * 400) + [tok.eod])]
+    # Rows in evaluation order: per task, per length, per depth, per trial.
+    em, score = _fake_model(tok, lambda row: row % 3 != 1)
+    monkeypatch.setattr(R, "score_sequences", score)
+    out = R.evaluate_retrieval(
+        em, ["passkey", "multikey"], [300, 400], [0.0, 1.0], 6, documents=docs, multikey_needles=3
+    )
+    assert out["interval"] == {"method": "wilson", "level": 0.95}
+    assert out["multikey_needles"] == 3
+    row = 0
+    for task in ("passkey", "multikey"):
+        res = out["tasks"][task]
+        for cell in res["cells"]:
+            k = sum(1 for i in range(6) if (row + i) % 3 != 1)
+            row += 6
+            assert (cell["correct"], cell["trials"]) == (k, 6)
+            assert cell["accuracy"] == pytest.approx(k / 6)
+            assert (cell["ci_low"], cell["ci_high"]) == pytest.approx(S.wilson_interval(k, 6))
+        for total in res["by_length"]:
+            cells = [c for c in res["cells"] if c["length"] == total["length"]]
+            k = sum(c["correct"] for c in cells)
+            assert (total["correct"], total["trials"]) == (k, 12)
+            assert (total["ci_low"], total["ci_high"]) == pytest.approx(S.wilson_interval(k, 12))
+        assert {r["needles"] for r in res["trials"]} == {1 if task == "passkey" else 3}
+        assert all(0 <= r["distance"] < r["length"] for r in res["trials"])
+
+
+def _result(acc, trials=10, tasks=("passkey",), lengths=(1024, 2048), depths=(0.0, 0.5, 1.0)):
+    """A synthetic retrieval.json: ``acc(task, length, depth)`` -> successes out of
+    ``trials``; written as the evaluator writes it (no per-trial records)."""
+    out = {"tasks": {}, "lengths": list(lengths), "depths": list(depths)}
+    for task in tasks:
+        cells = []
+        for n in lengths:
+            for d in depths:
+                k = acc(task, n, d)
+                lo, hi = S.wilson_interval(k, trials)
+                cells.append({"length": n, "depth": d, "accuracy": k / trials, "correct": k,
+                              "trials": trials, "ci_low": lo, "ci_high": hi,
+                              "token_accuracy": k / trials, "log_likelihood": -1.0})  # fmt: skip
+        out["tasks"][task] = {"cells": cells, "trials": []}
+    return out
+
+
+def test_tables_and_heatmap_show_intervals(tmp_path):
+    res = _result(lambda t, n, d: int(10 * d) if n == 1024 else 3)
+    table = retrieval_table(res, "passkey", "interval")
+    lo, hi = S.wilson_interval(5, 10)
+    assert f"| 0.5 | 0.50 [{lo:.2f}, {hi:.2f}] |" in table
+    lo, hi = S.wilson_interval(15, 30)  # all depths of 1024: 0 + 5 + 10 of 30
+    assert f"| all | 0.50 [{lo:.2f}, {hi:.2f}] |" in table
+    assert "| all | 0.50 | 0.30 |" in retrieval_table(res, "passkey")
+    assert "all" not in retrieval_table(res, "passkey", "log_likelihood")
+    # A file written before the interval fields: the same table from accuracy x trials.
+    old = json.loads(json.dumps(res))
+    for c in old["tasks"]["passkey"]["cells"]:
+        for key in ("correct", "ci_low", "ci_high"):
+            del c[key]
+    assert retrieval_table(old, "passkey", "interval") == table
+    png = plot_retrieval(res, "passkey", str(tmp_path / "h.png"))
+    assert os.path.getsize(png) > 1000
+
+
+def _arm(values_by_seed):
+    """{seed: retrieval.json} where every depth of a length scores ``values[seed][length]``
+    successes of 10 (so the mean over depths is that fraction)."""
+    return {
+        seed: _result(lambda t, n, d, v=v: v[n]) for seed, v in values_by_seed.items()
+    }  # fmt: skip
+
+
+DENSE = {1: {1024: 9, 2048: 8}, 2: {1024: 10, 2048: 6}, 3: {1024: 8, 2048: 7}}
+HYBRID = {1: {1024: 9, 2048: 4}, 2: {1024: 9, 2048: 5}, 3: {1024: 6, 2048: 3}}
+
+
+def test_seed_summary_and_paired_difference():
+    dense, hybrid = _arm(DENSE), _arm(HYBRID)
+    summary = S.seed_summary(hybrid, "passkey")
+    for n in (1024, 2048):
+        vals = [10.0 * HYBRID[s][n] for s in (1, 2, 3)]
+        mean, sd = np.mean(vals), np.std(vals, ddof=1)
+        assert summary[n].mean == pytest.approx(mean)
+        assert summary[n].half_width == pytest.approx(stats.t.ppf(0.975, 2) * sd / math.sqrt(3))
+        assert summary[n].n == 3
+    diff = S.difference_to_reference(hybrid, dense, "passkey")
+    for n in (1024, 2048):
+        d = [10.0 * (HYBRID[s][n] - DENSE[s][n]) for s in (1, 2, 3)]
+        est, how = diff[n]
+        assert how == "paired"
+        assert est.mean == pytest.approx(np.mean(d))
+        assert est.half_width == pytest.approx(
+            stats.t.ppf(0.975, 2) * np.std(d, ddof=1) / math.sqrt(3)
+        )
+    # Different seeds: Welch's interval; one seed: no interval.
+    shifted = {s + 10: r for s, r in hybrid.items()}
+    assert S.difference_to_reference(shifted, dense, "passkey")[2048][1] == "Welch"
+    one = S.seed_summary({1: hybrid[1]}, "passkey")
+    assert one[2048].half_width is None and one[2048].mean == pytest.approx(40.0)
+    with pytest.raises(KeyError, match="task 'multikey' not in this retrieval.json"):
+        S.seed_summary(hybrid, "multikey")
+
+
+def _write_study(root, arms):
+    for arm, seeds in arms.items():
+        for seed, res in seeds.items():
+            d = root / arm / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "retrieval.json").write_text(json.dumps(res))
+
+
+def test_retrieval_tables_script_recomputes_the_table(tmp_path):
+    study = tmp_path / "study"
+    _write_study(study, {"dense": _arm(DENSE), "hybrid-DS": _arm(HYBRID)})
+    (study / "notes.md").write_text("not an arm")
+    tool = os.path.join(REPO, "tools", "retrieval_tables.py")
+    out_md = tmp_path / "t.md"
+    proc = subprocess.run([sys.executable, tool, str(study), "--output", str(out_md)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert out_md.read_text().strip() == text.strip()
+
+    # dense first, then the arm; means over seeds with their t half-widths, in points.
+    def hw(values):
+        return stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(3)
+
+    dense = f"| dense | 1,2,3 | 90.0 ± {hw([90, 100, 80]):.1f} | 70.0 ± {hw([80, 60, 70]):.1f} |"
+    assert dense in text.splitlines()
+    assert text.index(dense) < text.index("| hybrid-DS |")
+    rows = [line for line in text.splitlines() if line.startswith("| hybrid-DS |")]
+    assert len(rows) == 2  # its scores, and its difference to dense
+    d1024 = [0.0, -10.0, -20.0]
+    hw1024 = stats.t.ppf(0.975, 2) * np.std(d1024, ddof=1) / math.sqrt(3)
+    d2048 = [-40.0, -10.0, -40.0]
+    hw2048 = stats.t.ppf(0.975, 2) * np.std(d2048, ddof=1) / math.sqrt(3)
+    assert rows[1] == f"| hybrid-DS | paired | -10.0 ± {hw1024:.1f} | -30.0 ± {hw2048:.1f} |"
+    # Bad input: a missing reference arm or task, a directory without results.
+    for args, message in [
+        (["--reference", "dense2"], "--reference: 'dense2' is not an arm"),
+        (["--tasks", "multikey"], "--tasks: ['multikey'] not in every file; allowed: passkey"),
+    ]:
+        proc = subprocess.run([sys.executable, tool, str(study), *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, tool, str(tmp_path / "t.md").replace("t.md", "")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "no <arm>/seed<k>/retrieval.json" in proc.stderr
+
+
+def test_evaluator_refuses_bad_multikey_needles(capsys):
+    """--multikey-needles is checked with the grid, before any model is loaded."""
+    from megatron_s2.training.evaluation.long_context import main
+
+    demo = os.path.join(REPO, "configs", "demo.yaml")
+    base = ["--config", demo, "--lengths", "128", "--tasks", "passkey,multikey"]
+    for bad in ("1", "17"):
+        assert main(base + ["--multikey-needles", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--multikey-needles must be an integer from 2 to 16" in err, err
+    assert main(base[:-1] + ["passkey,code-values"]) == 2
+    assert "--tasks: unknown ['code-values']" in capsys.readouterr().err

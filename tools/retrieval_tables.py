@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Recompute a study's retrieval tables from its raw evaluator output (markdown on stdout).
+
+    python tools/retrieval_tables.py docs/long_context/results/<study>
+    python tools/retrieval_tables.py docs/long_context/results/<study> --tasks passkey,multikey \
+        --reference dense --output docs/long_context/results/<study>/tables.md
+
+Reads ``<study>/<arm>/seed<k>/retrieval.json`` (the evaluator's own file, one per arm and
+seed). Per task: each arm's greedy exact match per length, in points, the mean over the
+length's depths and then over seeds, with the 95% Student-t interval over seeds; then each arm's
+difference to the reference arm (``dense`` unless ``--reference``), per length, in points, paired
+by seed where both arms ran two or more of the same seeds (Welch's interval otherwise). See
+``megatron_s2/training/evaluation/retrieval_stats.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
+    read_arm_results,
+    study_markdown,
+    tasks_of,
+)
+
+
+def main(argv=None) -> int:
+    """Print (or write, ``--output``) the study's tables; exit code 2 on bad input."""
+    p = argparse.ArgumentParser(prog="retrieval_tables", description=__doc__.split("\n\n")[0])
+    p.add_argument("study", help="directory holding <arm>/seed<k>/retrieval.json")
+    p.add_argument("--tasks", help="comma list (default: every task all files hold)")
+    p.add_argument("--reference", default="dense", help="the reference arm (default dense)")
+    p.add_argument("--output", help="also write the markdown to this file")
+    args = p.parse_args(argv)
+    try:
+        arms = read_arm_results(args.study)
+        known = tasks_of([r for seeds in arms.values() for r in seeds.values()])
+        tasks = [t for t in (args.tasks or "").split(",") if t] or known
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise ValueError(f"--tasks: {unknown} not in every file; allowed: {', '.join(known)}")
+        if args.reference not in arms:
+            raise ValueError(
+                f"--reference: {args.reference!r} is not an arm of {args.study}; arms: "
+                + ", ".join(arms)
+            )
+        text = study_markdown(arms, tasks, reference=args.reference)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"retrieval_tables: error: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
