@@ -10,6 +10,7 @@ without it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 
@@ -140,3 +141,83 @@ def test_wrapper_without_the_harness_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)
     with pytest.raises(SystemExit, match=r'pip install "lm-eval\[hf\]"'):
         wrapper.main(["--model_args", "pretrained=some/hub-name", "--tasks", "t"])
+
+
+# ------------------------------------------------------------------------ the real harness (opt-in)
+TASK = """\
+task: s2_tiny
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def _word_model(path):
+    """A tiny S2 Llama with a word-level tokenizer (one token per word, no special tokens
+    added), saved to ``path``: what an export plus its tokenizer looks like."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(90)]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(
+        [" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"])
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>"
+    )
+    register()
+    model = make_model(make_config("llama"), "s2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, words
+
+
+def test_real_harness_scores_with_the_s2_attention(tmp_path):
+    """lm-evaluation-harness itself (skipped where it is not installed: it is no dependency)
+    on a local loglikelihood task: each logged log-likelihood equals the S2 model's own, the
+    batch of 4 contexts of different lengths right-padded by the harness included."""
+    pytest.importorskip("lm_eval")
+    import random
+    import subprocess
+
+    model, tokenizer, words = _word_model(tmp_path / "model")
+    rng = random.Random(0)
+    docs = []
+    for n in (40, 75, 110, 150, 63, 130):  # past the 32-token window: S2 differs from dense
+        text = [rng.choice(words) for _ in range(n + 4)]
+        docs.append({"context": " ".join(text[:n]), "continuation": " " + " ".join(text[n:])})
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "s2_tiny.yaml").write_text(TASK.format(data=data))
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "megatron_s2.hf.lm_eval", "--model", "hf"]
+    cmd += ["--model_args", f"pretrained={tmp_path / 'model'},dtype=float32", "--tasks", "s2_tiny"]
+    cmd += ["--include_path", str(tasks), "--batch_size", "4", "--device", "cpu"]
+    cmd += ["--log_samples", "--output_path", str(tmp_path / "out")]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "'attn_implementation': 's2'" in run.stdout + run.stderr
+    (samples,) = (tmp_path / "out").rglob("samples_s2_tiny_*.jsonl")
+    logged = {}
+    for line in samples.read_text().splitlines():
+        sample = json.loads(line)
+        logged[sample["doc"]["context"]] = float(sample["resps"][0][0][0])
+    assert len(logged) == len(docs)
+    for doc in docs:
+        ids = tokenizer(doc["context"] + doc["continuation"], add_special_tokens=False).input_ids
+        n = len(tokenizer(doc["context"], add_special_tokens=False).input_ids)
+        with torch.no_grad():
+            logp = model(torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)
+        want = sum(float(logp[i - 1, ids[i]]) for i in range(n, len(ids)))
+        assert abs(logged[doc["context"]] - want) < 1e-3, (len(ids), logged[doc["context"]], want)
