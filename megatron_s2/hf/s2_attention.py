@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Optional
@@ -186,7 +187,7 @@ def _mask_is_causal(mask: torch.Tensor, q_start: int, q_len: int, k_len: int) ->
     return bool((allowed == (kpos[None, :] <= qpos[:, None])).all())
 
 
-# The last mask checked and its verdict: every layer of one forward gets the same mask object.
+# The last mask checked and its verdict: every S2 layer of one forward gets the same mask object.
 _checked_mask: dict[str, Any] = {}
 
 
@@ -197,9 +198,14 @@ def _check_mask(mask: Optional[torch.Tensor], q_start: int, q_len: int, k_len: i
         raise S2InputError(
             f"S2 attention: the attention mask must be a tensor, got {type(mask).__name__}"
         )
-    key = (id(mask), mask.data_ptr(), mask._version, tuple(mask.shape), q_start, q_len, k_len)
-    if _checked_mask.get("key") != key:
-        _checked_mask.update(key=key, ok=_mask_is_causal(mask, q_start, q_len, k_len))
+    # The same tensor object (a weak reference: an id can be reused by a new tensor once the
+    # old one is freed), unchanged in place, asked about the same positions.
+    key = (mask._version, q_start, q_len, k_len)
+    ref = _checked_mask.get("ref")
+    if ref is None or ref() is not mask or _checked_mask.get("key") != key:
+        _checked_mask.update(
+            ref=weakref.ref(mask), key=key, ok=_mask_is_causal(mask, q_start, q_len, k_len)
+        )
     if not _checked_mask["ok"]:
         raise S2InputError(
             "S2 attention: the attention mask is not the plain causal mask (a padded batch, "

@@ -258,6 +258,25 @@ def test_packed_position_ids_refused():
         model(x, position_ids=position_ids)
 
 
+def test_mask_verdict_is_not_reused_for_another_mask():
+    """The causal-mask check is cached for the mask object every layer shares; a new mask (even
+    where a freed one's memory is reused) or one changed in place is checked again."""
+    check = hf_s2._check_mask
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    additive = torch.zeros(6, 6).masked_fill(~causal, torch.finfo(torch.float32).min)
+    for mask in (causal[None, None], additive[None, None]):  # bool and additive masks
+        check(mask.clone(), 0, 6, 6)  # accepted, then freed
+        padded = mask.clone()
+        padded[..., 0] = padded[..., 5]  # key 0 masked for every query, like a left pad
+        with pytest.raises(S2InputError, match="padded"):
+            check(padded, 0, 6, 6)
+    mask = causal[None, None].clone()
+    check(mask, 0, 6, 6)
+    mask[0, 0, 5, 0] = False  # changed in place: a new version
+    with pytest.raises(S2InputError, match="padded"):
+        check(mask, 0, 6, 6)
+
+
 def test_attention_dropout_refused_in_training_mode():
     config = make_config("llama")
     config.attention_dropout = 0.1
