@@ -21,7 +21,8 @@
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
 #
 # Resumable: run it again and the finished studies' points and evaluations are skipped.
-# Environment: BASE_STUDY (code-125m-4k-base), SEEDS (unset: every seed; e.g. 1,2), EXTEND_TAG
+# Environment: BASE_STUDY (code-125m-4k-base), SEEDS (unset: every seed; e.g. 1,2), SETTINGS
+# (unset: every arm; e.g. dense,hybrid-DS: the sweeps' --settings), EXTEND_TAG
 # (16k: the RETRIEVAL_SPECS tag blended into the extensions), RESULTS_DIR (unset; a folder: the
 # evaluator's JSON of every run copied to RESULTS_DIR/<study>/<arm>/seed<k>/), PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
@@ -67,6 +68,8 @@ BASE_NAME=${BASE_STUDY:-code-125m-4k-base}
 BASE=$ROOT/configs/studies/$BASE_NAME.yaml
 SEED_ARGS=()
 [[ -n "${SEEDS:-}" ]] && SEED_ARGS=(--seeds "$SEEDS")
+# SETTINGS (e.g. dense,hybrid-DS): only these arms of the base and extension studies.
+[[ -n "${SETTINGS:-}" ]] && SEED_ARGS+=(--settings "$SETTINGS")
 # The retrieval corpus (a RETRIEVAL_SPECS tag) blended into the extension studies.
 EXTEND_TAG=${EXTEND_TAG:-16k}
 # Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models.

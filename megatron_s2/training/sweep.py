@@ -340,6 +340,20 @@ def only_seeds(study: Study, seeds: Sequence[int]) -> list:
     return [p for p in study.points if p.values.get(SEED_KEY) in seeds]
 
 
+def only_settings(study: Study, settings: Sequence[str]) -> list:
+    """The points of ``study`` whose setting (the point's name without its seed) is in
+    ``settings`` (``run --settings``: a study's arms spread over several machines or leases).
+    Raises StudyError for a setting the study lacks, listing its settings."""
+    known = list(dict.fromkeys(p.setting for p in study.points))
+    unknown = [s for s in settings if s not in known]
+    if unknown:
+        raise StudyError(
+            f"--settings {','.join(unknown)}: not a setting of the study; its settings: "
+            f"{', '.join(known)}"
+        )
+    return [p for p in study.points if p.setting in settings]
+
+
 def _seeds(raw: Any) -> Optional[list]:
     """The study's ``seeds``: None, or a non-empty list of distinct integers >= 0."""
     if raw is None:
@@ -1203,6 +1217,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="run only the points of these seeds (of the study's seeds list); the table and "
         "summary still cover every finished point",
     )
+    run.add_argument(
+        "--settings",
+        default=None,
+        metavar="NAME,...",
+        help="run only the points of these settings (point names without the seed); with "
+        "--seeds, the points that match both",
+    )
     run.add_argument("--sbatch-script", default=str(SBATCH), help=argparse.SUPPRESS)
     return p
 
@@ -1238,26 +1259,25 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "collect":
         collect_and_write(study)
         return EXIT_OK
-    if getattr(args, "seeds", None):
+    everything = study
+    if getattr(args, "seeds", None) or getattr(args, "settings", None):
+        subset = list(study.points)
         try:
-            chosen = [int(x) for x in args.seeds.split(",")]
-        except ValueError:
-            print(
-                f"{PROG}: study error: --seeds takes seeds separated by commas, e.g. 1,2; "
-                f"got {args.seeds!r}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return EXIT_STUDY_ERROR
-        try:
-            subset = only_seeds(study, chosen)
+            if args.seeds:
+                try:
+                    chosen = [int(x) for x in args.seeds.split(",")]
+                except ValueError:
+                    raise StudyError(
+                        f"--seeds takes seeds separated by commas, e.g. 1,2; got {args.seeds!r}"
+                    ) from None
+                subset = [p for p in only_seeds(study, chosen) if p in subset]
+            if args.settings:
+                names = [x for x in args.settings.split(",") if x]
+                subset = [p for p in only_settings(study, names) if p in subset]
         except StudyError as e:
             print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
             return EXIT_STUDY_ERROR
-        everything = study
         study = dataclasses.replace(study, points=subset)
-    else:
-        everything = study
     if not any(p.valid for p in study.points):
         report_invalid(study)
         print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)

@@ -29,7 +29,7 @@ SCRIPT_KNOBS = {
     "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
-    "RESULTS_DIR",
+    "RESULTS_DIR", "SETTINGS",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -322,6 +322,7 @@ def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tm
         log,
         BASE_STUDY="code-125m-extend-16k-remedies",  # any study file that exists
         SEEDS="2",
+        SETTINGS="dense,hybrid-DS",
         EXTEND_TAG="32k",
         RETRIEVAL_SPECS="4k:128:4096:10 32k:256:32768:10",
         RESULTS_DIR="results",
@@ -332,8 +333,8 @@ def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tm
         "code-125m-extend-16k",
     ]
     for c in sweeps:
-        assert c["args"][-2:] == ["--seeds", "2"]
-    assert sweeps[1]["args"][-3].endswith("[0.2, data/retrieval/retrieval_code_32k]]")
+        assert c["args"][-4:] == ["--seeds", "2", "--settings", "dense,hybrid-DS"]
+    assert sweeps[1]["args"][-5].endswith("[0.2, data/retrieval/retrieval_code_32k]]")
     for study in points:
         for arm in ("dense", "hybrid-DS"):
             got = tmp_path / "results" / study / arm / "seed2" / "retrieval.json"

@@ -84,6 +84,24 @@ def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch):
     assert code == 0 and ran == ["dense,seed=2"]
     assert collected == ["dense,seed=1", "dense,seed=2", "dense,seed=3"]
     assert sweep.main(["run", str(path), "--seeds", "x"]) == sweep.EXIT_STUDY_ERROR
+    ran.clear()
+    code = sweep.main(
+        [
+            "run",
+            str(path),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--settings",
+            "dense",
+            "--seeds",
+            "1,3",
+        ]
+    )
+    assert code == 0 and ran == ["dense,seed=1", "dense,seed=3"]
+    with pytest.raises(
+        StudyError, match="--settings nope: not a setting of the study; its settings: dense"
+    ):
+        sweep.only_settings(study, ["nope"])
     no_seeds = write_study(
         tmp_path, name="n", overrides={"checkpoint.load_dir": "b/{seed}"}, points=[{"name": "a"}]
     )
