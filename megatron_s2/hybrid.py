@@ -525,7 +525,8 @@ def build_hybrid_model(
             f"build_hybrid_model: {', '.join(given)} must not be passed; the layer pattern is "
             f"S2HybridTransformerConfig.hybrid_layer_pattern ({config.hybrid_layer_pattern!r})"
         )
-    check_position_levers(config.s2_schedule, hybrid_kwargs.get("position_embedding_type"))
+    # HybridModel's default position embedding is none.
+    check_position_levers(config.s2_schedule, hybrid_kwargs.get("position_embedding_type", "none"))
     spec = get_s2_hybrid_stack_spec(
         config, use_te=use_te, qk_layernorm=qk_layernorm, rotary=rotary_options(hybrid_kwargs)
     )

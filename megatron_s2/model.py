@@ -83,7 +83,10 @@ def build_gpt_model(
         )
     from .attention import check_position_levers, rotary_options
 
-    check_position_levers(config.s2_schedule, gpt_kwargs.get("position_embedding_type"))
+    # GPTModel's default position embedding is learned absolute positions.
+    check_position_levers(
+        config.s2_schedule, gpt_kwargs.get("position_embedding_type", "learned_absolute")
+    )
     spec = get_s2_decoder_block_spec(
         config,
         use_te=use_te,

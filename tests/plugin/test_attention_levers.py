@@ -113,7 +113,9 @@ def test_sinks_match_float64_reference_forward_and_gradients(
     got = torch.autograd.grad(out, leaves, dout)
     want = torch.autograd.grad(ref, leaves, dout.double())
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
-        torch.testing.assert_close(g.double(), w, atol=5e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}"
+        )
     # Without sinks the same module's output differs: the sinks were applied.
     assert not torch.allclose(
         out,
@@ -306,7 +308,7 @@ def test_bad_lever_settings_are_refused_at_load(attention, match):
     from megatron_s2.training.run_config import ConfigError, RunConfig
 
     with pytest.raises(ConfigError, match=match):
-        cfg = RunConfig.from_dict({"attention": attention})
+        cfg = RunConfig.from_dict({"data": {"demo": True}, "attention": attention})
         cfg.schedule()
 
 
@@ -342,14 +344,20 @@ def test_lever_change_is_an_extension_change_not_a_resume(change):
     weights (checkpoint.load_dir), refused when a run resumes its own checkpoint."""
     from megatron_s2.training.run_config import RunConfig, resume_changes
 
-    saved = RunConfig.from_dict({"attention": {"dense_layers": {"pattern": "SD"}}}).to_dict()
-    cfg = RunConfig.from_dict({"attention": change})
+    saved = RunConfig.from_dict(
+        {"data": {"demo": True}, "attention": {"dense_layers": {"pattern": "SD"}}}
+    ).to_dict()
+    cfg = RunConfig.from_dict({"data": {"demo": True}, "attention": change})
     noted = resume_changes(saved, cfg, own=False)
     assert noted.noted and not noted.refused
     assert all(c.key.startswith("attention") for c in noted.noted)
     own = resume_changes(saved, cfg, own=True)
     assert own.refused and not own.noted
-    same = resume_changes(saved, RunConfig.from_dict({"attention": saved["attention"]}), own=True)
+    same = resume_changes(
+        saved,
+        RunConfig.from_dict({"data": {"demo": True}, "attention": saved["attention"]}),
+        own=True,
+    )
     assert not same.refused
 
 
