@@ -114,7 +114,7 @@ def test_sinks_match_float64_reference_forward_and_gradients(
     want = torch.autograd.grad(ref, leaves, dout.double())
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
         torch.testing.assert_close(
-            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}"
+            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
         )
     # Without sinks the same module's output differs: the sinks were applied.
     assert not torch.allclose(
