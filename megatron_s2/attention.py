@@ -295,6 +295,8 @@ class S2CoreAttention(MegatronModule):
         sinks: a learned sink logit per head (:func:`apply_sinks`; parameter ``sinks``, this
             rank's heads, TP-sharded in checkpoints); default: the schedule's ``s2.sinks``
             where the pattern comes from the schedule, else False.
+        checkpoint_layer: the 0-based schedule layer naming the sinks in checkpoints; default
+            ``layer_number - 1`` (:class:`ScheduledCoreAttention` passes the schedule's).
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (this rank's heads, GQA
     groups not repeated) -> ``[sq, b, np * hn]``; packed documents (THD ``packed_seq_params``):
@@ -321,10 +323,13 @@ class S2CoreAttention(MegatronModule):
         pg_collection=None,
         pattern: Optional[S2Pattern] = None,
         sinks: Optional[bool] = None,
+        checkpoint_layer: Optional[int] = None,
         **kwargs,
     ):
         super().__init__(config=config)
         name = type(self).__name__
+        # The sinks' checkpoint name (sharded_state_dict): the 0-based schedule layer.
+        self.checkpoint_layer = layer_number - 1 if checkpoint_layer is None else checkpoint_layer
         _check_layer_support(name, config, layer_number, attn_mask_type, attention_type, kwargs)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -404,16 +409,25 @@ class S2CoreAttention(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """The sinks as a TP-sharded tensor (axis 0, heads), like Megatron's learnable softmax
-        offset; nothing without sinks (the module has no other state)."""
-        state = {} if self.sinks is None else {"sinks": self.sinks}
-        return make_sharded_tensors_for_checkpoint(
-            state,
+        offset; nothing without sinks (the module has no other state).
+
+        Megatron stores a layer's tensors stacked over the layers (one checkpoint tensor per
+        name with a leading layer axis: ``sharded_offsets``), which needs the tensor in every
+        layer; only S2 layers have sinks, so each layer's sinks are a checkpoint tensor of their
+        own, ``...core_attention.sinks.layer_<i>`` with ``i`` the 0-based schedule layer (the
+        same for a GPT model and its HybridModel twin)."""
+        if self.sinks is None:
+            return {}
+        out = make_sharded_tensors_for_checkpoint(
+            {"sinks": self.sinks},
             prefix,
             {"sinks": 0},
-            sharded_offsets,
+            (),
             tp_group=self.tp_group,
             dp_cp_group=(metadata or {}).get("dp_cp_group"),
         )
+        out[f"{prefix}sinks"].key = f"{prefix}sinks.layer_{self.checkpoint_layer}"
+        return out
 
     def forward(
         self,
@@ -726,6 +740,7 @@ class ScheduledCoreAttention:
         if pattern is not None:
             kwargs["pattern"] = pattern
             kwargs["sinks"] = s2_settings_of(config).schedule.sinks
+            kwargs["checkpoint_layer"] = schedule_layer - 1
         return module(
             config=config,
             layer_number=layer_number,
