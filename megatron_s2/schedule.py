@@ -99,9 +99,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _checked_settings(values: Any, where: str) -> dict[str, Any]:
+def _checked_settings(values: Any, where: str, extra: tuple = ()) -> dict[str, Any]:
     """``values`` as a dict of S2 settings, each key and value checked by ``S2Pattern``'s rules;
-    errors name ``where.key``."""
+    errors name ``where.key`` (``extra``: more keys allowed there, named in the message only:
+    the caller has taken them out)."""
     if not isinstance(values, Mapping):
         raise ScheduleError(
             f"{where} must be a mapping of S2 settings, got {type(values).__name__}"
@@ -109,7 +110,9 @@ def _checked_settings(values: Any, where: str) -> dict[str, Any]:
     names = S2Pattern.setting_names()
     for key, value in values.items():
         if key not in names:
-            raise ScheduleError(f"unknown key {where}.{key}; allowed keys: {', '.join(names)}")
+            raise ScheduleError(
+                f"unknown key {where}.{key}; allowed keys: {', '.join((*names, *extra))}"
+            )
         try:
             check_setting(key, value)
         except ValueError as e:
@@ -167,7 +170,7 @@ class AttentionSchedule:
             sinks = d["s2"]["sinks"]
             if not isinstance(sinks, bool):
                 raise ScheduleError(f"{prefix}.s2.sinks must be true or false, got {sinks!r}")
-        s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(raw_s2, f"{prefix}.s2")
+        s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(raw_s2, f"{prefix}.s2", S2_LAYER_KEYS)
 
         dense = d.get("dense_layers") or {}
         if not isinstance(dense, Mapping):
@@ -409,6 +412,19 @@ class AttentionSchedule:
             return {"kind": "dense", "position_embedding": position, "rotary_base": base}
         return {"kind": "S2", **settings, "sinks": self.sinks}
 
+    def describe_levers(self) -> str:
+        """The levers in words for the schedule table (empty when none is set)."""
+        parts = []
+        if self.dense_position_embedding == "nope":
+            parts.append("NoPE on the dense layers (no position encoding)")
+        elif self.dense_rotary_base is not None:
+            parts.append(
+                f"RoPE base {self.dense_rotary_base:g} on the dense layers (S2 layers: the model's)"
+            )
+        if self.sinks:
+            parts.append("learned attention sinks on the S2 layers")
+        return "; ".join(parts)
+
     def block_sizes(self, num_layers: int) -> list[int]:
         """The distinct block sizes of the S2 layers (empty for an all-dense model), ascending."""
         sizes = set()
@@ -578,6 +594,9 @@ class AttentionSchedule:
         widths = [max(len(r[c]) for r in rows + [header]) for c in range(len(header))]
         fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
         lines = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+        levers = self.describe_levers()
+        if levers:
+            lines.append(f"levers: {levers}")
         if seq_length:
             total = sum(pairs) / (causal * num_layers)
             lines.append(

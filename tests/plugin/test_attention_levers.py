@@ -312,6 +312,25 @@ def test_bad_lever_settings_are_refused_at_load(attention, match):
         cfg.schedule()
 
 
+def test_levers_in_the_schedule_table():
+    sched = AttentionSchedule.from_dict(
+        {
+            "s2": {"block_size": 16, "sinks": True},
+            "dense_layers": {"pattern": "SD", "rotary_base": 5e6},
+        }
+    )
+    table = sched.summary(4, 8, 4, 256).splitlines()
+    assert table[-2] == (
+        "levers: RoPE base 5e+06 on the dense layers (S2 layers: the model's); learned attention "
+        "sinks on the S2 layers"
+    )
+    assert "levers" not in AttentionSchedule.from_dict({"s2": {"block_size": 16}}).summary(4, 8)
+    with pytest.raises(
+        ScheduleError, match=r"unknown key attention.s2.sink; allowed keys: .*sinks"
+    ):
+        AttentionSchedule.from_dict({"s2": {"sink": True}})
+
+
 def test_levers_round_trip_and_describe_layers():
     d = {
         "s2": {"block_size": 16, "sinks": True},
