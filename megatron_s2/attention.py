@@ -786,6 +786,11 @@ def check_position_levers(schedule, position_embedding_type: Optional[str]) -> N
         )
 
 
+# SelfAttention.forward arguments of Megatron's inference RoPE paths (cos/sin precomputed by the
+# model), which the dense layers' levers cannot follow.
+_COS_SIN_KWARGS = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+
+
 class S2SelfAttention(SelfAttention):
     """Megatron's ``SelfAttention`` with the attention schedule's position encoding per layer.
 
@@ -862,6 +867,17 @@ class S2SelfAttention(SelfAttention):
     ):
         """``SelfAttention.forward`` with ``rotary_pos_emb`` (the model's, ``[s / cp, 1, 1, d]``
         or a (q, k) pair of them) dropped for a NoPE layer or replaced by the layer's own."""
+        if self.position_embedding == "nope" or self.dense_rotary is not None:
+            # Megatron's inference fast paths rotate from the model's precomputed cos/sin, past
+            # this layer's choice: refused rather than silently using the model's RoPE.
+            given = [k for k in _COS_SIN_KWARGS if kwargs.get(k) is not None]
+            if given:
+                raise ValueError(
+                    f"S2SelfAttention (layer {self.layer_number}): "
+                    f"attention.dense_layers.position_embedding / rotary_base do not support "
+                    f"Megatron's precomputed RoPE ({', '.join(given)}: flash decoding or the "
+                    f"dynamic inference engine); run the model's plain forward"
+                )
         if rotary_pos_emb is not None and self.position_embedding == "nope":
             rotary_pos_emb = None
         elif rotary_pos_emb is not None and self.dense_rotary is not None:

@@ -263,6 +263,48 @@ def test_gpt_model_levers_wired_and_refused_without_rope():
         build_gpt_model(cfg, 128, 64)
 
 
+@pytest.mark.parametrize("dense", [{"position_embedding": "nope"}, {"rotary_base": 3.0e5}])
+def test_gpt_model_levers_on_packed_documents_equal_each_document_alone(dense):
+    """Megatron's THD path (RoPE restarting per document) with the dense layers' own RoPE
+    choice and sinks: each packed document gets the logits of running it alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_s2.model import build_gpt_model
+
+    schedule = {"s2": _SD["s2"] | {"sinks": True}, "dense_layers": {"pattern": "SD", **dense}}
+    cfg = tiny_s2_config(schedule, s2_backend="reference", s2_seq_length=128)
+    model = build_gpt_model(cfg, 128, 128, position_embedding_type="rope").eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".sinks"):
+                p.uniform_(-1, 1)
+    gen = torch.Generator().manual_seed(4)
+    lengths = [45, 3, 80]
+    docs = [torch.randint(0, 128, (1, n), generator=gen) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 45, 48, 128], dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=80, max_seqlen_kv=80
+    )
+    with torch.no_grad():
+        packed = model(torch.cat(docs, dim=1), positions, None, packed_seq_params=psp)
+        for doc, a, b in zip(docs, cu[:-1].tolist(), cu[1:].tolist()):
+            alone = model(doc, torch.arange(b - a)[None], None)
+            torch.testing.assert_close(packed[:, a:b], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_levers_refuse_megatrons_precomputed_rope():
+    schedule = _SD | {"dense_layers": {"pattern": "SD", "position_embedding": "nope"}}
+    cfg = tiny_s2_config(schedule, s2_backend="reference")
+    from megatron_s2.specs import get_s2_decoder_block_spec
+
+    spec = get_s2_decoder_block_spec(cfg).layer_specs[1].submodules.self_attention
+    attn = build_module(spec, config=cfg, layer_number=2)
+    hidden = torch.randn(16, 1, cfg.hidden_size)
+    with pytest.raises(ValueError, match="rotary_pos_cos.*flash decoding"):
+        attn(hidden, None, rotary_pos_cos=torch.ones(16, 8), rotary_pos_sin=torch.ones(16, 8))
+
+
 # --------------------------------------------------------------------------- settings
 @pytest.mark.parametrize(
     "attention, match",
