@@ -457,3 +457,19 @@ def test_softmax_scale_unchanged_by_sinks():
         s2_backend="reference",
     )
     assert S2CoreAttention(cfg, 1, AttnMaskType.causal).softmax_scale == 1 / math.sqrt(16)
+
+
+def test_levers_are_study_axes():
+    """megatron-s2-sweep checks a study's axes against the schedule's keys before any run."""
+    from megatron_s2.training.sweep import StudyError, check_config_key
+
+    for key in (
+        "attention.s2.sinks",
+        "attention.dense_layers.position_embedding",
+        "attention.dense_layers.rotary_base",
+    ):
+        check_config_key(key, "study")
+    with pytest.raises(StudyError, match="allowed there: .*sinks"):
+        check_config_key("attention.s2.sink", "study")
+    with pytest.raises(StudyError, match="allowed there: .*vert_stride"):
+        check_config_key("attention.overrides.1.sinks", "study")
