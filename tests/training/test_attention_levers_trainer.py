@@ -7,6 +7,8 @@ import pytest
 
 from tests.training.test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow
+
 SINKS = "attention.s2.sinks=true"
 
 
