@@ -13,6 +13,12 @@ All three have the constructor and forward contract of Megatron's ``DotProductAt
   for each layer from the attention schedule, so one layer spec serves a whole hybrid model
   (``pretrain_gpt.py --spec megatron_s2.specs s2_layer_spec``).
 
+and one for the ``self_attention`` slot of a transformer layer:
+
+* :class:`S2SelfAttention` -- Megatron's ``SelfAttention`` with the schedule's position
+  encoding per layer: the model's RoPE, none (``dense_layers.position_embedding: nope``) or RoPE
+  with the dense layers' own base (``dense_layers.rotary_base``).
+
 The schedule and the other S2 settings come from the config (:func:`megatron_s2.config.
 s2_settings_of`).
 """
@@ -25,8 +31,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from s2attn import S2Pattern, s2_attention, s2_attention_varlen
 
@@ -41,7 +50,13 @@ from .context_parallel_a2a import a2a_unsupported_reason, attend_heads_a2a
 from .flash_attention4 import check_dense_backend, fa4_causal, use_fa4
 from .parallel_lengths import check_packed_sequences
 
-__all__ = ["S2CoreAttention", "FusedDenseAttention", "ScheduledCoreAttention"]
+__all__ = [
+    "S2CoreAttention",
+    "FusedDenseAttention",
+    "ScheduledCoreAttention",
+    "S2SelfAttention",
+    "apply_sinks",
+]
 
 
 # Where Megatron's cp_comm_type leaves it to us (None, "p2p"): dense layers take the head
@@ -209,10 +224,11 @@ def _packed_documents(module: str, packed_seq_params) -> tuple[torch.Tensor, int
 
 
 def _attend_documents(
-    module: str, query, key, value, packed_seq_params, pattern, softmax_scale, backend
+    module: str, query, key, value, packed_seq_params, pattern, softmax_scale, backend, sinks=None
 ) -> torch.Tensor:
     """THD core attention: ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``, each packed
-    document attended on its own under ``pattern`` (restarting at its first token)."""
+    document attended on its own under ``pattern`` (restarting at its first token); ``sinks``
+    ``[np]`` applied per row when given (:func:`apply_sinks`)."""
     cu_seqlens, max_seqlen, check = _packed_documents(module, packed_seq_params)
     out = s2_attention_varlen(
         query,
@@ -224,7 +240,11 @@ def _attend_documents(
         softmax_scale=softmax_scale,
         backend=backend,
         check_cu_seqlens=check,
+        return_lse=sinks is not None,
     )
+    if sinks is not None:  # out [t, np, hn], lse [np, t]: as a batch of one
+        out, lse = out
+        out = apply_sinks(out[None], lse[None], sinks)[0]
     if check:  # only after s2_attention_varlen accepted the values
         setattr(
             packed_seq_params,
@@ -240,12 +260,43 @@ def _reject_packed_with_cp(module: str, cp_group) -> None:
         check_packed_sequences(cp_group.size(), where=module)
 
 
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Learned attention sinks on an attention output (gpt-oss style).
+
+    A sink is one more logit per head in every query's softmax, with a zero value vector: the
+    weights of the real keys shrink by ``Z / (Z + exp(sink))`` with ``Z = exp(lse)``, so
+    ``out * sigmoid(lse - sink)``. Rows that attend no key (``lse = -inf``) stay 0.
+
+    Args:
+        out: ``[b, s, h, d]`` attention output without sinks (any float dtype).
+        lse: ``[b, h, s]`` its log-sum-exp over the attended keys (natural log, fp32).
+        sinks: ``[h]`` sink logits (in units of the scaled scores).
+    Returns:
+        ``[b, s, h, d]`` in ``out``'s dtype; the factor is computed in fp32.
+    """
+    factor = torch.sigmoid(lse - sinks.float()[None, :, None])  # [b, h, s]
+    return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype)
+
+
+# Initial sink logit. 0 is "softmax plus one" (a zero logit beside the keys): a row of n keys with
+# the near-zero scores of an untrained model keeps n / (n + 1) of its output (>= 94% past the
+# first 16 tokens, >= 99.9% past 1k), so training starts near the no-sink model, and unlike a
+# very negative start (sigmoid saturated at 1) the sink's gradient does not vanish. The same for
+# every head and every rank, so layouts and seeds start alike (gpt-oss draws its sinks around 0).
+SINK_INIT = 0.0
+
+
 class S2CoreAttention(MegatronModule):
     """S2 block-sparse causal core attention for one transformer layer.
 
     Args (Megatron's core-attention contract, plus):
         pattern: an explicit full-model :class:`s2attn.S2Pattern` (all global heads); default:
             the schedule's pattern for ``layer_number``.
+        sinks: a learned sink logit per head (:func:`apply_sinks`; parameter ``sinks``, this
+            rank's heads, TP-sharded in checkpoints); default: the schedule's ``s2.sinks``
+            where the pattern comes from the schedule, else False.
+        checkpoint_layer: the 0-based schedule layer naming the sinks in checkpoints; default
+            ``layer_number - 1`` (:class:`ScheduledCoreAttention` passes the schedule's).
 
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (this rank's heads, GQA
     groups not repeated) -> ``[sq, b, np * hn]``; packed documents (THD ``packed_seq_params``):
@@ -271,10 +322,14 @@ class S2CoreAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
         pattern: Optional[S2Pattern] = None,
+        sinks: Optional[bool] = None,
+        checkpoint_layer: Optional[int] = None,
         **kwargs,
     ):
         super().__init__(config=config)
         name = type(self).__name__
+        # The sinks' checkpoint name (sharded_state_dict): the 0-based schedule layer.
+        self.checkpoint_layer = layer_number - 1 if checkpoint_layer is None else checkpoint_layer
         _check_layer_support(name, config, layer_number, attn_mask_type, attention_type, kwargs)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -303,9 +358,9 @@ class S2CoreAttention(MegatronModule):
         # of the pattern do not depend on it.
         groups = config.num_query_groups
         if pattern is None:
-            pattern = s2_settings_of(config).schedule.layer_pattern(
-                layer_number, heads, groups, config.num_layers
-            )
+            schedule = s2_settings_of(config).schedule
+            pattern = schedule.layer_pattern(layer_number, heads, groups, config.num_layers)
+            sinks = schedule.sinks if sinks is None else sinks
             if pattern is None:
                 raise ValueError(
                     f"{name}: layer {layer_number} is dense in the attention "
@@ -329,13 +384,50 @@ class S2CoreAttention(MegatronModule):
             n = self.pattern.local_num_heads // cp
             start = self.pattern.head_start + rank * n
             self.head_group_pattern = self.pattern.head_range(start, start + n)
+        self.tp_group = tp_group
+        self.sinks = None
+        if sinks:
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            self.sinks = torch.nn.Parameter(
+                torch.full(
+                    (self.pattern.local_num_heads,),
+                    SINK_INIT,
+                    device=device,
+                    dtype=config.params_dtype,
+                )
+            )
+            # Sharded over TP by heads like the QKV rows; loading unsharded weights and the
+            # parallel checks read these attributes.
+            tensor_parallel.set_tensor_model_parallel_attributes(self.sinks, True, 0, 1)
 
     def extra_repr(self) -> str:
         p = self.pattern
         return (
             f"layer={self.layer_number}, heads=[{p.head_start}, {p.head_end}) of "
-            f"{p.num_heads}, {p.describe()}"
+            f"{p.num_heads}, {p.describe()}{', sinks' if self.sinks is not None else ''}"
         )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The sinks as a TP-sharded tensor (axis 0, heads), like Megatron's learnable softmax
+        offset; nothing without sinks (the module has no other state).
+
+        Megatron stores a layer's tensors stacked over the layers (one checkpoint tensor per
+        name with a leading layer axis: ``sharded_offsets``), which needs the tensor in every
+        layer; only S2 layers have sinks, so each layer's sinks are a checkpoint tensor of their
+        own, ``...core_attention.sinks.layer_<i>`` with ``i`` the 0-based schedule layer (the
+        same for a GPT model and its HybridModel twin)."""
+        if self.sinks is None:
+            return {}
+        out = make_sharded_tensors_for_checkpoint(
+            {"sinks": self.sinks},
+            prefix,
+            {"sinks": 0},
+            (),
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+        out[f"{prefix}sinks"].key = f"{prefix}sinks.layer_{self.checkpoint_layer}"
+        return out
 
     def forward(
         self,
@@ -366,6 +458,7 @@ class S2CoreAttention(MegatronModule):
                 self.pattern,
                 self.softmax_scale,
                 self.backend,
+                self.sinks,
             )
         if self.cp_group is not None:
             chunk = check_context_parallel_length(
@@ -373,25 +466,42 @@ class S2CoreAttention(MegatronModule):
             )
             if self.cp_comm == "a2a":
                 return attend_heads_a2a(query, key, value, self.cp_group, self._attend_heads)
-            return attend_local_chunks(query, key, value, self.cp_group, self._attend_at, chunk)
+            # Each query row is whole on its rank (K/V all-gathered), so the sinks apply per
+            # chunk; with sinks the chunks run composed, for the sinks' gradient.
+            return attend_local_chunks(
+                query,
+                key,
+                value,
+                self.cp_group,
+                self._attend_at,
+                chunk,
+                composed=self.sinks is not None,
+            )
         sq, b, nq, hn = query.shape
         return self._attend_whole(query, key, value, self.pattern).reshape(sq, b, nq * hn)
 
     def _attend_heads(self, q, k, v, head_group: int) -> torch.Tensor:
         """The cp_comm_type="a2a" path: the whole sequence of this rank's head group (the
         exchange's ``head_group`` is the CP rank, whose pattern was built at construction)."""
-        return self._attend_whole(q, k, v, self.head_group_pattern)
+        sinks = None
+        if self.sinks is not None:  # this head group's: heads head_group * n .. of the rank's
+            n = q.shape[2]
+            sinks = self.sinks[head_group * n : (head_group + 1) * n]
+        return self._attend_whole(q, k, v, self.head_group_pattern, sinks)
 
-    def _attend_whole(self, query, key, value, pattern: S2Pattern) -> torch.Tensor:
+    def _attend_whole(
+        self, query, key, value, pattern: S2Pattern, sinks: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """A whole sequence under ``pattern``: ``[s, b, np, hn]``, ``[s, b, ng, hn]`` (any
-        strides) -> ``[s, b, np, hn]`` (a view of the kernel's output)."""
-        out = s2_attention(
+        strides) -> ``[s, b, np, hn]`` (a view of the kernel's output); ``sinks`` ``[np]``
+        (default: the layer's, all its heads)."""
+        out = self._s2(
             query.transpose(0, 1),
             key.transpose(0, 1),
             value.transpose(0, 1),
             pattern,
-            softmax_scale=self.softmax_scale,
-            backend=self.backend,
+            0,
+            self.sinks if sinks is None else sinks,
         )
         # out is [b, s, np, hn] laid out like the transposed query; back to Megatron's [s, b, h].
         return out.transpose(0, 1)
@@ -399,15 +509,23 @@ class S2CoreAttention(MegatronModule):
     def _attend_at(self, q, k, v, q_start: int) -> torch.Tensor:
         """Queries at absolute positions ``q_start ..`` against keys ``0 ..`` (``[b, s, h, hn]``
         views): the context-parallel chunks."""
-        return s2_attention(
+        return self._s2(q, k, v, self.pattern, q_start, self.sinks)
+
+    def _s2(self, q, k, v, pattern: S2Pattern, q_start: int, sinks) -> torch.Tensor:
+        """``s2_attention`` on ``[b, s, h, hn]`` views, with ``sinks [h]`` applied when given."""
+        out = s2_attention(
             q,
             k,
             v,
-            self.pattern,
+            pattern,
             softmax_scale=self.softmax_scale,
             q_start=q_start,
             backend=self.backend,
+            return_lse=sinks is not None,
         )
+        if sinks is None:
+            return out
+        return apply_sinks(*out, sinks)
 
 
 def _sdpa_has_gqa() -> bool:
@@ -621,6 +739,8 @@ class ScheduledCoreAttention:
         module = dense_attention if pattern is None else S2CoreAttention
         if pattern is not None:
             kwargs["pattern"] = pattern
+            kwargs["sinks"] = s2_settings_of(config).schedule.sinks
+            kwargs["checkpoint_layer"] = schedule_layer - 1
         return module(
             config=config,
             layer_number=layer_number,
@@ -634,3 +754,158 @@ class ScheduledCoreAttention:
         """``(schedule layer number, 1-based; layers the schedule indexes)`` of the layer with
         Megatron's global 1-based ``layer_number``: every layer of a GPT model."""
         return layer_number, config.num_layers
+
+
+# GPTModel / HybridModel arguments that shape the model's rotary embedding besides its base: the
+# dense layers' own RoPE (attention.dense_layers.rotary_base) is built with the same values.
+ROTARY_KWARGS = (
+    "rotary_percent",
+    "seq_len_interpolation_factor",
+    "rope_scaling",
+    "rope_scaling_factor",
+)
+
+
+def rotary_options(model_kwargs: dict) -> dict:
+    """The model builder's arguments that shape its rotary embedding besides the base
+    (:data:`megatron_s2.attention.ROTARY_KWARGS`): the dense layers' own RoPE is built alike."""
+    return {k: model_kwargs[k] for k in ROTARY_KWARGS if k in model_kwargs}
+
+
+def check_position_levers(schedule, position_embedding_type: Optional[str]) -> None:
+    """Refuse ``attention.dense_layers.position_embedding`` / ``rotary_base`` on a model without
+    RoPE (``position_embedding_type`` other than ``"rope"``): there is no rotary embedding to
+    drop or rebase, and the setting would silently do nothing."""
+    if schedule.has_position_levers() and position_embedding_type != "rope":
+        raise ValueError(
+            f"attention.dense_layers.position_embedding={schedule.dense_position_embedding!r} / "
+            f"rotary_base={schedule.dense_rotary_base} change the dense layers' RoPE, and this "
+            f"model's position_embedding_type is {position_embedding_type!r}; build it with "
+            f"position_embedding_type='rope' or leave the dense layers' settings at their "
+            f"defaults (rope, null)"
+        )
+
+
+# SelfAttention.forward arguments of Megatron's inference RoPE paths (cos/sin precomputed by the
+# model), which the dense layers' levers cannot follow.
+_COS_SIN_KWARGS = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+
+
+class S2SelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` with the attention schedule's position encoding per layer.
+
+    The model computes one rotary embedding (its ``rotary_base``) and hands it to every layer;
+    ``SelfAttention`` rotates queries and keys with it before core attention. Here a dense layer
+    of a schedule with ``dense_layers.position_embedding: nope`` drops it (no position
+    encoding: Command A, Llama 4), and one with ``dense_layers.rotary_base`` replaces it by the
+    same embedding at its own base (Gemma 3, MiMo-V2-Flash), built like the model's
+    (``rotary``: :data:`ROTARY_KWARGS`, from the model builder) and sliced to this rank's
+    load-balanced chunks under context parallelism as the model's is. S2 layers, and every layer
+    of a schedule without these settings, run exactly Megatron's ``SelfAttention``.
+
+    Args (``SelfAttention``'s, plus):
+        scheduled: the core-attention builder whose ``schedule_position`` maps Megatron's
+            ``layer_number`` to the schedule's layer (:class:`ScheduledCoreAttention`, or the
+            hybrid stack's).
+        rotary: :data:`ROTARY_KWARGS` of the model's rotary embedding (default: Megatron's
+            defaults, ``rotary_percent`` 1 and no scaling).
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number: int,
+        attn_mask_type=AttnMaskType.padding,
+        *,
+        scheduled=None,
+        rotary: Optional[dict] = None,
+        **kwargs,
+    ):
+        super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+        scheduled = ScheduledCoreAttention if scheduled is None else scheduled
+        layer, layers = scheduled.schedule_position(config, layer_number)
+        schedule = s2_settings_of(config).schedule
+        self.position_embedding, base = schedule.layer_position(layer - 1, layers)
+        self.rotary_base = base
+        self.dense_rotary = None
+        if base is not None:
+            unknown = set(rotary or {}) - set(ROTARY_KWARGS)
+            if unknown:
+                raise ValueError(
+                    f"S2SelfAttention (layer {layer_number}): rotary takes {ROTARY_KWARGS}, got "
+                    f"{sorted(unknown)}"
+                )
+            options = {"rotary_percent": 1.0} | {
+                k: v for k, v in (rotary or {}).items() if v is not None
+            }
+            self.dense_rotary = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_interleaved=config.rotary_interleaved,
+                rotary_base=base,
+                use_cpu_initialization=config.use_cpu_initialization,
+                cp_group=self.pg_collection.cp,
+                **options,
+            )
+
+    def extra_repr(self) -> str:
+        if self.position_embedding == "nope":
+            return "position embedding: none (NoPE)"
+        if self.rotary_base is not None:
+            return f"position embedding: RoPE, base {self.rotary_base:g}"
+        return ""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        *args,
+        **kwargs,
+    ):
+        """``SelfAttention.forward`` with ``rotary_pos_emb`` (the model's, ``[s / cp, 1, 1, d]``
+        or a (q, k) pair of them) dropped for a NoPE layer or replaced by the layer's own."""
+        if self.position_embedding == "nope" or self.dense_rotary is not None:
+            # Megatron's inference fast paths rotate from the model's precomputed cos/sin, past
+            # this layer's choice: refused rather than silently using the model's RoPE.
+            given = [k for k in _COS_SIN_KWARGS if kwargs.get(k) is not None]
+            if given:
+                raise ValueError(
+                    f"S2SelfAttention (layer {self.layer_number}): "
+                    f"attention.dense_layers.position_embedding / rotary_base do not support "
+                    f"Megatron's precomputed RoPE ({', '.join(given)}: flash decoding or the "
+                    f"dynamic inference engine); run the model's plain forward"
+                )
+        if rotary_pos_emb is not None and self.position_embedding == "nope":
+            rotary_pos_emb = None
+        elif rotary_pos_emb is not None and self.dense_rotary is not None:
+            rotary_pos_emb = self._own_rotary(rotary_pos_emb, kwargs.get("packed_seq_params"))
+        return super().forward(
+            hidden_states,
+            attention_mask,
+            key_value_states,
+            inference_context,
+            rotary_pos_emb,
+            *args,
+            **kwargs,
+        )
+
+    def _own_rotary(self, model_emb, packed_seq_params) -> torch.Tensor:
+        """This layer's embedding for the positions the model's ``model_emb`` covers: the model
+        sliced its full-length embedding to this CP rank's two chunks (``s / cp`` rows; packed
+        THD sequences are not sliced), and ``RotaryEmbedding.forward`` slices ours alike."""
+        emb = model_emb[0] if isinstance(model_emb, tuple) else model_emb
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        cp_group = self.pg_collection.cp
+        cp = 1 if packed or cp_group is None else cp_group.size()
+        own = self.dense_rotary(emb.shape[0] * cp, packed_seq=packed)
+        if own.shape[-1] != emb.shape[-1]:
+            raise ValueError(
+                f"attention.dense_layers.rotary_base: the layer's rotary embedding has "
+                f"{own.shape[-1]} channels, the model's {emb.shape[-1]}: build the model with "
+                f"megatron_s2.build_gpt_model / build_model (which pass the model's "
+                f"{', '.join(ROTARY_KWARGS)} to the layers)"
+            )
+        return own.to(emb.device)

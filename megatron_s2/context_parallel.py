@@ -132,6 +132,7 @@ def attend_local_chunks(
     group,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
     chunk: int,
+    composed: bool = False,
 ) -> torch.Tensor:
     """Core attention of one CP rank in Megatron's ``[s, b, heads, hn]`` layout.
 
@@ -143,11 +144,16 @@ def attend_local_chunks(
             attention of the queries at absolute positions ``q_start ..`` to keys ``0 ..``
             (the keys end where the queries end).
         chunk: tokens per chunk (:func:`check_context_parallel_length`).
+        composed: run the chunks through plain autograd even where gradients are wanted
+            (:func:`attend_rank_chunks`): for an ``attend`` with parameters of its own (S2
+            sinks), whose gradients :class:`_RankChunks` would not return.
     Returns:
         ``[2 * chunk, b, np * hn]``.
     """
     key, value = _gather_kv(key, value, group)
-    return attend_rank_chunks(query, key, value, group.rank(), group.size(), attend, chunk)
+    return attend_rank_chunks(
+        query, key, value, group.rank(), group.size(), attend, chunk, composed=composed
+    )
 
 
 def dense_local_chunks(
@@ -202,14 +208,16 @@ def attend_rank_chunks(
     cp: int,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
     chunk: int,
+    composed: bool = False,
 ) -> torch.Tensor:
     """The compute of :func:`attend_local_chunks` once K/V are whole: ``query [2 * chunk, b, np,
     hn]`` of CP rank ``rank`` of ``cp`` against ``key, value [2 * cp * chunk, b, ng, hn]`` in
     absolute order -> ``[2 * chunk, b, np * hn]`` (also what the benchmark times per rank).
     Where gradients are wanted it runs as :class:`_RankChunks`, which builds the rank's dQ and
-    dK/dV in one buffer each."""
+    dK/dV in one buffer each, unless ``composed``: :class:`_RankChunks` returns gradients for
+    query, key and value only, so an ``attend`` with parameters of its own runs composed."""
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if wants_grad and not _saved_tensor_hooks_active():
+    if wants_grad and not composed and not _saved_tensor_hooks_active():
         return _RankChunks.apply(query, key, value, rank, cp, chunk, attend)
     # Without gradients; or under saved-tensor hooks (non-reentrant checkpointing, activation
     # offloading), which must see what the chunks save: _RankChunks keeps that in its context.

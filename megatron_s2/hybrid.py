@@ -41,18 +41,22 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
 
-from .attention import ScheduledCoreAttention
+from .attention import (
+    S2SelfAttention,
+    ScheduledCoreAttention,
+    check_position_levers,
+    rotary_options,
+)
 from .config import S2TransformerConfig, s2_settings_of
 from .norm import SPNorm
-from .specs import _flavour_modules, _mlp_spec
+from .specs import _flavour_modules, _mlp_spec, self_attention_params
 
 try:
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -367,7 +371,10 @@ if HAVE_HYBRID:
 
 
 def get_s2_hybrid_stack_spec(
-    config: S2HybridTransformerConfig, use_te: bool = False, qk_layernorm: bool = False
+    config: S2HybridTransformerConfig,
+    use_te: bool = False,
+    qk_layernorm: bool = False,
+    rotary: Optional[dict] = None,
 ) -> ModuleSpec:
     """The ``HybridStack`` spec for ``HybridModel(hybrid_stack_spec=...)`` with S2 attention.
 
@@ -382,6 +389,8 @@ def get_s2_hybrid_stack_spec(
         use_te: Transformer Engine flavour (TE linears with fused norms, TE final norm,
             ``TEDotProductAttention`` on dense layers); needs TE.
         qk_layernorm: normalize queries and keys per head.
+        rotary: the model's rotary options (:data:`megatron_s2.attention.ROTARY_KWARGS`), for
+            dense layers with their own RoPE base (``attention.dense_layers.rotary_base``).
     """
     _require_hybrid("get_s2_hybrid_stack_spec")
     if not isinstance(config, S2HybridTransformerConfig):
@@ -397,10 +406,14 @@ def get_s2_hybrid_stack_spec(
             f"builds only with Transformer Engine: use use_te=True, or a pattern of '*' and "
             f"'-' only"
         )
-    return _stack_spec(use_te, qk_layernorm, mamba=has_mamba, s2_stack=config.gpt_checkpoint_keys)
+    return _stack_spec(
+        use_te, qk_layernorm, mamba=has_mamba, s2_stack=config.gpt_checkpoint_keys, rotary=rotary
+    )
 
 
-def _stack_spec(use_te: bool, qk_layernorm: bool, *, mamba: bool, s2_stack: bool) -> ModuleSpec:
+def _stack_spec(
+    use_te: bool, qk_layernorm: bool, *, mamba: bool, s2_stack: bool, rotary: Optional[dict] = None
+) -> ModuleSpec:
     """The ``HybridStack`` spec of a flavour: attention and MLP layers, Mamba layers when
     ``mamba``; :class:`S2HybridStack` for the local flavour and, with ``s2_stack`` (GPT
     checkpoint keys), for TE."""
@@ -411,8 +424,8 @@ def _stack_spec(use_te: bool, qk_layernorm: bool, *, mamba: bool, s2_stack: bool
         submodules=TransformerLayerSubmodules(
             input_layernorm=m.in_norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                module=S2SelfAttention,
+                params=self_attention_params(HybridScheduledCoreAttention, rotary),
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=m.qkv,
                     core_attention=ModuleSpec(
@@ -512,7 +525,11 @@ def build_hybrid_model(
             f"build_hybrid_model: {', '.join(given)} must not be passed; the layer pattern is "
             f"S2HybridTransformerConfig.hybrid_layer_pattern ({config.hybrid_layer_pattern!r})"
         )
-    spec = get_s2_hybrid_stack_spec(config, use_te=use_te, qk_layernorm=qk_layernorm)
+    # HybridModel's default position embedding is none.
+    check_position_levers(config.s2_schedule, hybrid_kwargs.get("position_embedding_type", "none"))
+    spec = get_s2_hybrid_stack_spec(
+        config, use_te=use_te, qk_layernorm=qk_layernorm, rotary=rotary_options(hybrid_kwargs)
+    )
     return S2HybridModel(
         config=config,
         hybrid_stack_spec=spec,

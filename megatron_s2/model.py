@@ -81,8 +81,18 @@ def build_gpt_model(
             f"build_gpt_model needs a megatron_s2.S2TransformerConfig (the attention "
             f"schedule is one of its fields), got {type(config).__name__}"
         )
+    from .attention import check_position_levers, rotary_options
+
+    # GPTModel's default position embedding is learned absolute positions.
+    check_position_levers(
+        config.s2_schedule, gpt_kwargs.get("position_embedding_type", "learned_absolute")
+    )
     spec = get_s2_decoder_block_spec(
-        config, use_te=use_te, vp_stage=vp_stage, qk_layernorm=qk_layernorm
+        config,
+        use_te=use_te,
+        vp_stage=vp_stage,
+        qk_layernorm=qk_layernorm,
+        rotary=rotary_options(gpt_kwargs),
     )
     if vp_stage is not None and "vp_stage" in inspect.signature(GPTModel.__init__).parameters:
         gpt_kwargs["vp_stage"] = vp_stage

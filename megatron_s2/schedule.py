@@ -11,9 +11,12 @@ under its ``attention:`` key)::
       head_step: null        # per-head phase step; null = max(1, vert_stride // num_heads)
       num_dense_heads: 0     # heads of an S2 layer that attend densely; must divide the heads
       homo_head: false       # all heads share head 0's stripes
+      sinks: false           # a learned per-head sink logit on every S2 layer (gpt-oss style)
     dense_layers:
       pattern: "DS"          # tiled over the layers: char i is layer i; D = dense, S = S2
       indices: [0, -1]       # more dense layers (0-based; negative counts from the end)
+      position_embedding: rope  # rope, or nope: no position encoding on the dense layers
+      rotary_base: null      # the dense layers' own RoPE base; null = the model's
     overrides:               # per-layer changes of any s2 key (0-based layer index)
       3: {vert_stride: 16}
     allow_coverage_holes: false  # true: allow S2 layers whose heads together miss key blocks
@@ -23,8 +26,16 @@ Megatron's ``layer_number`` is 1-based and global: :meth:`AttentionSchedule.laye
 the Megatron number. Everything unspecified is S2 with the ``s2`` defaults. An override on a dense
 layer is an error (it would silently do nothing).
 
-The ``s2`` keys are exactly :meth:`s2attn.S2Pattern.setting_names`: ``S2Pattern`` owns the schema
-and its checks, so a new S2 setting becomes a schedule key without an edit here.
+The ``s2`` keys are :meth:`s2attn.S2Pattern.setting_names` (``S2Pattern`` owns the schema
+and its checks, so a new S2 setting becomes a schedule key without an edit here) plus the S2
+layers' module settings (:data:`S2_LAYER_KEYS`: ``sinks``), which are not part of the pattern and
+apply to every S2 layer (not per override).
+
+**Levers for retrieval** (what the strongest public hybrids do; docs/long_context_eval.md):
+``dense_layers.position_embedding: nope`` drops RoPE on the dense layers (Command A, Llama 4);
+``dense_layers.rotary_base`` gives them their own RoPE base while the S2 layers keep the model's
+(Gemma 3, MiMo-V2-Flash); ``s2.sinks: true`` adds a learned sink logit per head to every S2 layer
+(gpt-oss, MiMo-V2-Flash). :meth:`AttentionSchedule.layer_position` answers per layer.
 
 **Union coverage.** The paper's rule is that the heads of an S2 layer together attend every key
 block. :meth:`AttentionSchedule.validate` computes every S2 layer's coverage at the training
@@ -53,7 +64,13 @@ _DEFAULT_BLOCK_SIZE = next(
     f.default for f in dataclasses.fields(S2Pattern) if f.name == "block_size"
 )
 
-__all__ = ["AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR", "DEFAULT_S2_SETTINGS"]
+__all__ = [
+    "AttentionSchedule",
+    "ScheduleError",
+    "SCHEDULE_ENV_VAR",
+    "DEFAULT_S2_SETTINGS",
+    "POSITION_EMBEDDINGS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +79,13 @@ SCHEDULE_ENV_VAR = "MEGATRON_S2_SCHEDULE"
 # Keys of a schedule mapping and of its dense_layers section (the sweep tool checks study axes
 # against them before any run).
 SCHEDULE_KEYS = ("s2", "dense_layers", "overrides", "allow_coverage_holes")
-DENSE_LAYER_KEYS = ("pattern", "indices")
+DENSE_LAYER_KEYS = ("pattern", "indices", "position_embedding", "rotary_base")
+# Settings of the S2 layers' module that are not S2Pattern settings (no effect on which keys a
+# query attends): allowed under ``s2`` only, for every S2 layer alike.
+S2_LAYER_KEYS = ("sinks",)
+# attention.dense_layers.position_embedding: RoPE (the model's, or dense_layers.rotary_base) or
+# none at all (NoPE).
+POSITION_EMBEDDINGS = ("rope", "nope")
 
 # The schedule's defaults are S2Pattern's own (block 64, local 16, stride 8, phase 0).
 DEFAULT_S2_SETTINGS: dict[str, Any] = S2Pattern(num_heads=1).settings() | {"head_step": None}
@@ -76,9 +99,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _checked_settings(values: Any, where: str) -> dict[str, Any]:
+def _checked_settings(values: Any, where: str, extra: tuple = ()) -> dict[str, Any]:
     """``values`` as a dict of S2 settings, each key and value checked by ``S2Pattern``'s rules;
-    errors name ``where.key``."""
+    errors name ``where.key`` (``extra``: more keys allowed there, named in the message only:
+    the caller has taken them out)."""
     if not isinstance(values, Mapping):
         raise ScheduleError(
             f"{where} must be a mapping of S2 settings, got {type(values).__name__}"
@@ -86,7 +110,9 @@ def _checked_settings(values: Any, where: str) -> dict[str, Any]:
     names = S2Pattern.setting_names()
     for key, value in values.items():
         if key not in names:
-            raise ScheduleError(f"unknown key {where}.{key}; allowed keys: {', '.join(names)}")
+            raise ScheduleError(
+                f"unknown key {where}.{key}; allowed keys: {', '.join((*names, *extra))}"
+            )
         try:
             check_setting(key, value)
         except ValueError as e:
@@ -109,6 +135,11 @@ class AttentionSchedule:
     dense_indices: list[int] = field(default_factory=list)
     overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     allow_coverage_holes: bool = False
+    # The levers of the module docstring: dense layers' position encoding and RoPE base (None:
+    # the model's), learned sinks on the S2 layers.
+    dense_position_embedding: str = "rope"
+    dense_rotary_base: Optional[float] = None
+    sinks: bool = False
     source: Optional[str] = None  # where it came from, for messages
     # Model shapes this schedule was validated against: a schedule travels from the run config
     # through the Megatron config to every layer, and is checked once per shape.
@@ -132,7 +163,14 @@ class AttentionSchedule:
                 raise ScheduleError(
                     f"unknown key {prefix}.{key}; allowed keys: {', '.join(SCHEDULE_KEYS)}"
                 )
-        s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(d.get("s2") or {}, f"{prefix}.s2")
+        raw_s2 = d.get("s2") or {}
+        sinks = False
+        if isinstance(raw_s2, Mapping) and "sinks" in raw_s2:
+            raw_s2 = {k: v for k, v in raw_s2.items() if k != "sinks"}
+            sinks = d["s2"]["sinks"]
+            if not isinstance(sinks, bool):
+                raise ScheduleError(f"{prefix}.s2.sinks must be true or false, got {sinks!r}")
+        s2 = dict(DEFAULT_S2_SETTINGS) | _checked_settings(raw_s2, f"{prefix}.s2", S2_LAYER_KEYS)
 
         dense = d.get("dense_layers") or {}
         if not isinstance(dense, Mapping):
@@ -158,6 +196,7 @@ class AttentionSchedule:
                 f"{prefix}.dense_layers.indices must be a list of integer layer "
                 f"indices (0-based), got {indices!r}"
             )
+        position, rotary_base = _dense_position(dense, f"{prefix}.dense_layers")
 
         raw_over = d.get("overrides") or {}
         if not isinstance(raw_over, Mapping):
@@ -175,6 +214,11 @@ class AttentionSchedule:
                 raise ScheduleError(
                     f"{prefix}.overrides key {k!r} must be an integer layer index (0-based)"
                 ) from None
+            if isinstance(v, Mapping) and any(key in S2_LAYER_KEYS for key in v):
+                raise ScheduleError(
+                    f"{prefix}.overrides.{k}: {', '.join(S2_LAYER_KEYS)} is set for every S2 "
+                    f"layer at once, under {prefix}.s2, not per layer"
+                )
             overrides[idx] = _checked_settings(v, f"{prefix}.overrides.{k}")
         # Cross-setting rules on each layer's complete settings, named where they were set.
         for where, values in [(f"{prefix}.s2", s2)] + [
@@ -195,6 +239,9 @@ class AttentionSchedule:
             dense_indices=list(indices),
             overrides=overrides,
             allow_coverage_holes=holes,
+            dense_position_embedding=position,
+            dense_rotary_base=rotary_base,
+            sinks=sinks,
             source=source,
         )
 
@@ -250,11 +297,17 @@ class AttentionSchedule:
     def to_dict(self) -> dict[str, Any]:
         """The mapping :meth:`from_dict` reads (round-trips)."""
         out: dict[str, Any] = {"s2": dict(self.s2)}
+        if self.sinks:
+            out["s2"]["sinks"] = True
         dense: dict[str, Any] = {}
         if self.dense_pattern:
             dense["pattern"] = self.dense_pattern
         if self.dense_indices:
             dense["indices"] = list(self.dense_indices)
+        if self.dense_position_embedding != "rope":
+            dense["position_embedding"] = self.dense_position_embedding
+        if self.dense_rotary_base is not None:
+            dense["rotary_base"] = self.dense_rotary_base
         if dense:
             out["dense_layers"] = dense
         if self.overrides:
@@ -337,6 +390,41 @@ class AttentionSchedule:
             return None
         return S2Pattern(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, **settings)
 
+    def layer_position(self, index: int, num_layers: int) -> tuple[str, Optional[float]]:
+        """``(position_embedding, rotary_base)`` of 0-based layer ``index``: ``("rope", None)``
+        (the model's RoPE) for S2 layers; the ``dense_layers`` settings for dense ones
+        (``"nope"``: no position encoding; a base: RoPE with that base instead of the model's)."""
+        if self.layer_settings(index, num_layers) is not None:
+            return "rope", None
+        return self.dense_position_embedding, self.dense_rotary_base
+
+    def has_position_levers(self) -> bool:
+        """Whether dense layers differ from the model's RoPE (NoPE or their own base)."""
+        return self.dense_position_embedding != "rope" or self.dense_rotary_base is not None
+
+    def layer_description(self, index: int, num_layers: int) -> dict[str, Any]:
+        """Everything the schedule sets for 0-based layer ``index``, as one comparable mapping:
+        the S2 settings and ``sinks`` of an S2 layer, the position encoding of a dense one
+        (what a resumed run compares with its checkpoint's schedule)."""
+        settings = self.layer_settings(index, num_layers)
+        if settings is None:
+            position, base = self.layer_position(index, num_layers)
+            return {"kind": "dense", "position_embedding": position, "rotary_base": base}
+        return {"kind": "S2", **settings, "sinks": self.sinks}
+
+    def describe_levers(self) -> str:
+        """The levers in words for the schedule table (empty when none is set)."""
+        parts = []
+        if self.dense_position_embedding == "nope":
+            parts.append("NoPE on the dense layers (no position encoding)")
+        elif self.dense_rotary_base is not None:
+            parts.append(
+                f"RoPE base {self.dense_rotary_base:g} on the dense layers (S2 layers: the model's)"
+            )
+        if self.sinks:
+            parts.append("learned attention sinks on the S2 layers")
+        return "; ".join(parts)
+
     def block_sizes(self, num_layers: int) -> list[int]:
         """The distinct block sizes of the S2 layers (empty for an all-dense model), ascending."""
         sizes = set()
@@ -399,6 +487,18 @@ class AttentionSchedule:
         # With groups < TP Megatron hands each rank one replicated KV head.
         rank_groups = max(groups, tp)
         dense = self.dense_layer_indices(num_layers)
+        # A lever on layers the model does not have would silently do nothing.
+        if self.has_position_levers() and not dense:
+            raise ScheduleError(
+                "attention.dense_layers.position_embedding / rotary_base apply to dense layers, "
+                f"and this schedule has none among the {num_layers} layers; add dense layers "
+                "(attention.dense_layers.pattern or indices) or remove the setting"
+            )
+        if self.sinks and len(dense) == num_layers:
+            raise ScheduleError(
+                "attention.s2.sinks applies to S2 layers, and every layer of this schedule is "
+                "dense; set attention.s2.sinks: false or make some layers S2"
+            )
         for k in self.overrides:
             idx = self._resolve(k, num_layers, f"attention.overrides.{k}")
             if idx in dense:
@@ -494,6 +594,9 @@ class AttentionSchedule:
         widths = [max(len(r[c]) for r in rows + [header]) for c in range(len(header))]
         fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
         lines = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+        levers = self.describe_levers()
+        if levers:
+            lines.append(f"levers: {levers}")
         if seq_length:
             total = sum(pairs) / (causal * num_layers)
             lines.append(
@@ -525,6 +628,31 @@ class AttentionSchedule:
 
     def copy(self) -> AttentionSchedule:
         return copy.deepcopy(self)
+
+
+def _dense_position(dense: Mapping, where: str) -> tuple[str, Optional[float]]:
+    """``(position_embedding, rotary_base)`` of a ``dense_layers`` mapping, checked; errors
+    name ``where.key`` and the allowed values."""
+    position = dense.get("position_embedding", "rope")
+    if position not in POSITION_EMBEDDINGS:
+        raise ScheduleError(
+            f"{where}.position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)} "
+            f"(rope: rotary embeddings; nope: no position encoding), got {position!r}"
+        )
+    base = dense.get("rotary_base")
+    if base is None:
+        return position, None
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+        raise ScheduleError(
+            f"{where}.rotary_base must be a number > 0 (the dense layers' RoPE base) or null "
+            f"(the model's), got {base!r}"
+        )
+    if position != "rope":
+        raise ScheduleError(
+            f"{where}.rotary_base ({base}) needs {where}.position_embedding: rope; with "
+            f"{position!r} the dense layers have no rotary embedding"
+        )
+    return position, float(base)
 
 
 def coverage_length(pattern: S2Pattern) -> int:

@@ -26,7 +26,7 @@ from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -41,7 +41,12 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from .attention import FusedDenseAttention, S2CoreAttention, ScheduledCoreAttention
+from .attention import (
+    FusedDenseAttention,
+    S2CoreAttention,
+    S2SelfAttention,
+    ScheduledCoreAttention,
+)
 from .config import s2_settings_of
 from .norm import SPNorm
 
@@ -149,15 +154,27 @@ def _flavour_modules(use_te: bool, qk_layernorm: bool, what: str) -> _FlavourMod
     )
 
 
-def _layer_spec(core_attention, use_te: bool, qk_layernorm: bool) -> ModuleSpec:
+def self_attention_params(scheduled=None, rotary: Optional[dict] = None) -> dict:
+    """``params`` of the :class:`~megatron_s2.attention.S2SelfAttention` spec: causal masks, the
+    core-attention builder that maps layer numbers to the schedule (``scheduled``; None:
+    :class:`ScheduledCoreAttention`) and the model's rotary options (``rotary``:
+    :data:`megatron_s2.attention.ROTARY_KWARGS`) for the dense layers' own RoPE base."""
+    return {"attn_mask_type": AttnMaskType.causal, "scheduled": scheduled, "rotary": rotary}
+
+
+def _layer_spec(
+    core_attention, use_te: bool, qk_layernorm: bool, rotary: Optional[dict] = None
+) -> ModuleSpec:
     m = _flavour_modules(use_te, qk_layernorm, "S2 TE layer spec")
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=m.in_norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                # SelfAttention with the schedule's position encoding per layer (NoPE or another
+                # RoPE base on dense layers); plain SelfAttention for every other layer.
+                module=S2SelfAttention,
+                params=self_attention_params(rotary=rotary),
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=m.qkv,
                     core_attention=core_attention,
@@ -202,6 +219,7 @@ def get_s2_decoder_block_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
     qk_layernorm: bool = False,
+    rotary: Optional[dict] = None,
 ) -> TransformerBlockSubmodules:
     """``TransformerBlockSubmodules`` for this pipeline (and virtual pipeline) stage.
 
@@ -209,13 +227,15 @@ def get_s2_decoder_block_spec(
     flavour's dense attention otherwise; the stage's slice follows Megatron's own layer
     assignment (``pipeline_model_parallel_layout`` or the uniform/uneven split), so layer ``i`` of
     a stage is global layer ``offset + i``. The final norm matches the flavour (SP-capable).
+    ``rotary``: the model's rotary options (:data:`megatron_s2.attention.ROTARY_KWARGS`), for
+    dense layers with their own RoPE base (``attention.dense_layers.rotary_base``).
     """
     if use_te:
         _require_te("get_s2_decoder_block_spec(use_te=True)")
     dense = TEDotProductAttention if use_te else FusedDenseAttention
     schedule = s2_settings_of(config).schedule
     specs = [
-        _layer_spec(dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm)
+        _layer_spec(dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm, rotary)
         for kind in schedule.layer_kinds(config.num_layers)
     ]
 

@@ -638,13 +638,15 @@ def load_checkpoint(
     sd = _sharded_state_dict(
         model, optimizer, is_loading=True, with_optimizer=load_optimizer, with_rng=same_model_layout
     )
+    fresh = _parameters_new_to_checkpoint(sd, path, load_optimizer)
     # With fp32 parameters the optimizer's main params are views of leaf tensors that require
     # grad: every in-place copy of the load must run without autograd.
     try:
         with torch.no_grad():
             state = dist_checkpointing.load(sd, path)
             for key, chunk in zip(_model_keys(len(model)), model):
-                _unwrap(chunk).load_state_dict(state[key], strict=True)
+                # Parameters the checkpoint lacks keep their initial values (strict otherwise).
+                _unwrap(chunk).load_state_dict(state[key] | fresh.get(key, {}), strict=True)
             if load_optimizer:
                 optimizer.load_state_dict(state["optimizer"])
                 _restore_adam_steps(optimizer)
@@ -672,6 +674,59 @@ def load_checkpoint(
     if same_model_layout and state.get("rng_state") is not None:
         _set_rng_state(state["rng_state"])
     return int(state["iteration"]), int(state["consumed_samples"])
+
+
+# Parameters a run may add to another run's weights, by the end of their state-dict names: a lever
+# turned on when a run starts from a checkpoint trained without it (attention.s2.sinks, e.g. on
+# the dense -> S2 hybrid extension). They start at their initial values; any other parameter
+# the checkpoint lacks is still an error.
+NEW_PARAMETER_SUFFIXES = (".sinks",)
+
+
+def _parameters_new_to_checkpoint(sd: dict, path: str, load_optimizer: bool) -> dict:
+    """Take the parameters of :data:`NEW_PARAMETER_SUFFIXES` that the checkpoint at ``path``
+    lacks out of ``sd`` (the sharded state dict to load) and return them, ``{model key:
+    {state-dict name: tensor}}``, so that the model keeps their initial values; logged. Raises
+    ``ValueError`` where the optimizer state is to be loaded too: it has no state for them."""
+    from megatron.core import dist_checkpointing
+
+    candidates = [
+        (key, name)
+        for key in sd
+        if key.startswith("model")
+        for name in sd[key]
+        if name.endswith(NEW_PARAMETER_SUFFIXES)
+    ]
+    if not candidates:
+        return {}
+    saved = dist_checkpointing.load_tensors_metadata(path)
+    fresh: dict = {}
+    for key, name in candidates:
+        tensor = sd[key][name]
+        if getattr(tensor, "key", name) in saved:
+            continue
+        fresh.setdefault(key, {})[name] = tensor.data
+        del sd[key][name]
+    if not fresh:
+        return {}
+    names = sorted({n for part in fresh.values() for n in part})
+    if load_optimizer:
+        raise ValueError(
+            f"checkpoint {path} has no {', '.join(sorted(set(NEW_PARAMETER_SUFFIXES)))} "
+            f"parameters ({len(names)} of this model's, e.g. {names[0]}: a setting that adds "
+            f"them, attention.s2.sinks, is on now and was off there), so its optimizer state "
+            f"cannot be loaded; start from its weights with checkpoint.load_optimizer=false"
+        )
+    # A warning: the run's log shows it (a lever's parameters not loaded is worth seeing).
+    logger.warning(
+        "checkpoint %s has no %s: these %d parameters start at their initial values (%s%s)",
+        path,
+        ", ".join(NEW_PARAMETER_SUFFIXES),
+        len(names),
+        ", ".join(names[:3]),
+        ", ..." if len(names) > 3 else "",
+    )
+    return fresh
 
 
 @dataclass(frozen=True)

@@ -1210,8 +1210,10 @@ def _attention_changes(saved: dict, cfg: RunConfig) -> list:
     n = cfg.model.num_layers
     try:
         old, new = schedule(saved.get("attention")), schedule(cfg.attention)
-        if [old.layer_settings(i, n) for i in range(n)] == [
-            new.layer_settings(i, n) for i in range(n)
+        # layer_description: the S2 pattern settings and the levers (sinks, the dense layers'
+        # position encoding), so a change of either is seen like any other attention change.
+        if [old.layer_description(i, n) for i in range(n)] == [
+            new.layer_description(i, n) for i in range(n)
         ]:
             return []
         a, b = old.to_dict(), new.to_dict()

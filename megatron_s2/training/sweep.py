@@ -168,9 +168,10 @@ def _attention_key(parts: list, key: str, where: str) -> None:
     """Check the part of a dotted key inside ``attention`` against the schedule's schema."""
     from s2attn.pattern import S2Pattern
 
-    from ..schedule import DENSE_LAYER_KEYS, SCHEDULE_KEYS
+    from ..schedule import DENSE_LAYER_KEYS, S2_LAYER_KEYS, SCHEDULE_KEYS
 
     settings = S2Pattern.setting_names()
+    s2_keys = (*settings, *S2_LAYER_KEYS)  # sinks: under s2 only, not per override
 
     def bad(allowed, upto):
         raise StudyError(
@@ -183,8 +184,8 @@ def _attention_key(parts: list, key: str, where: str) -> None:
     if parts[0] not in SCHEDULE_KEYS:
         bad(SCHEDULE_KEYS, 1)
     if parts[0] == "s2" and len(parts) > 1:
-        if parts[1] not in settings or len(parts) > 2:
-            bad(settings, 2)
+        if parts[1] not in s2_keys or len(parts) > 2:
+            bad(s2_keys, 2)
     elif parts[0] == "dense_layers" and len(parts) > 1:
         if parts[1] not in DENSE_LAYER_KEYS or len(parts) > 2:
             bad(DENSE_LAYER_KEYS, 2)

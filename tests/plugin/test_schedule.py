@@ -141,7 +141,17 @@ def test_shipped_examples_exist():
     names = {
         os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "attention", "*.yaml"))
     }
-    assert {"phi3_small.yaml", "all_s2.yaml", "ablation_overrides.yaml"} <= names
+    assert {
+        "phi3_small.yaml",
+        "all_s2.yaml",
+        "ablation_overrides.yaml",
+        "retrieval_levers.yaml",
+    } <= names
+    levers = AttentionSchedule.from_yaml(
+        os.path.join(REPO, "configs", "attention", "retrieval_levers.yaml")
+    )
+    assert levers.sinks and levers.layer_position(3, 8) == ("nope", None)
+    assert levers.layer_position(0, 8) == ("rope", None)
     phi3 = AttentionSchedule.from_yaml(
         os.path.join(REPO, "configs", "attention", "phi3_small.yaml")
     )
