@@ -408,6 +408,12 @@ def test_example_study_loads():
         ("code-125m-4k-base", 2),
         ("code-125m-extend-16k", 3),
         ("code-125m-extend-16k-remedies", 5),
+        ("code-125m-16k-seeds-100m", 12),
+        ("code-125m-16k-stride-window", 20),
+        ("code-125m-4k-seeds", 12),
+        ("retrieval-125m-4k-probe", 4),
+        ("retrieval-125m-4k-base", 18),
+        ("retrieval-125m-extend-32k", 18),
     ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
@@ -430,3 +436,9 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
     # every point at equal tokens, but for the remedies' longer extension (a remedy of its own)
     assert len(tokens) == (2 if name.endswith("remedies") else 1)
     assert {p.config.data.split for p in study.points} == {"100,3,0"}
+    if name == "retrieval-125m-extend-32k":
+        # each extension loads the base run of its own arm and seed
+        for p in study.points:
+            assert p.config.checkpoint.load_dir == (
+                f"sweeps/retrieval-125m-4k-base/runs/{p.name}/checkpoints"
+            )
