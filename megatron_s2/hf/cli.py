@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument(
         "--s2-settings",
         default=None,
-        help="S2 settings (attention.s2) as a YAML mapping, e.g. '{block_size: 64, vert_stride: 8}'",
+        help="S2 settings (attention.s2) as a YAML mapping, e.g. '{block_size: 64}'",
     )
     imp.add_argument(
         "--transformer-impl",
@@ -109,7 +109,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "import":
             s2 = yaml.safe_load(args.s2_settings) if args.s2_settings else None
             if s2 is not None and not isinstance(s2, dict):
-                raise HFConfigError(f"--s2-settings must be a YAML mapping, got {args.s2_settings!r}")
+                raise HFConfigError(
+                    f"--s2-settings must be a YAML mapping, got {args.s2_settings!r}"
+                )
             plan = convert.plan_import(
                 args.hf_dir,
                 args.out_dir,

@@ -217,8 +217,7 @@ def plan_import(
     has_tokenizer = "tokenizer.json" in tokenizer_files
     run = {
         "name": name or hf_dir.name,
-        "model": dict(settings)
-        | {"seq_length": seq_length, "transformer_impl": transformer_impl},
+        "model": dict(settings) | {"seq_length": seq_length, "transformer_impl": transformer_impl},
         "attention": _attention_section(s2_pattern, s2_settings),
         "data": {"tokenizer": str(out_dir / "hf") if has_tokenizer else "byte"},
         "checkpoint": {
@@ -240,11 +239,18 @@ def plan_import(
 
 def _start_cpu_world():
     """CPU mode, a gloo world of one and Megatron's groups at TP=PP=1 (this process only)."""
+    from megatron.core import parallel_state as ps
+
     from ..training.build import Runtime
     from ..training.parallel import DistributedEnv
     from ..training.run_config import ParallelConfig
 
     runtime = Runtime(env=DistributedEnv(), gpu=False, bf16=False)
+    if torch.distributed.is_initialized() and ps.model_parallel_is_initialized():
+        # A second conversion in this process (tests, scripts): the world of one is up.
+        if torch.distributed.get_world_size() != 1 or ps.get_tensor_model_parallel_world_size() > 1:
+            raise RuntimeError("megatron_s2.hf converts in a world of one process (TP=PP=1)")
+        return runtime
     runtime.start(ParallelConfig(), seed=0)
     return runtime
 
@@ -501,7 +507,10 @@ def run_export(plan: ExportPlan) -> list[str]:
     model_section = dict(run["model"]) | {"vocab_size": settings["vocab_size"]}
     parts, chunk = _build(model_section, settings["vocab_size"], runtime)
     load_weights(parts, plan.root, plan.iteration)
-    hf = {k: t.detach().to(plan.dtype) for k, t in megatron_to_hf(_weights_of(chunk), settings).items()}
+    hf = {
+        k: t.detach().to(plan.dtype)
+        for k, t in megatron_to_hf(_weights_of(chunk), settings).items()
+    }
     template = plan.template
     seq = int(run["model"].get("seq_length") or 0)
     max_pos = max(seq, int((template or {}).get("max_position_embeddings") or 0)) or None

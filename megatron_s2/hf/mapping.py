@@ -92,8 +92,8 @@ def _rope(config: Mapping, where: str) -> dict:
         wrong = {k: v for k, v in fixed.items() if v != LLAMA3_FIXED[k]}
         if wrong or factor <= 1.0:
             raise HFConfigError(
-                f"{where}: rope scaling 'llama3' with {wrong or {'factor': factor}}: Megatron-core's "
-                f"Llama 3 scaling has factor > 1 and fixed {LLAMA3_FIXED}"
+                f"{where}: rope scaling 'llama3' with {wrong or {'factor': factor}}: "
+                f"Megatron-core's Llama 3 scaling has factor > 1 and fixed {LLAMA3_FIXED}"
             )
         return out | {"rope_scaling": "llama3", "rope_scaling_factor": factor}
     raise HFConfigError(
@@ -127,7 +127,11 @@ def model_settings(config: Mapping, where: str = "config.json") -> dict:
     if uses_window or layer_types != {"full_attention"}:
         raise HFConfigError(
             f"{where}: sliding-window attention (sliding_window={window}"
-            + (f", use_sliding_window={config.get('use_sliding_window')}" if family == "qwen2" else "")
+            + (
+                f", use_sliding_window={config.get('use_sliding_window')}"
+                if family == "qwen2"
+                else ""
+            )
             + f", layer_types={sorted(layer_types)}) is not supported: every layer must attend "
             f"to the whole context (sliding_window must be null)"
         )
@@ -178,7 +182,11 @@ def hf_shapes(settings: Mapping) -> dict[str, tuple[int, ...]]:
     """``{Hugging Face tensor name: shape}`` of a model with the run-config ``settings``
     (:func:`model_settings`); ``lm_head.weight`` only when the embeddings are untied."""
     h, d = settings["hidden_size"], _head_dim(settings)
-    q, g, f = settings["num_attention_heads"], settings["num_query_groups"], settings["ffn_hidden_size"]
+    q, g, f = (
+        settings["num_attention_heads"],
+        settings["num_query_groups"],
+        settings["ffn_hidden_size"],
+    )
     v = settings["vocab_size"]
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if settings["untie_embeddings_and_output_weights"]:
