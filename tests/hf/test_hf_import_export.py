@@ -354,3 +354,49 @@ def test_nonempty_out_dir_is_refused_and_the_cli_exits_2(llama_dir, tmp_path, ca
     assert hf_main(["import", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == EXIT_BAD_INPUT
     assert "is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
+
+
+# ---- the Llama-3.2-1B extension example ----------------------------------------------------------
+
+# Llama-3.2-1B's config.json, the keys the import reads (the published values).
+LLAMA_32_1B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+EXAMPLE = os.path.join(REPO, "configs", "extend", "llama-3.2-1b-s2-32k.yaml")
+
+
+def test_llama_32_1b_example_has_the_imported_shape_and_loads(capsys):
+    from megatron_s2.training import cli
+    from megatron_s2.training.run_config import load_config
+
+    cfg = load_config(EXAMPLE)
+    imported = model_settings(LLAMA_32_1B)
+    model = cfg.model
+    for key, value in imported.items():
+        assert getattr(model, key) == value, key
+    assert model.seq_length == 32768 and cfg.schedule().layer_kinds(16).count("dense") == 8
+    assert cfg.checkpoint.load_dir and cfg.checkpoint.reset_iteration
+    assert not cfg.checkpoint.load_optimizer
+    # The trainer's own check of the whole config (fp32: this machine has no GPU).
+    assert cli.main(["--config", EXAMPLE, "--print-config", "train.precision=fp32"]) == 0
+    assert "llama-3.2-1b-s2-32k" in capsys.readouterr().out
