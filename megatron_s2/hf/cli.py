@@ -135,6 +135,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "import":
         run_yaml = convert.run_import(plan)
         print(f"{PREFIX} imported {plan.hf_dir} -> {plan.out_dir}")
+        if plan.run_config["data"]["tokenizer"] == "byte":
+            print(
+                f"{PREFIX} note: {plan.hf_dir} has no tokenizer.json, so run.yaml's data.tokenizer "
+                f"is 'byte'; set data.tokenizer to the model's tokenizer (the data must be "
+                f"tokenized with it)"
+            )
         print(f"{PREFIX} train with: megatron-s2-train --config {run_yaml} data.blend=[...]")
     else:
         files = convert.run_export(plan)
