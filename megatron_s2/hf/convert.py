@@ -264,7 +264,11 @@ def _build(model_section: dict, vocab: int, runtime):
     # The model is built with the local spec whatever the run config says: its checkpoint keys
     # are the TE spec's too (megatron_s2.specs), and TE may not be installed here.
     # (and every layer dense: the S2 layers have the same weights, and no forward runs here).
-    model = dataclasses.replace(model, transformer_impl="local", dense_attention="auto")
+    # GPTModel whatever model.model_class says: the mapping speaks its state-dict names, and its
+    # checkpoints load into the HybridModel twin and back (megatron_s2.model).
+    model = dataclasses.replace(
+        model, transformer_impl="local", dense_attention="auto", model_class="gpt"
+    )
     cfg = RunConfig(model=model, attention=None)
     parts = build_run(model, ParallelConfig(), cfg.schedule(), vocab, runtime)
     (chunk,) = parts.model

@@ -74,10 +74,14 @@ def _config(family: str, **kw):
         cls = transformers.LlamaConfig
     elif family == "mistral":
         # A head size that is not hidden / heads (Megatron's kv_channels).
-        base |= dict(head_dim=16, sliding_window=None, rope_theta=1e6)
+        base |= dict(head_dim=16, sliding_window=None, rope_theta=1e6, rms_norm_eps=1e-6)
         cls = transformers.MistralConfig
     else:
-        base |= dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
+        # A large norm epsilon, so that a lost model.norm_epsilon shows in the logits.
+        base |= dict(
+            rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+            rms_norm_eps=0.05,
+        )
         cls = transformers.Qwen2Config
     return cls(**(base | kw))
 
