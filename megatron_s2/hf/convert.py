@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +36,7 @@ from .mapping import (
     dtype_name,
     hf_config,
     hf_shapes,
-    hf_to_megatron,
+    iter_hf_to_megatron,
     megatron_to_hf,
     model_settings,
     nbytes,
@@ -277,6 +278,26 @@ def _build(model_section: dict, vocab: int, runtime):
     return parts, chunk
 
 
+class _LazyTensors(Mapping):
+    """``{name: tensor}`` of a :func:`read_tensor_index`, each read from its file on access."""
+
+    def __init__(self, index: dict):
+        self.index = index
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.index[name][0]
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
 def _weights_of(chunk) -> dict[str, torch.Tensor]:
     return {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
 
@@ -294,29 +315,23 @@ RUN_YAML_HEADER = """\
 def run_import(plan: ImportPlan) -> Path:
     """Write the checkpoint, ``run.yaml`` and ``hf/`` of a checked :class:`ImportPlan`; returns
     the run.yaml path. Starts Megatron in CPU mode in this process."""
-    from safetensors import safe_open
 
     from ..training.checkpointing import save_checkpoint
 
     runtime = _start_cpu_world()
     settings = plan.settings
     parts, chunk = _build(plan.run_config["model"], settings["vocab_size"], runtime)
-    hf = {}
-    for name, (path, _, _) in plan.index.items():
-        if name in hf_shapes(settings):
-            with safe_open(str(path), framework="pt") as f:
-                hf[name] = f.get_tensor(name)
-    meg = hf_to_megatron(hf, settings)
     own = _weights_of(chunk)
-    missing, unexpected = sorted(set(own) - set(meg)), sorted(set(meg) - set(own))
-    if missing or unexpected:
-        raise RuntimeError(
-            f"internal: the mapped state dict does not fit the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
+    done = set()
     with torch.no_grad():
-        for k, t in meg.items():
+        # One tensor at a time, read from its file when the mapping asks for it.
+        for k, t in iter_hf_to_megatron(_LazyTensors(plan.index), settings):
+            if k not in own:
+                raise RuntimeError(f"internal: the mapped tensor {k} is not in the model")
             own[k].copy_(t)
+            done.add(k)
+    if done != set(own):
+        raise RuntimeError(f"internal: model tensors left unset: {sorted(set(own) - done)[:3]}")
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
     hf_out = out / "hf"

@@ -17,7 +17,7 @@ Layouts (``h`` hidden size, ``d`` head size, ``q`` query heads, ``g`` KV groups,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "model_settings",
     "hf_shapes",
     "hf_to_megatron",
+    "iter_hf_to_megatron",
     "megatron_to_hf",
     "te_names",
     "local_names",
@@ -230,37 +231,52 @@ def _split_qkv(qkv: torch.Tensor, heads: int, groups: int, d: int):
     return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
 
 
+def iter_hf_to_megatron(
+    hf: Mapping[str, torch.Tensor], settings: Mapping
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(local-spec Megatron name, tensor)`` pairs of the Hugging Face tensors ``hf``, one at a
+    time: each reads only the ``hf`` entries it needs, so ``hf`` may load lazily and a large
+    model never has to be in memory twice."""
+    g = settings["num_query_groups"]
+    embedding = hf["model.embed_tokens.weight"]
+    if embedding.shape[0] != settings["vocab_size"]:
+        raise ValueError(
+            f"model.embed_tokens.weight has {embedding.shape[0]} rows, the vocabulary "
+            f"{settings['vocab_size']}"
+        )
+    yield "embedding.word_embeddings.weight", embedding
+    yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
+    if settings["untie_embeddings_and_output_weights"]:
+        yield "output_layer.weight", hf["lm_head.weight"]
+    for i in range(settings["num_layers"]):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = p + "self_attn."
+        yield m + "input_layernorm.weight", hf[p + "input_layernorm.weight"]
+        yield (
+            m + "self_attention.linear_qkv.weight",
+            _fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], g),
+        )
+        if settings.get("add_qkv_bias"):
+            yield (
+                m + "self_attention.linear_qkv.bias",
+                _fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], g),
+            )
+        yield m + "self_attention.linear_proj.weight", hf[a + "o_proj.weight"]
+        yield m + "pre_mlp_layernorm.weight", hf[p + "post_attention_layernorm.weight"]
+        yield (
+            m + "mlp.linear_fc1.weight",
+            torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0),
+        )
+        yield m + "mlp.linear_fc2.weight", hf[p + "mlp.down_proj.weight"]
+
+
 def hf_to_megatron(
     hf: Mapping[str, torch.Tensor], settings: Mapping, transformer_impl: str = "local"
 ) -> dict[str, torch.Tensor]:
     """The Megatron ``GPTModel`` state dict (unsharded: TP=PP=1, every layer in one chunk) of
     the Hugging Face tensors ``hf``; ``transformer_impl`` ``"transformer_engine"`` gives the TE
     spec's names (:func:`te_names`). Tensors keep their dtype; fused ones are new tensors."""
-    g, v = settings["num_query_groups"], settings["vocab_size"]
-    out = {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if settings["untie_embeddings_and_output_weights"]:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    assert out["embedding.word_embeddings.weight"].shape[0] == v
-    for i in range(settings["num_layers"]):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = p + "self_attn."
-        out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], g
-        )
-        if settings.get("add_qkv_bias"):
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], g
-            )
-        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
-        )
-        out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+    out = dict(iter_hf_to_megatron(hf, settings))
     if transformer_impl == "transformer_engine":
         out = dict(zip(te_names(out), out.values()))
     return out
