@@ -4,9 +4,11 @@ Run as ``python -m tests.hf.hf_worker convert DIR...`` (one process: for every `
 imports to ``DIR/imported``, writes our logits at TP=PP=1 to ``DIR/ours_tp1_pp1.pt`` for the
 tokens in ``DIR/tokens.pt``, exports to ``DIR/exported``) or ``python -m tests.hf.hf_worker
 layouts DIR...`` (two gloo processes: the logits at TP=2 and at PP=2 from the imported
-checkpoint, ``DIR/ours_tp2_pp1.pt`` and ``DIR/ours_tp1_pp2.pt``). CPU mode patches torch for
-the whole process, hence the subprocesses; the reference logits come from ``transformers`` in
-the test process.
+checkpoint, ``DIR/ours_tp2_pp1.pt`` and ``DIR/ours_tp1_pp2.pt``, and the weights saved at those
+layouts, ``DIR/saved_tp2_pp1``, ``DIR/saved_tp1_pp2``), or ``... export DIR...`` (one process:
+those saved checkpoints exported, ``DIR/exported_tp2_pp1``, ``DIR/exported_tp1_pp2``). CPU
+mode patches torch for the whole process, hence the subprocesses; the reference logits come
+from ``transformers`` in the test process.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ def _unwrap(chunk):
     return chunk
 
 
-def our_logits(run_yaml: str, tokens: torch.Tensor, tp: int, pp: int) -> torch.Tensor:
+def our_logits(
+    run_yaml: str, tokens: torch.Tensor, tp: int, pp: int, save_to: str | None = None
+) -> torch.Tensor:
     """Logits ``[b, s, vocab]`` of the imported checkpoint named by ``run_yaml``, loaded at
     TP=``tp``, PP=``pp`` over the running world (collective; rank 0 of the last stage returns
-    them, other ranks None)."""
+    them, other ranks None). ``save_to``: also save the loaded weights there, at this layout
+    (a weights-only checkpoint, as the import writes)."""
     from megatron.core import parallel_state as ps
 
     from megatron_s2.training.build import Runtime, build_run, load_weights
@@ -50,6 +55,20 @@ def our_logits(run_yaml: str, tokens: torch.Tensor, tp: int, pp: int) -> torch.T
     runtime = Runtime(env=DistributedEnv(), gpu=False, bf16=False)
     parts = build_run(cfg.model, cfg.parallel, cfg.schedule(), cfg.model.vocab_size, runtime)
     load_weights(parts, cfg.checkpoint.load_dir, 0)
+    if save_to is not None:
+        from megatron_s2.training.checkpointing import read_checkpoint_config, save_checkpoint
+
+        saved, vocab = read_checkpoint_config(os.path.join(cfg.checkpoint.load_dir, "iter_0000000"))
+        save_checkpoint(
+            save_to,
+            0,
+            parts.model,
+            None,
+            None,
+            consumed_samples=0,
+            config=saved,
+            extra={"padded_vocab_size": vocab},
+        )
     (chunk,) = [_unwrap(c) for c in parts.model]
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
@@ -101,7 +120,8 @@ def _layouts(rank: int, port: int, dirs: list[str]) -> None:
     for d in dirs:
         tokens = torch.load(os.path.join(d, "tokens.pt"))
         for tp, pp in ((2, 1), (1, 2)):
-            out = our_logits(os.path.join(d, "imported", "run.yaml"), tokens, tp, pp)
+            save_to = os.path.join(d, f"saved_tp{tp}_pp{pp}")
+            out = our_logits(os.path.join(d, "imported", "run.yaml"), tokens, tp, pp, save_to)
             if out is not None:
                 torch.save(out, os.path.join(d, f"ours_tp{tp}_pp{pp}.pt"))
     torch.distributed.destroy_process_group()
@@ -112,6 +132,15 @@ if __name__ == "__main__":
     mode, *paths = sys.argv[1:]
     if mode == "convert":
         convert(paths)
+    elif mode == "export":
+        from megatron_s2.hf import convert as conv
+
+        for d in paths:  # the checkpoints the layouts saved, each exported in this one process
+            for layout in ("tp2_pp1", "tp1_pp2"):
+                plan = conv.plan_export(
+                    os.path.join(d, f"saved_{layout}"), os.path.join(d, f"exported_{layout}")
+                )
+                conv.run_export(plan)
     else:
         from tests.helpers.megatron import free_port
 

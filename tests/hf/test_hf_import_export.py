@@ -157,13 +157,22 @@ def test_logits_equal_transformers(families, family):
 
 
 @pytest.mark.slow
-def test_logits_equal_transformers_at_tp2_and_pp2(families):
+def test_logits_equal_transformers_at_tp2_and_pp2_and_those_checkpoints_export(families):
     _run("-m", "tests.hf.hf_worker", "layouts", *map(str, families.values()))
     for family, d in families.items():
         ref = torch.load(d / "ref.pt")
         for layout in ("tp2_pp1", "tp1_pp2"):
             ours = torch.load(d / f"ours_{layout}.pt")
             torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{family} {layout}")
+    # Checkpoints saved at TP=2 and at PP=2 export to the same tensors (Megatron reshards).
+    _run("-m", "tests.hf.hf_worker", "export", *map(str, families.values()))
+    for family, d in families.items():
+        before = _tensors(d / "hf")
+        for layout in ("tp2_pp1", "tp1_pp2"):
+            after = _tensors(d / f"exported_{layout}")
+            assert sorted(after) == sorted(before), (family, layout)
+            for k, t in before.items():
+                assert after[k].dtype == t.dtype and torch.equal(after[k], t), (family, layout, k)
 
 
 @pytest.mark.slow
