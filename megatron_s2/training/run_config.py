@@ -720,6 +720,13 @@ def _check_model_split(cfg: RunConfig) -> None:
             f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
             f"by parallel.tensor_model_parallel_size ({tp})"
         )
+    if m.vocab_size is not None and m.vocab_size % tp:
+        # Megatron splits the embedding and output layer by vocabulary rows over the TP ranks.
+        raise ConfigError(
+            f"model.vocab_size ({m.vocab_size}) must be divisible by "
+            f"parallel.tensor_model_parallel_size ({tp}): the embedding is split by rows "
+            f"(leave model.vocab_size unset to pad the tokenizer's vocabulary)"
+        )
     if m.num_layers % p.pipeline_chunks:
         raise ConfigError(
             f"model.num_layers ({m.num_layers}) must be divisible by the number of "

@@ -314,6 +314,13 @@ def test_qkv_bias_and_norm_epsilon_on_resume_and_in_the_model_config():
             load_config(None, [f"model.norm_epsilon={bad}"])
 
 
+def test_explicit_vocab_size_must_split_over_tensor_parallel_ranks():
+    """An exact vocabulary (an imported model's) splits by rows over the TP ranks."""
+    load_config(None, ["model.vocab_size=384", "parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(385\) must be divisible by"):
+        load_config(None, ["model.vocab_size=385", "parallel.tensor_model_parallel_size=2"])
+
+
 TE = "model.transformer_impl=transformer_engine"
 
 
