@@ -17,7 +17,15 @@ import torch
 from megatron_s2.hf import convert
 from megatron_s2.hf.cli import EXIT_BAD_INPUT
 from megatron_s2.hf.cli import main as hf_main
-from megatron_s2.hf.mapping import HFConfigError, hf_config, local_names, model_settings, te_names
+from megatron_s2.hf.mapping import (
+    HFConfigError,
+    hf_config,
+    hf_to_megatron,
+    local_names,
+    megatron_to_hf,
+    model_settings,
+    te_names,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -413,3 +421,39 @@ def test_llama_32_1b_example_has_the_imported_shape_and_loads(capsys):
     # The trainer's own check of the whole config (fp32: this machine has no GPU).
     assert cli.main(["--config", EXAMPLE, "--print-config", "train.precision=fp32"]) == 0
     assert "llama-3.2-1b-s2-32k" in capsys.readouterr().out
+
+
+def test_s2_pattern_goes_into_run_yaml(llama_dir, tmp_path):
+    plan = convert.plan_import(
+        llama_dir, tmp_path / "out", s2_pattern="DS", s2_settings={"block_size": 16}
+    )
+    assert plan.run_config["attention"] == {
+        "dense_layers": {"pattern": "DS"},
+        "s2": {"block_size": 16},
+    }
+    assert not (tmp_path / "out").exists()  # a plan writes nothing
+
+
+def test_te_import_names(llama_dir):
+    index = convert.read_tensor_index(llama_dir)
+    settings = model_settings(json.loads((llama_dir / "config.json").read_text()))
+    hf = {k: torch.zeros(s) for k, (_, s, _) in index.items()}
+    local = hf_to_megatron(hf, settings)
+    te = hf_to_megatron(hf, settings, transformer_impl="transformer_engine")
+    assert list(te) == te_names(local) and "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in te
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" not in te
+    assert megatron_to_hf(te, settings).keys() == megatron_to_hf(local, settings).keys()
+
+
+def test_export_refuses_bad_input(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert hf_main(["export", str(empty), str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    assert "no intact checkpoint" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    assert hf_main(["export", str(empty), str(busy)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "OUT_HF_DIR" in err and "not empty" in err
+    assert not (tmp_path / "out").exists()
