@@ -70,6 +70,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_FORMAT = "dp_reshardable"
 # The parallel sizes that shard the model (and so the optimizer state); DP is not among them.
 MODEL_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp")
+# The optimizer format of a checkpoint that holds the model weights alone (no optimizer state,
+# no LR schedule): what megatron_s2.hf's import writes.
+WEIGHTS_ONLY = "none"
 
 
 # Bytes per parameter of the optimizer state in a checkpoint: Adam's two fp32 moments and the
@@ -478,6 +481,8 @@ def save_checkpoint(
 ) -> str:
     """Save a checkpoint of ``iteration`` (collective: call on every rank); return its path.
 
+    ``optimizer`` and ``scheduler`` None save the model weights alone (an imported model,
+    :mod:`megatron_s2.hf`): such a checkpoint loads with ``load_optimizer=False`` only.
     ``extra``: more common (unsharded) entries, e.g. the padded vocabulary size. Raises
     :class:`CheckpointError` (message: where, free space, last complete checkpoint) when the
     save fails; the tracker then still names the last complete checkpoint.
@@ -492,14 +497,17 @@ def save_checkpoint(
                 shutil.rmtree(path)
             os.makedirs(path)
         _barrier()
+        with_optimizer = optimizer is not None
         sd = _sharded_state_dict(
-            model, optimizer, is_loading=False, with_optimizer=True, with_rng=True
+            model, optimizer, is_loading=False, with_optimizer=with_optimizer, with_rng=True
         )
-        sd["opt_param_scheduler"] = scheduler.state_dict()
+        if scheduler is not None:
+            sd["opt_param_scheduler"] = scheduler.state_dict()
         sd["iteration"] = iteration
         sd["consumed_samples"] = consumed_samples
         sd["parallel"] = _parallel_layout()
-        sd["optimizer_format"] = OPTIMIZER_FORMAT
+        # "none": weights only; load_checkpoint's format check then asks for load_optimizer=false.
+        sd["optimizer_format"] = OPTIMIZER_FORMAT if with_optimizer else WEIGHTS_ONLY
         sd["config"] = config
         sd.update(extra or {})
         with helpers_ignore_stop_signals():

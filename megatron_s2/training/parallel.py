@@ -160,9 +160,11 @@ def transformer_config(
         kv_channels=model.kv_channels,
         ffn_hidden_size=model.ffn_size,
         normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,
         add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,
         # The S2 kernels have no attention dropout (Megatron's default is 0.1).

@@ -81,7 +81,11 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
     normalization: str = "RMSNorm"
+    # Epsilon of every RMSNorm/LayerNorm (Megatron's --norm-epsilon; Llama 3: 1e-5, Qwen2: 1e-6).
+    norm_epsilon: float = 1e-5
     swiglu: bool = True
+    # Biases on the query/key/value projection only (Megatron's --add-qkv-bias; Qwen2 has them).
+    add_qkv_bias: bool = False
     rotary_base: float = 10000.0
     # RoPE scaling for context extension, Megatron-core's GPTModel options: "none",
     # "position_interpolation" (positions divided by rope_scaling_factor) or "llama3" (Llama
@@ -152,6 +156,8 @@ class ModelConfig:
                 f"by model.num_query_groups ({groups})"
             )
         _one_of("model.normalization", self.normalization, ("RMSNorm", "LayerNorm"))
+        if not 0.0 < self.norm_epsilon < 1.0:
+            raise ConfigError(f"model.norm_epsilon must be in (0, 1), got {self.norm_epsilon}")
         _one_of("model.recompute", self.recompute, ("none", "selective", "full"))
         if self.rotary_base <= 0:
             raise ConfigError(f"model.rotary_base must be > 0, got {self.rotary_base}")
@@ -714,6 +720,13 @@ def _check_model_split(cfg: RunConfig) -> None:
             f"model.num_attention_heads ({m.num_attention_heads}) must be divisible "
             f"by parallel.tensor_model_parallel_size ({tp})"
         )
+    if m.vocab_size is not None and m.vocab_size % tp:
+        # Megatron splits the embedding and output layer by vocabulary rows over the TP ranks.
+        raise ConfigError(
+            f"model.vocab_size ({m.vocab_size}) must be divisible by "
+            f"parallel.tensor_model_parallel_size ({tp}): the embedding is split by rows "
+            f"(leave model.vocab_size unset to pad the tokenizer's vocabulary)"
+        )
     if m.num_layers % p.pipeline_chunks:
         raise ConfigError(
             f"model.num_layers ({m.num_layers}) must be divisible by the number of "
@@ -1079,6 +1092,7 @@ SHAPE_KEYS = (
     "model.ffn_hidden_size",
     "model.normalization",
     "model.swiglu",
+    "model.add_qkv_bias",
     "model.untie_embeddings_and_output_weights",
     # TE fuses the norms into the linears (other parameter names): not the same state dict.
     "model.transformer_impl",
@@ -1091,6 +1105,7 @@ MEANING_KEYS = (
     "model.rotary_base",
     "model.rope_scaling",
     "model.rope_scaling_factor",
+    "model.norm_epsilon",
     "data.tokenizer",
     "attention",
 )

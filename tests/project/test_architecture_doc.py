@@ -23,7 +23,8 @@ from tests.helpers import imports
 from tests.helpers.imports import PACKAGES, REPO, import_graph, module_files
 
 DOC = os.path.join(REPO, "docs", "architecture.md")
-APPLICATION = "megatron_s2.training"
+# The application's packages: the trainer, and the Hugging Face import/export beside it.
+APPLICATION = ("megatron_s2.training", "megatron_s2.hf")
 ARROW = re.compile(r"\s*(?:->|──►)\s*")
 HEADER = re.compile(r"^(?P<package>[\w.]+)\s+\((?P<folder>[\w/]+)\)$")
 
@@ -148,20 +149,20 @@ def test_every_import_between_the_modules_is_drawn():
     )
 
 
+def _in_application(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in APPLICATION)
+
+
 def test_the_layers_import_downwards_only():
     """The document's rule: s2attn imports nothing of megatron_s2, the plugin nothing of the
-    application (``megatron_s2.training``)."""
+    application (``megatron_s2.training``, ``megatron_s2.hf``)."""
     _, graph, _ = documented()
     up = sorted(
         f"{a} -> {b}"
         for a, targets in graph.items()
         for b in targets
         if (a.split(".")[0] == "s2attn" and b.split(".")[0] == "megatron_s2")
-        or (
-            a.split(".")[0] == "megatron_s2"
-            and not (a == APPLICATION or a.startswith(APPLICATION + "."))
-            and (b == APPLICATION or b.startswith(APPLICATION + "."))
-        )
+        or (a.split(".")[0] == "megatron_s2" and not _in_application(a) and _in_application(b))
     )
     assert not up, "imports against the layering of docs/architecture.md:\n" + "\n".join(up)
 

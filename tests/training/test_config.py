@@ -289,6 +289,38 @@ def test_transformer_impl_change_is_refused_on_resume():
     assert not resume_changes(old, load_config(None, []), own=True).refused
 
 
+def test_qkv_bias_and_norm_epsilon_on_resume_and_in_the_model_config():
+    """model.add_qkv_bias changes the state dict (refused on any resume); model.norm_epsilon
+    changes what the weights mean (refused on the run's own resume, listed from another run's
+    weights). Both reach Megatron's config (--add-qkv-bias, --norm-epsilon); a checkpoint that
+    predates them was written without QKV biases."""
+    from megatron_s2.training import parallel
+    from megatron_s2.training.run_config import resume_changes
+
+    old = load_config(None, []).to_dict()
+    new = load_config(None, ["model.add_qkv_bias=true", "model.norm_epsilon=1e-6"])
+    for own in (True, False):
+        changes = resume_changes(old, new, own=own)
+        assert [c.key for c in changes.refused if c.key == "model.add_qkv_bias"] == [
+            "model.add_qkv_bias"
+        ]
+        assert "model.norm_epsilon" in {c.key for c in (changes.refused if own else changes.noted)}
+    del old["model"]["add_qkv_bias"], old["model"]["norm_epsilon"]
+    assert [c.key for c in resume_changes(old, new, own=True).refused] == ["model.add_qkv_bias"]
+    tc = parallel.transformer_config(new.model, new.parallel, new.attention, bf16=False)
+    assert tc.add_qkv_bias and not tc.add_bias_linear and tc.layernorm_epsilon == 1e-6
+    for bad in ("0", "1.5", "-1e-5"):
+        with pytest.raises(ConfigError, match=r"model.norm_epsilon must be in \(0, 1\)"):
+            load_config(None, [f"model.norm_epsilon={bad}"])
+
+
+def test_explicit_vocab_size_must_split_over_tensor_parallel_ranks():
+    """An exact vocabulary (an imported model's) splits by rows over the TP ranks."""
+    load_config(None, ["model.vocab_size=384", "parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(385\) must be divisible by"):
+        load_config(None, ["model.vocab_size=385", "parallel.tensor_model_parallel_size=2"])
+
+
 TE = "model.transformer_impl=transformer_engine"
 
 

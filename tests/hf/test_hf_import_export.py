@@ -1,0 +1,459 @@
+"""megatron-s2-hf: tiny random Llama, Mistral and Qwen2 models made with ``transformers`` (no
+download) are imported; our model's logits equal ``transformers``' (fp32, TP=PP=1, TP=2, PP=2);
+import -> export gives back every tensor bit for bit; bad input is refused before anything is
+written; an imported model trains as an S2 hybrid and exports with its schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_s2.hf import convert
+from megatron_s2.hf.cli import EXIT_BAD_INPUT
+from megatron_s2.hf.cli import main as hf_main
+from megatron_s2.hf.mapping import (
+    HFConfigError,
+    hf_config,
+    hf_to_megatron,
+    local_names,
+    megatron_to_hf,
+    model_settings,
+    te_names,
+)
+
+transformers = pytest.importorskip("transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = (2, 64)
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("TRITON_INTERPRET", None)  # dense layers only: no kernels to interpret
+    env.pop("RANK", None)
+    return env
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _config(family: str, **kw):
+    """A tiny config of ``family``: 2 layers, hidden 64, 8 heads in 4 KV groups."""
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+    )
+    if family == "llama":
+        # Llama 3.2's RoPE: base 500k, llama3 scaling; tied embeddings.
+        base |= dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            max_position_embeddings=16384,
+            tie_word_embeddings=True,
+        )
+        cls = transformers.LlamaConfig
+    elif family == "mistral":
+        # A head size that is not hidden / heads (Megatron's kv_channels).
+        base |= dict(head_dim=16, sliding_window=None, rope_theta=1e6, rms_norm_eps=1e-6)
+        cls = transformers.MistralConfig
+    else:
+        # A large norm epsilon, so that a lost model.norm_epsilon shows in the logits.
+        base |= dict(
+            rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+            rms_norm_eps=0.05,
+        )
+        cls = transformers.Qwen2Config
+    return cls(**(base | kw))
+
+
+def _random_model(config):
+    """A model of ``config`` with O(1) random weights (norm weights around 1, biases nonzero),
+    so that a wrong mapping shows in the logits."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _tokenizer(path: str, vocab: int) -> None:
+    """A word-level tokenizer of ``vocab`` entries with ``</s>`` as end of document."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"</s>": 0} | {f"w{i}": i for i in range(1, vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>"}, f)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """``{family: dir}``: ``dir/hf`` the saved model (llama sharded, with a tokenizer),
+    ``dir/tokens.pt`` and ``dir/ref.pt`` transformers' logits; then the worker's imports,
+    logits and exports beside them."""
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for family in FAMILIES:
+        d = root / family
+        model = _random_model(_config(family))
+        shard = {"max_shard_size": "20KB"} if family == "llama" else {}
+        model.save_pretrained(d / "hf", **shard)
+        if family == "llama":
+            _tokenizer(str(d / "hf"), 256)
+        tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            ref = model(tokens).logits
+        torch.save(tokens, d / "tokens.pt")
+        torch.save(ref, d / "ref.pt")
+        dirs[family] = d
+    _run("-m", "tests.hf.hf_worker", "convert", *map(str, dirs.values()))
+    return dirs
+
+
+def _tensors(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out |= load_file(os.path.join(directory, name))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers(families, family):
+    d = families[family]
+    ours, ref = torch.load(d / "ours_tp1_pp1.pt"), torch.load(d / "ref.pt")
+    assert ours.shape == ref.shape == (*TOKENS, 256)
+    assert ref.abs().mean() > 0.1  # logits of O(1): a wrong mapping cannot hide in them
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_at_tp2_and_pp2_and_those_checkpoints_export(families):
+    _run("-m", "tests.hf.hf_worker", "layouts", *map(str, families.values()))
+    for family, d in families.items():
+        ref = torch.load(d / "ref.pt")
+        for layout in ("tp2_pp1", "tp1_pp2"):
+            ours = torch.load(d / f"ours_{layout}.pt")
+            torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{family} {layout}")
+    # Checkpoints saved at TP=2 and at PP=2 export to the same tensors (Megatron reshards).
+    _run("-m", "tests.hf.hf_worker", "export", *map(str, families.values()))
+    for family, d in families.items():
+        before = _tensors(d / "hf")
+        for layout in ("tp2_pp1", "tp1_pp2"):
+            after = _tensors(d / f"exported_{layout}")
+            assert sorted(after) == sorted(before), (family, layout)
+            for k, t in before.items():
+                assert after[k].dtype == t.dtype and torch.equal(after[k], t), (family, layout, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_export_round_trip_is_bit_exact(families, family):
+    d = families[family]
+    before, after = _tensors(d / "hf"), _tensors(d / "exported")
+    assert sorted(before) == sorted(after)
+    for k, t in before.items():
+        assert (after[k].dtype, after[k].shape) == (t.dtype, t.shape), k
+        assert torch.equal(after[k], t), k
+    # Sharded above the limit, with transformers' index file.
+    index = json.loads((d / "exported" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(before)
+    assert len(set(index["weight_map"].values())) > 1
+    config = json.loads((d / "exported" / "config.json").read_text())
+    assert "s2_attention" not in config and "attn_implementation_hint" not in config
+    # transformers loads the export and computes the same logits.
+    model = transformers.AutoModelForCausalLM.from_pretrained(d / "exported").eval()
+    with torch.no_grad():
+        logits = model(torch.load(d / "tokens.pt")).logits
+    torch.testing.assert_close(logits, torch.load(d / "ref.pt"), atol=0, rtol=0)
+    if family == "llama":  # the tokenizer travels with the model
+        assert (d / "exported" / "tokenizer.json").read_bytes() == (
+            d / "hf" / "tokenizer.json"
+        ).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_run_yaml_is_the_models_run_config(families, family):
+    from megatron_s2.training.run_config import load_config
+
+    d = families[family]
+    cfg = load_config(d / "imported" / "run.yaml", ["data.blend=[x]"])
+    hf = json.loads((d / "hf" / "config.json").read_text())
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups) == (
+        2,
+        64,
+        8,
+        4,
+    )
+    assert (m.ffn_hidden_size, m.vocab_size, m.norm_epsilon) == (96, 256, hf["rms_norm_eps"])
+    assert m.untie_embeddings_and_output_weights == (family != "llama")
+    assert m.add_qkv_bias == (family == "qwen2")
+    assert cfg.attention is None  # all dense unless --s2-pattern
+    assert cfg.checkpoint.load_dir == str(d / "imported" / "checkpoints")
+    assert cfg.checkpoint.reset_iteration and not cfg.checkpoint.load_optimizer
+    expected = {
+        "llama": ("llama3", 500000.0),
+        "mistral": ("none", 1e6),
+        "qwen2": ("position_interpolation", 1e4),
+    }[family]
+    assert (m.rope_scaling, m.rotary_base) == expected
+    if family == "llama":
+        assert m.rope_scaling_factor == 8.0
+        assert cfg.data.tokenizer == str(d / "imported" / "hf")
+    else:
+        assert cfg.data.tokenizer == "byte"
+        assert m.kv_channels == (16 if family == "mistral" else None)
+
+
+# ---- mapping: pure functions -------------------------------------------------------------------
+
+
+def test_te_names_move_the_norms_into_the_linears():
+    from megatron_s2.specs import _flavour_modules
+
+    local = [
+        "embedding.word_embeddings.weight",
+        "decoder.layers.0.input_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.11.pre_mlp_layernorm.weight",
+        "decoder.layers.11.mlp.linear_fc1.weight",
+        "decoder.final_layernorm.weight",
+    ]
+    te = te_names(local)
+    assert te[1] == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    assert te[3] == "decoder.layers.11.mlp.linear_fc1.layer_norm_weight"
+    assert [a == b for a, b in zip(local, te)] == [True, False, True, False, True, True]
+    assert local_names(te) == local == local_names(local)
+    # The same renaming as the local spec's checkpoint key map (local and TE checkpoints are
+    # interchangeable): each entry maps a local prefix to a TE prefix.
+    keys = _flavour_modules(False, False, "test")
+    for old, new in (keys.attn_keys | keys.mlp_keys).items():
+        assert te_names([f"decoder.layers.3.{old}weight"]) == [f"decoder.layers.3.{new}weight"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_config_inverts_model_settings(family):
+    config = _config(family).to_dict()
+    settings = model_settings(config)
+    again = hf_config(settings, family=family, template=config)
+    assert model_settings(again) == settings
+    assert model_settings(hf_config(settings, family=family)) == settings
+
+
+# ---- bad input: a clear error, nothing written -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A sharded tiny Llama (no Megatron needed: only the plans run)."""
+    d = tmp_path_factory.mktemp("bad") / "llama"
+    _random_model(_config("llama")).save_pretrained(d, max_shard_size="20KB")
+    return d
+
+
+def _edited(src, tmp_path, **changes):
+    """A copy of the model directory ``src`` with ``config.json`` keys changed (None deletes)."""
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _refused(hf_dir, tmp_path, *words, **kw):
+    out = tmp_path / "out"
+    with pytest.raises(HFConfigError) as e:
+        convert.plan_import(hf_dir, out, **kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert not out.exists()
+    return str(e.value)
+
+
+def test_moe_is_refused(llama_dir, tmp_path):
+    d = _edited(llama_dir, tmp_path, num_local_experts=8)
+    _refused(d, tmp_path, "config.json", "num_local_experts=8", "mixture-of-experts")
+
+
+def test_sliding_window_is_refused(llama_dir, tmp_path):
+    d = _edited(llama_dir, tmp_path, model_type="mistral", sliding_window=4096)
+    _refused(d, tmp_path, "config.json", "sliding_window=4096", "must be null")
+
+
+def test_unknown_model_type_is_refused(llama_dir, tmp_path):
+    d = _edited(llama_dir, tmp_path, model_type="gpt2")
+    _refused(d, tmp_path, "config.json", "'gpt2'", "llama, mistral, qwen2")
+
+
+def test_unsupported_rope_scaling_is_refused(llama_dir, tmp_path):
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    d = _edited(llama_dir, tmp_path, rope_parameters=rope)
+    _refused(d, tmp_path, "config.json", "'yarn'", "linear, llama3")
+    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "high_freq_factor": 2.0}
+    d2 = tmp_path / "again"
+    d2.mkdir()
+    _refused(_edited(llama_dir, d2, rope_parameters=rope), d2, "high_freq_factor")
+
+
+def test_missing_shard_is_refused(llama_dir, tmp_path):
+    d = _edited(llama_dir, tmp_path)
+    shard = sorted(p for p in os.listdir(d) if p.startswith("model-0000"))[1]
+    os.remove(d / shard)
+    _refused(d, tmp_path, "model.safetensors.index.json", shard, "missing")
+
+
+def test_shape_mismatch_is_refused(llama_dir, tmp_path):
+    d = _edited(llama_dir, tmp_path, intermediate_size=128)
+    _refused(d, tmp_path, "gate_proj", "[96, 64]", "[128, 64]", "config.json")
+
+
+def test_s2_pattern_that_does_not_fit_is_refused(llama_dir, tmp_path):
+    # 8 heads: 3 dense heads per S2 layer do not divide them (the schedule's own check).
+    _refused(
+        llama_dir,
+        tmp_path,
+        "attention",
+        "num_dense_heads",
+        s2_pattern="DS",
+        s2_settings={"block_size": 16, "num_dense_heads": 3},
+    )
+    _refused(llama_dir, tmp_path, "attention", "pattern", s2_pattern="DX")
+
+
+def test_nonempty_out_dir_is_refused_and_the_cli_exits_2(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert hf_main(["import", str(llama_dir), str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert str(out) in err and "not empty" in err
+    assert os.listdir(out) == ["keep.txt"]
+    assert hf_main(["import", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == EXIT_BAD_INPUT
+    assert "is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
+
+
+# ---- the Llama-3.2-1B extension example ----------------------------------------------------------
+
+# Llama-3.2-1B's config.json, the keys the import reads (the published values).
+LLAMA_32_1B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+EXAMPLE = os.path.join(REPO, "configs", "extend", "llama-3.2-1b-s2-32k.yaml")
+
+
+def test_llama_32_1b_example_has_the_imported_shape_and_loads(capsys):
+    from megatron_s2.training import cli
+    from megatron_s2.training.run_config import load_config
+
+    cfg = load_config(EXAMPLE)
+    imported = model_settings(LLAMA_32_1B)
+    model = cfg.model
+    for key, value in imported.items():
+        assert getattr(model, key) == value, key
+    assert model.seq_length == 32768 and cfg.schedule().layer_kinds(16).count("dense") == 8
+    assert cfg.checkpoint.load_dir and cfg.checkpoint.reset_iteration
+    assert not cfg.checkpoint.load_optimizer
+    # The trainer's own check of the whole config (fp32: this machine has no GPU).
+    assert cli.main(["--config", EXAMPLE, "--print-config", "train.precision=fp32"]) == 0
+    assert "llama-3.2-1b-s2-32k" in capsys.readouterr().out
+
+
+def test_s2_pattern_goes_into_run_yaml(llama_dir, tmp_path):
+    plan = convert.plan_import(
+        llama_dir, tmp_path / "out", s2_pattern="DS", s2_settings={"block_size": 16}
+    )
+    assert plan.run_config["attention"] == {
+        "dense_layers": {"pattern": "DS"},
+        "s2": {"block_size": 16},
+    }
+    assert not (tmp_path / "out").exists()  # a plan writes nothing
+
+
+def test_te_import_names(llama_dir):
+    index = convert.read_tensor_index(llama_dir)
+    settings = model_settings(json.loads((llama_dir / "config.json").read_text()))
+    hf = {k: torch.zeros(s) for k, (_, s, _) in index.items()}
+    local = hf_to_megatron(hf, settings)
+    te = hf_to_megatron(hf, settings, transformer_impl="transformer_engine")
+    assert list(te) == te_names(local) and "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in te
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" not in te
+    assert megatron_to_hf(te, settings).keys() == megatron_to_hf(local, settings).keys()
+
+
+def test_export_refuses_bad_input(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert hf_main(["export", str(empty), str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    assert "no intact checkpoint" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    assert hf_main(["export", str(empty), str(busy)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "OUT_HF_DIR" in err and "not empty" in err
+    assert not (tmp_path / "out").exists()
