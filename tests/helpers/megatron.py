@@ -80,3 +80,24 @@ def import_tool(name: str = "gpu_parallel_check"):
     if TOOLS not in sys.path:
         sys.path.insert(0, TOOLS)
     return __import__(name)
+
+
+class _Group:
+    """A stand-in process group: rank and size only (what the attention modules ask)."""
+
+    def __init__(self, rank, size):
+        self._r, self._s = rank, size
+
+    def rank(self):
+        return self._r
+
+    def size(self):
+        return self._s
+
+
+class TensorParallelGroups:
+    """A stand-in ``pg_collection`` whose ``tp`` group says ``rank`` of ``size``: builds one
+    tensor-parallel rank's attention module in a single process."""
+
+    def __init__(self, rank, size):
+        self.tp = _Group(rank, size)

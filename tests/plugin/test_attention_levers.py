@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.kernels import token_mask
-from tests.helpers.megatron import init_single_process, tiny_s2_config
+from tests.helpers.megatron import TensorParallelGroups, init_single_process, tiny_s2_config
 
 pytest.importorskip("megatron.core")
 
@@ -37,22 +37,6 @@ def _dist():
 
     enable_cpu_mode()
     init_single_process()
-
-
-class _Group:
-    def __init__(self, rank, size):
-        self._r, self._s = rank, size
-
-    def rank(self):
-        return self._r
-
-    def size(self):
-        return self._s
-
-
-class _PG:
-    def __init__(self, rank, size):
-        self.tp = _Group(rank, size)
 
 
 # ------------------------------------------------------------------------------------ sinks
@@ -93,7 +77,12 @@ def test_sinks_match_float64_reference_forward_and_gradients(
     )
     pattern = S2Pattern(heads, groups, block_size=16, local_blocks=2, vert_stride=2, head_offset=1)
     attn = S2CoreAttention(
-        cfg, 1, AttnMaskType.causal, pattern=pattern, sinks=True, pg_collection=_PG(tp_rank, tp)
+        cfg,
+        1,
+        AttnMaskType.causal,
+        pattern=pattern,
+        sinks=True,
+        pg_collection=TensorParallelGroups(tp_rank, tp),
     )
     local = pattern.for_tp_rank(tp_rank, tp)
     nh, ng = local.local_num_heads, local.local_num_kv_heads
@@ -120,7 +109,11 @@ def test_sinks_match_float64_reference_forward_and_gradients(
     assert not torch.allclose(
         out,
         S2CoreAttention(
-            cfg, 1, AttnMaskType.causal, pattern=pattern, pg_collection=_PG(tp_rank, tp)
+            cfg,
+            1,
+            AttnMaskType.causal,
+            pattern=pattern,
+            pg_collection=TensorParallelGroups(tp_rank, tp),
         )(q, k, v, None),
     )
 

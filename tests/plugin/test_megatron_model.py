@@ -8,6 +8,7 @@ import torch
 from tests.helpers.megatron import (
     REPO,
     TINY_SCHEDULE,
+    TensorParallelGroups,
     init_single_process,
     tiny_config,
     tiny_s2_config,
@@ -32,22 +33,6 @@ SEQ, VOCAB = 128, 128
 @pytest.fixture(scope="module", autouse=True)
 def _dist():
     init_single_process()
-
-
-class _Group:
-    def __init__(self, rank, size):
-        self._r, self._s = rank, size
-
-    def rank(self):
-        return self._r
-
-    def size(self):
-        return self._s
-
-
-class _PG:
-    def __init__(self, rank, size):
-        self.tp = _Group(rank, size)
 
 
 def _qkv(s=SEQ, b=2, h=8, g=4, d=16, seed=0):
@@ -107,7 +92,7 @@ def test_s2_core_attention_matches_reference_and_shapes():
         attn_mask_type=AttnMaskType.causal,
         attention_type="self",
         pattern=pattern,
-        pg_collection=_PG(0, 1),
+        pg_collection=TensorParallelGroups(0, 1),
     )
     q, k, v = _qkv()
     out = mod(q, k, v, None, attn_mask_type=AttnMaskType.causal)
@@ -127,12 +112,22 @@ def test_s2_core_attention_tp_ranks_compute_their_rows_of_the_full_pattern():
     )
     q, k, v = _qkv()
     full = S2CoreAttention(
-        cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1)
+        cfg,
+        1,
+        AttnMaskType.causal,
+        "self",
+        pattern=pattern,
+        pg_collection=TensorParallelGroups(0, 1),
     )(q, k, v, None)
     parts = []
     for r in range(2):
         mod = S2CoreAttention(
-            cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(r, 2)
+            cfg,
+            1,
+            AttnMaskType.causal,
+            "self",
+            pattern=pattern,
+            pg_collection=TensorParallelGroups(r, 2),
         )
         assert (mod.pattern.head_start, mod.pattern.head_end) == (4 * r, 4 * r + 4)
         parts.append(
@@ -160,10 +155,14 @@ def test_s2_core_attention_tp_ranks_compute_their_rows_of_the_full_pattern():
 
 def test_s2_layer_follows_global_layer_number():
     cfg = tiny_s2_config(TINY_SCHEDULE)
-    m3 = S2CoreAttention(cfg, 3, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+    m3 = S2CoreAttention(
+        cfg, 3, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1)
+    )
     assert (m3.pattern.vert_stride, m3.pattern.num_dense_heads) == (4, 2)  # override of 0-based 2
     with pytest.raises(ValueError, match="layer 2 is dense"):
-        S2CoreAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+        S2CoreAttention(
+            cfg, 2, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1)
+        )
 
 
 def test_s2_with_full_window_is_dense_causal():
@@ -177,10 +176,12 @@ def test_s2_with_full_window_is_dense_causal():
         1,
         AttnMaskType.causal,
         "self",
-        pg_collection=_PG(0, 1),
+        pg_collection=TensorParallelGroups(0, 1),
         pattern=S2Pattern(8, 4, block_size=16, local_blocks=SEQ // 16, vert_stride=4),
     )
-    dense = FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+    dense = FusedDenseAttention(
+        cfg, 1, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1)
+    )
     torch.testing.assert_close(s2(q, k, v, None), expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dense(q, k, v, None), expect, atol=1e-5, rtol=1e-5)
 
@@ -189,7 +190,12 @@ def test_fused_dense_attention_gqa_and_scale():
     cfg = tiny_config()
     q, k, v = _qkv()
     mod = FusedDenseAttention(
-        cfg, 2, AttnMaskType.causal, "self", softmax_scale=0.2, pg_collection=_PG(0, 1)
+        cfg,
+        2,
+        AttnMaskType.causal,
+        "self",
+        softmax_scale=0.2,
+        pg_collection=TensorParallelGroups(0, 1),
     )
     torch.testing.assert_close(mod(q, k, v, None), _naive_causal(q, k, v, 0.2))
 
@@ -222,7 +228,7 @@ def test_unsupported_configurations_fail_at_construction(cls, cfg_kw, ctor_kw, m
         layer_number=1,
         attn_mask_type=AttnMaskType.causal,
         attention_type="self",
-        pg_collection=_PG(0, 1),
+        pg_collection=TensorParallelGroups(0, 1),
     )
     if cls is S2CoreAttention:
         kw["pattern"] = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
@@ -241,7 +247,9 @@ def test_dense_backend_on_cpu(monkeypatch):
     q, k, v = _qkv()
     for backend in ("auto", "sdpa"):
         cfg = tiny_config(config_class=S2TransformerConfig, s2_schedule={}, dense_backend=backend)
-        mod = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+        mod = FusedDenseAttention(
+            cfg, 2, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1)
+        )
         assert f"backend {backend}" in repr(mod)
         torch.testing.assert_close(mod(q, k, v, None), _naive_causal(q, k, v, 16**-0.5))
     monkeypatch.setattr(fa4mod, "fa4_import_error", lambda: "flash_attn.cute does not import")
@@ -249,7 +257,9 @@ def test_dense_backend_on_cpu(monkeypatch):
         tiny_config(config_class=S2TransformerConfig, s2_schedule={}, dense_backend="fa4")
     monkeypatch.setattr(fa4mod, "fa4_import_error", lambda: None)
     cfg = tiny_config(config_class=S2TransformerConfig, s2_schedule={}, dense_backend="fa4")
-    mod = FusedDenseAttention(cfg, 2, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+    mod = FusedDenseAttention(
+        cfg, 2, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1)
+    )
     with pytest.raises(ValueError, match="dense_backend='fa4': FlashAttention-4 needs CUDA"):
         mod(q, k, v, None)
     assert not att.use_fa4("sdpa", q) and not att.use_fa4("auto", q)
@@ -262,9 +272,16 @@ def test_s2_rejects_dropout_dense_accepts_it():
         ValueError, match=r"attention_dropout=0.0 \(Megatron-LM: --attention-dropout 0.0\)"
     ):
         S2CoreAttention(
-            cfg, 1, AttnMaskType.causal, "self", pattern=pattern, pg_collection=_PG(0, 1)
+            cfg,
+            1,
+            AttnMaskType.causal,
+            "self",
+            pattern=pattern,
+            pg_collection=TensorParallelGroups(0, 1),
         )
-    FusedDenseAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_PG(0, 1))
+    FusedDenseAttention(
+        cfg, 1, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1)
+    )
 
 
 def test_forward_rejects_bias_masks_and_bad_packing():
@@ -276,7 +293,7 @@ def test_forward_rejects_bias_masks_and_bad_packing():
         1,
         AttnMaskType.causal,
         "self",
-        pg_collection=_PG(0, 1),
+        pg_collection=TensorParallelGroups(0, 1),
         pattern=S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4),
     )
     q, k, v = _qkv()
@@ -311,7 +328,7 @@ def test_packed_documents_equal_each_document_alone(cls):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cfg = tiny_config()
-    kw = dict(pg_collection=_PG(0, 1))
+    kw = dict(pg_collection=TensorParallelGroups(0, 1))
     if cls is S2CoreAttention:
         kw["pattern"] = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
     mod = cls(cfg, 1, AttnMaskType.causal, "self", **kw)
@@ -454,7 +471,7 @@ def test_scheduled_core_attention_without_schedule_explains():
             layer_number=1,
             attn_mask_type=AttnMaskType.causal,
             attention_type="self",
-            pg_collection=_PG(0, 1),
+            pg_collection=TensorParallelGroups(0, 1),
         )
 
 
@@ -564,7 +581,9 @@ def test_packed_documents_checked_once_per_batch(monkeypatch):
     cfg = tiny_config()
     pattern = S2Pattern(8, 4, block_size=16, local_blocks=2, vert_stride=4)
     layers = [
-        S2CoreAttention(cfg, i, AttnMaskType.causal, "self", pg_collection=_PG(0, 1), pattern=p)
+        S2CoreAttention(
+            cfg, i, AttnMaskType.causal, "self", pg_collection=TensorParallelGroups(0, 1), pattern=p
+        )
         for i, p in ((1, pattern), (2, pattern))
     ]
     q, k, v = (x[:, 0] for x in _qkv())
