@@ -365,11 +365,11 @@ def test_collect_writes_seed_columns_and_summary(tmp_path):
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
 
 
-def test_quality_doc_tables_are_the_tools_output_from_the_committed_raw_files():
-    """docs/quality.md's 16k section is what tools/quality_tables.py computes from the committed
-    results.csv and runs/ (so the doc and its raw output cannot drift apart)."""
-    study = REPO / "docs" / "quality" / "code-125m-16k-seeds"
-    res = subprocess.run(
+def _quality_tables(study_name: str, *options: str) -> subprocess.CompletedProcess:
+    """tools/quality_tables.py on a committed study under docs/quality/ (dense the reference,
+    the study's runs/ for the per-run files)."""
+    study = REPO / "docs" / "quality" / study_name
+    return subprocess.run(
         [
             sys.executable,
             str(REPO / "tools" / "quality_tables.py"),
@@ -378,14 +378,18 @@ def test_quality_doc_tables_are_the_tools_output_from_the_committed_raw_files():
             "dense",
             "--positions",
             str(study / "runs"),
-            "--window",
-            "1024",
-            "--curve",
+            *options,
         ],
         capture_output=True,
         text=True,
         check=True,
     )
+
+
+def test_quality_doc_tables_are_the_tools_output_from_the_committed_raw_files():
+    """docs/quality.md's 16k section is what tools/quality_tables.py computes from the committed
+    results.csv and runs/ (so the doc and its raw output cannot drift apart)."""
+    res = _quality_tables("code-125m-16k-seeds", "--window", "1024", "--curve")
     doc = (REPO / "docs" / "quality.md").read_text()
     tables = [b for b in res.stdout.split("\n\n") if b.startswith("| setting")]
     assert len(tables) == 6  # final loss, in / beyond the window, the three validation steps
@@ -399,24 +403,7 @@ def test_quality_doc_100m_tables_are_the_tools_output():
     """docs/quality.md's 100M-token section (the final table and the one-table learning curve)
     is what tools/quality_tables.py computes from that study's committed raw files; stopped
     runs count at the validation points they reached."""
-    study = REPO / "docs" / "quality" / "code-125m-16k-seeds-100m"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "quality_tables.py"),
-            str(study / "results.csv"),
-            "--reference",
-            "dense",
-            "--positions",
-            str(study / "runs"),
-            "--curve",
-            "--curve-table",
-            "131072",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    res = _quality_tables("code-125m-16k-seeds-100m", "--curve", "--curve-table", "131072")
     doc = (REPO / "docs" / "quality.md").read_text()
     tables = [
         b for b in res.stdout.split("\n\n") if b.startswith("| setting") or b.startswith("| step")
