@@ -175,19 +175,19 @@ class Layout:
         ]
 
 
-def parse_layout(name: str, gpus: int) -> Layout:
-    """``tp2cp2``, ``tp4``, ``cp4``, ... as a :class:`Layout`; ScaleCheckError when the name is
-    not of that form or the layout does not fill ``gpus`` GPUs."""
+def parse_layout(name: str, gpus: int, option: str = "--layouts") -> Layout:
+    """``tp2cp2``, ``tp4``, ``cp4``, ... as a :class:`Layout`; ScaleCheckError naming
+    ``option`` when the name is not of that form or the layout does not fill ``gpus`` GPUs."""
     m = _LAYOUT_RE.match(name)
     if not name or not m:
         raise ScaleCheckError(
-            f"--layouts: {name!r} is not a layout; write tp<T>cp<C>, tp<T> or cp<C> with "
-            f"T x C = --gpus ({gpus}), e.g. {', '.join(EQUIV_LAYOUTS)}"
+            f"{option}: {name!r} is not a layout; write tp<T>cp<C>, tp<T> or cp<C> with "
+            f"T x C = --gpus ({gpus}): {', '.join(layout_names(gpus))}"
         )
     tp, cp = int(m.group(1) or 1), int(m.group(2) or 1)
     if tp < 1 or cp < 1 or tp * cp != gpus:
         raise ScaleCheckError(
-            f"--layouts: {name} uses {tp} x {cp} = {tp * cp} GPUs, not --gpus ({gpus}); "
+            f"{option}: {name} uses {tp} x {cp} = {tp * cp} GPUs, not --gpus ({gpus}); "
             f"the layouts of {gpus} GPUs are {', '.join(layout_names(gpus))}"
         )
     return Layout(name, tp, cp)
@@ -780,14 +780,26 @@ def parse_args(argv=None):
         ap.error(f"--recompute: unknown {args.recompute!r}; allowed: {', '.join(RECOMPUTE)}")
     if args.gpus < 1:
         ap.error(f"--gpus must be >= 1, got {args.gpus}")
+    # The fixed layouts of two parts: the equivalence reference and the resume, the TE pair.
+    fixed = {"equivalence": (EQUIV_REFERENCE, RESUME_LAYOUT), "te": (TE_LAYOUT,)}
+    for part, names in fixed.items():
+        for name in names if part in args.parts else ():
+            try:
+                parse_layout(name, args.gpus)
+            except ScaleCheckError:
+                ap.error(
+                    f"--parts {part} runs {' and '.join(names)}, which need --gpus 4 (got "
+                    f"{args.gpus}); leave {part} out of --parts"
+                )
     try:
         if args.layouts is not None:
             args.layouts = _comma_list(ap, "--layouts", args.layouts, None)
             for name in args.layouts:
                 parse_layout(name, args.gpus)
         args.equiv_layouts = _comma_list(ap, "--equiv-layouts", args.equiv_layouts, None)
-        for name in args.equiv_layouts:
-            parse_layout(name, args.gpus)
+        if "equivalence" in args.parts:
+            for name in args.equiv_layouts:
+                parse_layout(name, args.gpus, "--equiv-layouts")
     except ScaleCheckError as e:
         ap.error(str(e))
     if any(s < 1 for s in args.seqs):
