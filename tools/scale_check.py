@@ -126,8 +126,7 @@ EST_TFLOPS_PER_GPU = 300.0
 
 # The equivalence part (see the module docstring).
 EQUIV_SEQ = 32768
-EQUIV_LAYOUTS = ("tp2cp2", "tp4", "cp4")
-EQUIV_REFERENCE = "tp2cp2"
+EQUIV_LAYOUTS = ("tp2cp2", "tp4", "cp4")  # the first is the reference
 EQUIV_STEPS = 10
 EQUIV_RTOL = 2e-2
 LR_RTOL = 1e-6
@@ -363,7 +362,7 @@ def plan_speed(args, layouts_by_seq, recompute_of, python) -> list:
 
 def plan_te(args, recompute_of, python) -> list:
     """TE spec and local spec of the hybrid at TP2 x CP2, at each length of ``--seqs``."""
-    layout = parse_layout(TE_LAYOUT, args.gpus)
+    layout = parse_layout(args.te_layout, args.gpus, "--te-layout")
     out = []
     for seq in args.seqs:
         steps = args.steps or DEFAULT_STEPS.get(seq, FALLBACK_STEPS)
@@ -397,9 +396,9 @@ def plan_te(args, recompute_of, python) -> list:
 def plan_equivalence(args, python) -> list:
     """eq-init, the hybrid in every equivalence layout from it (the reference first: it saves
     the checkpoint the resume run loads), then the resume at TP4."""
-    seq, layouts = args.equiv_seq, [parse_layout(n, args.gpus) for n in args.equiv_layouts]
-    ref = parse_layout(EQUIV_REFERENCE, args.gpus)
-    layouts = [ref] + [lay for lay in layouts if lay.name != ref.name]
+    seq = args.equiv_seq
+    layouts = [parse_layout(n, args.gpus, "--equiv-layouts") for n in args.equiv_layouts]
+    ref = layouts[0]  # the reference: the others' losses are compared with its
     tag = _seq_tag(seq)
     init_dir = os.path.join(os.path.abspath(args.out_dir), f"eq-init-{tag}")
     # The same recomputation everywhere (full fits every layout) and the same LR schedule; its
@@ -453,7 +452,7 @@ def plan_equivalence(args, python) -> list:
                 after=(init.name,),
             )
         )
-    resume = parse_layout(RESUME_LAYOUT, args.gpus)
+    resume = parse_layout(args.resume_layout, args.gpus, "--resume-layout")
     extra = common + list(args.override)
     extra += [
         f"checkpoint.load_dir={os.path.join(ref_dir, 'checkpoints')}",
@@ -742,7 +741,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompute", default="auto", help=f"one of {', '.join(RECOMPUTE)}")
     ap.add_argument("--memory-budget-gib", type=float, default=MEMORY_BUDGET_GIB)
     ap.add_argument("--equiv-seq", type=int, default=EQUIV_SEQ)
-    ap.add_argument("--equiv-layouts", default=",".join(EQUIV_LAYOUTS))
+    ap.add_argument(
+        "--equiv-layouts",
+        default=",".join(EQUIV_LAYOUTS),
+        help="layouts of the equivalence part, the reference first",
+    )
+    ap.add_argument(
+        "--resume-layout", default=RESUME_LAYOUT, help="resumes the reference's checkpoint"
+    )
+    ap.add_argument("--te-layout", default=TE_LAYOUT, help="layout of the TE spec's runs")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "runs", "scale"))
     ap.add_argument(
         "--override",
@@ -780,17 +787,6 @@ def parse_args(argv=None):
         ap.error(f"--recompute: unknown {args.recompute!r}; allowed: {', '.join(RECOMPUTE)}")
     if args.gpus < 1:
         ap.error(f"--gpus must be >= 1, got {args.gpus}")
-    # The fixed layouts of two parts: the equivalence reference and the resume, the TE pair.
-    fixed = {"equivalence": (EQUIV_REFERENCE, RESUME_LAYOUT), "te": (TE_LAYOUT,)}
-    for part, names in fixed.items():
-        for name in names if part in args.parts else ():
-            try:
-                parse_layout(name, args.gpus)
-            except ScaleCheckError:
-                ap.error(
-                    f"--parts {part} runs {' and '.join(names)}, which need --gpus 4 (got "
-                    f"{args.gpus}); leave {part} out of --parts"
-                )
     try:
         if args.layouts is not None:
             args.layouts = _comma_list(ap, "--layouts", args.layouts, None)
@@ -800,6 +796,16 @@ def parse_args(argv=None):
         if "equivalence" in args.parts:
             for name in args.equiv_layouts:
                 parse_layout(name, args.gpus, "--equiv-layouts")
+            parse_layout(args.resume_layout, args.gpus, "--resume-layout")
+            if args.resume_layout == args.equiv_layouts[0]:
+                raise ScaleCheckError(
+                    f"--resume-layout ({args.resume_layout}) must differ from the first of "
+                    f"--equiv-layouts (the reference, whose checkpoint it resumes)"
+                )
+            if len(set(args.equiv_layouts)) != len(args.equiv_layouts):
+                raise ScaleCheckError(f"--equiv-layouts: {args.equiv_layouts} repeats a layout")
+        if "te" in args.parts:
+            parse_layout(args.te_layout, args.gpus, "--te-layout")
     except ScaleCheckError as e:
         ap.error(str(e))
     if any(s < 1 for s in args.seqs):
@@ -839,7 +845,7 @@ def main(argv=None) -> int:
     doc["date"] = str(datetime.date.today())
     doc["commands"] = doc.get("commands", []) + [sys.argv]
     doc["equivalence_rtol"], doc["lr_rtol"] = EQUIV_RTOL, LR_RTOL
-    doc["resume_at"], doc["equivalence_reference"] = RESUME_AT, EQUIV_REFERENCE
+    doc["resume_at"], doc["equivalence_reference"] = RESUME_AT, args.equiv_layouts[0]
     doc["model_params"] = model_params(runs[0]) if runs else None
     print(f"# {doc['device']} x {doc['gpus_found']} | torch {doc['torch']} | {doc['date']}")
     print(f"# dense attention: {doc['dense_attention']}; TE: {doc['transformer_engine']}")

@@ -159,7 +159,10 @@ def test_dry_run_prints_every_command_and_the_estimate(capsys, tmp_path):
         (["--parts", "speed,bogus"], ["--parts", "bogus", "equivalence"]),
         (["--recompute", "some"], ["--recompute", "selective"]),
         (["--equiv-layouts", "tp2"], ["--equiv-layouts", "tp2 uses 2 x 1 = 2 GPUs"]),
-        (["--gpus", "2", "--layouts", "tp2"], ["--parts equivalence", "--gpus 4 (got 2)"]),
+        (["--gpus", "2", "--layouts", "tp2"], ["--equiv-layouts", "tp2cp2 uses 2 x 2"]),
+        (["--resume-layout", "tp2cp2"], ["--resume-layout (tp2cp2) must differ"]),
+        (["--te-layout", "tp3cp2"], ["--te-layout", "tp3cp2 uses 3 x 2 = 6 GPUs"]),
+        (["--equiv-layouts", "tp2cp2,tp4,tp4"], ["--equiv-layouts", "repeats"]),
         (["--steps", "3"], ["--steps (3) must exceed --warmup-steps (2) + 1"]),
     ],
 )
