@@ -140,6 +140,13 @@ EQUIV_OPTIMIZER = (
     "optimizer.lr_decay_style=cosine",
 )
 TE_LAYOUT = "tp2cp2"
+# The padded vocabulary of every run: Megatron pads the byte tokenizer's to a multiple of
+# 128 x TP (384 at TP1, 512 at TP2 and TP4), and a checkpoint loads only into its own
+# embedding shape; one size for all lets the equivalence runs move between layouts and keeps
+# the FLOPs of all layouts equal.
+VOCAB_SIZE = 512
+# A trainer's own words in its log, ahead of torchrun's summary of the failed ranks.
+_ERROR_LINE = re.compile(r"^(megatron-s2-train: .*|\w*(Error|Exception): .*)$")
 SEED = 1234
 
 _LAYOUT_RE = re.compile(r"^(?:tp(\d+))?(?:cp(\d+))?$")
@@ -242,6 +249,7 @@ def load_run_config(model: str, layout: Layout, seq: int, overrides=()):
         config,
         list(extra)
         + [f"model.seq_length={seq}", "train.global_batch_size=1", "train.micro_batch_size=1"]
+        + [f"model.vocab_size={VOCAB_SIZE}"]
         + layout.overrides()
         + list(overrides),
     )
@@ -250,10 +258,13 @@ def load_run_config(model: str, layout: Layout, seq: int, overrides=()):
     return cfg
 
 
-def choose_recompute(model: str, layout: Layout, seq: int, budget_gib: float) -> tuple:
+def choose_recompute(
+    model: str, layout: Layout, seq: int, budget_gib: float, overrides=()
+) -> tuple:
     """(``selective`` or ``full``, the selective estimate in GiB): selective where
-    tools/estimate_memory.py's estimate of it fits ``budget_gib`` per GPU, else full."""
-    cfg = load_run_config(model, layout, seq, ["model.recompute=selective"])
+    tools/estimate_memory.py's estimate of it fits ``budget_gib`` per GPU, else full
+    (``overrides``: the trainer overrides the runs get)."""
+    cfg = load_run_config(model, layout, seq, list(overrides) + ["model.recompute=selective"])
     gib = estimate_memory.estimate(cfg, layout.gpus, estimate_memory._vocab(cfg)).total
     return ("selective" if gib <= budget_gib else "full"), gib
 
@@ -298,7 +309,7 @@ def _planned(
 ) -> Planned:
     run_dir = os.path.join(os.path.abspath(out_dir), name)
     ours = e2e_benchmark.run_overrides(seq, steps, run_dir) + layout.overrides()
-    ours += [f"model.recompute={recompute}", f"train.seed={SEED}"]
+    ours += [f"model.recompute={recompute}", f"train.seed={SEED}", f"model.vocab_size={VOCAB_SIZE}"]
     if profile:
         ours.append(f"debug.profile_step={steps}")
     config, extra = MODELS[model]
@@ -332,7 +343,7 @@ def recompute_for(args, layout: Layout, seq: int) -> str:
     (all three models keep the same per-layer activations: attention keeps no scores)."""
     if args.recompute != "auto":
         return args.recompute
-    return choose_recompute("ds", layout, seq, args.memory_budget_gib)[0]
+    return choose_recompute("ds", layout, seq, args.memory_budget_gib, args.override)[0]
 
 
 def plan_speed(args, layouts_by_seq, recompute_of, python) -> list:
@@ -485,7 +496,7 @@ def plan(args, python: str = sys.executable) -> list:
     from megatron_s2.training.run_config import ConfigError
 
     layouts_by_seq = {}
-    for seq in args.seqs:
+    for seq in args.seqs if "speed" in args.parts else ():
         names = args.layouts or DEFAULT_LAYOUTS.get(seq, DEFAULT_LAYOUTS[131072])
         layouts_by_seq[seq] = [parse_layout(n, args.gpus) for n in names]
     recompute_of = {}
@@ -495,7 +506,7 @@ def plan(args, python: str = sys.executable) -> list:
                 for model in args.models:
                     # Every model at every layout and length, before the recomputation is chosen:
                     # the length rules differ (S2 blocks under CP) and a refusal names its run.
-                    load_run_config(model, layout, seq)
+                    load_run_config(model, layout, seq, args.override)
                 recompute_of[(layout.name, seq)] = recompute_for(args, layout, seq)
         runs = []
         if "speed" in args.parts:
@@ -564,6 +575,20 @@ def read_profile(run_dir: str, iteration: int) -> Optional[dict]:
     }
 
 
+def error_detail(log: str) -> Optional[str]:
+    """The first error line a failed run's ranks wrote to ``log`` (the trainer's refusal, a
+    Python exception), which torchrun's closing summary hides; None when there is none."""
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
+                    return line[:400]
+    except OSError:
+        pass
+    return None
+
+
 def record(p: Planned, result: dict, seconds: float) -> dict:
     """The JSON record of finished run ``p``: what it ran and ``result`` (e2e_benchmark's
     execute record), plus tokens/s per GPU, the profile, per-step losses and learning rates."""
@@ -588,6 +613,8 @@ def record(p: Planned, result: dict, seconds: float) -> dict:
         out["tokens_per_s_per_gpu"] = result["median_tokens_per_s"] / p.layout.gpus
     if p.exclude:
         out["profile"] = read_profile(p.run.run_dir, p.exclude[0])
+    if "error" in result and result.get("log"):
+        out["error_detail"] = error_detail(result["log"])
     out.update(read_steps(p.run.run_dir))
     return out
 
@@ -846,7 +873,7 @@ def main(argv=None) -> int:
     doc["commands"] = doc.get("commands", []) + [sys.argv]
     doc["equivalence_rtol"], doc["lr_rtol"] = EQUIV_RTOL, LR_RTOL
     doc["resume_at"], doc["equivalence_reference"] = RESUME_AT, args.equiv_layouts[0]
-    doc["model_params"] = model_params(runs[0]) if runs else None
+    doc["model_params"] = model_params(runs[0], args.override) if runs else None
     print(f"# {doc['device']} x {doc['gpus_found']} | torch {doc['torch']} | {doc['date']}")
     print(f"# dense attention: {doc['dense_attention']}; TE: {doc['transformer_engine']}")
     write_document(doc, [args.json, args.copy_json])
@@ -861,9 +888,9 @@ def main(argv=None) -> int:
     return 0 if all("error" not in r for r in doc["runs"] if r["name"] in names) else 1
 
 
-def model_params(p: Planned) -> int:
+def model_params(p: Planned, overrides=()) -> int:
     """Parameters of the model (all ranks together, embeddings and output layer included)."""
-    cfg = load_run_config(p.model, p.layout, p.seq)
+    cfg = load_run_config(p.model, p.layout, p.seq, overrides)
     m, vocab = cfg.model, estimate_memory._vocab(cfg)
     return int(m.num_layers * estimate_memory._layer_params(m) + 2 * vocab * m.hidden_size)
 

@@ -52,6 +52,11 @@ def _pct(x) -> str:
     return "" if x is None else f"{100 * x:.0f}%"
 
 
+def _why(run: dict) -> str:
+    """Why a run failed: the trainer's own error line when the log had one, else the exit."""
+    return run.get("error_detail") or run.get("error") or "no result"
+
+
 def _ok(run: dict) -> bool:
     return "error" not in run and run.get("median_tokens_per_s") is not None
 
@@ -84,7 +89,7 @@ def format_speed(doc: dict) -> str:
     for r in runs:
         seq, layout, model = r.get("seq"), r.get("layout"), r.get("model")
         if not _ok(r):
-            failed.append(f"{r['name']}: {r.get('error', 'no result')}")
+            failed.append(f"{r['name']}: {_why(r)}")
             lines.append(
                 f"| {seq} | {layout} | {r.get('recompute', '')} | {LABELS.get(model, model)} | "
                 f"failed | | | | | | |"
@@ -126,14 +131,14 @@ def equivalence_summary(doc: dict) -> dict:
     out = {"reference": ref["name"] if ref else None, "rtol": rtol, "layouts": {}, "resume": {}}
     if ref is None or "error" in ref:
         if ref is not None:
-            out["error"] = f"reference {ref['name']}: {ref['error']}"
+            out["error"] = f"reference {ref['name']}: {_why(ref)}"
         return out
     ref_losses, ref_lrs = ref.get("losses", {}), ref.get("lrs", {})
     for r in eq:
         if r is ref:
             continue
         if "error" in r:
-            out["layouts"][r["layout"]] = {"error": r["error"], "passed": False}
+            out["layouts"][r["layout"]] = {"error": _why(r), "passed": False}
             continue
         common = sorted(set(r.get("losses", {})) & set(ref_losses), key=int)
         diffs = [_rel(r["losses"][i], ref_losses[i]) for i in common]
@@ -146,7 +151,7 @@ def equivalence_summary(doc: dict) -> dict:
     resume = next((r for r in runs.values() if r.get("part") == "resume"), None)
     if resume is not None:
         if "error" in resume:
-            out["resume"] = {"name": resume["name"], "error": resume["error"], "passed": False}
+            out["resume"] = {"name": resume["name"], "error": _why(resume), "passed": False}
         else:
             its = sorted(resume.get("losses", {}), key=int)
             first = its[0] if its else None
@@ -188,7 +193,7 @@ def format_equivalence(doc: dict) -> str:
     ]
     for layout, v in s["layouts"].items():
         if "error" in v:
-            lines.append(f"| {layout} | | failed: {v['error'][:80]} | FAIL |")
+            lines.append(f"| {layout} | | failed: {v['error'][:120]} | FAIL |")
             continue
         lines.append(
             f"| {layout} | {v['iterations']} | {_fmt(v['max_rel_loss_diff'], '{:.1e}')} | "
@@ -232,7 +237,7 @@ def format_te(doc: dict) -> str:
         if not _ok(r):
             lines.append(
                 f"| {r.get('seq', '')} | {r.get('layout', '')} | "
-                f"{_fmt(base and base.get('tokens_per_s_per_gpu'))} | {r.get('error', 'failed')} "
+                f"{_fmt(base and base.get('tokens_per_s_per_gpu'))} | {_why(r)} "
                 f"| | | |"
             )
             continue

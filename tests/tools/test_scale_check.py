@@ -560,3 +560,58 @@ def test_tables_command_prints_every_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tables.main([str(path), "--tables", "speed,nope"])
     assert "--tables" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- the whole check, tiny, on gloo
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "attention.s2.block_size=16",
+    "attention.s2.local_blocks=2",
+    "attention.s2.vert_stride=2",
+    "train.precision=fp32",
+]
+
+
+@pytest.mark.slow
+def test_tiny_check_on_two_cpu_processes(tmp_path, monkeypatch, capsys):
+    """The check end to end at tiny width on 2 gloo processes (the trainer's CPU mode): a
+    profiled speed run at CP 2, then the equivalence of TP 2 and CP 2 from one checkpoint and
+    the resume of TP 2's checkpoint at CP 2, compared by scale_tables. fp32 on the CPU: the two
+    layouts agree to ~1e-7, far inside the bf16 tolerance."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the reference attention, not Triton
+    over = [f"--override={o}" for o in TINY]
+    over += [f"--override=data.demo_dir={tmp_path / 'demo'}"]
+    over += [f"--override=data.cache_dir={tmp_path / 'cache'}"]
+    path = tmp_path / "scale.json"
+    argv = ["--gpus", "2", "--parts", "speed,equivalence", "--models", "ds", "--seqs", "256"]
+    argv += ["--layouts", "cp2", "--steps", "4", "--warmup-steps", "1"]
+    argv += ["--equiv-layouts", "tp2,cp2", "--resume-layout", "cp2", "--equiv-seq", "256"]
+    argv += ["--out-dir", str(tmp_path / "runs"), "--json", str(path), *over]
+    assert scale.main(argv) == 0, capsys.readouterr().out[-3000:]
+    doc = json.loads(path.read_text())
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert set(runs) == {
+        "speed-ds-cp2-256",
+        "eq-init-256",
+        "eq-tp2-256",
+        "eq-cp2-256",
+        "resume-cp2-256",
+    }
+    speed = runs["speed-ds-cp2-256"]
+    assert speed["measured_steps"] == 2 and speed["tokens_per_s_per_gpu"] > 0
+    assert speed["profile"]["ranks"] == 2 and speed["peak_mem_gib_max_rank"] > 0
+    s = tables.equivalence_summary(doc)
+    assert s["layouts"]["cp2"]["passed"] and s["layouts"]["cp2"]["iterations"] == 10
+    assert s["layouts"]["cp2"]["max_rel_loss_diff"] < 1e-4
+    assert s["resume"]["passed"] and s["resume"]["first_iteration"] == scale.RESUME_AT + 1
+    # The checkpoints went once their users had run.
+    assert not (tmp_path / "runs" / "eq-init-256" / "checkpoints").exists()
+    assert not (tmp_path / "runs" / "eq-tp2-256" / "checkpoints").exists()
+    # A second call finds everything done.
+    assert scale.main(argv) == 0
+    assert len(json.loads(path.read_text())["runs"]) == 5
