@@ -615,3 +615,12 @@ def test_tiny_check_on_two_cpu_processes(tmp_path, monkeypatch, capsys):
     # A second call finds everything done.
     assert scale.main(argv) == 0
     assert len(json.loads(path.read_text())["runs"]) == 5
+
+
+def test_docs_tables_renders_the_scale_kind():
+    docs_tables = import_tool("docs_tables")
+    doc = _doc() | {"date": "2026-11-29", "torch": "2.11", "commands": [["tools/scale_check.py"]]}
+    lines = docs_tables.render("scale", [("results/scale.json", doc)])
+    assert lines[0].startswith("Raw output [`scale.json`](results/scale.json), device NVIDIA H200")
+    assert "command 1 `python tools/scale_check.py`" in lines[0]
+    assert lines[2:] == tables.format_all(doc).split("\n")
