@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -205,11 +206,21 @@ def execute(run: Run, warmup_steps: int, timeout: Optional[float], exclude_itera
     print(f"## {run.name}: {shlex.join(run.argv)}", flush=True)
     out = {"model": run.model, "seq": run.seq, "run_dir": run.run_dir, "log": log}
     with open(log, "w") as f:
-        proc = subprocess.Popen(run.argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        # A session of its own: a launcher's ranks (torchrun's children) go with it on a
+        # timeout, instead of holding their GPUs as orphans while the next run starts.
+        proc = subprocess.Popen(
+            run.argv,
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            # SIGKILL, not SIGTERM: the trainer answers SIGTERM with a checkpoint save.
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = None
     for line in _tail(log, 400):

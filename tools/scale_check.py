@@ -681,11 +681,12 @@ def _remove_checkpoints(run_dir: str) -> None:
         print(f"  removed {folder} (--keep-checkpoints keeps them)", flush=True)
 
 
-def execute_all(runs: list, args, doc: dict) -> int:
-    """Run what ``doc`` does not hold yet, in order, within ``--time-budget``; write the JSON
-    after every run. Returns the number of runs left for a later call."""
+def execute_all(runs: list, args, doc: dict, t_start: Optional[float] = None) -> int:
+    """Run what ``doc`` does not hold yet, in order, within ``--time-budget`` counted from
+    ``t_start`` (``time.monotonic()``; default now); write the JSON after every run. Returns
+    the number of runs left for a later call."""
     done = {r["name"]: r for r in doc["runs"]}
-    t_start = time.monotonic()
+    t_start = time.monotonic() if t_start is None else t_start
     left = 0
     for p in runs:
         old = done.get(p.name)
@@ -851,6 +852,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     """Check everything, then run (or with ``--dry-run`` print) every run; 0 when all
     finished, 1 when some failed, 3 when some are left for another call."""
+    t_start = time.monotonic()  # --time-budget counts the planning too
     ap, args = parse_args(argv)
     try:
         runs = plan(args)
@@ -877,7 +879,7 @@ def main(argv=None) -> int:
     print(f"# {doc['device']} x {doc['gpus_found']} | torch {doc['torch']} | {doc['date']}")
     print(f"# dense attention: {doc['dense_attention']}; TE: {doc['transformer_engine']}")
     write_document(doc, [args.json, args.copy_json])
-    left = execute_all(runs, args, doc)
+    left = execute_all(runs, args, doc, t_start)
     import scale_tables
 
     print(scale_tables.format_all(doc), flush=True)

@@ -624,3 +624,28 @@ def test_docs_tables_renders_the_scale_kind():
     assert lines[0].startswith("Raw output [`scale.json`](results/scale.json), device NVIDIA H200")
     assert "command 1 `python tools/scale_check.py`" in lines[0]
     assert lines[2:] == tables.format_all(doc).split("\n")
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_children(tmp_path):
+    """e2e_benchmark.execute (which runs every trainer launch of the check) kills the whole
+    process group at the timeout: a launcher's children must not outlive it on their GPUs."""
+    import sys
+    import time
+
+    e2e = import_tool("e2e_benchmark")
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    run = e2e.Run("ds", 256, str(tmp_path / "run"), (sys.executable, "-c", parent))
+    t0 = time.monotonic()
+    got = e2e.execute(run, 0, timeout=5)
+    assert got["error"].startswith("timed out after 5 s") and time.monotonic() - t0 < 30
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the kill is delivered asynchronously
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the launcher's child {pid} survived the timeout")
