@@ -27,51 +27,63 @@ and the 128k ones full (45-76 GiB; selective would need 239-269 GiB).
 
 Each run is the trainer on four GPUs (``python -m torch.distributed.run --standalone
 --nproc_per_node 4 -m megatron_s2.training --config ... overrides``), the overrides of
-``tools/e2e_benchmark.py``'s speed run (synthetic corpus, no evaluation, no checkpoint, one log
-record a step; its ``Run``, ``execute`` and ``read_result`` run and read it) plus the layout's,
-and ``debug.profile_step`` = the last step. Per run: tokens/s per GPU (median of the steps after
-``--warmup-steps``, the profiled step left out), the trainer's model TFLOP/s per GPU, peak memory
-per GPU (the largest over the ranks) and, from the profiled step, the share of each rank's GPU
-kernel time in attention and in NCCL kernels (``megatron_s2/training/profiling.py``).
+``tools/e2e_benchmark.py``'s speed run (synthetic corpus, byte tokenizer, no evaluation, no
+checkpoint, one log record a step; its ``Run``, ``execute`` and ``read_result`` run and read it)
+plus the layout's, ``model.vocab_size=512`` (Megatron pads the byte vocabulary to 128 x TP: 384
+at TP1, 512 at TP2/TP4; one size lets checkpoints move between layouts and keeps the FLOPs
+equal), ``train.seed`` 1234 and ``debug.profile_step`` = the last step. Per run: tokens/s per GPU
+(median of the steps after ``--warmup-steps``, the profiled step left out), the trainer's model
+TFLOP/s per GPU, peak memory per GPU (the largest over the ranks: the trainer logs it) and, from
+the profiled step, the share of each rank's GPU kernel time in attention and in NCCL kernels
+(``megatron_s2/training/profiling.py``; mean over the ranks).
 
 Parts (``--parts``, default all):
 
 * ``speed``: the matrix above;
 * ``equivalence``: the hybrid at ``--equiv-seq`` (32k) in every layout of ``--equiv-layouts``
-  (default tp2cp2, tp4, cp4) for 10 steps from one common checkpoint (``eq-init``: one step at
-  TP2 x CP2, because Megatron initialises each TP shard from its own RNG stream, so two layouts
-  never start from equal weights on their own), the same data and seed, full recomputation, LR
-  3e-5 with 2 warm-up steps and cosine decay over the 10. Each step's loss must agree with
-  TP2 x CP2's within relative ``EQUIV_RTOL`` = 2e-2: the bf16 tolerance of
-  ``tools/gpu_parallel_check.py`` (``tolerances('bf16')``), whose layouts differ from one GPU by
-  1e-5..7e-5 at small width (docs/notebook/2026-11-benchmarks-training-multi-gpu.md); a real
-  layout bug (a wrong head slice, a CP chunk attended at the wrong offset) moves the loss by far
-  more. The TP2 x CP2 run saves a checkpoint at step ``RESUME_AT`` (6); ``resume-tp4`` resumes it
-  at TP4 (``checkpoint.load_dir``, iteration count and LR schedule kept). At a changed layout the
-  trainer restores the weights and LR schedule and restarts the optimizer state
-  (megatron_s2/training/checkpointing.py), so its first step (7) must give TP2 x CP2's step-7
-  loss (relative 2e-2) and learning rate (relative 1e-6); the later steps are recorded only.
-  The checkpoints (about 100 GB each: bf16 weights, fp32 main weights and Adam moments) are
-  deleted once used unless ``--keep-checkpoints``.
-* ``te``: the hybrid at TP2 x CP2 with ``model.transformer_impl=transformer_engine`` (TE's
-  linears and TE's own CP attention on the dense layers) beside the local spec's speed run at
-  the same length; "not installed" in the JSON where Transformer Engine does not import
-  (``tools/stage_transformer_engine.sh`` carries it to the lent machines).
+  (default tp2cp2, tp4, cp4; the first is the reference) for 10 steps from one common
+  checkpoint (``eq-init``: one step at LR 0 in the reference layout, because Megatron
+  initialises each TP shard from its own RNG stream, so two layouts never start from equal
+  weights on their own), the same data and seed, full recomputation, LR 3e-5 with 2 warm-up
+  steps and cosine decay over the 10. Each step's loss must agree with the reference's within
+  relative ``EQUIV_RTOL`` = 2e-2: the bf16 loss tolerance of ``tools/gpu_parallel_check.py``
+  (``tolerances('bf16')``), whose layouts differed from one GPU by 1e-5..7e-5 at small width
+  (docs/notebook/2026-11-benchmarks-training-multi-gpu.md); a layout bug (a wrong head slice, a
+  CP chunk attended at the wrong offset) moves the loss by far more, and in fp32 on the CPU the
+  check's own TP2 and CP2 runs agree to 1e-7 (tests/tools/test_scale_check.py). The reference
+  saves a checkpoint at step ``RESUME_AT`` (6); ``resume-<--resume-layout>`` (default tp4)
+  resumes it (``checkpoint.load_dir``, iteration count and LR schedule kept). At a changed layout
+  the trainer restores the weights and LR schedule and restarts the optimizer state
+  (megatron_s2/training/checkpointing.py), so its first step (7) must give the reference's
+  step-7 loss (relative 2e-2) and learning rate (relative 1e-6); the later steps are recorded
+  only. The checkpoints (about 100 GB each at 7B: bf16 weights, fp32 main weights and Adam
+  moments) are deleted once every run that loads them finished, unless ``--keep-checkpoints``.
+* ``te``: the hybrid in ``--te-layout`` (TP2 x CP2) with
+  ``model.transformer_impl=transformer_engine`` (TE's linears and TE's own CP attention on the
+  dense layers) beside the local spec's speed run of the same length and layout; recorded as
+  "not installed: ..." where Transformer Engine does not import (the trainer's own check;
+  ``tools/stage_transformer_engine.sh`` carries TE to the lent machines). The two specs start
+  from the same seed; their first losses are shown side by side, not asserted equal.
 
-Time (``--dry-run`` prints it per run): startup ``STARTUP_S`` = 45 s per run (torchrun, imports,
-the 7B model and optimizer, Triton compilation), a checkpoint save or load ``CHECKPOINT_S`` =
-90 s, and the steps at ``EST_TFLOPS_PER_GPU`` = 300 model TFLOP/s per GPU: the 1.3B hybrid
-through this trainer on H100s ran 322-346 at 128k with full recomputation at CP 1-2
-(docs/benchmarks.md's history and docs/notebook/2026-11-benchmarks-training-multi-gpu.md), less
-for tensor parallelism's communication. One step of the 7B model is then ~1.3-1.9 s at 32k and
-~6-16 s at 128k (all-S2 / DS / dense: 7.4, 13.2, 19.0 PFLOP). Twenty steps everywhere would take
-about 45 minutes for the speed matrix alone (32k 7 min, 128k 38 min), so the defaults are
-``DEFAULT_STEPS``: 20 steps at 32k and 6 at 128k (2 warm-up, 1 profiled, 3 measured), about 24
-minutes for the 15 runs (10 at 32k, 14 at 128k, 11 of them startup); the equivalence part about
-11 minutes, the TE pair about 3 per length. A lease's 10-minute calls each take a slice
-(``--time-budget``: runs that would not fit are left for the next call, a run still going at the
-deadline is stopped and recorded as failed), and a call repeats its predecessor's command: runs
-already in ``--json`` are skipped (``--retry-failed`` runs the failed ones again).
+Time (``--dry-run`` prints it per run and per part): startup ``STARTUP_S`` = 45 s per run
+(torchrun, imports, the 7B model and optimizer, Triton compilation; a guess), a checkpoint save
+or load ``CHECKPOINT_S`` = 90 s (~100 GB), and the steps (one more for the profiled step) at
+``EST_TFLOPS_PER_GPU`` = 300 model TFLOP/s per GPU: the 1.3B hybrid through this trainer on
+H100s ran 322-346 at 128k with full recomputation at CP 1-2 (docs/benchmarks.md's history,
+docs/notebook/2026-11-benchmarks-training-multi-gpu.md), less is assumed for tensor
+parallelism's communication. One step of the 7B model is then ~1.3-1.9 s at 32k and ~6-16 s at
+128k (all-S2 / DS / dense: 7.4, 13.2, 19.0 PFLOP a 128k step). Twenty steps a run would take
+about 49 minutes for the speed matrix alone (32k 8 min, 128k 41 min), so ``DEFAULT_STEPS`` are
+12 steps at 32k (2 warm-up, 9 measured, 1 profiled) and 5 at 128k (2 measured), about 23
+minutes for the 15 speed runs (32k 6.5, 128k 16.6; 11 of them startup); the equivalence and
+resume runs about 14 minutes, the TE pair about 3. The device calls of a lease are at most 10
+minutes each: ``--time-budget`` (seconds, counted from the command's start) leaves runs that
+would not fit for the next call and stops a run still going at the deadline (recorded as
+failed); a later call repeats the command: runs already in ``--json`` are skipped
+(``--retry-failed`` runs the failed ones again), and ``--copy-json`` writes the JSON also to
+``$OUT`` after every run. Speed runs go length by length in ``--seqs`` order, so
+the default ``--seqs 131072 32768`` measures 128k first. Each record keeps the dense kernel its
+call's machine had (``dense_attention``: FA4, else cuDNN).
 
 Bad input (an unknown layout or model, a layout that does not multiply to ``--gpus`` or divide
 the heads, a length the layout's sequence/context parallelism or the S2 blocks cannot split:
@@ -109,7 +121,7 @@ MODELS = {
 }
 LABELS = {"ds": "DS hybrid", "s2": "all-S2", "dense": "dense"}
 DEFAULT_MODELS = ("ds", "s2", "dense")
-DEFAULT_SEQS = (32768, 131072)
+DEFAULT_SEQS = (131072, 32768)  # 128k first: the issue's goal is there
 # The default matrix: every layout at 128k, CP4 only there (the issue's "CP4 at 128k").
 DEFAULT_LAYOUTS = {32768: ("tp2cp2", "tp4"), 131072: ("tp2cp2", "tp4", "cp4")}
 DEFAULT_STEPS = {32768: 12, 131072: 5}
@@ -726,6 +738,8 @@ def execute_all(runs: list, args, doc: dict, t_start: Optional[float] = None) ->
         t0 = time.monotonic()
         result = e2e_benchmark.execute(p.run, p.warmup_steps, timeout, p.exclude)
         rec = record(p, result, time.monotonic() - t0)
+        # What this call's machine had: FA4 may be installed between two calls.
+        rec["dense_attention"] = doc.get("dense_attention")
         doc["runs"] = [r for r in doc["runs"] if r["name"] != p.name] + [rec]
         done[p.name] = rec
         write_document(doc, [args.json, args.copy_json])

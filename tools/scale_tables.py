@@ -100,8 +100,11 @@ def format_speed(doc: dict) -> str:
         prof = r.get("profile") or {}
         share = prof.get("share") or {}
         mem = r.get("peak_mem_gib_max_rank") or r.get("peak_mem_gib")
+        label = LABELS.get(model, model)
+        if model == "dense" and r.get("dense_attention"):
+            label += f" ({str(r['dense_attention']).split(' ')[0]})"  # fa4 or cudnn
         lines.append(
-            f"| {seq} | {layout} | {r.get('recompute', '')} | {LABELS.get(model, model)} | "
+            f"| {seq} | {layout} | {r.get('recompute', '')} | {label} | "
             f"{_fmt(r['tokens_per_s_per_gpu'])} | {ratio} | "
             f"{_fmt(r.get('median_tflops_per_gpu'))} | {_fmt(mem, '{:.1f}')} | "
             f"{_pct(share.get('attention'))} | {_pct(share.get('communication'))} | "

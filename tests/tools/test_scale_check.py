@@ -54,6 +54,7 @@ def test_default_matrix_runs_every_model_layout_and_length(matrix):
         for m in ("ds", "s2", "dense")
     }
     assert got == want and len(speed) == 15
+    assert [p.seq for p in speed] == [131072] * 9 + [32768] * 6  # the goal's length first
     assert {p.name for p in matrix.values() if p.part == "te"} == {
         "te-ds-tp2cp2-32k",
         "te-ds-tp2cp2-128k",
@@ -364,6 +365,7 @@ def test_run_loop_writes_after_every_run_resumes_and_honours_dependencies(tmp_pa
     monkeypatch.setattr(scale.e2e_benchmark, "execute", fake_execute)
     doc = scale.load_document(args.json)
     doc["transformer_engine"] = "not installed: no TE here"
+    doc["dense_attention"] = "fa4"
     assert scale.execute_all(runs, args, doc) == 0
     # TE is not installed: recorded without running; everything else ran in order.
     assert calls == [
@@ -375,6 +377,7 @@ def test_run_loop_writes_after_every_run_resumes_and_honours_dependencies(tmp_pa
         "resume-tp4-32k",
     ]
     got = {r["name"]: r for r in json.load(open(tmp_path / "out" / "scale.json"))["runs"]}
+    assert got["speed-ds-tp4-32k"]["dense_attention"] == "fa4"
     assert got["te-ds-tp2cp2-32k"]["error"].startswith("not installed")
     assert got["speed-ds-tp4-32k"]["tokens_per_s_per_gpu"] == 1000.0
     assert got["eq-tp4-32k"]["error"] == "exit code 1: boom"
@@ -487,6 +490,9 @@ def test_speed_table_compares_with_the_dense_twin_and_lists_failures():
     ds = _row(text, "| 131072 | tp2cp2 | full | DS hybrid")
     assert ds[5] == ""  # no dense twin at TP2 x CP2
     assert _row(text, "| 131072 | cp4")[4] == "failed"
+    doc = _doc()
+    doc["runs"][0]["dense_attention"] = "cudnn (FlashAttention-4: not installed)"
+    assert _row(tables.format_speed(doc), "| 131072 | tp4 | full | dense")[3] == "dense (cudnn)"
     assert "- failed: speed-dense-cp4-128k: exit code 1: CUDA out of memory" in text
 
 
