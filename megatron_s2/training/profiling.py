@@ -101,12 +101,15 @@ def kernel_shares(events: Iterable[tuple[str, float]], top: int = TOP_KERNELS) -
 def kernel_events(averages) -> list[tuple[str, float]]:
     """``(name, microseconds)`` of the GPU kernels in a profiler's ``key_averages()``: the
     entries that ran on a CUDA device, with their self device time (``self_device_time_total``,
-    called ``self_cuda_time_total`` before torch 2.4)."""
+    called ``self_cuda_time_total`` before torch 2.4). User annotations on the GPU timeline
+    (``record_function`` ranges) are left out: they span kernels already counted."""
     from torch.autograd import DeviceType
 
     out = []
     for evt in averages:
         if getattr(evt, "device_type", None) != DeviceType.CUDA:
+            continue
+        if getattr(evt, "is_user_annotation", False):
             continue
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
@@ -130,7 +133,8 @@ def profile_step(run_dir: str, iteration: int, rank: int, *, gpu: bool) -> Itera
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    # CPU activity too on the GPU: kineto attributes the kernels through their launches.
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
 
     def sync() -> None:
         if gpu:

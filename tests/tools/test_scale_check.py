@@ -312,14 +312,16 @@ def test_kernel_events_keep_the_cuda_entries_of_key_averages():
     from torch.autograd import DeviceType
 
     class Avg:
-        def __init__(self, key, device_type, us):
+        def __init__(self, key, device_type, us, annotation=False):
             self.key, self.device_type, self.self_device_time_total = key, device_type, us
+            self.is_user_annotation = annotation
 
     averages = [
         Avg("_s2_fwd_kernel", DeviceType.CUDA, 120.0),
         Avg("aten::mm", DeviceType.CPU, 999.0),
         Avg("ncclDevKernel_AllReduce", DeviceType.CUDA, 30.0),
         Avg("idle", DeviceType.CUDA, 0.0),
+        Avg("ProfilerStep#3", DeviceType.CUDA, 500.0, annotation=True),
     ]
     assert profiling.kernel_events(averages) == [
         ("_s2_fwd_kernel", 120.0),
