@@ -78,12 +78,13 @@ about 49 minutes for the speed matrix alone (32k 8 min, 128k 41 min), so ``DEFAU
 minutes for the 15 speed runs (32k 6.5, 128k 16.6; 11 of them startup); the equivalence and
 resume runs about 14 minutes, the TE pair about 3. The device calls of a lease are at most 10
 minutes each: ``--time-budget`` (seconds, counted from the command's start) leaves runs that
-would not fit for the next call and stops a run still going at the deadline (recorded as
-failed); a later call repeats the command: runs already in ``--json`` are skipped
-(``--retry-failed`` runs the failed ones again), and ``--copy-json`` writes the JSON also to
-``$OUT`` after every run. Speed runs go length by length in ``--seqs`` order, so
-the default ``--seqs 131072 32768`` measures 128k first. Each record keeps the dense kernel its
-call's machine had (``dense_attention``: FA4, else cuDNN).
+would not fit for the next call and stops a run still going at the deadline (left for the
+next call too; a run is recorded as failed when its own timeout, ``--run-timeout`` or four
+times its estimate plus 3 minutes, stops it). A later call repeats the command: runs already in
+``--json`` are skipped (``--retry-failed`` runs the failed ones again), and ``--copy-json``
+writes the JSON also to ``$OUT`` after every run. Speed runs go length by length in
+``--seqs`` order, so the default ``--seqs 131072 32768`` measures 128k first. Each record keeps
+the dense kernel its call's machine had (``dense_attention``: FA4, else cuDNN).
 
 Bad input (an unknown layout or model, a layout that does not multiply to ``--gpus`` or divide
 the heads, a length the layout's sequence/context parallelism or the S2 blocks cannot split:
@@ -693,13 +694,42 @@ def _remove_checkpoints(run_dir: str) -> None:
         print(f"  removed {folder} (--keep-checkpoints keeps them)", flush=True)
 
 
+def run_timeout(p: Planned, given: Optional[float]) -> float:
+    """Seconds a run may take: ``--run-timeout``, else four times its estimate plus 3 minutes
+    (a run that slow is stuck, say on a collective, and must not hold the call)."""
+    return given if given is not None else 4 * p.estimate_s + 180
+
+
+def _checkpoints_lost(runs: list, done: dict) -> list:
+    """Finished runs whose checkpoints a run still to come needs but that are gone (a fresh
+    machine under an old JSON): they must run again, before their users."""
+    lost = []
+    for p in runs:
+        users = [q for q in runs if p.name in q.after and q.name not in done]
+        ckpt = os.path.join(p.run.run_dir, "checkpoints")
+        if users and p.name in done and "error" not in done[p.name] and not os.path.isdir(ckpt):
+            lost.append(p.name)
+    return lost
+
+
 def execute_all(runs: list, args, doc: dict, t_start: Optional[float] = None) -> int:
     """Run what ``doc`` does not hold yet, in order, within ``--time-budget`` counted from
     ``t_start`` (``time.monotonic()``; default now); write the JSON after every run. Returns
-    the number of runs left for a later call."""
+    the number of runs left for a later call (a run the budget cut short is one of them: it is
+    not recorded, and runs again in full next time)."""
     done = {r["name"]: r for r in doc["runs"]}
+    for name in _checkpoints_lost(runs, done):
+        print(f"## {name}: its checkpoints are gone; running it again", flush=True)
+        del done[name]
+        doc["runs"] = [r for r in doc["runs"] if r["name"] != name]
     t_start = time.monotonic() if t_start is None else t_start
     left = 0
+
+    def keep(rec: dict) -> None:
+        doc["runs"] = [r for r in doc["runs"] if r["name"] != rec["name"]] + [rec]
+        done[rec["name"]] = rec
+        write_document(doc, [args.json, args.copy_json])
+
     for p in runs:
         old = done.get(p.name)
         if old is not None and ("error" not in old or not args.retry_failed):
@@ -708,22 +738,16 @@ def execute_all(runs: list, args, doc: dict, t_start: Optional[float] = None) ->
         if blocked:
             reason = f"needs {', '.join(blocked)} first"
             if all(a in done for a in blocked):  # they failed: record why this cannot run
-                rec = {"name": p.name, "part": p.part, "error": f"skipped: {reason} (failed)"}
-                doc["runs"] = [r for r in doc["runs"] if r["name"] != p.name] + [rec]
-                done[p.name] = rec
-                write_document(doc, [args.json, args.copy_json])
+                keep({"name": p.name, "part": p.part, "error": f"skipped: {reason} (failed)"})
             else:
                 left += 1
             continue
-        if p.transformer_impl == "transformer_engine" and not str(
-            doc.get("transformer_engine", "")
-        ).startswith("installed"):
-            rec = {"name": p.name, "part": p.part, "error": doc.get("transformer_engine")}
-            doc["runs"] = [r for r in doc["runs"] if r["name"] != p.name] + [rec]
-            done[p.name] = rec
-            write_document(doc, [args.json, args.copy_json])
+        te = doc.get("transformer_engine", "")
+        if p.transformer_impl == "transformer_engine" and not str(te).startswith("installed"):
+            keep({"name": p.name, "part": p.part, "error": te})
             continue
-        timeout = args.run_timeout
+        timeout = run_timeout(p, args.run_timeout)
+        cut_by_budget = False
         if args.time_budget is not None:
             remaining = args.time_budget - (time.monotonic() - t_start)
             if p.estimate_s > remaining:
@@ -734,15 +758,21 @@ def execute_all(runs: list, args, doc: dict, t_start: Optional[float] = None) ->
                 )
                 left += 1
                 continue
-            timeout = min(timeout or remaining, remaining)
+            if remaining < timeout:
+                timeout, cut_by_budget = remaining, True
+        # A run directory of an earlier attempt goes (--restart would keep it aside, with
+        # its ~100 GB of checkpoints).
+        shutil.rmtree(p.run.run_dir, ignore_errors=True)
         t0 = time.monotonic()
         result = e2e_benchmark.execute(p.run, p.warmup_steps, timeout, p.exclude)
+        if cut_by_budget and str(result.get("error", "")).startswith("timed out"):
+            print(f"## {p.name}: cut by --time-budget; it runs again next call", flush=True)
+            left += 1
+            break  # the budget is spent
         rec = record(p, result, time.monotonic() - t0)
         # What this call's machine had: FA4 may be installed between two calls.
         rec["dense_attention"] = doc.get("dense_attention")
-        doc["runs"] = [r for r in doc["runs"] if r["name"] != p.name] + [rec]
-        done[p.name] = rec
-        write_document(doc, [args.json, args.copy_json])
+        keep(rec)
         _free_disk(runs, done, args)
     return left
 
@@ -803,7 +833,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="the results (read first: resumes)")
     ap.add_argument("--copy-json", default=None, help="also write the JSON here (e.g. $OUT)")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds for this call")
-    ap.add_argument("--run-timeout", type=float, default=None, help="seconds per run")
+    ap.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="seconds per run (default: 4 x its estimate + 180)",
+    )
     ap.add_argument("--retry-failed", action="store_true")
     ap.add_argument("--keep-checkpoints", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and their estimate")

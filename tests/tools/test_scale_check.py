@@ -657,3 +657,50 @@ def test_a_run_past_its_timeout_is_killed_with_its_children(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the launcher's child {pid} survived the timeout")
+
+
+def test_a_run_cut_by_the_budget_is_left_for_the_next_call(tmp_path, monkeypatch):
+    args = _loop_args(tmp_path, "--parts", "equivalence", "--time-budget", "300")
+    runs = scale.plan(args, python="python")
+    first = runs[0]
+    assert first.estimate_s < 300 < scale.run_timeout(first, None)
+    seen = []
+
+    def fake_execute(run, warmup, timeout, exclude):
+        seen.append((run.name, timeout))
+        return {"error": f"timed out after {timeout:.0f} s: step 1"}
+
+    monkeypatch.setattr(scale.e2e_benchmark, "execute", fake_execute)
+    doc = scale.load_document(args.json)
+    assert scale.execute_all(runs, args, doc) == 1  # the loop stops: the budget is spent
+    assert len(seen) == 1 and seen[0][0] == "eq-init-32k" and seen[0][1] <= 300
+    assert doc["runs"] == []  # not recorded as failed: it runs again in full next time
+    # Without a budget the run's own timeout applies, and a timeout there is a failure.
+    args.time_budget = None
+    seen.clear()
+    scale.execute_all(runs, args, doc)
+    assert seen[0] == ("eq-init-32k", scale.run_timeout(first, None))
+    assert {r["name"]: r for r in doc["runs"]}["eq-init-32k"]["error"].startswith("timed out")
+
+
+def test_a_finished_run_whose_checkpoints_are_gone_runs_again(tmp_path, monkeypatch):
+    args = _loop_args(tmp_path, "--parts", "equivalence")
+    runs = scale.plan(args, python="python")
+    calls = []
+
+    def fake_execute(run, warmup, timeout, exclude):
+        calls.append(run.name)
+        os.makedirs(os.path.join(run.run_dir, "checkpoints"))
+        return {"model": run.model, "seq": run.seq}
+
+    monkeypatch.setattr(scale.e2e_benchmark, "execute", fake_execute)
+    doc = scale.load_document(args.json)
+    doc["runs"] = [{"name": "eq-init-32k", "part": "equivalence"}]  # done, but no checkpoint
+    stale = tmp_path / "runs" / "eq-tp2cp2-32k"
+    (stale / "checkpoints" / "iter_0000006").mkdir(parents=True)  # an earlier attempt's
+    scale.execute_all(runs, args, doc)
+    assert calls == ["eq-init-32k", "eq-tp2cp2-32k", "eq-tp4-32k", "resume-tp4-32k"]
+    assert not (stale / "checkpoints" / "iter_0000006").exists()
+    # Every user of a checkpoint finished: the checkpoints went.
+    assert not (tmp_path / "runs" / "eq-init-32k" / "checkpoints").exists()
+    assert not (stale / "checkpoints").exists()
