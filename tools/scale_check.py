@@ -900,7 +900,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     """Check everything, then run (or with ``--dry-run`` print) every run; 0 when all
-    finished, 1 when some failed, 3 when some are left for another call."""
+    finished (TE recorded as not installed counts as finished), 1 when some failed, 3 when some
+    are left for another call. Exit status 2: bad options, or fewer GPUs than ``--gpus``."""
     t_start = time.monotonic()  # --time-budget counts the planning too
     ap, args = parse_args(argv)
     try:
@@ -917,8 +918,11 @@ def main(argv=None) -> int:
         total = sum(per_part.values())
         print(f"# {len(runs)} runs, estimate {total / 60:.1f} min ({parts})")
         return 0
+    facts = _device_facts()
+    if 0 < facts["gpus_found"] < args.gpus:
+        ap.error(f"--gpus {args.gpus}: this machine has {facts['gpus_found']} GPU(s)")
     doc = load_document(args.json)
-    doc.update(_device_facts())
+    doc.update(facts)
     doc["gpus"] = args.gpus
     doc["date"] = str(datetime.date.today())
     doc["commands"] = doc.get("commands", []) + [sys.argv]
@@ -936,7 +940,13 @@ def main(argv=None) -> int:
         print(f"# {left} run(s) left: run the same command again", flush=True)
         return 3
     names = {p.name for p in runs}
-    return 0 if all("error" not in r for r in doc["runs"] if r["name"] in names) else 1
+    # TE recorded as not installed is a fact of the machine, not a failed run.
+    failed = [
+        r["name"]
+        for r in doc["runs"]
+        if r["name"] in names and "error" in r and not str(r["error"]).startswith("not installed")
+    ]
+    return 1 if failed else 0
 
 
 def model_params(p: Planned, overrides=()) -> int:
