@@ -7,7 +7,9 @@ for 8 and 16 GPUs from its measured compute and communication.
 
 Tables (``--tables``, default all): ``speed`` (one row per run: tokens/s and model TFLOP/s per
 GPU, the ratio to the dense twin in the same layout and length, peak memory per GPU over the
-ranks, the profiled step's attention and NCCL shares of the GPU kernel time), ``equivalence``
+ranks, the profiled step's attention and NCCL shares of the GPU kernel time; then issue 54's
+goal per layout at 128k: all-S2 >= 2.5x and DS >= 1.5x the dense twin, memory under 120 GB),
+``equivalence``
 (each layout's largest per-step loss difference to TP2 x CP2's, the resume at TP4), ``te`` (the
 Transformer Engine spec against the local one) and ``estimate``.
 
@@ -111,6 +113,68 @@ def format_speed(doc: dict) -> str:
             f"{r.get('measured_steps', '')} |"
         )
     return "\n".join(lines + ([""] + [f"- failed: {f}" for f in failed] if failed else []))
+
+
+# Issue 54's goal at 128k: all-S2 and the DS hybrid against the dense twin's tokens/s per GPU,
+# and memory per GPU under 120 GB (GB = 1e9 bytes; the tables show GiB).
+GOAL_SEQ = 131072
+GOAL_RATIOS = {"s2": 2.5, "ds": 1.5}
+GOAL_MEMORY_GIB = 120e9 / 2**30
+
+
+def goal(doc: dict) -> list:
+    """Issue 54's goal per layout at 128k: ``{"layout", "ratios": {model: x or None},
+    "ratio_ok": {model: bool or None}, "max_mem_gib", "mem_ok"}`` (None where a run is
+    missing or failed)."""
+    runs = [r for r in speed_runs(doc) if r.get("seq") == GOAL_SEQ]
+    out = []
+    for layout in dict.fromkeys(r["layout"] for r in runs):
+        by = {r["model"]: r for r in runs if r["layout"] == layout and _ok(r)}
+        dense = by.get("dense")
+        ratios = {
+            m: (by[m]["tokens_per_s_per_gpu"] / dense["tokens_per_s_per_gpu"])
+            if m in by and dense
+            else None
+            for m in GOAL_RATIOS
+        }
+        mems = [r.get("peak_mem_gib_max_rank") or r.get("peak_mem_gib") for r in by.values()]
+        mems = [m for m in mems if m is not None]
+        out.append(
+            {
+                "layout": layout,
+                "ratios": ratios,
+                "ratio_ok": {
+                    m: (x >= GOAL_RATIOS[m]) if x is not None else None for m, x in ratios.items()
+                },
+                "max_mem_gib": max(mems) if mems else None,
+                "mem_ok": (max(mems) < GOAL_MEMORY_GIB) if mems else None,
+            }
+        )
+    return out
+
+
+def format_goal(doc: dict) -> str:
+    """:func:`goal` as a table, one row per layout at 128k."""
+    rows = goal(doc)
+    if not rows:
+        return "Goal: no 128k speed run yet."
+
+    def mark(ok) -> str:
+        return "" if ok is None else (" (met)" if ok else " (not met)")
+
+    lines = [
+        "| layout | all-S2 / dense (goal 2.5x) | DS / dense (goal 1.5x) | largest memory per GPU, "
+        f"GiB (goal < {GOAL_MEMORY_GIB:.1f} GiB = 120 GB) |",
+        "|---|---|---|---|",
+    ]
+    for g in rows:
+        r, ok = g["ratios"], g["ratio_ok"]
+        lines.append(
+            f"| {g['layout']} | {_fmt(r['s2'], '{:.2f}x')}{mark(ok['s2'])} | "
+            f"{_fmt(r['ds'], '{:.2f}x')}{mark(ok['ds'])} | "
+            f"{_fmt(g['max_mem_gib'], '{:.1f}')}{mark(g['mem_ok'])} |"
+        )
+    return "\n".join(lines)
 
 
 def _rel(a: float, b: float) -> float:
@@ -375,6 +439,7 @@ def format_all(
     parts = [head]
     if "speed" in tables:
         parts += ["**Speed**", format_speed(doc)]
+        parts += ["**Goal at 128k (issue 54)**", format_goal(doc)]
     if "equivalence" in tables:
         parts += ["**Equivalence and resume**", format_equivalence(doc)]
     if "te" in tables:

@@ -704,3 +704,18 @@ def test_a_finished_run_whose_checkpoints_are_gone_runs_again(tmp_path, monkeypa
     # Every user of a checkpoint finished: the checkpoints went.
     assert not (tmp_path / "runs" / "eq-init-32k" / "checkpoints").exists()
     assert not (stale / "checkpoints").exists()
+
+
+def test_goal_per_layout_at_128k():
+    doc = _doc()
+    doc["runs"][0]["peak_mem_gib_max_rank"] = 115.0  # dense at TP4: above 120 GB
+    rows = {g["layout"]: g for g in tables.goal(doc)}
+    tp4 = rows["tp4"]
+    assert tp4["ratios"]["s2"] == pytest.approx(2.6) and tp4["ratio_ok"]["s2"]
+    assert tp4["ratios"]["ds"] == pytest.approx(1.6) and tp4["ratio_ok"]["ds"]
+    assert tp4["max_mem_gib"] == 115.0 and tp4["mem_ok"] is False
+    # TP2 x CP2 has no dense twin: no ratios; CP4 only a failed run: nothing at all.
+    assert rows["tp2cp2"]["ratios"] == {"s2": None, "ds": None}
+    assert rows["cp4"]["max_mem_gib"] is None
+    row = _row(tables.format_goal(doc), "| tp4")
+    assert row[1:] == ["2.60x (met)", "1.60x (met)", "115.0 (not met)"]
