@@ -44,8 +44,9 @@ Parts (``--parts``, default all):
   (default tp2cp2, tp4, cp4; the first is the reference) for 10 steps from one common
   checkpoint (``eq-init``: one step at LR 0 in the reference layout, because Megatron
   initialises each TP shard from its own RNG stream, so two layouts never start from equal
-  weights on their own), the same data and seed, full recomputation, LR 3e-5 with 2 warm-up
-  steps and cosine decay over the 10. Each step's loss must agree with the reference's within
+  weights on their own), the same data and seed, full recomputation, the dense layers on
+  PyTorch's SDPA in every run (FlashAttention-4 may arrive between two device calls), LR 3e-5
+  with 2 warm-up steps and cosine decay over the 10. Each step's loss must agree with the reference's within
   relative ``EQUIV_RTOL`` = 2e-2: the bf16 loss tolerance of ``tools/gpu_parallel_check.py``
   (``tolerances('bf16')``), whose layouts differed from one GPU by 1e-5..7e-5 at small width
   (docs/notebook/2026-11-benchmarks-training-multi-gpu.md); a layout bug (a wrong head slice, a
@@ -427,7 +428,8 @@ def plan_equivalence(args, python) -> list:
     init_dir = os.path.join(os.path.abspath(args.out_dir), f"eq-init-{tag}")
     # The same recomputation everywhere (full fits every layout) and the same LR schedule; its
     # warm-up makes eq-init's one step use LR 0, so its checkpoint holds the initial weights.
-    common = ["model.recompute=full"] + list(EQUIV_OPTIMIZER)
+    # The dense layers on PyTorch's SDPA in every run: FA4 may be installed between two calls.
+    common = ["model.recompute=full", "model.dense_attention=sdpa"] + list(EQUIV_OPTIMIZER)
     init = _planned(
         "equivalence",
         "ds",

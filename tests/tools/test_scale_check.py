@@ -120,6 +120,7 @@ def test_equivalence_runs_share_one_start_and_the_resume_loads_the_reference(mat
         assert o["checkpoint.load_optimizer"] == "false"
         assert o["train.train_iters"] == str(scale.EQUIV_STEPS)
         assert o["model.recompute"] == "full" and o["train.seed"] == str(scale.SEED)
+        assert o["model.dense_attention"] == "sdpa"
         assert "debug.profile_step" not in o
         assert matrix[name].after == ("eq-init-32k",)
     ref = _overrides(matrix["eq-tp2cp2-32k"])
