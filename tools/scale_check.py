@@ -46,8 +46,9 @@ Parts (``--parts``, default all):
   initialises each TP shard from its own RNG stream, so two layouts never start from equal
   weights on their own), the same data and seed, full recomputation, the dense layers on
   PyTorch's SDPA in every run (FlashAttention-4 may arrive between two device calls), LR 3e-5
-  with 2 warm-up steps and cosine decay over the 10. Each step's loss must agree with the reference's within
-  relative ``EQUIV_RTOL`` = 2e-2: the bf16 loss tolerance of ``tools/gpu_parallel_check.py``
+  with 2 warm-up steps and cosine decay over the 10. Each step's loss must agree with the
+  reference's within relative ``EQUIV_RTOL`` = 2e-2: the bf16 loss tolerance of
+  ``tools/gpu_parallel_check.py``
   (``tolerances('bf16')``), whose layouts differed from one GPU by 1e-5..7e-5 at small width
   (docs/notebook/2026-11-benchmarks-training-multi-gpu.md); a layout bug (a wrong head slice, a
   CP chunk attended at the wrong offset) moves the loss by far more, and in fp32 on the CPU the
