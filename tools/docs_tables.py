@@ -12,8 +12,9 @@ A generated table sits in a document between two marker lines:
     <!-- /table -->
 
 ``KIND`` is ``kernel`` (every case of ``tools/benchmark.py --json``), ``kernel-32k``,
-``kernel-128k``, ... (its cases at that sequence length, k = 1024 tokens) or ``e2e``
-(``tools/e2e_benchmark.py --json``). ``PATH`` is relative to the document's folder; several
+``kernel-128k``, ... (its cases at that sequence length, k = 1024 tokens), ``e2e``
+(``tools/e2e_benchmark.py --json``) or ``scale`` (``tools/scale_check.py --json``, its tables
+by ``tools/scale_tables.py``). ``PATH`` is relative to the document's folder; several
 files, comma-separated, are read as one (e.g. the 32k and 128k runs of the end-to-end tool in
 two device calls). The generated lines name the raw output (a link), the device, the date, the
 command exactly as it ran (its ``argv``), then the table and, for kernels, one line per case
@@ -78,6 +79,9 @@ def provenance(sources: list[tuple[str, dict]]) -> list[str]:
             parts.append(f"torch {doc['torch']}")
         if doc.get("argv"):
             parts.append(f"command `{command_of(doc['argv'])}`")
+        # tools/scale_check.py resumes over several device calls: one command each.
+        for i, argv in enumerate(doc.get("commands") or [], 1):
+            parts.append(f"command {i} `{command_of(argv)}`")
         lines.append(", ".join(parts) + ".")
     return lines
 
@@ -226,6 +230,9 @@ def e2e_table(records: list) -> list[str]:
 def render(kind: str, sources: list[tuple[str, dict]]) -> list[str]:
     """The lines of a block of ``kind`` from its parsed ``sources``: provenance, a blank line,
     the table. ValueError for an unknown kind or a seq with no case."""
+    head = [x for line in provenance(sources) for x in (line, "")]
+    if kind == "scale":
+        return head + scale_table(sources)
     records = [r for _, doc in sources for r in doc["results"]]
     if kind == "e2e":
         table = e2e_table(records)
@@ -234,10 +241,20 @@ def render(kind: str, sources: list[tuple[str, dict]]) -> list[str]:
     elif m := KERNEL_AT.match(kind):
         table = kernel_table(records, int(m["k"]) * 1024)
     else:
-        raise ValueError(f"unknown table kind {kind!r}: kernel, kernel-<N>k or e2e")
+        raise ValueError(f"unknown table kind {kind!r}: kernel, kernel-<N>k, e2e or scale")
     # one paragraph per raw output (consecutive lines would run together in markdown)
-    head = [x for line in provenance(sources) for x in (line, "")]
     return head + table
+
+
+def scale_table(sources: list[tuple[str, dict]]) -> list[str]:
+    """The tables of tools/scale_check.py's JSON (tools/scale_tables.py writes them: speed,
+    equivalence and resume, TE, and the labelled 8/16-GPU estimate); several files are read as
+    one (their runs together, the first file's machine facts)."""
+    import scale_tables  # tools/ is on the path: this script's folder
+
+    merged = dict(sources[0][1])
+    merged["runs"] = [r for _, doc in sources for r in doc.get("runs", [])]
+    return scale_tables.format_all(merged).split("\n")
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -100,33 +101,49 @@ def plan_runs(
     return runs
 
 
-def read_result(run_dir: str, warmup_steps: int) -> dict:
+def read_result(run_dir: str, warmup_steps: int, exclude_iterations=()) -> dict:
     """Speed of a finished run from its ``metrics.jsonl`` (one train record per step):
-    ``median_tokens_per_s`` over the steps after ``warmup_steps``, ``steps`` (last iteration),
-    ``peak_mem_gib`` (the largest of the records' ``mem_kind``: ``gpu_mem_gib``, peak CUDA
-    memory allocated, or ``cpu_rss_gib`` in CPU mode), and ``summary_tokens_per_s`` from
-    ``summary.json`` (None without one). ValueError when no step came after the warm-up."""
+    ``median_tokens_per_s`` and ``median_tflops_per_gpu`` (the trainer's model TFLOP/s per GPU)
+    over the steps after ``warmup_steps`` but ``exclude_iterations`` (a profiled step, say),
+    ``steps`` (last iteration), ``peak_mem_gib`` (the largest of the records' ``mem_kind``:
+    ``gpu_mem_gib``, peak CUDA memory allocated on rank 0, or ``cpu_rss_gib`` in CPU mode),
+    ``peak_mem_gib_max_rank`` (the same, largest over all ranks; None from a trainer that does
+    not log it), and ``summary_tokens_per_s`` / ``summary_tflops_per_gpu`` from ``summary.json``
+    (None without one). ValueError when no step came after the warm-up."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     train = [r for r in records if r.get("kind") == "train" and "tokens_per_s" in r]
-    steady = [r["tokens_per_s"] for r in train if r["iteration"] > warmup_steps]
-    if not steady:
+    kept = [
+        r
+        for r in train
+        if r["iteration"] > warmup_steps and r["iteration"] not in exclude_iterations
+    ]
+    if not kept:
         raise ValueError(
             f"{run_dir}: no training step after the {warmup_steps} warm-up steps "
             f"({len(train)} logged); raise --steps"
         )
     mem_key = next((k for k in ("gpu_mem_gib", "cpu_rss_gib") if k in train[-1]), None)
+    ranks_key = f"{mem_key}_max_rank"
     summary_path = os.path.join(run_dir, "summary.json")
-    summary = None
+    summary = {}
     if os.path.exists(summary_path):
         with open(summary_path) as f:
-            summary = json.load(f).get("tokens_per_s")
+            summary = json.load(f)
+    tflops = [r["tflops_per_gpu"] for r in kept if "tflops_per_gpu" in r]
     return {
-        "median_tokens_per_s": statistics.median(steady),
-        "summary_tokens_per_s": summary,
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in kept),
+        "summary_tokens_per_s": summary.get("tokens_per_s"),
+        "median_tflops_per_gpu": statistics.median(tflops) if tflops else None,
+        "summary_tflops_per_gpu": summary.get("tflops_per_gpu"),
         "steps": train[-1]["iteration"],
-        "measured_steps": len(steady),
+        "measured_steps": len(kept),
         "peak_mem_gib": max(r.get(mem_key, 0.0) for r in train) if mem_key else None,
+        "peak_mem_gib_max_rank": (
+            max(r[ranks_key] for r in train if ranks_key in r)
+            if mem_key and any(ranks_key in r for r in train)
+            else None
+        ),
         "mem_kind": mem_key,
     }
 
@@ -179,20 +196,31 @@ def _tail(path: str, n: int) -> list:
         return f.read().splitlines()[-n:]
 
 
-def execute(run: Run, warmup_steps: int, timeout: Optional[float]) -> dict:
+def execute(run: Run, warmup_steps: int, timeout: Optional[float], exclude_iterations=()) -> dict:
     """Run the trainer for ``run`` (its output in ``<run_dir>.log``; progress and summary lines
-    echoed) and return its result record."""
+    echoed) and return its result record (:func:`read_result`'s, ``exclude_iterations`` left
+    out of the medians; ``error`` instead when the run failed)."""
     os.makedirs(os.path.dirname(run.run_dir), exist_ok=True)
     log = run.run_dir + ".log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     print(f"## {run.name}: {shlex.join(run.argv)}", flush=True)
     out = {"model": run.model, "seq": run.seq, "run_dir": run.run_dir, "log": log}
     with open(log, "w") as f:
-        proc = subprocess.Popen(run.argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        # A session of its own: a launcher's ranks (torchrun's children) go with it on a
+        # timeout, instead of holding their GPUs as orphans while the next run starts.
+        proc = subprocess.Popen(
+            run.argv,
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            # SIGKILL, not SIGTERM: the trainer answers SIGTERM with a checkpoint save.
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = None
     for line in _tail(log, 400):
@@ -205,7 +233,7 @@ def execute(run: Run, warmup_steps: int, timeout: Optional[float]) -> dict:
         last = next((line for line in reversed(tail) if line.strip()), "")
         return {**out, "error": f"{why}: {last[:200]}"}
     try:
-        return {**out, **read_result(run.run_dir, warmup_steps)}
+        return {**out, **read_result(run.run_dir, warmup_steps, exclude_iterations)}
     except (OSError, ValueError) as exc:
         return {**out, "error": str(exc)}
 

@@ -468,10 +468,15 @@ class DebugConfig:
     nan_at_iter: Optional[int] = None
     # Stop after this iteration as if SIGTERM had arrived (exercises the graceful stop).
     sigterm_at_iter: Optional[int] = None
+    # Run this iteration under torch.profiler; every rank writes the share of its GPU kernel
+    # time in attention, communication and GEMM kernels to <run_dir>/profile/ (profiling.py).
+    profile_step: Optional[int] = None
 
     def validate(self) -> None:
-        """Nothing to check: any iteration (or None) is a valid hook; one that never comes
-        simply never fires."""
+        """``profile_step`` is an iteration (>= 1) or None; the other hooks take any iteration
+        (or None): one that never comes simply never fires."""
+        if self.profile_step is not None:
+            _at_least("debug.profile_step", self.profile_step, 1)
 
 
 @dataclass

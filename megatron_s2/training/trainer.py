@@ -24,6 +24,7 @@ The command line is in :mod:`megatron_s2.training.cli`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -472,6 +473,17 @@ class Trainer:
             )
         )
 
+    def _profiling(self, iteration: int):
+        """The profiler around iteration ``iteration`` when it is ``debug.profile_step``
+        (every rank writes its summary: :mod:`.profiling`), else nothing."""
+        if iteration != self.cfg.debug.profile_step:
+            return contextlib.nullcontext()
+        from .profiling import profile_step
+
+        self._print(f"{PREFIX} profiling iteration {iteration} (debug.profile_step)")
+        rank = torch.distributed.get_rank()
+        return profile_step(self.cfg.run_dir, iteration, rank, gpu=self.gpu)
+
     # ------------------------------------------------------------------------ one step
     def train_step(self) -> StepResult:
         """One optimizer step on the next global batch. Raises :class:`NonFiniteLossError`
@@ -516,6 +528,9 @@ class Trainer:
         """Close the throughput window and write the training record of ``step``."""
         speed = self.throughput.close_window()
         mem_key, mem = memory_gib()
+        # Rank 0 writes the record; the most loaded rank's memory is what a layout must fit.
+        peak = torch.tensor([mem], device=self.device)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         self.metrics.log(
             {
                 "iteration": step.iteration,
@@ -525,6 +540,7 @@ class Trainer:
                 "tokens_per_s": speed.tokens_per_s,
                 "tflops_per_gpu": speed.tflops_per_gpu,
                 mem_key: mem,
+                f"{mem_key}_max_rank": float(peak.item()),
                 "consumed_samples": self.consumed_samples,
                 "step_time_s": speed.seconds_per_iteration,
             }
@@ -587,7 +603,8 @@ class Trainer:
             for chunk in self.model:
                 chunk.train()
             while self.iteration < self.cfg.train.train_iters:
-                step = self.train_step()
+                with self._profiling(self.iteration + 1):
+                    step = self.train_step()
                 logged = self.metrics.should_log(self.iteration)
                 if logged:
                     self.log_step(step)

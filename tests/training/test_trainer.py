@@ -291,3 +291,32 @@ def test_two_process_model_parallel_trains(tmp_path, demo_dir, layout, resume):
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     if resume:
         assert single[4]["loss"] == pytest.approx(recs[4]["loss"], abs=1e-5)
+
+
+def test_profile_step_writes_every_ranks_summary_and_max_memory(tmp_path, demo_dir):
+    """debug.profile_step: both ranks of a TP=2 run write their profile summary of that
+    iteration (no GPU kernels in the CPU mode: shares None), and every training record carries
+    the largest memory over the ranks beside rank 0's own."""
+    proc, recs = run_trainer(
+        tmp_path,
+        demo_dir,
+        "train.train_iters=3",
+        "debug.profile_step=2",
+        "parallel.tensor_model_parallel_size=2",
+        launcher=TWO_PROCESSES,
+    )
+    assert "profiling iteration 2" in proc.stdout
+    for rank in (0, 1):
+        summary = json.loads((tmp_path / "t" / "profile" / f"step2.rank{rank}.json").read_text())
+        assert summary["iteration"] == 2 and summary["rank"] == rank
+        assert summary["wall_ms"] > 0 and summary["total_kernel_ms"] == 0
+        assert summary["share"]["attention"] is None and summary["peak_mem_gib"] is None
+    assert not (tmp_path / "t" / "profile" / "step1.rank0.json").exists()
+    for rec in recs.values():
+        assert rec["cpu_rss_gib_max_rank"] >= rec["cpu_rss_gib"] > 0
+
+
+def test_profile_step_refused_below_one(tmp_path, demo_dir):
+    proc, _ = run_trainer(tmp_path, demo_dir, "debug.profile_step=0", check=False)
+    assert proc.returncode != 0
+    assert "debug.profile_step must be >= 1" in proc.stdout + proc.stderr
