@@ -607,11 +607,15 @@ def run_sbatch(cluster, line: str, plan: Plan, cwd: Path, iters: int, extra: lis
     final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
     deadline = time.time() + 400
     info = {}
-    while time.time() < deadline:
-        info = cluster.job_info(job)
-        if info.get("JobState") in final:
-            break
-        time.sleep(1)
+    try:
+        while time.time() < deadline:
+            info = cluster.job_info(job)
+            if info.get("JobState") in final:
+                break
+            time.sleep(1)
+    finally:
+        # A job still running after the wait (or a Ctrl-C) would hold the node for the next one.
+        cluster.cancel_all()
     name = info.get("JobName", "s2-pretrain")
     out = cwd / f"slurm-{name}-{job}.out"
     log = f"$ {line}\n{info}\n" + (out.read_text(errors="replace")[-6000:] if out.exists() else "")

@@ -221,6 +221,15 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.fixture
+def slurm_jobs_cancelled(slurm):
+    """The module's cluster; the jobs a test leaves pending or running are cancelled when it ends,
+    passed or not, so that a failed or timed-out test's job does not hold the node for the next
+    test (or the module's teardown)."""
+    yield slurm
+    slurm.cancel_all()
+
+
 def _wait_for(cond, timeout, what, cluster, job):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -236,6 +245,7 @@ def _wait_for(cond, timeout, what, cluster, job):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.usefixtures("slurm_jobs_cancelled")
 def test_sbatch_demo_with_requeue(slurm, tmp_path):
     submit_dir = tmp_path / "submit"
     submit_dir.mkdir()
@@ -329,6 +339,7 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.usefixtures("slurm_jobs_cancelled")
 def test_sweep_as_job_array(slurm, tmp_path):
     """megatron-s2-sweep --slurm: a 2-point study (plus an invalid point, not submitted) as one
     job array through launch/slurm.sbatch, each task in its own run directory; the table is
