@@ -6,5 +6,6 @@
 - ``imports``: the import graph of s2attn and megatron_s2 read from the source (AST);
 - ``slurm_cluster``: throw-away Slurm clusters on this machine, one node or two nodes in network
   namespaces of their own (``python -m tests.helpers.slurm_cluster [--two-nodes] DIR`` starts one
-  by hand).
+  by hand), and ``user_shell_env``: the environment a user's shell would hand the launchers,
+  without what the test process carries (an in-process gloo world's MASTER_ADDR/MASTER_PORT).
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -99,6 +100,45 @@ def slurm_unavailable() -> Optional[str]:
     return None
 
 
+# What a test process may carry that a user's shell would not, and that the launchers would take
+# as settings: sbatch exports the submitting environment to the job (--export=ALL). A test that
+# starts a gloo world in-process (tests.helpers.megatron) leaves MASTER_ADDR=127.0.0.1 and the
+# port of its still-listening store in os.environ; with pytest-xdist the next test file of that
+# worker may be a Slurm test, whose job then rendezvoused on 127.0.0.1 (two nodes: never met)
+# or on a port already in use (torchrun's store: EADDRINUSE).
+LAUNCHER_LEFTOVERS = (
+    "TRITON_INTERPRET",  # conftest's, for the kernel tests; the trainer would crawl
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NPROC_PER_NODE",
+    "RUN_DIR",
+    "PYTHON",
+)
+
+
+def user_shell_env(base: Optional[dict] = None) -> dict:
+    """``base`` (default ``os.environ``) as a user's shell would have it before a launcher runs:
+    without ``LAUNCHER_LEFTOVERS``, ``SLURM_*`` (except ``SLURM_CONF``, which names the test
+    cluster) and ``TORCHELASTIC_*``; the test's interpreter first on PATH (the launchers run
+    ``python3``, or ``PYTHON`` where that is another one). A copy; ``base`` is not changed."""
+    env = dict(os.environ if base is None else base)
+    for key in list(env):
+        if key.startswith(("SLURM_", "TORCHELASTIC_")) and key != "SLURM_CONF":
+            del env[key]
+    for key in LAUNCHER_LEFTOVERS:
+        env.pop(key, None)
+    bindir = os.path.dirname(sys.executable)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    if not os.path.exists(os.path.join(bindir, "python3")):
+        env["PYTHON"] = sys.executable
+    return env
+
+
 def _which(name: str) -> str:
     path = shutil.which(name) or str(Path("/usr/sbin", name))
     if not os.path.exists(path):
@@ -123,6 +163,10 @@ class MiniSlurm:
         # Separate from the key's 0700 directory: clients need to traverse to the socket.
         self.munge_socket = self.root / "munge-run" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
+        # Job ids of their own: launch/slurm.sbatch derives its rendezvous port from the job id,
+        # and two test clusters on this host (two pytest workers) that both started at job 1
+        # would start their first jobs on the same port at the same time.
+        self.first_job_id = random.randrange(1000, 1_000_000)
 
     # -------------------------------------------------------------- setup
     def env(self) -> dict:
@@ -143,6 +187,7 @@ class MiniSlurm:
         r = self.root
         conf = f"""\
 ClusterName=s2test
+FirstJobId={self.first_job_id}
 SlurmctldHost={self.host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
@@ -264,6 +309,27 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
                 k, v = tok.split("=", 1)
                 info.setdefault(k, v)
         return info
+
+    def cancel_all(self, timeout: float = 90) -> list[str]:
+        """Cancel every job of this cluster that has not ended and wait up to ``timeout`` s until
+        none is left pending or running; the ids it found (array tasks as ``<id>_<task>``).
+
+        For a test's teardown: a test that fails or times out while its job runs must not leave
+        the job holding the nodes (the module's next test would wait on it, PENDING for
+        Resources). Never raises."""
+        try:
+            jobs = self._run(["squeue", "-h", "-o", "%i"]).stdout.split()
+            if not jobs:
+                return []
+            # Without --full: the job is ended as by a user's scancel (SIGTERM to its steps,
+            # SIGKILL after KillWait), the batch shell included.
+            self._run(["scancel", *jobs])
+            deadline = time.time() + timeout
+            while time.time() < deadline and self._run(["squeue", "-h", "-o", "%i"]).stdout.split():
+                time.sleep(1)
+            return jobs
+        except (subprocess.TimeoutExpired, OSError):
+            return []
 
     def logs(self, tail: int = 3000) -> str:
         parts = []
@@ -387,6 +453,7 @@ class TwoNodeSlurm(MiniSlurm):
         # files are per node (%n).
         conf = f"""\
 ClusterName=s2two
+FirstJobId={self.first_job_id}
 SlurmctldHost={socket.gethostname().split(".")[0]}({self.addrs[0]})
 SlurmUser=root
 SlurmdUser=root

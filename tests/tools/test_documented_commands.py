@@ -40,7 +40,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ import torch
 import yaml
 
 # The single-machine Slurm cluster of tests/tools/test_slurm.py (skips without root or Slurm).
+from tests.helpers.slurm_cluster import user_shell_env
 from tests.tools.test_slurm import slurm  # noqa: F401
 
 # Independent of the megatron-core version: CI runs this module in its first suite only.
@@ -449,29 +449,7 @@ def scratch(shared: Path, cmd: Command) -> Path:
 
 def shell_env(base: Optional[dict] = None) -> dict:
     """A user's shell: the test's interpreter first on PATH, no test or launcher leftovers."""
-    env = dict(os.environ if base is None else base)
-    for key in list(env):
-        if key.startswith(("SLURM_", "TORCHELASTIC_")) and key != "SLURM_CONF":
-            del env[key]
-    for key in (
-        "TRITON_INTERPRET",  # conftest's, for the kernel tests; the trainer would crawl
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "NPROC_PER_NODE",
-        "RUN_DIR",
-        "PYTHON",
-    ):
-        env.pop(key, None)
-    bindir = os.path.dirname(sys.executable)
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    if not os.path.exists(os.path.join(bindir, "python3")):
-        env["PYTHON"] = sys.executable  # the launchers' default python3 would be another one
-    return env
+    return user_shell_env(base)
 
 
 def run_bash(line: str, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -629,11 +607,15 @@ def run_sbatch(cluster, line: str, plan: Plan, cwd: Path, iters: int, extra: lis
     final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
     deadline = time.time() + 400
     info = {}
-    while time.time() < deadline:
-        info = cluster.job_info(job)
-        if info.get("JobState") in final:
-            break
-        time.sleep(1)
+    try:
+        while time.time() < deadline:
+            info = cluster.job_info(job)
+            if info.get("JobState") in final:
+                break
+            time.sleep(1)
+    finally:
+        # A job still running after the wait (or a Ctrl-C) would hold the node for the next one.
+        cluster.cancel_all()
     name = info.get("JobName", "s2-pretrain")
     out = cwd / f"slurm-{name}-{job}.out"
     log = f"$ {line}\n{info}\n" + (out.read_text(errors="replace")[-6000:] if out.exists() else "")

@@ -26,18 +26,21 @@ SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN = REPO / "launch" / "torchrun.sh"
 CONFIG = REPO / "configs" / "demo.yaml"
 
-from tests.helpers.slurm_cluster import ClusterError, MiniSlurm, slurm_unavailable  # noqa: E402
+from tests.helpers.slurm_cluster import (  # noqa: E402
+    ClusterError,
+    MiniSlurm,
+    slurm_unavailable,
+    user_shell_env,
+)
 
 ITERS = 16
 
 
 def clean_env(base=None):
-    """The environment a user's shell would have: conftest turns on TRITON_INTERPRET for the kernel
-    tests, which would make the trainer run the (very slow) Triton interpreter."""
-    env = dict(os.environ if base is None else base)
-    env.pop("TRITON_INTERPRET", None)
-    env.pop("RUN_DIR", None)
-    return env
+    """The environment a user's shell would have (``user_shell_env``): e.g. conftest turns on
+    TRITON_INTERPRET for the kernel tests, which would make the trainer run the (very slow) Triton
+    interpreter, and an in-process gloo world of an earlier test leaves MASTER_ADDR/MASTER_PORT."""
+    return user_shell_env(base)
 
 
 def demo_overrides(data_dir, iters=ITERS):
@@ -94,6 +97,94 @@ def test_launchers_reject_bad_usage(tmp_path):
     assert r.returncode == 2 and "NPROC_PER_NODE" in r.stderr
 
 
+def fake_allocation(tmp_path, job_id: int, nodes=("n0", "n1")) -> dict:
+    """The environment of launch/slurm.sbatch's batch shell on the first of ``nodes`` without a
+    cluster: stub ``scontrol`` (the node list) and ``srun`` (prints its command line and exits
+    0, so no trainer starts) first on PATH."""
+    bin_dir = tmp_path / "fake-slurm-bin"
+    bin_dir.mkdir(exist_ok=True)
+    stubs = {
+        "scontrol": "#!/bin/sh\nprintf '%s\\n' " + " ".join(nodes) + "\n",
+        "srun": '#!/bin/sh\necho "srun $*"\n',
+    }
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = user_shell_env()
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        SLURM_JOB_ID=str(job_id),
+        SLURM_JOB_NAME="fake",
+        SLURM_JOB_NUM_NODES=str(len(nodes)),
+        SLURM_JOB_NODELIST=",".join(nodes),
+        SLURMD_NODENAME=nodes[0],
+        NPROC_PER_NODE="1",
+    )
+    return env
+
+
+def test_sbatch_rendezvous_address_and_port(tmp_path):
+    """launch/slurm.sbatch's rendezvous: the first node by name on a free port derived from the
+    job id; a busy port is skipped, a busy MASTER_PORT or a loopback MASTER_ADDR on several nodes
+    (leftovers of a single-machine run that sbatch passes on) is refused before srun."""
+    import random
+
+    def run(env):
+        return subprocess.run(
+            ["bash", str(SBATCH), str(CONFIG)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+
+    # A port of the script's range held by a listening socket, as a store of another job would.
+    busy = socket.socket()
+    for _ in range(50):
+        job = random.randrange(1, 15000)
+        try:
+            busy.bind(("", 15000 + job))
+            break
+        except OSError:
+            continue
+    busy.listen()
+    port = 15000 + job
+    with busy:
+        r = run(fake_allocation(tmp_path, job))
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out
+        assert f"rendezvous port {port} is in use on n0: trying the next" in r.stderr, out
+        chosen = int(re.search(r"2 node\(s\) x 1 process\(es\), rendezvous n0:(\d+)", out)[1])
+        assert port < chosen < port + 100, out
+        # srun gets the address and port as the arguments $3 and $4 of its command.
+        assert f" n0 {chosen} s2-{job}-0 " in r.stdout, r.stdout
+
+        # An explicit MASTER_PORT that is busy: refused, naming the variable and the node.
+        r = run(dict(fake_allocation(tmp_path, job), MASTER_PORT=str(port)))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"MASTER_PORT={port} is already in use on n0" in r.stderr, r.stderr
+        assert "srun" not in r.stdout
+
+    # Free again: an explicit MASTER_PORT as given (the job id's own port when free: the Slurm
+    # tests check it on a real cluster).
+    r = run(dict(fake_allocation(tmp_path, job), MASTER_PORT=str(port)))
+    assert r.returncode == 0 and f"rendezvous n0:{port}," in r.stdout, r.stdout + r.stderr
+
+    # A loopback MASTER_ADDR cannot serve two nodes (the failure of a leaked test environment).
+    for addr in ("127.0.0.1", "localhost"):
+        r = run(dict(fake_allocation(tmp_path, job), MASTER_ADDR=addr))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"MASTER_ADDR={addr} is a loopback address" in r.stderr, r.stderr
+        assert "first node, n0" in r.stderr and "srun" not in r.stdout
+    # On one node it is the documented override where node names do not resolve.
+    r = run(dict(fake_allocation(tmp_path, job, nodes=("n0",)), MASTER_ADDR="127.0.0.1"))
+    assert r.returncode == 0 and "rendezvous 127.0.0.1:" in r.stdout, r.stdout + r.stderr
+    # And MASTER_PORT must be a port.
+    r = run(dict(fake_allocation(tmp_path, job), MASTER_PORT="70000"))
+    assert r.returncode == 2 and "MASTER_PORT must be a TCP port" in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_torchrun_launcher_cpu_demo(tmp_path):
     run_dir = tmp_path / "run"
@@ -129,6 +220,15 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.fixture
+def slurm_jobs_cancelled(slurm):
+    """The module's cluster; the jobs a test leaves pending or running are cancelled when it ends,
+    passed or not, so that a failed or timed-out test's job does not hold the node for the next
+    test (or the module's teardown)."""
+    yield slurm
+    slurm.cancel_all()
+
+
 def _wait_for(cond, timeout, what, cluster, job):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -144,6 +244,7 @@ def _wait_for(cond, timeout, what, cluster, job):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.usefixtures("slurm_jobs_cancelled")
 def test_sbatch_demo_with_requeue(slurm, tmp_path):
     submit_dir = tmp_path / "submit"
     submit_dir.mkdir()
@@ -237,6 +338,7 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.usefixtures("slurm_jobs_cancelled")
 def test_sweep_as_job_array(slurm, tmp_path):
     """megatron-s2-sweep --slurm: a 2-point study (plus an invalid point, not submitted) as one
     job array through launch/slurm.sbatch, each task in its own run directory; the table is

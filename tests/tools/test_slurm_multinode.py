@@ -36,20 +36,8 @@ import pytest
 from tests.helpers.slurm_cluster import TwoNodeSlurm, slurm_unavailable
 from tests.tools.test_slurm import clean_env
 
-# Opt-in: in a clean-clone run of .ci/run (2026-11-28), inside the full suite, the job's
-# rendezvous resolved to 127.0.0.1 instead of the first node's address and the two ranks never
-# met (the job ran until the test's 300 s limit); on its own it passed every time. Until that is
-# understood it runs only when asked for (launch/README.md, "Testing the Slurm path").
-OPT_IN = "MEGATRON_S2_TWO_NODE_TEST"
-
 # Independent of the megatron-core version (a launcher test): CI's first suite only.
-pytestmark = [
-    pytest.mark.version_independent,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get(OPT_IN) != "1", reason=f"two-node Slurm test: set {OPT_IN}=1 to run it"
-    ),
-]
+pytestmark = [pytest.mark.version_independent, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "launch" / "slurm.sbatch"
@@ -141,9 +129,21 @@ def one_node(tmp_path_factory, data):
     return ref
 
 
-def submit(cluster: TwoNodeSlurm, cwd: Path, data: list[str], run_dir: str | None = None) -> str:
-    """sbatch the tiny run as 2 nodes x 1 process; the job id."""
-    env = dict(clean_env(cluster.env()), NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+@pytest.fixture(autouse=True)
+def cancel_jobs_after(cluster):
+    """Whatever a test leaves pending or running is cancelled when it ends, passed or not: a job
+    still running after a failure or a timeout would hold both nodes and the next test's job
+    would wait behind it (PENDING, Resources)."""
+    yield
+    cluster.cancel_all()
+
+
+def submit(
+    cluster: TwoNodeSlurm, cwd: Path, data: list[str], run_dir: str | None = None, **env_vars
+) -> str:
+    """sbatch the tiny run as 2 nodes x 1 process from a user's environment (``clean_env``: no
+    leftovers of this test process) plus ``env_vars``; the job id."""
+    env = dict(clean_env(cluster.env()), NPROC_PER_NODE="1", OMP_NUM_THREADS="1", **env_vars)
     if run_dir:
         env["RUN_DIR"] = run_dir
     cmd = ["sbatch", "--parsable", "--nodes=2", "--cpus-per-task=1", "--job-name=s2two"]
@@ -194,6 +194,22 @@ def trainer_pids(cluster: TwoNodeSlurm, node: int) -> dict[int, dict]:
 
 
 # ---- tests --------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_loopback_rendezvous_is_refused(cluster, data, tmp_path):
+    """A MASTER_ADDR of 127.0.0.1 in the submitting environment (here as a test process that ran
+    a gloo world leaves it) would make each node look for the store on itself until the
+    rendezvous timeout: the job ends at once with the script's error instead, before any
+    trainer starts."""
+    job = submit(cluster, tmp_path, data, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    out = tmp_path / f"slurm-s2two-{job}.out"
+    info = wait_until(lambda: finished(cluster, job), 120, "the job to end", cluster, job, out)
+    output = out.read_text(errors="replace")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{output}"
+    assert "MASTER_ADDR=127.0.0.1 is a loopback address, which the other 1 node(s)" in output
+    assert "first node, s2n0" in output and "node 0 of 2" not in output, output
+    assert not (tmp_path / "runs" / f"s2two-{job}" / "logs").exists()
+
+
 @pytest.mark.timeout(600)
 def test_two_node_job_matches_one_node(cluster, data, one_node, tmp_path):
     job = submit(cluster, tmp_path, data)
