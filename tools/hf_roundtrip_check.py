@@ -20,31 +20,47 @@ the report):
 4. ``export``: ``megatron-s2-hf export`` of the trained run (bf16 on the GPU, fp32 on the CPU).
 5. ``ours``: the trained checkpoint through the trainer's own model
    (``megatron_s2.training.evaluation.model.load_eval_model``, the run's precision) on a fresh
-   random batch of ``--length`` tokens (a multiple of the S2 block): our logits.
+   random batch of ``--length`` tokens (a multiple of the S2 block): our logits; and the same
+   weights with every layer dense (our dense twin).
 6. ``compare``: the export loaded with ``megatron_s2.hf.s2_attention.load_s2_model`` (the
    ``"s2"`` attention) and with ``attn_implementation="sdpa"`` (every layer dense), same dtype,
    same tokens; their logits against ours.
 
-The verdict (``"verdict": "PASS"`` only if every check holds):
+Three pairs of logits are compared (:func:`logit_stats`: max and mean |diff|, the mean over
+std(ours), top-1 agreement, the mean inside and past the S2 local window):
 
-* ``s2_matches_ours``: mean |ours - s2| <= ``tol_mean`` x std(ours) and the top-1 token agrees
-  at >= ``min_top1`` of the positions. bf16 (GPU): ``tol_mean = 2e-2``, ``min_top1 = 0.99``.
-  Why: both sides hold the same bf16 weights bit for bit but round differently (fused QKV vs
-  separate projections, Megatron's vs transformers' RoPE and RMSNorm, its residual adds); bf16
-  keeps 8 significant bits, a relative rounding of 2^-9 = 0.2% per operation, and over the 24
-  sublayers of the residual stream such independent errors add up to about 0.5-1% of a logit's
-  spread. 2% of the logits' std leaves that a factor 2-4, yet a wrong S2 layer (another block
-  pattern, shifted positions, a dense layer) moves the logits by several times more (the next
-  check measures it). The top-1 token only flips where the two best logits lie within the
-  rounding noise of each other: rare (well under 1%). fp32 (CPU): ``tol_mean = 1e-4``,
-  ``min_top1 = 0.999`` (the same arithmetic in another order: ~1e-6 relative).
-* ``s2_differs_from_dense``: the dense model's logits are far from ours where S2 differs from
-  dense attention: over the positions past the S2 layers' local window (``tail``), mean
-  |ours - dense| >= ``min_dense_ratio`` (4) x mean |ours - s2|. Without it the check could not
-  fail: a loader that ran the S2 layers densely would pass the first check whenever S2 changes
-  the logits less than the tolerance. The positions inside the window (``prefix``: every S2
-  row there is the full causal row) are reported too: there dense and S2 agree up to rounding,
-  which measures the rounding noise itself.
+* ``s2_vs_ours``: the S2 load against ours, the pair under test;
+* ``dense_vs_ours_dense``: the sdpa load against our dense twin: the same weights and the same
+  attention on both sides, so what differs is only how the two implementations round (fused
+  QKV vs separate projections, Megatron's vs transformers' RoPE, RMSNorm, residual adds, dense
+  attention kernels). This is the noise floor, measured on this model, at this length;
+* ``dense_vs_ours``: the sdpa load against ours: what S2 changes.
+
+The verdict (``"verdict": "PASS"`` only if every check holds; bf16 on the GPU / fp32 on the
+CPU):
+
+* ``s2_within_noise_of_dense_pair``: mean |S2 load - ours| <= 2 x mean |sdpa load - our dense
+  twin| (or <= 5e-3 / 1e-6 x std(ours), where the noise is smaller still). Why 2: the S2 layers
+  run the same s2attn kernel on both sides, so the S2 pair adds no rounding of its own beyond
+  the dense pair's; 2 leaves room for the two models' different activations.
+* ``s2_mean_within_tolerance``: mean |S2 load - ours| <= 5e-2 / 1e-4 x std(ours), a fixed cap
+  whatever the noise floor says. Why 5e-2 in bf16: measured on the CPU (2026-11-28, 4,096
+  tokens, this 125M shape, random weights), one bf16 forward of ``transformers`` is 1.5% of
+  the logits' std from its fp32 forward on average (1.2% inside the local window, 1.6% past
+  it: it grows with the position). Two independent bf16 implementations are then about
+  sqrt(2) x 1.5% = 2.1% apart, more at 16k; a 2e-2 cap would fail a correct model, 5e-2 leaves
+  a factor 2. A wrong S2 layer moves the logits by far more: dense instead of S2 is 19% of the
+  std at 4k (26% past the window) on the same model. In fp32 the two sides differ by float
+  rounding only (~1e-6).
+* ``s2_top1_agreement``: the top-1 token of the S2 load agrees with ours at no fewer positions
+  than the dense pair's minus 1% (0.1% in fp32). Not a fixed 99%: a barely trained model's two
+  best logits are often closer than the rounding noise (the CPU measurement above: 95% top-1
+  agreement between bf16 and fp32 of the same random model), so a fixed rate would fail a
+  correct model; the dense pair shows how often rounding alone flips the top token here.
+* ``s2_differs_from_dense``: past the S2 local window, mean |sdpa load - ours| >= 4 x mean
+  |S2 load - ours|. Without it the check could not fail: a loader that ran the S2 layers densely
+  would pass the others whenever S2 changed the logits less than the noise. Inside the window
+  (``prefix``: every S2 row there is the full causal row) dense and S2 agree up to rounding.
 
 The work directory (``--work-dir``, default a fresh temporary one) holds the checkpoints, the
 run and the logits; it is deleted after a PASS unless ``--keep-work``. The report is written
@@ -110,8 +126,20 @@ S2_PATTERN = "DS"
 DEFAULT_SEQ = {"125m": 16384, "tiny": 128}
 # Tolerances per compute dtype (module docstring).
 TOLERANCES = {
-    "bfloat16": {"tol_mean": 2e-2, "min_top1": 0.99, "min_dense_ratio": 4.0},
-    "float32": {"tol_mean": 1e-4, "min_top1": 0.999, "min_dense_ratio": 4.0},
+    "bfloat16": {
+        "tol_mean": 5e-2,
+        "noise_factor": 2.0,
+        "floor": 5e-3,
+        "top1_slack": 0.01,
+        "min_dense_ratio": 4.0,
+    },
+    "float32": {
+        "tol_mean": 1e-4,
+        "noise_factor": 2.0,
+        "floor": 1e-6,
+        "top1_slack": 0.001,
+        "min_dense_ratio": 4.0,
+    },
 }
 STEP_NAMES = ("build", "import", "train", "export", "ours", "compare")
 TAIL_CHARS = 4000
@@ -501,13 +529,18 @@ def build_model(work: str, s: dict) -> dict:
 
 def our_logits(work: str, s: dict) -> dict:
     """Step 5: the trained checkpoint through the trainer's model at the run's precision, on
-    ``s["length"]`` random byte tokens (``work/tokens.pt``); logits ``[1, length, vocab]`` fp32
-    to ``work/ours.pt``."""
+    ``s["length"]`` random byte tokens (``work/tokens.pt``): logits ``[1, length, vocab]`` fp32
+    to ``work/ours.pt``; and the same weights with every layer dense (``work/ours_dense.pt``),
+    the twin of ``transformers``' sdpa load that measures the rounding noise between the two
+    implementations."""
+    import dataclasses
+
     import torch
 
     if s["device"] == "cpu":
         import megatron.core.distributed  # noqa: F401  (before CPU mode patches torch)
 
+    from megatron_s2.training.build import Runtime, build_run, load_weights
     from megatron_s2.training.evaluation.model import check_lengths, load_eval_model
 
     em = load_eval_model(None, os.path.join(work, "run", "checkpoints"), max_length=s["length"])
@@ -516,21 +549,36 @@ def our_logits(work: str, s: dict) -> dict:
     # Byte tokens (0..255): what the model read in training, drawn at random.
     tokens = torch.randint(0, 256, (1, s["length"]), generator=gen)
     torch.save(tokens, os.path.join(work, "tokens.pt"))
-    (chunk,) = em.model
-    chunk.eval()
     positions = torch.arange(s["length"]).unsqueeze(0)
-    t0 = time.monotonic()
-    with torch.no_grad():
-        logits = chunk(tokens.to(em.device), positions.to(em.device), None)
-    if em.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.monotonic() - t0
-    torch.save(logits.float().cpu(), os.path.join(work, "ours.pt"))
+
+    def forward(chunks) -> tuple[Any, float]:
+        (chunk,) = chunks
+        chunk.eval()
+        t0 = time.monotonic()
+        with torch.no_grad():
+            out = chunk(tokens.to(em.device), positions.to(em.device), None)
+        if em.device.type == "cuda":
+            torch.cuda.synchronize()
+        return out.float().cpu(), time.monotonic() - t0
+
+    logits, seconds = forward(em.model)
+    torch.save(logits, os.path.join(work, "ours.pt"))
+    shape = list(logits.shape)
+    del em.model[:], logits
+    # The dense twin: the same run config with attention None (every layer dense), built and
+    # loaded as load_eval_model does, in the process groups it started.
+    dense_cfg = dataclasses.replace(em.cfg, attention=None)
+    model = dataclasses.replace(em.cfg.model, seq_length=max(s["length"], em.cfg.model.seq_length))
+    runtime = Runtime.detect(em.cfg.train.precision)
+    parts = build_run(model, em.cfg.parallel, dense_cfg.schedule(), em.vocab_size, runtime)
+    load_weights(parts, os.path.dirname(em.checkpoint), em.iteration)
+    dense_logits, dense_seconds = forward(parts.model)
+    torch.save(dense_logits, os.path.join(work, "ours_dense.pt"))
     return {
         "checkpoint": em.checkpoint,
         "iteration": em.iteration,
-        "logits_shape": list(logits.shape),
-        "forward_s": round(seconds, 3),
+        "logits_shape": shape,
+        "forward_s": {"s2": round(seconds, 3), "dense": round(dense_seconds, 3)},
         "precision": em.cfg.train.precision,
     }
 
@@ -558,20 +606,32 @@ def logit_stats(ours, other, window: int) -> dict:
     }
 
 
-def judge(s2: dict, dense: dict, tol: dict) -> tuple[bool, list[str], dict]:
-    """The verdict (module docstring) from :func:`logit_stats` of the S2 and the dense loads:
-    (pass, the failed checks in words, each check's outcome)."""
+def judge(s2: dict, pair: dict, dense: dict, tol: dict) -> tuple[bool, list[str], dict]:
+    """The verdict (module docstring) from :func:`logit_stats` of the S2 load against ours
+    (``s2``), of the dense load against our dense twin (``pair``: the rounding noise between
+    the two implementations) and of the dense load against ours (``dense``): (pass, the failed
+    checks in words, each check's outcome)."""
     failures = []
-    ok_mean = s2["mean_abs_diff_over_std"] <= tol["tol_mean"]
-    ok_top1 = s2["top1_agreement"] >= tol["min_top1"]
-    if not ok_mean:
+    std = s2["ours_std"]
+    ok_cap = s2["mean_abs_diff_over_std"] <= tol["tol_mean"]
+    if not ok_cap:
         failures.append(
             f"S2 load vs ours: mean |diff| = {s2['mean_abs_diff_over_std']:.3g} x std(logits) "
             f"> tolerance {tol['tol_mean']:g}"
         )
+    allowed = max(tol["noise_factor"] * pair["mean_abs_diff"], tol["floor"] * std)
+    ok_noise = s2["mean_abs_diff"] <= allowed
+    if not ok_noise:
+        failures.append(
+            f"S2 load vs ours: mean |diff| = {s2['mean_abs_diff']:.3g}, more than "
+            f"{tol['noise_factor']:g} x the dense pair's {pair['mean_abs_diff']:.3g} (the "
+            f"rounding noise between transformers and ours)"
+        )
+    ok_top1 = s2["top1_agreement"] >= pair["top1_agreement"] - tol["top1_slack"]
     if not ok_top1:
         failures.append(
-            f"S2 load vs ours: top-1 agreement {s2['top1_agreement']:.4f} < {tol['min_top1']}"
+            f"S2 load vs ours: top-1 agreement {s2['top1_agreement']:.4f}, below the dense "
+            f"pair's {pair['top1_agreement']:.4f} by more than {tol['top1_slack']:g}"
         )
     # Past the window: how much further the dense load is from ours than the S2 load (an
     # S2 load that matches ours exactly, as in fp32 on the CPU, makes it infinite).
@@ -585,7 +645,9 @@ def judge(s2: dict, dense: dict, tol: dict) -> tuple[bool, list[str], dict]:
             f"clearly, so the comparison cannot tell S2 from dense"
         )
     checks = {
-        "s2_mean_within_tolerance": ok_mean,
+        "s2_mean_within_tolerance": ok_cap,
+        "s2_within_noise_of_dense_pair": ok_noise,
+        "s2_allowed_mean_abs_diff": allowed,
         "s2_top1_agreement": ok_top1,
         "s2_differs_from_dense": ok_dense,
         # JSON has no infinity: null where the S2 load matched ours exactly.
@@ -607,6 +669,7 @@ def compare(work: str, s: dict) -> dict:
     path = os.path.join(work, "exported")
     tokens = torch.load(os.path.join(work, "tokens.pt")).to(device)
     ours = torch.load(os.path.join(work, "ours.pt")).to(device)
+    ours_dense = torch.load(os.path.join(work, "ours_dense.pt")).to(device)
     config = transformers.AutoConfig.from_pretrained(path)
     patterns = layer_patterns(config)
     kinds = "".join("D" if p is None else "S" for p in patterns)
@@ -636,8 +699,9 @@ def compare(work: str, s: dict) -> dict:
     if s2_logits.shape != ours.shape:
         raise ValueError(f"logits shapes differ: transformers {s2_logits.shape}, ours {ours.shape}")
     s2_stats = logit_stats(ours, s2_logits, window)
+    pair_stats = logit_stats(ours_dense, dense_logits, window)
     dense_stats = logit_stats(ours, dense_logits, window)
-    passed, failures, checks = judge(s2_stats, dense_stats, s["tolerance"])
+    passed, failures, checks = judge(s2_stats, pair_stats, dense_stats, s["tolerance"])
     result = {
         "pass": passed,
         "failures": failures,
@@ -649,7 +713,9 @@ def compare(work: str, s: dict) -> dict:
         "s2_attn_implementation": impl,
         "s2_window_tokens": window,
         "s2_vs_ours": s2_stats,
+        "dense_vs_ours_dense": pair_stats,
         "dense_vs_ours": dense_stats,
+        "ours_dense_vs_ours": logit_stats(ours, ours_dense, window),
         "s2_vs_dense_top1_agreement": float(
             (s2_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean()
         ),
