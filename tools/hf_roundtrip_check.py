@@ -274,7 +274,7 @@ class Check:
             "failed_step": None,
             "reason": None,
             "settings": settings,
-            "environment": _environment(settings["device"]),
+            "environment": _environment(),
             "work_dir": work,
             "steps": {},
             "comparison": None,
@@ -341,7 +341,7 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
-def _environment(device: str) -> dict:
+def _environment() -> dict:
     info = {"python": platform.python_version(), "host": platform.node()}
     for mod in ("torch", "transformers", "triton", "megatron.core"):
         try:
@@ -350,10 +350,8 @@ def _environment(device: str) -> dict:
                 info[mod] = __import__(mod, fromlist=["__version__"]).__version__
         except Exception as e:  # a missing package is reported, the step that needs it fails
             info[mod] = f"unavailable ({type(e).__name__})"
-    if device == "cuda":
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name(0)
+    # The GPU's name comes from the build step's process: asking here would hold a CUDA
+    # context in this process for the whole check.
     return info
 
 
@@ -524,7 +522,8 @@ def build_model(work: str, s: dict) -> dict:
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(os.path.join(work, "hf"), safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
-    return {"parameters": params, "architecture": type(model).__name__}
+    gpu = torch.cuda.get_device_name(0) if s["device"] == "cuda" else None
+    return {"parameters": params, "architecture": type(model).__name__, "gpu": gpu}
 
 
 def our_logits(work: str, s: dict) -> dict:
