@@ -461,7 +461,7 @@ def _train_command(s: dict, work: str) -> list[str]:
         f"train.seed={s['seed'] + 1}",
         "train.eval_interval=0",
         f"optimizer.lr={s['lr']}",
-        f"optimizer.min_lr={s['lr'] / 10}",
+        f"optimizer.min_lr={s['lr'] / 10:g}",
         f"optimizer.lr_warmup_iters={warmup}",
         "checkpoint.save_interval=0",
         "checkpoint.save_at_end=true",
