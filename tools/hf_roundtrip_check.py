@@ -75,15 +75,17 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from typing import Any, Optional
 
+# The check's clock starts with the process: --time-limit covers its own imports too.
+PROCESS_START = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS = os.path.abspath(__file__)
 
@@ -263,9 +265,17 @@ def _subprocess_env(work: str, device: str) -> dict:
 class Check:
     """The report and the steps that fill it; :meth:`write` after every step."""
 
-    def __init__(self, out: str, work: str, settings: dict, time_limit: float):
+    def __init__(
+        self,
+        out: str,
+        work: str,
+        settings: dict,
+        time_limit: float,
+        start: Optional[float] = None,
+    ):
+        """``time_limit`` seconds from ``start`` (a ``time.monotonic()``; default now)."""
         self.out, self.work, self.settings = out, work, settings
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self.deadline = self.start + time_limit
         self.env = _subprocess_env(work, settings["device"])
         self.report: dict[str, Any] = {
@@ -292,7 +302,7 @@ class Check:
     def run(self, name: str, cmd: list[str]) -> dict:
         """Run step ``name`` as ``cmd`` (a subprocess in the repository root); record its wall
         time, and on failure its command and output tail. Returns the step's record."""
-        record: dict[str, Any] = {"command": " ".join(cmd)}
+        record: dict[str, Any] = {"command": shlex.join(cmd)}
         self.report["steps"][name] = record
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -342,16 +352,16 @@ def _text(b) -> str:
 
 
 def _environment() -> dict:
+    """Python and the packages' versions, read from their metadata (importing them here would
+    cost this process seconds and, for torch, memory it never uses)."""
+    from importlib import metadata
+
     info = {"python": platform.python_version(), "host": platform.node()}
-    for mod in ("torch", "transformers", "triton", "megatron.core"):
+    for dist in ("torch", "transformers", "triton", "megatron-core", "safetensors"):
         try:
-            with warnings.catch_warnings():  # megatron-core's notes about missing TE / Apex
-                warnings.simplefilter("ignore")
-                info[mod] = __import__(mod, fromlist=["__version__"]).__version__
-        except Exception as e:  # a missing package is reported, the step that needs it fails
-            info[mod] = f"unavailable ({type(e).__name__})"
-    # The GPU's name comes from the build step's process: asking here would hold a CUDA
-    # context in this process for the whole check.
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:  # reported; the step that needs it fails
+            info[dist] = None
     return info
 
 
@@ -377,7 +387,7 @@ def run_check(args) -> dict:
         raise ValueError(f"--work-dir {work} already holds {', '.join(leftovers)}: give a new one")
     with open(os.path.join(work, "settings.json"), "w") as f:
         json.dump(settings, f, indent=2)
-    check = Check(os.path.abspath(args.out), work, settings, args.time_limit)
+    check = Check(os.path.abspath(args.out), work, settings, args.time_limit, PROCESS_START)
     s = settings
     py = sys.executable
     hf, imported, run, exported = (
