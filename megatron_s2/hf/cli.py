@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the imported model's config.json as a template (default: found from the run)",
     )
+    exp.add_argument(
+        "--allow-coverage-holes",
+        action="store_true",
+        help="export a hybrid whose stripes leave key blocks unseen beyond the trained length "
+        "(refused otherwise: transformers runs the export at any length)",
+    )
     return p
 
 
@@ -128,6 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 dtype=args.dtype,
                 max_shard_bytes=args.max_shard_size,
                 hf_config_path=args.hf_config,
+                allow_coverage_holes=args.allow_coverage_holes,
             )
     except (HFConfigError, ConfigError, CheckpointError, yaml.YAMLError) as e:
         print(f"{PREFIX} error: {e}", file=sys.stderr)

@@ -374,6 +374,7 @@ class ExportPlan:
     max_shard_bytes: int
     tokenizer_dir: Optional[Path]
     hybrid: bool
+    s2_attention: Optional[dict] = None  # the schedule written to config.json, every setting
 
 
 def _checkpoint_root(path: Path) -> Path:
@@ -412,12 +413,14 @@ def plan_export(
     dtype: str = "auto",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     hf_config_path: Optional[str] = None,
+    allow_coverage_holes: bool = False,
 ) -> ExportPlan:
     """Check an export (nothing written): ``source`` is a run directory, a checkpoint directory
     or one ``iter_NNNNNNN`` folder; ``dtype`` ``auto`` is the imported model's (its
-    ``config.json``), else float32. Raises :class:`HFConfigError` or the trainer's
-    ``CheckpointError`` naming the path."""
-    from ..schedule import AttentionSchedule
+    ``config.json``), else float32; ``allow_coverage_holes`` records that a hybrid's stripe
+    holes beyond the trained length are intended (else such a schedule is refused). Raises
+    :class:`HFConfigError` or the trainer's ``CheckpointError`` naming the path."""
+    from ..schedule import AttentionSchedule, ScheduleError
     from ..training.evaluation.model import resolve_checkpoint, saved_config
     from ..training.run_config import ModelConfig
 
@@ -453,11 +456,29 @@ def plan_export(
         _fail(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     attention = run.get("attention")
     hybrid = False
+    s2_attention = None
     if attention is not None:
-        kinds = AttentionSchedule.from_dict(attention, prefix="attention").layer_kinds(
-            model.num_layers
-        )
-        hybrid = any(k != "dense" for k in kinds)
+        if allow_coverage_holes:
+            attention = {**attention, "allow_coverage_holes": True}
+        schedule = AttentionSchedule.from_dict(attention, prefix="attention")
+        hybrid = any(k != "dense" for k in schedule.layer_kinds(model.num_layers))
+        if hybrid:
+            # transformers runs an export at any length, so the schedule must hold at every
+            # length (the loader's check, megatron_s2.hf.s2_attention), not only at the
+            # model.seq_length the run trained at: refuse here rather than write a model that
+            # load_s2_model then refuses.
+            try:
+                schedule.validate(model.num_layers, model.num_attention_heads, model.query_groups)
+            except ScheduleError as e:
+                _fail(
+                    f"checkpoint {root}: its attention section holds at model.seq_length="
+                    f"{model.seq_length} but not at every length, as an exported model must "
+                    f"(transformers runs it at any length): {e}. If the holes are intended, "
+                    f"export with --allow-coverage-holes"
+                )
+            # Every setting written out, defaults included: the export reads the same if a
+            # default changes later.
+            s2_attention = schedule.to_dict()
     tok = (run.get("data") or {}).get("tokenizer")
     tokenizer_dir = None
     if tok and tok != "byte":
@@ -475,6 +496,7 @@ def plan_export(
         max_shard_bytes,
         tokenizer_dir,
         hybrid,
+        s2_attention,
     )
 
 
@@ -543,8 +565,8 @@ def run_export(plan: ExportPlan) -> list[str]:
     config.pop("s2_attention", None)
     config.pop("attn_implementation_hint", None)
     if plan.hybrid:
-        # The S2 schedule as the run config holds it; megatron_s2.hf.s2_attention reads these.
-        config["s2_attention"] = run["attention"]
+        # The S2 schedule, every setting; megatron_s2.hf.s2_attention reads these.
+        config["s2_attention"] = plan.s2_attention
         config["attn_implementation_hint"] = "s2"
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)

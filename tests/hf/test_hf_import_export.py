@@ -457,3 +457,31 @@ def test_export_refuses_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "OUT_HF_DIR" in err and "not empty" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_schedule_with_holes_beyond_the_trained_length(
+    families, tmp_path, monkeypatch
+):
+    """A run may train a hybrid whose stripes leave key blocks unseen only beyond its
+    model.seq_length; transformers runs the export at any length, so export refuses it (as
+    load_s2_model would) unless --allow-coverage-holes, and writes every schedule setting."""
+    from megatron_s2.hf import convert as conv
+    from megatron_s2.training.evaluation import model as eval_model
+
+    saved = eval_model.saved_config
+
+    def with_holes(root, iteration):
+        run, vocab = saved(root, iteration)
+        # 8 heads, a stripe every 16th block: 8 of the 16 phases are never covered.
+        run = {**run, "attention": {"dense_layers": {"pattern": "DS"}, "s2": {"vert_stride": 16}}}
+        return run, vocab
+
+    monkeypatch.setattr(eval_model, "saved_config", with_holes)
+    src = families["llama"] / "imported"
+    with pytest.raises(HFConfigError, match="--allow-coverage-holes"):
+        conv.plan_export(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    plan = conv.plan_export(src, tmp_path / "out", allow_coverage_holes=True)
+    assert plan.hybrid and plan.s2_attention["allow_coverage_holes"] is True
+    assert plan.s2_attention["s2"]["vert_stride"] == 16
+    assert plan.s2_attention["s2"]["block_size"] == 64  # the default, written out

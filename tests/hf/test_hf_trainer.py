@@ -91,7 +91,11 @@ def test_imported_model_trains_as_s2_hybrid_and_exports_its_schedule(
         "dense_layers": {"pattern": "DS"},
         "s2": {"block_size": 16, "local_blocks": 2, "vert_stride": 2},
     }
-    assert exported["s2_attention"] == held
+    # Every setting written out (defaults included), the same schedule as the run's.
+    from megatron_s2.schedule import AttentionSchedule
+
+    assert exported["s2_attention"] == AttentionSchedule.from_dict(held).to_dict()
+    assert exported["s2_attention"]["s2"]["local_blocks"] == 2
     assert exported["attn_implementation_hint"] == "s2"
     assert exported["architectures"] == ["LlamaForCausalLM"]
     # The trained weights, back in Hugging Face's layout.
