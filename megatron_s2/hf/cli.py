@@ -148,6 +148,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"is 'byte'; set data.tokenizer to the model's tokenizer (the data must be "
                 f"tokenized with it)"
             )
+            from megatron_s2.training.tokenizer import ByteTokenizer
+
+            vocab = plan.settings.get("vocab_size") or 0
+            if vocab < ByteTokenizer.vocab_size:
+                # The trainer would refuse this pair at its first load; say it here, where the
+                # choice is made.
+                print(
+                    f"{PREFIX} note: the model's vocabulary ({vocab}) is smaller than the byte "
+                    f"tokenizer's ({ByteTokenizer.vocab_size}): training with data.tokenizer="
+                    f"byte will be refused; give the model's own tokenizer"
+                )
         print(f"{PREFIX} train with: megatron-s2-train --config {run_yaml} data.blend=[...]")
     else:
         files = convert.run_export(plan)

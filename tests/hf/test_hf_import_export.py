@@ -485,3 +485,17 @@ def test_export_refuses_a_schedule_with_holes_beyond_the_trained_length(
     assert plan.hybrid and plan.s2_attention["allow_coverage_holes"] is True
     assert plan.s2_attention["s2"]["vert_stride"] == 16
     assert plan.s2_attention["s2"]["block_size"] == 64  # the default, written out
+
+
+def test_import_without_a_tokenizer_says_the_byte_tokenizer_does_not_fit(llama_dir, tmp_path):
+    """A model without tokenizer.json gets data.tokenizer: byte; with a vocabulary below the
+    byte tokenizer's 258 the trainer would refuse the pair, so import says so up front."""
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_s2.hf.cli", "import", str(llama_dir), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "has no tokenizer.json" in res.stdout
+    assert "vocabulary (256) is smaller than the byte tokenizer's (258)" in res.stdout
