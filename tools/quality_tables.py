@@ -29,8 +29,8 @@ from megatron_s2.training.seed_stats import (
 
 
 def curve_tables(runs_dir: str, rows: list, reference) -> list:
-    """(title, summaries, loss name) for every validation step of the runs' ``metrics.jsonl``
-    under ``runs_dir`` (one folder per point): the learning curve with intervals."""
+    """(step, summaries) for every validation step of the runs' ``metrics.jsonl`` under
+    ``runs_dir`` (one folder per point): the learning curve with intervals."""
     import json
     import os
 
@@ -48,11 +48,7 @@ def curve_tables(runs_dir: str, rows: list, reference) -> list:
                     # stopped, so it counts like a finished run's.
                     step_rows = by_step.setdefault(rec["iteration"], [])
                     step_rows.append({**row, "status": "finished", "final_valid_loss": rec["loss"]})
-    out = []
-    for step in sorted(by_step):
-        name = f"valid loss at step {step}"
-        out.append((name, summarize(by_step[step], reference, ()), name))
-    return out
+    return [(step, summarize(by_step[step], reference, ())) for step in sorted(by_step)]
 
 
 def curve_markdown(curves: list, reference: str, tokens_per_step: float) -> str:
@@ -60,14 +56,13 @@ def curve_markdown(curves: list, reference: str, tokens_per_step: float) -> str:
     millions, from ``tokens_per_step``) and a column per setting other than ``reference``: the
     loss difference to it (%, 95% interval, paired by seed) and the number of seeds."""
     settings: list = []
-    for _, summaries, _ in curves:
+    for _, summaries in curves:
         for s in summaries:
             if s.setting != reference and s.setting not in settings:
                 settings.append(s.setting)
     head = ["step", "tokens (M)"] + [f"{s} vs {reference}" for s in settings]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for title, summaries, _ in curves:
-        step = int(title.rsplit(" ", 1)[1])
+    for step, summaries in curves:
         by = {s.setting: s for s in summaries}
         cells = [str(step), f"{step * tokens_per_step / 1e6:.1f}"]
         for name in settings:
@@ -140,7 +135,9 @@ def main(argv=None) -> int:
             if args.curve_table and args.reference:
                 tables.append(("learning curve", curves, None))
             else:
-                tables += curves
+                for step, summaries in curves:
+                    name = f"valid loss at step {step}"
+                    tables.append((name, summaries, name))
     except ValueError as e:
         print(f"quality_tables: {e}", file=sys.stderr)
         return 2
