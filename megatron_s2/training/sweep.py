@@ -1261,8 +1261,8 @@ def _main(args: argparse.Namespace) -> int:
         collect_and_write(study)
         return EXIT_OK
     everything = study
-    if getattr(args, "seeds", None) or getattr(args, "settings", None):
-        subset = list(study.points)
+    if args.seeds or args.settings:
+        keep = {p.name for p in study.points}
         try:
             if args.seeds:
                 try:
@@ -1271,14 +1271,14 @@ def _main(args: argparse.Namespace) -> int:
                     raise StudyError(
                         f"--seeds takes seeds separated by commas, e.g. 1,2; got {args.seeds!r}"
                     ) from None
-                subset = [p for p in only_seeds(study, chosen) if p in subset]
+                keep &= {p.name for p in only_seeds(study, chosen)}
             if args.settings:
                 names = [x for x in args.settings.split(",") if x]
-                subset = [p for p in only_settings(study, names) if p in subset]
+                keep &= {p.name for p in only_settings(study, names)}
         except StudyError as e:
             print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
             return EXIT_STUDY_ERROR
-        study = dataclasses.replace(study, points=subset)
+        study = dataclasses.replace(study, points=[p for p in study.points if p.name in keep])
     if not any(p.valid for p in study.points):
         report_invalid(study)
         print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)
