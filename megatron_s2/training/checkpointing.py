@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .cpu_mode import cpu_mode_enabled
 from .errors import CheckpointError
 from .run_config import CheckpointConfig
 from .run_dir import human_bytes
@@ -248,7 +249,10 @@ def _rng_state() -> dict:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.version.cuda is not None:
+    # In CPU mode torch.cuda.get_rng_state() returns the CPU generator's state (cpu_mode maps
+    # it), which a GPU run could not load ("RNG state is wrong size"): a checkpoint written in CPU
+    # mode on a machine with a GPU (e.g. `megatron-s2-hf import`) carries no CUDA state.
+    if torch.cuda.is_available() and torch.version.cuda is not None and not cpu_mode_enabled():
         state["cuda"] = torch.cuda.get_rng_state()
         state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
@@ -260,7 +264,12 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and torch.version.cuda is not None:
+    if (
+        "cuda" in state
+        and torch.cuda.is_available()
+        and torch.version.cuda is not None
+        and not cpu_mode_enabled()
+    ):
         torch.cuda.set_rng_state(state["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

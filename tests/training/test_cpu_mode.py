@@ -138,3 +138,39 @@ def test_megatron_data_parallel_step_in_cpu_mode(tmp_path, dist_opt, overlap):
     script = tmp_path / "ddp_step.py"
     script.write_text(_DDP_SCRIPT)
     _run_file(script, str(int(dist_opt)), str(int(overlap)))
+
+
+def test_checkpoint_rng_state_in_cpu_mode_carries_no_cuda_state():
+    # `megatron-s2-hf import` runs in CPU mode on the GPU machine too; there cpu_mode maps
+    # torch.cuda.get_rng_state to the CPU generator's state, which a GPU run's
+    # torch.cuda.set_rng_state refused ("RNG state is wrong size", 2026-11-28 on an H200). With
+    # CUDA made to look available, a CPU-mode save must carry no CUDA state, and a CPU-mode load
+    # must not hand a saved one to the (mapped) CUDA generator.
+    out = _run("""
+        import torch
+        from megatron_s2.training import checkpointing, cpu_mode
+        torch.cuda.is_available = lambda: True
+        torch.version.cuda = "13.0"
+        calls = []
+        torch.cuda.get_rng_state = lambda *a, **k: calls.append("get") or torch.get_rng_state()
+        torch.cuda.set_rng_state = lambda *a, **k: calls.append("set")
+        cpu_mode.enable_cpu_mode()
+        torch.cuda.get_rng_state = lambda *a, **k: calls.append("get") or torch.get_rng_state()
+        torch.cuda.set_rng_state = lambda *a, **k: calls.append("set")
+        state = checkpointing._rng_state()
+        assert "cuda" not in state and "tracker" not in state, sorted(state)
+        # A checkpoint that does carry one (saved on a GPU): the CPU state is restored, the
+        # CUDA one left alone.
+        torch.manual_seed(3)
+        expected = torch.rand(2)
+        torch.manual_seed(3)
+        saved = checkpointing._rng_state()
+        torch.rand(5)
+        saved["cuda"] = torch.get_rng_state()
+        saved["tracker"] = {}
+        checkpointing._set_rng_state(saved)
+        assert torch.equal(torch.rand(2), expected)
+        assert calls == [], calls
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
