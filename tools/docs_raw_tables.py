@@ -502,6 +502,67 @@ def code_corpus_sizes() -> str:
     return table(header, rows)
 
 
+HF = DOCS / "hf"
+
+
+def hf_roundtrip_steps() -> str:
+    """docs/training.md, "The GPU acceptance check": each step of the H200 run, its wall time."""
+    r = read_json(HF / "hf_check_h200.json")
+    train = r["steps"]["train"]
+    what = {
+        "build": "a random 125M-shaped Llama made and saved by `transformers`",
+        "import": "`megatron-s2-hf import --s2-pattern DS` (CPU mode)",
+        "train": (
+            f"{train['iterations']} steps of 2 x 16,384 tokens, bf16: loss "
+            f"{train['first_loss']:.2f} -> {train['last_loss']:.2f}, "
+            f"{thousands(train['tokens_per_s_median_steady'])} tokens/s, "
+            f"peak {train['peak_memory_gib']:.1f} GiB"
+        ),
+        "export": "`megatron-s2-hf export` in bf16",
+        "ours": "our logits of a fresh 16,384-token batch (hybrid and all-dense twin)",
+        "compare": "the export in `transformers` (`s2` and `sdpa` attention), same batch",
+    }
+    rows = [
+        [f"`{name}`", what[name], f"{step['wall_s']:.1f} s"] for name, step in r["steps"].items()
+    ]
+    rows.append(["", f"**{r['verdict']}**", f"{r['total_wall_s']:.1f} s"])
+    return table(["step", "what", "wall"], rows)
+
+
+def hf_roundtrip_logits() -> str:
+    """docs/training.md, "The GPU acceptance check": the three pairs of logits compared."""
+    c = read_json(HF / "hf_check_h200.json")["comparison"]
+    pairs = [
+        ("s2_vs_ours", "export with the `s2` attention vs ours (under test)"),
+        ("dense_vs_ours_dense", "export with `sdpa` (all dense) vs our all-dense twin (noise)"),
+        ("dense_vs_ours", "export with `sdpa` (all dense) vs ours (what S2 changes)"),
+    ]
+    rows = []
+    for key, label in pairs:
+        d = c[key]
+        rows.append(
+            [
+                label,
+                f"{d['mean_abs_diff']:.4f}",
+                f"{100 * d['mean_abs_diff_over_std']:.2f}%",
+                f"{d['prefix_mean_abs_diff']:.4f}",
+                f"{d['tail_mean_abs_diff']:.4f}",
+                f"{d['max_abs_diff']:.3f}",
+                f"{100 * d['top1_agreement']:.2f}%",
+            ]
+        )
+    header = [
+        "logits compared (16,384 tokens, bf16)",
+        "mean abs diff",
+        "of std(ours)",
+        "inside the window (first 1,024)",
+        "past the window",
+        "max abs diff",
+        "top-1 agreement",
+    ]
+    return table(header, rows)
+
+
 @dataclass(frozen=True)
 class Table:
     """A doc table: where it is, what raw outputs it is computed from, and how."""
@@ -532,6 +593,12 @@ TABLES: dict[str, Table] = {
             "docs/quality/stride-window-loss-by-position.json",
         ),
         quality_stride_window,
+    ),
+    "hf-roundtrip-steps": Table(
+        "docs/training.md", ("docs/hf/hf_check_h200.json",), hf_roundtrip_steps
+    ),
+    "hf-roundtrip-logits": Table(
+        "docs/training.md", ("docs/hf/hf_check_h200.json",), hf_roundtrip_logits
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
