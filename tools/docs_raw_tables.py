@@ -563,6 +563,56 @@ def hf_roundtrip_logits() -> str:
     return table(header, rows)
 
 
+PROBE = LONG / "results" / "retrieval-125m-4k-probe"
+
+
+def _probe_hits(task: dict) -> str:
+    """Correct out of all trials of one task of a retrieval.json, with the largest upper end of
+    the per-length Wilson 95% intervals."""
+    by_len = task["by_length"]
+    correct = sum(b["correct"] for b in by_len)
+    n = sum(b["trials"] for b in by_len)
+    return f"{correct}/{n} (<= {100 * max(b['ci_high'] for b in by_len):.1f}% a length)"
+
+
+def retrieval_probe_4k() -> str:
+    """docs/long_context_eval.md, "Step 1, the 4k probe": the three recipes run on one H200."""
+    runs = read_csv(PROBE / "results.csv")
+    recipes = {
+        "dense-full": ("dense", "one-sample documents (4,094 tokens, fact anywhere)"),
+        "dense-mixed": ("dense", "trials of 128-4,094 tokens, several a sample"),
+        "hybrid-DS-mixed": ("`DS`", "trials of 128-4,094 tokens, several a sample"),
+    }
+    rows = []
+    for arm, (layers, recipe) in recipes.items():
+        r = read_json(PROBE / arm / "seed1" / "retrieval.json")["tasks"]
+        cells = r["passkey"]["cells"]
+        ll = sum(c["log_likelihood"] for c in cells) / len(cells)
+        rows.append(
+            [
+                f"`{arm}`",
+                layers,
+                recipe,
+                f4(float(runs[arm]["final_valid_loss"])),
+                _probe_hits(r["passkey"]),
+                _probe_hits(r["multikey"]),
+                _probe_hits(r["code-value"]),
+                f"{ll:.2f}",
+            ]
+        )
+    header = [
+        "point",
+        "layers",
+        "retrieval documents (60% of tokens)",
+        "valid loss",
+        "passkey exact match, 1k-4k",
+        "multikey",
+        "code-value (held out)",
+        "passkey answer log-likelihood (nats)",
+    ]
+    return table(header, rows)
+
+
 @dataclass(frozen=True)
 class Table:
     """A doc table: where it is, what raw outputs it is computed from, and how."""
@@ -599,6 +649,16 @@ TABLES: dict[str, Table] = {
     ),
     "hf-roundtrip-logits": Table(
         "docs/training.md", ("docs/hf/hf_check_h200.json",), hf_roundtrip_logits
+    ),
+    "retrieval-probe-4k": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-probe/results.csv",
+            "docs/long_context/results/retrieval-125m-4k-probe/dense-full/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-probe/dense-mixed/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-probe/hybrid-DS-mixed/seed1/retrieval.json",
+        ),
+        retrieval_probe_4k,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
