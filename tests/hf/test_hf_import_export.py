@@ -364,6 +364,35 @@ def test_s2_pattern_that_does_not_fit_is_refused(llama_dir, tmp_path):
     _refused(llama_dir, tmp_path, "attention", "pattern", s2_pattern="DX")
 
 
+def test_s2_pattern_with_holes_beyond_the_training_length_is_refused(llama_dir, tmp_path):
+    # 8 heads, a stripe every 16th block: 8 of the 16 phases. At 256 tokens the 16-block local
+    # window covers everything (the trainer accepts it), but export would refuse the model
+    # (transformers runs it at any length), so the import refuses it before training.
+    s2 = {"block_size": 16, "local_blocks": 16, "vert_stride": 16}
+    msg = _refused(
+        llama_dir,
+        tmp_path,
+        "--s2-settings",
+        "--seq-length 256",
+        "export",
+        "8 of every 16 key blocks unseen",
+        "'{vert_stride: 8}'",
+        seq_length=256,
+        s2_pattern="DS",
+        s2_settings=s2,
+    )
+    assert "config.json" in msg
+    # A stride of at most the heads covers every block at any length: accepted.
+    plan = convert.plan_import(
+        llama_dir,
+        tmp_path / "ok",
+        seq_length=256,
+        s2_pattern="DS",
+        s2_settings=s2 | {"vert_stride": 8},
+    )
+    assert plan.run_config["attention"]["s2"]["vert_stride"] == 8
+
+
 def test_nonempty_out_dir_is_refused_and_the_cli_exits_2(llama_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
