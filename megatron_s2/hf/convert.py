@@ -400,6 +400,8 @@ class ExportPlan:
     tokenizer_dir: Optional[Path]
     hybrid: bool
     s2_attention: Optional[dict] = None  # the schedule written to config.json, every setting
+    template_path: Optional[Path] = None  # the imported config.json read as the template
+    template_looked_at: tuple = ()  # where it was looked for (None found: the CLI says so)
 
 
 def _checkpoint_root(path: Path) -> Path:
@@ -410,9 +412,11 @@ def _checkpoint_root(path: Path) -> Path:
     return path
 
 
-def _template(run: dict, given: Optional[str]) -> Optional[dict]:
+def _template(run: dict, given: Optional[str]) -> tuple[Optional[dict], Optional[Path], list]:
     """The imported model's ``config.json``: ``given``, else the one beside the run's HF
-    tokenizer, else the one of the import its ``checkpoint.load_dir`` came from."""
+    tokenizer, else the one of the import its ``checkpoint.load_dir`` came from. Returns
+    ``(config or None, its path or None, the paths looked at)``; the run config's relative
+    paths resolve against the current directory, so the caller can say where it looked."""
     candidates = [Path(given)] if given else []
     tok = (run.get("data") or {}).get("tokenizer")
     if tok and tok != "byte":
@@ -425,10 +429,10 @@ def _template(run: dict, given: Optional[str]) -> Optional[dict]:
         if path.is_file():
             cfg = _read_json(path)
             if cfg.get("model_type") in FAMILIES:
-                return cfg
+                return cfg, path, candidates
         elif given and path == Path(given):
             _fail(f"--hf-config {given} does not exist")
-    return None
+    return None, None, candidates
 
 
 def plan_export(
@@ -471,7 +475,7 @@ def plan_export(
     }
     if not settings["vocab_size"]:
         _fail(f"checkpoint {root}: its vocabulary size is not recorded (model.vocab_size)")
-    template = _template(run, hf_config_path)
+    template, template_path, looked_at = _template(run, hf_config_path)
     family = (template or {}).get("model_type") or ("qwen2" if model.add_qkv_bias else "llama")
     if model.add_qkv_bias != (family == "qwen2"):
         family = "qwen2" if model.add_qkv_bias else "llama"
@@ -522,6 +526,8 @@ def plan_export(
         tokenizer_dir,
         hybrid,
         s2_attention,
+        template_path,
+        tuple(looked_at),
     )
 
 

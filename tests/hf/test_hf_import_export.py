@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -528,3 +529,47 @@ def test_import_without_a_tokenizer_says_the_byte_tokenizer_does_not_fit(llama_d
     assert res.returncode == 0, res.stderr
     assert "has no tokenizer.json" in res.stdout
     assert "vocabulary (256) is smaller than the byte tokenizer's (258)" in res.stdout
+
+
+def test_export_says_when_the_imported_config_json_is_not_found(
+    llama_dir, tmp_path, monkeypatch, capsys
+):
+    """The run config's paths (checkpoint.load_dir, data.tokenizer) are relative to where the
+    trainer ran: exported from another directory, the imported config.json (token ids, dtype,
+    original context) is not found, and the CLI says so and how to give it, rather than
+    writing transformers' defaults silently. No checkpoint is read: the run is faked."""
+    from megatron_s2.hf import cli
+    from megatron_s2.hf import convert as conv
+    from megatron_s2.training.evaluation import model as eval_model
+
+    hf = json.loads((llama_dir / "config.json").read_text())
+    run = {
+        "model": model_settings(hf) | {"seq_length": 128},
+        "data": {"tokenizer": "byte"},
+        "checkpoint": {"load_dir": os.path.join("imports", "m", "checkpoints")},
+    }
+    monkeypatch.setattr(eval_model, "resolve_checkpoint", lambda root: (root, 3))
+    monkeypatch.setattr(eval_model, "saved_config", lambda root, it: (run, None))
+    monkeypatch.setattr(conv, "run_export", lambda plan: ["config.json"])
+    trained_in = tmp_path / "work"
+    (trained_in / "imports" / "m" / "hf").mkdir(parents=True)
+    shutil.copy(llama_dir / "config.json", trained_in / "imports" / "m" / "hf" / "config.json")
+    (tmp_path / "elsewhere").mkdir()
+
+    # From the directory the run was trained in: found, and named.
+    monkeypatch.chdir(trained_in)
+    plan = conv.plan_export("runs/r", tmp_path / "out1")
+    assert plan.template_path == Path("imports/m/hf/config.json")
+    assert plan.template["max_position_embeddings"] == hf["max_position_embeddings"]
+    assert cli.main(["export", "runs/r", str(tmp_path / "out2")]) == 0
+    assert "imports/m/hf/config.json's, with the run's shape" in capsys.readouterr().out
+
+    # From elsewhere: not found; the note names where it looked and the way out.
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    plan = conv.plan_export("runs/r", tmp_path / "out3")
+    assert plan.template is None and plan.template_path is None
+    assert plan.template_looked_at == (Path("imports/m/hf/config.json"),)
+    assert cli.main(["export", "runs/r", str(tmp_path / "out4")]) == 0
+    out = capsys.readouterr().out
+    assert "config.json was not found" in out and "imports/m/hf/config.json" in out
+    assert str(tmp_path / "elsewhere") in out and "--hf-config" in out
