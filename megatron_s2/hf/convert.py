@@ -65,6 +65,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# run.yaml's learning rates: continual pretraining of a pretrained model (the Llama-3.2-1B
+# recipe's, configs/extend/llama-3.2-1b-s2-32k.yaml). The trainer's defaults (1e-3 down to 1e-4)
+# are for small models trained from scratch and would undo much of what the imported weights know.
+CONTINUAL_LR = 2.0e-5
+CONTINUAL_MIN_LR = 2.0e-6
 # transformers' own default shard size for save_pretrained.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 SINGLE_FILE = "model.safetensors"
@@ -244,6 +249,7 @@ def plan_import(
         "model": dict(settings) | {"seq_length": seq_length, "transformer_impl": transformer_impl},
         "attention": _attention_section(s2_pattern, s2_settings),
         "data": {"tokenizer": str(out_dir / "hf") if has_tokenizer else "byte"},
+        "optimizer": {"lr": CONTINUAL_LR, "min_lr": CONTINUAL_MIN_LR},
         "checkpoint": {
             "load_dir": str(out_dir / "checkpoints"),
             "reset_iteration": True,
@@ -333,7 +339,8 @@ RUN_YAML_HEADER = """\
 #   megatron-s2-train --config {run_yaml} data.blend=[path/to/prefix_text_document] \\
 #       name=<run name> model.seq_length=<length> attention.dense_layers.pattern=DS
 # The model section is the imported model's shape: keep it. checkpoint.load_dir starts the run
-# from the imported weights (iteration 0, new optimizer).
+# from the imported weights (iteration 0, new optimizer). optimizer: a continual-pretraining
+# learning rate (the trainer's default, 1e-3, is for training from scratch); tune it for your run.
 """
 
 

@@ -464,6 +464,21 @@ def test_s2_pattern_goes_into_run_yaml(llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()  # a plan writes nothing
 
 
+def test_run_yaml_has_a_continual_pretraining_learning_rate(llama_dir, tmp_path):
+    """run.yaml trains a pretrained model: its learning rate is the Llama recipe's, not the
+    trainer's from-scratch default (1e-3), which the docs' command would otherwise use."""
+    from megatron_s2.training.run_config import OptimizerConfig, RunConfig, load_config
+
+    plan = convert.plan_import(llama_dir, tmp_path / "out")
+    run = json.loads(json.dumps(plan.run_config)) | {"data": {"blend": ["x"]}}
+    cfg = RunConfig.from_dict(run)
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr) == (2.0e-5, 2.0e-6)
+    assert cfg.optimizer.lr < OptimizerConfig().lr / 10
+    # The example recipe for a real Llama uses the same rates.
+    example = load_config(EXAMPLE).optimizer
+    assert (example.lr, example.min_lr) == (cfg.optimizer.lr, cfg.optimizer.min_lr)
+
+
 def test_te_import_names(llama_dir):
     index = convert.read_tensor_index(llama_dir)
     settings = model_settings(json.loads((llama_dir / "config.json").read_text()))
