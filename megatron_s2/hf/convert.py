@@ -192,26 +192,21 @@ def _attention_section(pattern: Optional[str], s2_settings: Optional[dict]) -> O
     return section
 
 
-def _check_exportable(schedule, settings: Mapping, seq_length: int, where: Path) -> None:
-    """Refuse an ``--s2-pattern`` schedule that holds at the training length ``seq_length``
-    (tokens) but leaves key blocks unseen beyond it. ``export`` refuses such a schedule
-    (transformers runs an export at any length), so without this check the user would learn it
-    only after training; raises :class:`HFConfigError` naming the flags to change."""
-    from ..schedule import ScheduleError
-
-    try:
-        schedule.validate(
-            settings["num_layers"], settings["num_attention_heads"], settings["num_query_groups"]
-        )
-    except ScheduleError as e:
+def _check_exportable(cfg, seq_length: int, heads: int, where: Path) -> None:
+    """Refuse an ``--s2-pattern`` schedule (of the run config ``cfg``) that holds at the training
+    length ``seq_length`` (tokens) but leaves key blocks unseen beyond it. ``export`` refuses
+    such a schedule (transformers runs an export at any length), so without this check the user
+    would learn it only after training; raises :class:`HFConfigError` naming the flags."""
+    reason = cfg.coverage_holes_beyond_length()
+    if reason is not None:
         _fail(
             f"--s2-pattern for {where}: the S2 layers cover every key block at --seq-length "
             f"{seq_length} but not beyond it, and megatron-s2-hf export refuses such a model "
-            f"(transformers runs it at any length): {e}. Give --s2-settings that cover every "
-            f"block (e.g. --s2-settings '{{vert_stride: {settings['num_attention_heads']}}}': a "
-            f"stride of at most the model's {settings['num_attention_heads']} heads), or "
-            f"import without --s2-pattern and set the attention section in the training run "
-            f"(with attention.allow_coverage_holes: true, then export --allow-coverage-holes)"
+            f"(transformers runs it at any length): {reason}. Give --s2-settings that cover every "
+            f"block (e.g. --s2-settings '{{vert_stride: {heads}}}': a stride of at most the "
+            f"model's {heads} heads), or import without --s2-pattern and set the attention "
+            f"section in the training run (with attention.allow_coverage_holes: true, then "
+            f"export --allow-coverage-holes)"
         )
 
 
@@ -261,11 +256,12 @@ def plan_import(
     probe = json.loads(json.dumps(run))
     probe["data"]["blend"] = ["your/data_text_document"]
     try:
-        schedule = RunConfig.from_dict(probe).schedule()
+        cfg = RunConfig.from_dict(probe)
+        cfg.schedule()
     except ConfigError as e:
         raise HFConfigError(f"the run config for {config_path} is not valid: {e}") from None
     if s2_pattern is not None:
-        _check_exportable(schedule, settings, seq_length, config_path)
+        _check_exportable(cfg, seq_length, settings["num_attention_heads"], config_path)
     return ImportPlan(hf_dir, out_dir, config, settings, index, run, tokenizer_files)
 
 

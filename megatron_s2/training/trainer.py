@@ -72,23 +72,14 @@ def coverage_beyond_length_note(cfg: RunConfig) -> str:
     window spans the whole training length). Such a model trains, but a longer run refuses its
     schedule and ``megatron-s2-hf export`` refuses the model (transformers runs it at any
     length), which the user would otherwise learn only after training."""
-    from ..schedule import ScheduleError
-
-    m = cfg.model
-    try:
-        cfg.schedule().validate(
-            m.num_layers,
-            m.num_attention_heads,
-            m.query_groups,
-            cfg.parallel.tensor_model_parallel_size,
-        )
-    except ScheduleError as e:
-        return (
-            f"{PREFIX} note: the S2 layers cover every key block at {m.seq_length} tokens but "
-            f"not beyond: a longer run refuses this schedule and megatron-s2-hf export refuses "
-            f"the model (unless --allow-coverage-holes): {e}"
-        )
-    return ""
+    reason = cfg.coverage_holes_beyond_length()
+    if reason is None:
+        return ""
+    return (
+        f"{PREFIX} note: the S2 layers cover every key block at {cfg.model.seq_length} tokens "
+        f"but not beyond: a longer run refuses this schedule and megatron-s2-hf export refuses "
+        f"the model (unless --allow-coverage-holes): {reason}"
+    )
 
 
 class NonFiniteLossError(RuntimeError):
