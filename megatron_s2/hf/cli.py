@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional
 
 import yaml
@@ -164,6 +165,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         files = convert.run_export(plan)
         print(f"{PREFIX} exported {plan.root} (iteration {plan.iteration}) -> {plan.out_dir}")
         print(f"{PREFIX} files: {', '.join(files)}")
+        if plan.template_path is not None:
+            print(f"{PREFIX} config.json: {plan.template_path}'s, with the run's shape")
+        else:
+            # Without the imported config.json, transformers' defaults stand in for what the
+            # run config does not hold (token ids, the original dtype and context): a model
+            # that loads but is not the imported one's. The run's relative paths are read
+            # against this directory, so an export from elsewhere lands here.
+            looked = ", ".join(str(p) for p in plan.template_looked_at) or "nowhere"
+            print(
+                f"{PREFIX} note: the imported model's config.json was not found (looked at: "
+                f"{looked}; relative paths are read from {Path.cwd()}), so config.json holds "
+                f"only the run's shape, and transformers' defaults for the rest (bos/eos token "
+                f"ids, dtype, ...). For a model imported with megatron-s2-hf, remove "
+                f"{plan.out_dir} and export again from the directory the run was trained in, "
+                f"or with --hf-config IMPORT_DIR/hf/config.json"
+            )
     return EXIT_OK
 
 

@@ -65,6 +65,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# run.yaml's learning rates: continual pretraining of a pretrained model (the Llama-3.2-1B
+# recipe's, configs/extend/llama-3.2-1b-s2-32k.yaml). The trainer's defaults (1e-3 down to 1e-4)
+# are for small models trained from scratch and would undo much of what the imported weights know.
+CONTINUAL_LR = 2.0e-5
+CONTINUAL_MIN_LR = 2.0e-6
 # transformers' own default shard size for save_pretrained.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 SINGLE_FILE = "model.safetensors"
@@ -187,6 +192,24 @@ def _attention_section(pattern: Optional[str], s2_settings: Optional[dict]) -> O
     return section
 
 
+def _check_exportable(cfg, seq_length: int, heads: int, where: Path) -> None:
+    """Refuse an ``--s2-pattern`` schedule (of the run config ``cfg``) that holds at the training
+    length ``seq_length`` (tokens) but leaves key blocks unseen beyond it. ``export`` refuses
+    such a schedule (transformers runs an export at any length), so without this check the user
+    would learn it only after training; raises :class:`HFConfigError` naming the flags."""
+    reason = cfg.coverage_holes_beyond_length()
+    if reason is not None:
+        _fail(
+            f"--s2-pattern for {where}: the S2 layers cover every key block at --seq-length "
+            f"{seq_length} but not beyond it, and megatron-s2-hf export refuses such a model "
+            f"(transformers runs it at any length): {reason}. Give --s2-settings that cover every "
+            f"block (e.g. --s2-settings '{{vert_stride: {heads}}}': a stride of at most the "
+            f"model's {heads} heads), or import without --s2-pattern and set the attention "
+            f"section in the training run (with attention.allow_coverage_holes: true, then "
+            f"export --allow-coverage-holes)"
+        )
+
+
 def plan_import(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -221,6 +244,7 @@ def plan_import(
         "model": dict(settings) | {"seq_length": seq_length, "transformer_impl": transformer_impl},
         "attention": _attention_section(s2_pattern, s2_settings),
         "data": {"tokenizer": str(out_dir / "hf") if has_tokenizer else "byte"},
+        "optimizer": {"lr": CONTINUAL_LR, "min_lr": CONTINUAL_MIN_LR},
         "checkpoint": {
             "load_dir": str(out_dir / "checkpoints"),
             "reset_iteration": True,
@@ -232,9 +256,12 @@ def plan_import(
     probe = json.loads(json.dumps(run))
     probe["data"]["blend"] = ["your/data_text_document"]
     try:
-        RunConfig.from_dict(probe).schedule()
+        cfg = RunConfig.from_dict(probe)
+        cfg.schedule()
     except ConfigError as e:
         raise HFConfigError(f"the run config for {config_path} is not valid: {e}") from None
+    if s2_pattern is not None:
+        _check_exportable(cfg, seq_length, settings["num_attention_heads"], config_path)
     return ImportPlan(hf_dir, out_dir, config, settings, index, run, tokenizer_files)
 
 
@@ -308,7 +335,8 @@ RUN_YAML_HEADER = """\
 #   megatron-s2-train --config {run_yaml} data.blend=[path/to/prefix_text_document] \\
 #       name=<run name> model.seq_length=<length> attention.dense_layers.pattern=DS
 # The model section is the imported model's shape: keep it. checkpoint.load_dir starts the run
-# from the imported weights (iteration 0, new optimizer).
+# from the imported weights (iteration 0, new optimizer). optimizer: a continual-pretraining
+# learning rate (the trainer's default, 1e-3, is for training from scratch); tune it for your run.
 """
 
 
@@ -375,6 +403,8 @@ class ExportPlan:
     tokenizer_dir: Optional[Path]
     hybrid: bool
     s2_attention: Optional[dict] = None  # the schedule written to config.json, every setting
+    template_path: Optional[Path] = None  # the imported config.json read as the template
+    template_looked_at: tuple = ()  # where it was looked for (None found: the CLI says so)
 
 
 def _checkpoint_root(path: Path) -> Path:
@@ -385,9 +415,11 @@ def _checkpoint_root(path: Path) -> Path:
     return path
 
 
-def _template(run: dict, given: Optional[str]) -> Optional[dict]:
+def _template(run: dict, given: Optional[str]) -> tuple[Optional[dict], Optional[Path], list]:
     """The imported model's ``config.json``: ``given``, else the one beside the run's HF
-    tokenizer, else the one of the import its ``checkpoint.load_dir`` came from."""
+    tokenizer, else the one of the import its ``checkpoint.load_dir`` came from. Returns
+    ``(config or None, its path or None, the paths looked at)``; the run config's relative
+    paths resolve against the current directory, so the caller can say where it looked."""
     candidates = [Path(given)] if given else []
     tok = (run.get("data") or {}).get("tokenizer")
     if tok and tok != "byte":
@@ -400,10 +432,10 @@ def _template(run: dict, given: Optional[str]) -> Optional[dict]:
         if path.is_file():
             cfg = _read_json(path)
             if cfg.get("model_type") in FAMILIES:
-                return cfg
+                return cfg, path, candidates
         elif given and path == Path(given):
             _fail(f"--hf-config {given} does not exist")
-    return None
+    return None, None, candidates
 
 
 def plan_export(
@@ -446,7 +478,7 @@ def plan_export(
     }
     if not settings["vocab_size"]:
         _fail(f"checkpoint {root}: its vocabulary size is not recorded (model.vocab_size)")
-    template = _template(run, hf_config_path)
+    template, template_path, looked_at = _template(run, hf_config_path)
     family = (template or {}).get("model_type") or ("qwen2" if model.add_qkv_bias else "llama")
     if model.add_qkv_bias != (family == "qwen2"):
         family = "qwen2" if model.add_qkv_bias else "llama"
@@ -497,6 +529,8 @@ def plan_export(
         tokenizer_dir,
         hybrid,
         s2_attention,
+        template_path,
+        tuple(looked_at),
     )
 
 

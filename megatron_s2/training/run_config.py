@@ -579,6 +579,24 @@ class RunConfig:
         self._schedule_cache = (key, sched)
         return sched
 
+    def coverage_holes_beyond_length(self) -> Optional[str]:
+        """Why the schedule, valid at ``model.seq_length``, would be refused at a longer length
+        (S2 layers leaving key blocks unseen beyond it), or None: the reason names the layer and
+        the settings to change. None too where ``attention.allow_coverage_holes`` is set."""
+        from ..schedule import ScheduleError
+
+        m = self.model
+        try:
+            self.schedule().validate(
+                m.num_layers,
+                m.num_attention_heads,
+                m.num_query_groups,
+                self.parallel.tensor_model_parallel_size,
+            )
+        except ScheduleError as e:
+            return str(e)
+        return None
+
     def _schedule_key(self) -> tuple:
         """Everything :meth:`_parse_schedule` reads, as a comparable value."""
         m, p = self.model, self.parallel

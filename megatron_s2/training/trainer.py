@@ -66,6 +66,22 @@ MAX_LOSS_FOR_PPL = 50.0
 PREFIX = "[megatron-s2]"
 
 
+def coverage_beyond_length_note(cfg: RunConfig) -> str:
+    """A note (one line, or "" when there is nothing to say) for a schedule that covers every
+    key block at ``model.seq_length`` but leaves blocks unseen beyond it (possible when the local
+    window spans the whole training length). Such a model trains, but a longer run refuses its
+    schedule and ``megatron-s2-hf export`` refuses the model (transformers runs it at any
+    length), which the user would otherwise learn only after training."""
+    reason = cfg.coverage_holes_beyond_length()
+    if reason is None:
+        return ""
+    return (
+        f"{PREFIX} note: the S2 layers cover every key block at {cfg.model.seq_length} tokens "
+        f"but not beyond: a longer run refuses this schedule and megatron-s2-hf export refuses "
+        f"the model (unless --allow-coverage-holes): {reason}"
+    )
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/inf; the run stopped without stepping the optimizer."""
 
@@ -472,6 +488,9 @@ class Trainer:
                 m.num_layers, m.num_attention_heads, m.query_groups, m.seq_length
             )
         )
+        note = coverage_beyond_length_note(cfg)
+        if note:
+            self.metrics.print(note)
 
     def _profiling(self, iteration: int):
         """The profiler around iteration ``iteration`` when it is ``debug.profile_step``

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -364,6 +365,35 @@ def test_s2_pattern_that_does_not_fit_is_refused(llama_dir, tmp_path):
     _refused(llama_dir, tmp_path, "attention", "pattern", s2_pattern="DX")
 
 
+def test_s2_pattern_with_holes_beyond_the_training_length_is_refused(llama_dir, tmp_path):
+    # 8 heads, a stripe every 16th block: 8 of the 16 phases. At 256 tokens the 16-block local
+    # window covers everything (the trainer accepts it), but export would refuse the model
+    # (transformers runs it at any length), so the import refuses it before training.
+    s2 = {"block_size": 16, "local_blocks": 16, "vert_stride": 16}
+    msg = _refused(
+        llama_dir,
+        tmp_path,
+        "--s2-settings",
+        "--seq-length 256",
+        "export",
+        "8 of every 16 key blocks unseen",
+        "'{vert_stride: 8}'",
+        seq_length=256,
+        s2_pattern="DS",
+        s2_settings=s2,
+    )
+    assert "config.json" in msg
+    # A stride of at most the heads covers every block at any length: accepted.
+    plan = convert.plan_import(
+        llama_dir,
+        tmp_path / "ok",
+        seq_length=256,
+        s2_pattern="DS",
+        s2_settings=s2 | {"vert_stride": 8},
+    )
+    assert plan.run_config["attention"]["s2"]["vert_stride"] == 8
+
+
 def test_nonempty_out_dir_is_refused_and_the_cli_exits_2(llama_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -434,6 +464,21 @@ def test_s2_pattern_goes_into_run_yaml(llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()  # a plan writes nothing
 
 
+def test_run_yaml_has_a_continual_pretraining_learning_rate(llama_dir, tmp_path):
+    """run.yaml trains a pretrained model: its learning rate is the Llama recipe's, not the
+    trainer's from-scratch default (1e-3), which the docs' command would otherwise use."""
+    from megatron_s2.training.run_config import OptimizerConfig, RunConfig, load_config
+
+    plan = convert.plan_import(llama_dir, tmp_path / "out")
+    run = json.loads(json.dumps(plan.run_config)) | {"data": {"blend": ["x"]}}
+    cfg = RunConfig.from_dict(run)
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr) == (2.0e-5, 2.0e-6)
+    assert cfg.optimizer.lr < OptimizerConfig().lr / 10
+    # The example recipe for a real Llama uses the same rates.
+    example = load_config(EXAMPLE).optimizer
+    assert (example.lr, example.min_lr) == (cfg.optimizer.lr, cfg.optimizer.min_lr)
+
+
 def test_te_import_names(llama_dir):
     index = convert.read_tensor_index(llama_dir)
     settings = model_settings(json.loads((llama_dir / "config.json").read_text()))
@@ -499,3 +544,47 @@ def test_import_without_a_tokenizer_says_the_byte_tokenizer_does_not_fit(llama_d
     assert res.returncode == 0, res.stderr
     assert "has no tokenizer.json" in res.stdout
     assert "vocabulary (256) is smaller than the byte tokenizer's (258)" in res.stdout
+
+
+def test_export_says_when_the_imported_config_json_is_not_found(
+    llama_dir, tmp_path, monkeypatch, capsys
+):
+    """The run config's paths (checkpoint.load_dir, data.tokenizer) are relative to where the
+    trainer ran: exported from another directory, the imported config.json (token ids, dtype,
+    original context) is not found, and the CLI says so and how to give it, rather than
+    writing transformers' defaults silently. No checkpoint is read: the run is faked."""
+    from megatron_s2.hf import cli
+    from megatron_s2.hf import convert as conv
+    from megatron_s2.training.evaluation import model as eval_model
+
+    hf = json.loads((llama_dir / "config.json").read_text())
+    run = {
+        "model": model_settings(hf) | {"seq_length": 128},
+        "data": {"tokenizer": "byte"},
+        "checkpoint": {"load_dir": os.path.join("imports", "m", "checkpoints")},
+    }
+    monkeypatch.setattr(eval_model, "resolve_checkpoint", lambda root: (root, 3))
+    monkeypatch.setattr(eval_model, "saved_config", lambda root, it: (run, None))
+    monkeypatch.setattr(conv, "run_export", lambda plan: ["config.json"])
+    trained_in = tmp_path / "work"
+    (trained_in / "imports" / "m" / "hf").mkdir(parents=True)
+    shutil.copy(llama_dir / "config.json", trained_in / "imports" / "m" / "hf" / "config.json")
+    (tmp_path / "elsewhere").mkdir()
+
+    # From the directory the run was trained in: found, and named.
+    monkeypatch.chdir(trained_in)
+    plan = conv.plan_export("runs/r", tmp_path / "out1")
+    assert plan.template_path == Path("imports/m/hf/config.json")
+    assert plan.template["max_position_embeddings"] == hf["max_position_embeddings"]
+    assert cli.main(["export", "runs/r", str(tmp_path / "out2")]) == 0
+    assert "imports/m/hf/config.json's, with the run's shape" in capsys.readouterr().out
+
+    # From elsewhere: not found; the note names where it looked and the way out.
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    plan = conv.plan_export("runs/r", tmp_path / "out3")
+    assert plan.template is None and plan.template_path is None
+    assert plan.template_looked_at == (Path("imports/m/hf/config.json"),)
+    assert cli.main(["export", "runs/r", str(tmp_path / "out4")]) == 0
+    out = capsys.readouterr().out
+    assert "config.json was not found" in out and "imports/m/hf/config.json" in out
+    assert str(tmp_path / "elsewhere") in out and "--hf-config" in out

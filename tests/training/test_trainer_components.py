@@ -186,3 +186,29 @@ def test_throughput_without_iterations_is_zero():
     meter = ThroughputMeter(100, 1e12, 1, clock=lambda: 0.0)
     meter.finish()
     assert meter.mean().tokens_per_s == 0.0
+
+
+def test_coverage_note_names_a_schedule_with_holes_beyond_the_training_length():
+    from megatron_s2.training.run_config import RunConfig
+    from megatron_s2.training.trainer import coverage_beyond_length_note
+
+    def cfg(vert_stride, **attention):
+        s2 = {"block_size": 16, "local_blocks": 16, "vert_stride": vert_stride}
+        model = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 256}
+        return RunConfig.from_dict(
+            {
+                "model": model,
+                "data": {"demo": True},
+                "attention": {"dense_layers": {"pattern": "DS"}, "s2": s2, **attention},
+            }
+        )
+
+    # 4 heads, a stripe every 8th block: 4 of the 8 phases. The 16-block window spans all 256
+    # tokens, so the run is valid, and the note says what fails later.
+    note = coverage_beyond_length_note(cfg(8))
+    assert "256 tokens" in note and "megatron-s2-hf export" in note
+    assert "4 of every 8 key blocks unseen" in note
+    # A stride of at most the heads covers every block at any length; holes declared intended
+    # are not noted either.
+    assert coverage_beyond_length_note(cfg(4)) == ""
+    assert coverage_beyond_length_note(cfg(8, allow_coverage_holes=True)) == ""
