@@ -99,6 +99,20 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def colon_hint(keys) -> str:
+    """A hint to append to an "unknown key" message when a rejected key holds a ':': YAML reads
+    ``{vert_stride:16}`` (no space after the colon) as one key named ``vert_stride:16``, which is
+    what users typing flow mappings on a command line most often get wrong. Empty otherwise."""
+    for key in keys:
+        if ":" in str(key):
+            name, _, value = str(key).partition(":")
+            return (
+                f" (YAML needs a space after ':': {key!r} was read as one key; write "
+                f"{{{name}: {value}}})"
+            )
+    return ""
+
+
 def _checked_settings(values: Any, where: str, extra: tuple = ()) -> dict[str, Any]:
     """``values`` as a dict of S2 settings, each key and value checked by ``S2Pattern``'s rules;
     errors name ``where.key`` (``extra``: more keys allowed there, named in the message only:
@@ -112,6 +126,7 @@ def _checked_settings(values: Any, where: str, extra: tuple = ()) -> dict[str, A
         if key not in names:
             raise ScheduleError(
                 f"unknown key {where}.{key}; allowed keys: {', '.join((*names, *extra))}"
+                + colon_hint([key])
             )
         try:
             check_setting(key, value)
@@ -162,6 +177,7 @@ class AttentionSchedule:
             if key not in SCHEDULE_KEYS:
                 raise ScheduleError(
                     f"unknown key {prefix}.{key}; allowed keys: {', '.join(SCHEDULE_KEYS)}"
+                    + colon_hint([key])
                 )
         raw_s2 = d.get("s2") or {}
         sinks = False
@@ -182,7 +198,7 @@ class AttentionSchedule:
             if key not in DENSE_LAYER_KEYS:
                 raise ScheduleError(
                     f"unknown key {prefix}.dense_layers.{key}; allowed keys: "
-                    f"{', '.join(DENSE_LAYER_KEYS)}"
+                    f"{', '.join(DENSE_LAYER_KEYS)}" + colon_hint([key])
                 )
         pattern = dense.get("pattern") or ""
         if not isinstance(pattern, str) or set(pattern.upper()) - {"S", "D"}:

@@ -596,12 +596,16 @@ def run_export(plan: ExportPlan) -> list[str]:
         max_position_embeddings=max_pos,
         dtype=dtype_name(plan.dtype),
     )
-    config.pop("s2_attention", None)
-    config.pop("attn_implementation_hint", None)
+    for key in ("s2_attention", "attn_implementation", "attn_implementation_hint"):
+        config.pop(key, None)
     if plan.hybrid:
-        # The S2 schedule, every setting; megatron_s2.hf.s2_attention reads these.
+        # The S2 schedule, every setting; megatron_s2.hf.s2_attention reads it.
         config["s2_attention"] = plan.s2_attention
-        config["attn_implementation_hint"] = "s2"
+        # transformers reads this key as the model's attention: a plain from_pretrained of the
+        # hybrid then fails loudly ("s2" is not registered) instead of running every layer
+        # dense, a model that was never trained; load_s2_model registers "s2", and an explicit
+        # attn_implementation= still wins.
+        config["attn_implementation"] = "s2"
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
     files = write_safetensors(hf, out, plan.max_shard_bytes)

@@ -970,9 +970,11 @@ def _build(cls, d: Any, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
+        from ..schedule import colon_hint
+
         raise ConfigError(
             f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {where}; "
-            f"allowed keys: {', '.join(sorted(fields))}"
+            f"allowed keys: {', '.join(sorted(fields))}" + colon_hint(unknown)
         )
     kwargs = {}
     for name, value in d.items():

@@ -198,7 +198,7 @@ def test_import_export_round_trip_is_bit_exact(families, family):
     assert set(index["weight_map"]) == set(before)
     assert len(set(index["weight_map"].values())) > 1
     config = json.loads((d / "exported" / "config.json").read_text())
-    assert "s2_attention" not in config and "attn_implementation_hint" not in config
+    assert "s2_attention" not in config and "attn_implementation" not in config
     # transformers loads the export and computes the same logits.
     model = transformers.AutoModelForCausalLM.from_pretrained(d / "exported").eval()
     with torch.no_grad():

@@ -96,7 +96,7 @@ def test_imported_model_trains_as_s2_hybrid_and_exports_its_schedule(
 
     assert exported["s2_attention"] == AttentionSchedule.from_dict(held).to_dict()
     assert exported["s2_attention"]["s2"]["local_blocks"] == 2
-    assert exported["attn_implementation_hint"] == "s2"
+    assert exported["attn_implementation"] == "s2"
     assert exported["architectures"] == ["LlamaForCausalLM"]
     # The trained weights, back in Hugging Face's layout.
     from safetensors.torch import load_file
@@ -110,3 +110,24 @@ def test_imported_model_trains_as_s2_hybrid_and_exports_its_schedule(
     # transformers reads the config (the S2 attention itself is megatron_s2.hf.s2_attention's).
     cfg = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert cfg.num_hidden_layers == 2 and cfg.vocab_size == 384
+    # A plain load of the hybrid, where nothing registered "s2" (a fresh interpreter), fails
+    # loudly instead of running the S2 layers dense; an explicit attention still loads.
+    plain = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, transformers; "
+            "transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert plain.returncode != 0 and 'attn_implementation="s2"' in plain.stderr, plain.stderr[
+        -2000:
+    ]
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="sdpa"
+    )
+    assert dense.config._attn_implementation == "sdpa"

@@ -62,7 +62,6 @@ def make_config(family: str, schedule=SCHEDULE, layers: int = 4):
         num_attention_heads=4,
         max_position_embeddings=512,
         initializer_range=0.15,
-        attn_implementation_hint="s2",
     )
     if mapping is not None:
         common["s2_attention"] = mapping

@@ -229,3 +229,22 @@ def test_schedule_keys_are_the_pattern_settings():
         1, 8, 4, num_layers=1
     )
     assert p.settings() == {**AttentionSchedule().s2, "head_step": 2}
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("{s2: {vert_stride:16}}", "vert_stride"),
+        ("{dense_layers: {pattern:DS}}", "pattern"),
+    ],
+)
+def test_unknown_key_with_a_colon_says_yaml_needs_a_space(text, key):
+    # A flow mapping typed without a space after ':' is one key to YAML; the message says so.
+    import yaml
+
+    with pytest.raises(ScheduleError, match=rf"YAML needs a space after ':'.*write \{{{key}: "):
+        AttentionSchedule.from_dict(yaml.safe_load(text))
+    # An unknown key without a colon gets no such hint.
+    with pytest.raises(ScheduleError) as e:
+        AttentionSchedule.from_dict({"s2": {"vert_strid": 16}})
+    assert "YAML" not in str(e.value)

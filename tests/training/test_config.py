@@ -502,3 +502,13 @@ def test_replaced_or_changed_config_parses_its_own_schedule():
     for other in (copy.copy(cfg), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
         assert "_schedule_cache" not in vars(other)
         assert other == cfg and other.schedule().block_sizes(4) == [32]
+
+
+def test_unknown_key_with_a_colon_says_yaml_needs_a_space():
+    import yaml
+
+    with pytest.raises(ConfigError, match=r"YAML needs a space after ':'.*write \{lr: 1e-4\}"):
+        RunConfig.from_dict({"optimizer": yaml.safe_load("{lr:1e-4}")})
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict({"optimizer": {"lrr": 1e-4}})
+    assert "YAML" not in str(e.value)
