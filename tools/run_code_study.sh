@@ -2,10 +2,15 @@
 # The quality study on real text, end to end on one GPU machine (docs/quality.md):
 #   1. build the code corpus from this interpreter's own files (skipped if CORPUS/corpus.json
 #      exists: the build is deterministic, see docs/code_corpus.md),
-#   2. run a study with megatron-s2-sweep on it (resumable: run the script again),
-#   3. megatron-s2-eval-long-context on every finished point: loss by token position on held-out
-#      documents (at the run's own sequence length unless EVAL_ARGS gives --lengths), and
-#      passkey / needle retrieval if EVAL_ARGS asks for it,
+#   2. run a study with megatron-s2-sweep on it (resumable: run the script again), and
+#   3. megatron-s2-eval-long-context on each point as soon as its training finished, through the
+#      sweep's --after: in the point's own slot (its GPUs), before that slot's next point starts,
+#      so that an evaluation never shares a GPU with a training run (whose tokens/s is a result)
+#      and a run cut off later (a GPU lease ending) keeps the evaluations of the points finished
+#      before: loss by token position on held-out documents (at the run's own sequence length
+#      unless EVAL_ARGS gives --lengths), and passkey / needle retrieval if EVAL_ARGS asks for it;
+#      output in each run's long_context_eval.log. After the sweep, every finished point still
+#      without its curve is evaluated (the catch-up: runs trained before, a failed evaluation),
 #   4. one plot of those curves and the study's table and plots.
 #
 #   tools/run_code_study.sh [STUDY] [BUILD OPTION ...]
@@ -13,15 +18,38 @@
 # STUDY: default configs/studies/code-125m-attention.yaml. Environment: CORPUS (data/code),
 # PYTHON (python), POSITION_SEQUENCES (64), EVAL_ARGS (options of megatron-s2-eval-long-context;
 # default --skip-retrieval: loss by position only), SWEEP_ARGS (options of megatron-s2-sweep run,
-# e.g. "--devices 0,1" for two points at a time), EVAL_DEVICES (e.g. 0,1: the evaluations one per
-# GPU at a time, their output in each run's long_context_eval.log). Extra arguments go to
-# tools/build_code_corpus.py.
+# e.g. "--devices 0,1" for two points at a time; each point's evaluation runs on its GPUs),
+# EVAL_DEVICES (e.g. 0,1: the catch-up evaluations one per GPU at a time, their output in each
+# run's long_context_eval.log; default one after another, on the console). Extra arguments go to
+# tools/build_code_corpus.py. Exit status: non-zero if a step failed, an evaluation during the
+# sweep included (the sweep's own exit code 3), even where the catch-up then redid it.
+#
+#   tools/run_code_study.sh --evaluate-run RUN    (the sweep's --after, not for use by hand)
+#
+# evaluates one run (skipped if it has its curve), on the GPUs it is given, into
+# RUN/long_context_eval.log, with the settings above from the environment it inherits.
 set -euo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/.."
-STUDY=${1:-configs/studies/code-125m-attention.yaml}
-shift || true
 CORPUS=${CORPUS:-data/code}
 PYTHON=${PYTHON:-python}
+read -r -a eval_args <<< "${EVAL_ARGS:---skip-retrieval}"
+evaluate() {  # RUN: the evaluator on the run's checkpoints, on the GPUs this process sees
+    "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$1/checkpoints" \
+        "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}"
+}
+if [[ ${1:-} == --evaluate-run ]]; then
+    run=$2
+    if [[ -f "$run/long_context_eval/loss_by_position.json" ]]; then
+        echo "$run: evaluated already"
+        exit 0
+    fi
+    echo "evaluating $run (GPUs: ${CUDA_VISIBLE_DEVICES:-all}); output in $run/long_context_eval.log"
+    evaluate "$run" > "$run/long_context_eval.log" 2>&1  # set -e: its exit status is ours
+    exit 0
+fi
+STUDY=${1:-configs/studies/code-125m-attention.yaml}
+shift || true
 
 if [[ ! -f "$CORPUS/corpus.json" ]]; then
     echo "== building the code corpus in $CORPUS"
@@ -33,7 +61,10 @@ echo "== corpus overrides: ${OVERRIDES[*]}"
 echo "== study $STUDY"
 status=0
 read -r -a sweep_args <<< "${SWEEP_ARGS:-}"
-"$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" "${sweep_args[@]}" || status=$?
+# Each point evaluated as soon as it has trained (this script again, as --evaluate-run).
+after="bash $(printf %q "$SELF") --evaluate-run {run}"
+"$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" --after "$after" \
+    "${sweep_args[@]}" || status=$?
 
 OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
 import sys
@@ -41,22 +72,11 @@ from megatron_s2.training.sweep import load_study
 print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
 PY
 )
-# The evaluations: one after another, or with EVAL_DEVICES (GPU ids, e.g. 0,1) one per GPU at a
-# time, each in the background with its own CUDA_VISIBLE_DEVICES and its output in its run's
-# long_context_eval.log.
+# The catch-up: the finished points still without their curve (trained before this script passed
+# --after, or their evaluation failed during the sweep). One after another, or with EVAL_DEVICES
+# (GPU ids, e.g. 0,1) one per GPU at a time, each in the background with its own
+# CUDA_VISIBLE_DEVICES and its output in its run's long_context_eval.log.
 IFS=, read -r -a eval_devices <<< "${EVAL_DEVICES:-}"
-read -r -a eval_args <<< "${EVAL_ARGS:---skip-retrieval}"
-evaluate() {  # RUN [GPU]
-    local run=$1 gpu=${2:-}
-    if [[ -n "$gpu" ]]; then
-        CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m megatron_s2.training.evaluation.long_context \
-            --checkpoint "$run/checkpoints" "${eval_args[@]}" \
-            --position-sequences "${POSITION_SEQUENCES:-64}" > "$run/long_context_eval.log" 2>&1
-    else
-        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
-            "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}"
-    fi
-}
 pids=()
 i=0
 for run in "$OUT"/runs/*/; do
@@ -69,7 +89,8 @@ for run in "$OUT"/runs/*/; do
             wait "${pids[0]}" || status=$?
             pids=("${pids[@]:1}")
         fi
-        evaluate "$run" "${eval_devices[i % ${#eval_devices[@]}]}" &
+        CUDA_VISIBLE_DEVICES=${eval_devices[i % ${#eval_devices[@]}]} evaluate "$run" \
+            > "$run/long_context_eval.log" 2>&1 &
         pids+=($!)
         i=$((i + 1))
     else

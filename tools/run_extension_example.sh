@@ -9,18 +9,26 @@
 #      for the base study, up to 16k for the extension) at RETRIEVAL_WEIGHT, so that the models
 #      learn the question-answer format and the evaluation measures how far back they find it,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
-#   3. megatron-s2-eval-long-context on the 4k models (side by side on the GPU, or one per GPU
-#      with DEVICES): retrieval (TASKS) over LENGTHS x five depths, and loss by token position on
-#      held-out code (the kv corpus left out of the blend),
+#   3. megatron-s2-eval-long-context on each 4k model as soon as its training finished (the
+#      sweep's --after: in the point's own slot, its GPU with DEVICES, before that slot's next
+#      point starts, so that no evaluation shares a GPU with a training run, whose tokens/s is a
+#      result, and a run cut off later, a GPU lease ending, keeps the finished points'
+#      evaluations and, with RESULTS_DIR, their copies): retrieval (TASKS) over LENGTHS x five
+#      depths, and loss by token position on held-out code (the kv corpus left out of the blend);
+#      after the study, the runs still without an evaluation (trained before, or whose evaluation
+#      failed) side by side on the GPU, or one per GPU with DEVICES (the catch-up); only then
+#      the extension, whose tokens/s is a result,
 #   4. each extension study (EXTEND_STUDIES; default configs/studies/code-125m-extend-16k.yaml,
-#      the three 16k extensions): its points, each alone on its GPU (their tokens/s is a
-#      result), then the same evaluations of its runs, side by side,
+#      the three 16k extensions): its points, each alone on its GPU, each evaluated the same way
+#      as soon as it has trained, then the catch-up,
 #   5. per study, one loss-by-position plot and retrieval_summary.md (tools/compare_retrieval.py:
 #      its runs side by side).
 #
 #   tools/run_extension_example.sh     (from the checkout's root: the studies' paths are relative)
 #
-# Resumable: run it again and the finished studies' points and evaluations are skipped.
+# Resumable: run it again and the finished studies' points and evaluations are skipped. Exit
+# status: non-zero if a step failed, an evaluation during a sweep included (the sweep's exit code
+# 3), even where the catch-up then redid it.
 # Environment: BASE_STUDY (code-125m-4k-base), SEEDS (unset: every seed; e.g. 1,2), SETTINGS
 # (unset: every arm; e.g. dense,hybrid-DS: the sweeps' --settings), EXTEND_TAG
 # (16k: the RETRIEVAL_SPECS tag blended into the extensions), RESULTS_DIR (unset; a folder: the
@@ -37,13 +45,22 @@
 # (unset: always extend; else extend
 # only if a 4k model's passkey exact-match accuracy, mean over its cells up to 4096 tokens,
 # reaches it: an extension of models that do not retrieve at their own length cannot answer the
-# example's question), DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as
-# there are ids, one GPU each, through the sweep's --devices; default one after another), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
+# example's question; decided after the base study's catch-up, from every 4k evaluation),
+# DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as there are ids, one GPU
+# each, through the sweep's --devices, each point's evaluation on its GPU; default one after
+# another), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
 # POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a length: every evaluation also runs
 # --attention-probe at it, which layers look at the needle). Progress, one line per step, in
 # STATUS (example_status.log). Measured
 # on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
+#
+#   tools/run_extension_example.sh --evaluate-run RUN STUDY [OPTION ...]   (the sweeps' --after)
+#
+# evaluates one run (skipped if evaluated already; OPTIONs go to the evaluator), on the GPUs it is
+# given, and copies its results to RESULTS_DIR, with the settings above from the environment it
+# inherits; not for use by hand.
 set -uo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 ROOT=$(dirname "$0")/..
 PYTHON=${PYTHON:-python}
 CORPUS=${CORPUS:-data/code}
@@ -76,6 +93,49 @@ EXTEND_TAG=${EXTEND_TAG:-16k}
 read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
 status=0
 note() { echo "$(date +%T) $*" | tee -a "$STATUS"; }
+read_corpus() {  # OVERRIDES: the code corpus's own overrides; CODE: the corpus in them
+    read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['overrides'])" "$CORPUS/corpus.json")
+    CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
+}
+evaluate() {  # RUN [extra options]: held-out code only, for the loss by position.
+    local run=$1
+    shift
+    [[ -f "$run/long_context_eval/loss_by_position.json" ]] && return 0
+    "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
+        --lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}" \
+        --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" \
+        ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \
+        "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
+    local rc=$?
+    note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
+    return $rc
+}
+copy_results() {  # STUDY RUN: with RESULTS_DIR, RUN's evaluator JSON to RESULTS_DIR/<study>/<arm>/seed<k>/
+    local study=$1 run=${2%/} point arm seed
+    [[ -n "${RESULTS_DIR:-}" && -f "$run/long_context_eval/retrieval.json" ]] || return 0
+    point=$(basename "$run")
+    arm=${point%%,seed=*}
+    seed=seed0  # a run without a seed
+    [[ $point == *,seed=* ]] && seed=seed${point##*,seed=}
+    mkdir -p "$RESULTS_DIR/$study/$arm/$seed" &&
+        cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/"
+}
+if [[ ${1:-} == --evaluate-run ]]; then
+    # The sweeps' --after (below): the run just trained, on the GPU its point had; its results
+    # copied at once, so that they outlive a run cut off later.
+    run=$2 study=$3
+    shift 3
+    read_corpus
+    evaluate "$run" "$@"
+    rc=$?
+    copy_results "$study" "$run" || rc=$((rc ? rc : 1))
+    exit "$rc"
+fi
+after() {  # STUDY [extra options]: the sweep's --after that evaluates each point of STUDY
+    printf 'bash %q --evaluate-run {run} %q' "$SELF" "$1"
+    shift
+    if (($#)); then printf ' %q' "$@"; fi
+}
 # Before any work: a misspelt study would otherwise stop the script after the base study.
 (( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }
 for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
@@ -112,9 +172,8 @@ if [[ $with_retrieval == 1 ]]; then
         fi
     done
 fi
-read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['overrides'])" "$CORPUS/corpus.json")
+read_corpus
 # After the corpus's own overrides, which name the code corpus alone.
-CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
 CODE_WEIGHT=$("$PYTHON" -c "import sys; print(round(1 - float(sys.argv[1]) - float(sys.argv[2]), 6))" \
     "$KV_WEIGHT" "$RETRIEVAL_WEIGHT")
 blend() {  # TAG: the study's data.blend override (TAG names its retrieval corpus)
@@ -123,25 +182,12 @@ blend() {  # TAG: the study's data.blend override (TAG names its retrieval corpu
     echo "data.blend=[$parts]"
 }
 
-evaluate() {  # RUN [extra options]: held-out code only, for the loss by position.
-    local run=$1
-    shift
-    [[ -f "$run/long_context_eval/loss_by_position.json" ]] && return 0
-    "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
-        --lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}" \
-        --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" \
-        ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \
-        "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
-    local rc=$?
-    note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
-    return $rc
-}
-
+# Lengths above the 4k the models were trained at: that is the "before extension" column.
 "$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" "${BASE_EXTRA[@]}" \
-    "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" \
+    --after "$(after "$BASE_NAME" --allow-extrapolation)" "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" \
     || status=$?
 note "base study done (exit $status)"
-evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side on the GPU(s)
+evaluate_study() {  # STUDY [extra options]: the catch-up, side by side on the GPU(s)
     local study=$1 pids=() pid ids=() i=0
     shift
     [[ -n "$DEVICES" ]] && IFS=, read -r -a ids <<< "$DEVICES"
@@ -158,9 +204,9 @@ evaluate_study() {  # STUDY [extra options]: its runs' evaluations side by side 
         wait "$pid" || status=$?
     done
 }
+# The 4k runs the sweep's --after did not evaluate (trained before, or their evaluation failed).
 # Before the extension, not beside it: the extension's tokens/s (S2 vs dense) is a result, and an
-# evaluation sharing the GPU would distort it. Lengths above the 4k the models were trained at:
-# that is the "before extension" column.
+# evaluation sharing the GPU would distort it.
 evaluate_study "$BASE_NAME" --allow-extrapolation
 if [[ -n "${EXTEND_MIN_ACCURACY:-}" ]]; then
     # Prints the best 4k model's passkey accuracy up to 4096 tokens; fails below the threshold.
@@ -186,7 +232,8 @@ sys.exit(best < float(sys.argv[1]))' "$EXTEND_MIN_ACCURACY" \
 fi
 for study in "${EXTEND_NAMES[@]}"; do
     "$PYTHON" -m megatron_s2.training.sweep run "$ROOT/configs/studies/$study.yaml" "${OVERRIDES[@]}" \
-        "$(blend "$EXTEND_TAG")" "${EXTEND_EXTRA[@]}" "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" || status=$?
+        "$(blend "$EXTEND_TAG")" "${EXTEND_EXTRA[@]}" --after "$(after "$study")" \
+        "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" || status=$?
     note "extension study $study done (exit $status)"
     evaluate_study "$study"
 done
@@ -200,16 +247,10 @@ done
 if [[ -n "${RESULTS_DIR:-}" ]]; then
     # The evaluator's own files of every evaluated run, as RESULTS_DIR/<study>/<arm>/seed<k>/
     # (a run without a seed: seed0), for the docs and tools/retrieval_tables.py.
+    # The sweeps' --after copied each run as it was evaluated; these are the catch-up's.
     for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
         for run in sweeps/"$study"/runs/*/; do
-            run=${run%/}
-            [[ -f "$run/long_context_eval/retrieval.json" ]] || continue
-            point=$(basename "$run")
-            arm=${point%%,seed=*}
-            seed=seed0
-            [[ $point == *,seed=* ]] && seed=seed${point##*,seed=}
-            mkdir -p "$RESULTS_DIR/$study/$arm/$seed"
-            cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/" || status=$?
+            copy_results "$study" "$run" || status=$?
         done
     done
     note "evaluator outputs copied to $RESULTS_DIR"

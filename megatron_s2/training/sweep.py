@@ -2,6 +2,7 @@
 
     megatron-s2-sweep run STUDY.yaml                  # every point, one after another, here
     megatron-s2-sweep run STUDY.yaml --devices 0,1,2,3  # here, one point per GPU at a time
+    megatron-s2-sweep run STUDY.yaml --after 'CMD {run}'  # CMD after each point, in its slot
     megatron-s2-sweep run STUDY.yaml --slurm --sbatch-args "--nodes=1 --gpus-per-node=8"
     megatron-s2-sweep collect STUDY.yaml              # table and plots of what has run so far
     megatron-s2-sweep list STUDY.yaml                 # the points, their state and validity
@@ -33,10 +34,18 @@ with the config error and skipped. Running again skips finished points (``summar
 ``train.train_iters``) and resumes interrupted ones from their checkpoints (the trainer's own
 resume; a point interrupted before its first checkpoint starts over with ``--restart``).
 
-Exit codes: 0 every valid point finished (or was submitted); 1 a point failed; 2 a study error
-(unreadable YAML, unknown key, no valid point); 130 Ctrl-C (the running points' trainers get
-it from the terminal too, checkpoint and stop; the sweep waits for them, starts no other point
-and prints one line; running it again resumes).
+``--after CMD`` runs the shell command CMD (bash) after each point whose training finished, in
+the point's slot (its ``--devices`` group, as ``CUDA_VISIBLE_DEVICES``) before that slot's next
+point starts, and for finished points whose CMD has not succeeded yet (a resumed study catches
+up); ``{run}`` and ``{point}`` in CMD become the run directory and the point's name,
+shell-quoted. Output in ``<run dir>/after.log``, the outcome in ``<run dir>/after.json``: a rerun
+skips a CMD that succeeded after the run's last training, and retries one that failed.
+
+Exit codes: 0 every valid point finished (or was submitted) and its ``--after`` succeeded; 1 a
+point failed; 2 a study error (unreadable YAML, unknown key, no valid point, a bad ``--after``);
+3 every point finished but an ``--after`` command failed; 130 Ctrl-C (the running points'
+trainers and ``--after`` commands get it from the terminal too, checkpoint and stop; the sweep
+waits for them, starts no other point and prints one line; running it again resumes).
 """
 
 from __future__ import annotations
@@ -82,6 +91,8 @@ __all__ = [
     "point_state",
     "point_command",
     "run_local",
+    "check_after",
+    "after_command",
     "device_groups",
     "submit_slurm",
     "collect",
@@ -94,6 +105,9 @@ SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN = REPO / "launch" / "torchrun.sh"
 
 EXIT_OK, EXIT_FAILED, EXIT_STUDY_ERROR = 0, 1, 2
+# Every point trained but an --after command failed: the training results stand (the table is
+# whole), what the command makes of them (an evaluation) is missing.
+EXIT_AFTER_FAILED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the trainer
 
 STUDY_KEYS = (
@@ -116,6 +130,14 @@ RECORDED_KEYS = ("model.seq_length", SEED_KEY)
 # Written by whoever runs a point (this module, or launch/slurm.sbatch for array tasks): one
 # JSON line per session with its start, end and exit code; the table's wall time is their sum.
 SESSIONS = "sweep_sessions.jsonl"
+# ``run --after``: the command's output and its record (command, exit code, start, end, the
+# run's iteration) in the point's run directory; the record lets a rerun skip what succeeded.
+AFTER_LOG = "after.log"
+AFTER_RECORD = "after.json"
+AFTER_FIELDS = {"run": "the run directory", "point": "the point's name"}
+# A field is {word} not preceded by "$" (${VAR} is the shell's; {a,b}, {1..3} and {} are not
+# words); {{word}} is a literal {word}, for a command that needs one (awk '{{print}}').
+_AFTER_FIELD = re.compile(r"(\{\{\w+\}\})|(?<!\$)\{(\w+)\}")
 # Characters kept in point names (they become directory and run names).
 _SAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
 _MAX_NAME = 120
@@ -646,29 +668,41 @@ def _run_one(
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
         proc = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
         )
-
-        def copy_output() -> None:
-            for line in proc.stdout:
-                if echo:
-                    sys.stdout.write(line)
-                log.write(line)
-                log.flush()  # a log to follow while the point runs (tail -f)
-
-        # Copied by a thread: a Ctrl-C reaches only the main thread, and one that interrupted a
-        # read here would drop what the trainer printed last (where it saved).
-        reader = threading.Thread(target=copy_output, daemon=True)
-        reader.start()
         try:
-            interrupted = _wait_through_ctrl_c(proc)
-            reader.join()
+            interrupted = _follow(proc, log, echo)
         finally:
             _record_session(point.run_dir, start, time.time(), proc.poll(), "local")
     sys.stdout.flush()
     if interrupted:
         raise KeyboardInterrupt
     return proc.returncode
+
+
+def _follow(proc: subprocess.Popen, log, echo: bool) -> bool:
+    """Copy ``proc``'s output to the open file ``log`` (and to the console with ``echo``) until
+    it ends; return whether Ctrl-C was pressed meanwhile (see :func:`_wait_through_ctrl_c`)."""
+
+    def copy_output() -> None:
+        for line in proc.stdout:
+            if echo:
+                sys.stdout.write(line)
+            log.write(line)
+            log.flush()  # a log to follow while the process runs (tail -f)
+
+    # Copied by a thread: a Ctrl-C reaches only the main thread, and one that interrupted a read
+    # here would drop what the process printed last (for a trainer: where it saved).
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    interrupted = _wait_through_ctrl_c(proc)
+    reader.join()
+    return interrupted
 
 
 def _wait_through_ctrl_c(proc: subprocess.Popen) -> bool:
@@ -699,6 +733,118 @@ def _record_session(run_dir: str, start: float, end: float, code, how: str) -> N
         pass
 
 
+# ---- --after: a command after each finished point -----------------------------------------------
+def check_after(template: str) -> None:
+    """Raise :class:`StudyError` (naming ``--after``) unless ``template`` is a non-empty bash
+    command whose ``{...}`` fields are all known (``AFTER_FIELDS``) and which parses."""
+    if not template.strip():
+        raise StudyError(
+            "--after: the command is empty; give a shell command, e.g. --after 'du -sh {run}'"
+        )
+    unknown = sorted(
+        {m.group(2) for m in _AFTER_FIELD.finditer(template) if m.group(2)} - set(AFTER_FIELDS)
+    )
+    if unknown:
+        fields = ", ".join(f"{{{k}}} ({v})" for k, v in AFTER_FIELDS.items())
+        raise StudyError(
+            f"--after: unknown field(s) {', '.join(f'{{{k}}}' for k in unknown)} in "
+            f"{template!r}; the fields are {fields}, each replaced shell-quoted (${{VAR}} is "
+            f"left to the shell; write {{{{word}}}} for a literal {{word}})"
+        )
+    # Parsed (not run) now, with a stand-in point: a missing quote fails here, not after the
+    # first point's training.
+    probe = after_command(template, Point(0, "point", {}, run_dir="/run"))
+    try:
+        r = subprocess.run(["bash", "-n", "-c", probe], capture_output=True, text=True)
+    except OSError as e:
+        raise StudyError(f"--after: cannot run bash to check the command: {e}") from None
+    if r.returncode != 0:
+        raise StudyError(f"--after: {template!r} is not a valid bash command: {r.stderr.strip()}")
+
+
+def after_command(template: str, point: Point) -> str:
+    """The ``--after`` command for ``point``: ``{run}`` and ``{point}`` in ``template`` replaced
+    by its run directory and name, shell-quoted (so unquoted in the template: ``{run}/x``);
+    ``{{word}}`` becomes ``{word}``. ``template`` is checked by :func:`check_after`."""
+    values = {"run": point.run_dir, "point": point.name}
+
+    def field(m: re.Match) -> str:
+        if m.group(1):
+            return m.group(1)[1:-1]
+        return shlex.quote(values[m.group(2)])
+
+    return _AFTER_FIELD.sub(field, template)
+
+
+def _summary_iteration(point: Point) -> Optional[int]:
+    summary = _read_json(os.path.join(point.run_dir, "summary.json"))
+    return summary.get("iteration") if summary else None
+
+
+def _after_succeeded(point: Point, command: str) -> bool:
+    """Did ``command`` succeed after the run's current training (the iteration its summary is
+    at: a point trained further since, by a raised ``train_iters``, gets it again)?"""
+    record = _read_json(os.path.join(point.run_dir, AFTER_RECORD))
+    return (
+        record is not None
+        and record.get("exit_code") == 0
+        and record.get("command") == command
+        and record.get("iteration") == _summary_iteration(point)
+    )
+
+
+def _run_after(
+    point: Point, command: str, devices: Optional[Sequence[str]] = None, echo: bool = True
+) -> int:
+    """Run ``command`` with bash in the sweep's directory, seeing ``devices`` as the point did;
+    output appended to ``<run dir>/after.log`` (and on the console with ``echo``), the outcome
+    written to ``<run dir>/after.json``. Returns its exit code; raises KeyboardInterrupt after
+    it ended if Ctrl-C was pressed meanwhile (as :func:`_run_one`)."""
+    env = dict(os.environ)
+    env.pop("RUN_DIR", None)  # as for the trainer: a RUN_DIR of the caller is not this run's
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    iteration = _summary_iteration(point)
+    start = time.time()
+    with open(os.path.join(point.run_dir, AFTER_LOG), "a") as log:
+        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        if devices:
+            log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
+        log.write(f"$ {command}\n")
+        log.flush()
+        # stdin closed: a command that reads it would otherwise hold the sweep forever.
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        try:
+            interrupted = _follow(proc, log, echo)
+        finally:
+            code = proc.poll()
+            log.write(f"# exit code {code}\n")
+            record = {
+                "command": command,
+                "exit_code": code,
+                "start": round(start, 3),
+                "end": round(time.time(), 3),
+                "iteration": iteration,
+                "devices": ",".join(devices) if devices else None,
+            }
+            tmp = os.path.join(point.run_dir, AFTER_RECORD + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1)
+            os.replace(tmp, os.path.join(point.run_dir, AFTER_RECORD))  # never half written
+    sys.stdout.flush()
+    if interrupted:
+        raise KeyboardInterrupt
+    return proc.returncode
+
+
 def _start_state(point: Point) -> Optional[bool]:
     """Whether ``point`` must start over (``--restart``), or None if it is not to run now."""
     state = point_state(point)
@@ -721,16 +867,23 @@ def _start_state(point: Point) -> Optional[bool]:
     return False
 
 
-def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
+def run_local(
+    study: Study, devices: Optional[Sequence[str]] = None, after: Optional[str] = None
+) -> int:
     """Run every valid point that is not finished; return the exit code.
 
     Without ``devices`` the points run one after another, each on what the trainer sees. With
     GPU ids, as many points run at once as there are groups of ``nproc_per_node`` ids, each
     seeing only its group (``CUDA_VISIBLE_DEVICES``); their output then goes to their logs only.
+    ``after``: a bash command (``--after``, checked by :func:`check_after`) run in a point's
+    slot right after its training finished, and for finished points whose command has not
+    succeeded yet, before the slot's next point; a failed one leaves the point finished and
+    makes the exit code ``EXIT_AFTER_FAILED`` (unless a point failed: ``EXIT_FAILED``).
     """
     report_invalid(study)
     groups = device_groups(study, devices) if devices else [None]
     failed = []
+    after_failed = []
     for point in study.points:
         if point.valid and point_state(point) == "running":
             failed.append(point.name)
@@ -739,7 +892,21 @@ def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
         todo.put(point)
     concurrent = len(groups) > 1
 
-    stop = threading.Event()  # Ctrl-C: no further point starts
+    stop = threading.Event()  # Ctrl-C: no further point (nor --after command) starts
+
+    def run_after(point: Point, group: Optional[list]) -> None:
+        command = after_command(after, point)
+        if _after_succeeded(point, command):
+            _say(f"point {point.name}: --after succeeded before, not rerun")
+            return
+        where = f" on GPU {','.join(group)}" if group else ""
+        _say(f"point {point.name}: --after{where}, output in {point.run_dir}/{AFTER_LOG}")
+        code = _run_after(point, command, devices=group, echo=not concurrent)
+        if code != 0:
+            _say(f"point {point.name}: --after failed (exit code {code}); see its {AFTER_LOG}")
+            after_failed.append(point.name)
+        elif concurrent:
+            _say(f"point {point.name}: --after done")
 
     def worker(group: Optional[list]) -> None:
         while not stop.is_set():
@@ -749,6 +916,9 @@ def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
                 return
             restart = _start_state(point)
             if restart is None:
+                # Finished in an earlier session (or by another sweep): its command catches up.
+                if after is not None and point_state(point) == "finished":
+                    run_after(point, group)
                 continue
             if concurrent:
                 gpus = ",".join(group)
@@ -757,8 +927,12 @@ def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
             if code != 0 or point_state(point) != "finished":
                 _say(f"point {point.name}: failed (exit code {code}); see its log")
                 failed.append(point.name)
-            elif concurrent:
+                continue
+            if concurrent:
                 _say(f"point {point.name}: finished")
+            # Not after a Ctrl-C that this trainer outlived (another slot's main thread saw it).
+            if after is not None and not stop.is_set():
+                run_after(point, group)
 
     if concurrent:
         threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in groups]
@@ -782,7 +956,14 @@ def run_local(study: Study, devices: Optional[Sequence[str]] = None) -> int:
         worker(groups[0])
     if failed:
         _say(f"{len(failed)} point(s) did not finish: {', '.join(failed)}")
-    return EXIT_FAILED if failed else EXIT_OK
+    if after_failed:
+        _say(
+            f"--after failed for {len(after_failed)} point(s): {', '.join(after_failed)} (see "
+            f"{AFTER_LOG} in their run directories; running again retries them)"
+        )
+    if failed:
+        return EXIT_FAILED
+    return EXIT_AFTER_FAILED if after_failed else EXIT_OK
 
 
 def submit_slurm(study: Study, sbatch_args: list, sbatch_script: str = str(SBATCH)) -> int:
@@ -1225,6 +1406,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="run only the points of these settings (point names without the seed); with "
         "--seeds, the points that match both",
     )
+    run.add_argument(
+        "--after",
+        default=None,
+        metavar="CMD",
+        help="a bash command run after each point whose training finished, in its slot (same "
+        "CUDA_VISIBLE_DEVICES) before the slot's next point, and for finished points whose "
+        "command has not succeeded yet; {run} and {point} become the run directory and point "
+        "name, shell-quoted; output in <run dir>/after.log, outcome in <run dir>/after.json "
+        "(a rerun skips what succeeded)",
+    )
     run.add_argument("--sbatch-script", default=str(SBATCH), help=argparse.SUPPRESS)
     return p
 
@@ -1247,6 +1438,19 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    after = getattr(args, "after", None)  # run's option only
+    if after is not None:
+        try:
+            if args.slurm:
+                raise StudyError(
+                    "--after runs its command here, after each point; with --slurm the points "
+                    "train in array tasks elsewhere: run the command on each finished run once "
+                    "the array has ended (e.g. with --sbatch-args --wait)"
+                )
+            check_after(after)
+        except StudyError as e:
+            print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
+            return EXIT_STUDY_ERROR
     try:
         study = load_study(args.study, args.output_dir, extra_overrides=args.overrides)
     except StudyError as e:
@@ -1306,7 +1510,7 @@ def _main(args: argparse.Namespace) -> int:
         except StudyError as e:
             print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
             return EXIT_STUDY_ERROR
-    code = run_local(study, devices)
+    code = run_local(study, devices, after)
     collect_and_write(everything)
     return code
 

@@ -7,5 +7,6 @@
 - ``slurm_cluster``: throw-away Slurm clusters on this machine, one node or two nodes in network
   namespaces of their own (``python -m tests.helpers.slurm_cluster [--two-nodes] DIR`` starts one
   by hand), and ``user_shell_env``: the environment a user's shell would hand the launchers,
-  without what the test process carries (an in-process gloo world's MASTER_ADDR/MASTER_PORT).
+  without what the test process carries (an in-process gloo world's MASTER_ADDR/MASTER_PORT);
+- ``study_scripts``: the sweep's ``--after`` for the study scripts' stand-in sweeps.
 """

@@ -1,12 +1,14 @@
 """tools/run_code_study.sh's orchestration, with a stand-in interpreter (the real steps are tested
 in test_code_corpus.py, test_sweep.py and test_long_context_eval.py): the corpus's overrides reach
-the sweep, SWEEP_ARGS reach ``megatron-s2-sweep run``, every finished point is evaluated once (one
-per GPU at a time with EVAL_DEVICES), and the curves are plotted."""
+the sweep, SWEEP_ARGS reach ``megatron-s2-sweep run``, each finished point is evaluated through
+the sweep's ``--after`` in its slot as the sweep finishes it, the points it did not evaluate once
+after it (one per GPU at a time with EVAL_DEVICES), and the curves are plotted."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -23,22 +25,33 @@ pytestmark = pytest.mark.version_independent
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Logs its arguments and CUDA_VISIBLE_DEVICES; plays the sweep, the evaluation and the plot;
-# runs everything else (the script's inline Python) with the real interpreter.
+# Logs its arguments and CUDA_VISIBLE_DEVICES; plays the sweep (its --after on the runs that have
+# a summary: the finished points), the evaluation (failing once for the run FAKE_EVAL_FAIL_ONCE)
+# and the plot; runs everything else (the script's inline Python) with the real interpreter.
 FAKE = textwrap.dedent(
     """\
     #!{python}
-    import json, os, subprocess, sys, time
+    import glob, json, os, subprocess, sys, time
+    sys.path.insert(0, {repo!r})
     args = sys.argv[1:]
     log = os.environ["FAKE_LOG"]
     with open(log, "a") as f:
         f.write(json.dumps({{"args": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
                             "start": time.time()}}) + "\\n")
     if args[:2] == ["-m", "megatron_s2.training.sweep"]:
-        sys.exit(0)
+        from megatron_s2.training.sweep import load_study
+        from tests.helpers.study_scripts import run_after
+        overrides = [a for a in args[4:args.index("--after")]]
+        out = load_study(args[3], extra_overrides=overrides).output_dir
+        finished = sorted(glob.glob(os.path.join(out, "runs", "*", "summary.json")))
+        sys.exit(run_after(args, [os.path.dirname(f) for f in finished]))
     if args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
         time.sleep(1.0)  # long enough for concurrent evaluations to overlap
+        if os.path.basename(run) == os.environ.get("FAKE_EVAL_FAIL_ONCE"):
+            if not os.path.exists(os.path.join(run, "failed_once")):
+                open(os.path.join(run, "failed_once"), "w").close()
+                sys.exit(1)
         os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
         with open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w") as f:
             json.dump({{"bins": []}}, f)
@@ -50,10 +63,11 @@ FAKE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("eval_devices", [None, "0,1"])
-def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
+def _study(tmp_path):
+    """The stand-in interpreter, a corpus and a 3-point study of which two points have finished
+    (and one run directory is not a point's); returns (study file, output dir, the env)."""
     fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable))
+    fake.write_text(FAKE.format(python=sys.executable, repo=str(REPO)))
     fake.chmod(0o755)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -75,17 +89,19 @@ def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
         (out / "runs" / name).mkdir(parents=True)
     for name in names[:2]:
         (out / "runs" / name / "summary.json").write_text("{}")
-    log = tmp_path / "calls.jsonl"
     env = dict(
         os.environ,
         CORPUS=str(corpus),
         PYTHON=str(fake),
-        FAKE_LOG=str(log),
+        FAKE_LOG=str(tmp_path / "calls.jsonl"),
         SWEEP_ARGS="--devices 0,1",
     )
-    env.pop("TRITON_INTERPRET", None)
-    if eval_devices:
-        env["EVAL_DEVICES"] = eval_devices
+    for var in ("TRITON_INTERPRET", "EVAL_DEVICES", "FAKE_NO_AFTER", "FAKE_EVAL_FAIL_ONCE"):
+        env.pop(var, None)
+    return study, out, env
+
+
+def _run_script(study, env):
     r = subprocess.run(
         ["bash", "tools/run_code_study.sh", str(study)],
         cwd=REPO,
@@ -94,22 +110,47 @@ def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
         text=True,
         timeout=120,
     )
+    calls = [json.loads(x) for x in Path(env["FAKE_LOG"]).read_text().splitlines()]
+    return r, calls
+
+
+def _evaluated(calls):
+    return [
+        Path(c["args"][c["args"].index("--checkpoint") + 1]).parent.name
+        for c in calls
+        if c["args"][:2] == EVAL_MODULE
+    ]
+
+
+@pytest.mark.parametrize("eval_devices", [None, "0,1"])
+def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
+    """The catch-up after the sweep: here the sweep evaluates nothing (FAKE_NO_AFTER: points
+    trained before the script passed --after), so every finished point is evaluated after it."""
+    study, out, env = _study(tmp_path)
+    names = ["seed=1", "seed=2", "seed=3"]
+    log = Path(env["FAKE_LOG"])
+    env["FAKE_NO_AFTER"] = "1"
+    if eval_devices:
+        env["EVAL_DEVICES"] = eval_devices
+    r, calls = _run_script(study, env)
     assert r.returncode == 0, r.stdout + r.stderr
-    calls = [json.loads(x) for x in log.read_text().splitlines()]
     (sweep,) = [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
     assert sweep["args"][2:] == [
         "run",
         str(study),
         "data.demo=false",
         "train.seed=7",
+        "--after",
+        sweep["args"][7],
         "--devices",
         "0,1",
     ]
+    # --after: this script again, on the run the sweep names
+    bash, script, *rest = shlex.split(sweep["args"][7])
+    assert bash == "bash" and Path(script).resolve() == REPO / "tools" / "run_code_study.sh"
+    assert rest == ["--evaluate-run", "{run}"]
     evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
-    evaluated = sorted(
-        Path(c["args"][c["args"].index("--checkpoint") + 1]).parent.name for c in evals
-    )
-    assert evaluated == names[:2]  # finished points only, each once
+    assert sorted(_evaluated(calls)) == names[:2]  # finished points only, each once
     (plot,) = [c for c in calls if c["args"][:1] == ["tools/plot_loss_by_position.py"]]
     assert len([a for a in plot["args"] if a.endswith("loss_by_position.json")]) == 2
     if eval_devices:
@@ -123,15 +164,52 @@ def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
 
     # Again: everything is evaluated, nothing is rerun.
     log.write_text("")
-    r = subprocess.run(
-        ["bash", "tools/run_code_study.sh", str(study)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r, calls = _run_script(study, env)
     assert r.returncode == 0, r.stdout + r.stderr
-    calls = [json.loads(x) for x in log.read_text().splitlines()]
-    assert not [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    assert not _evaluated(calls)
     assert [c for c in calls if c["args"][:1] == ["tools/plot_loss_by_position.py"]]
+
+
+def test_study_script_evaluates_each_point_as_the_sweep_finishes_it(tmp_path):
+    """Through the sweep's --after: each finished point evaluated during the sweep, on its slot's
+    GPU, into its long_context_eval.log, so that a cut after the sweep loses none; the catch-up
+    then has nothing left (not even with EVAL_DEVICES), and a second run evaluates nothing."""
+    study, out, env = _study(tmp_path)
+    env["EVAL_DEVICES"] = "0,1"
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the script's own Python after the sweep (its output directory): the sweep has ended there
+    after_sweep = next(i for i, c in enumerate(calls) if c["args"][:1] == ["-"])
+    evals = [(i, c) for i, c in enumerate(calls) if c["args"][:2] == EVAL_MODULE]
+    assert sorted(_evaluated(calls)) == ["seed=1", "seed=2"]  # each finished point once
+    assert all(i < after_sweep for i, _ in evals)  # inside the sweep, not after it
+    # point i on the i-th GPU of SWEEP_ARGS's --devices, as the sweep gave it
+    assert [(_evaluated([c])[0], c["gpu"]) for _, c in evals] == [("seed=1", "0"), ("seed=2", "1")]
+    assert all(c["args"][-2:] == ["--position-sequences", "64"] for _, c in evals)
+    for name in ("seed=1", "seed=2"):
+        assert (out / "runs" / name / "long_context_eval.log").exists()
+        assert (out / "runs" / name / "long_context_eval" / "loss_by_position.json").exists()
+    (plot,) = [c for c in calls if c["args"][:1] == ["tools/plot_loss_by_position.py"]]
+    assert len([a for a in plot["args"] if a.endswith("loss_by_position.json")]) == 2
+
+    Path(env["FAKE_LOG"]).write_text("")
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not _evaluated(calls)  # the sweep's commands find the curves there
+
+
+def test_an_evaluation_failed_in_the_sweep_is_redone_after_it(tmp_path):
+    """An evaluation that fails inside the sweep (exit code 3: every point trained, a command
+    failed) is redone by the catch-up; the script's exit status still says it failed."""
+    study, out, env = _study(tmp_path)
+    env["FAKE_EVAL_FAIL_ONCE"] = "seed=2"
+    r, calls = _run_script(study, env)
+    assert r.returncode == 3, r.stdout + r.stderr
+    after_sweep = next(i for i, c in enumerate(calls) if c["args"][:1] == ["-"])
+    evaluated = [
+        (i > after_sweep, _evaluated([c])[0])
+        for i, c in enumerate(calls)
+        if c["args"][:2] == EVAL_MODULE
+    ]
+    assert evaluated == [(False, "seed=1"), (False, "seed=2"), (True, "seed=2")]
+    assert (out / "runs" / "seed=2" / "long_context_eval" / "loss_by_position.json").exists()

@@ -3,12 +3,16 @@ tested in test_code_corpus.py, test_demo_corpus.py, test_sweep.py, test_context_
 test_long_context_eval.py): the key-value corpus is blended into both studies at KV_WEIGHT and
 the retrieval training documents (one corpus per study) at RETRIEVAL_WEIGHT, the
 4k models are evaluated before the extension trains (not beside it: its tokens/s is a result),
-every run is evaluated once on held-out code alone, and a second run redoes nothing."""
+every run is evaluated once on held-out code alone, through the sweeps' ``--after`` as each
+point finishes (its results copied to RESULTS_DIR at once, so that a cut keeps them) or by the
+catch-up after a sweep, and a second run redoes nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -44,11 +48,14 @@ POINTS = {
 }
 
 # Logs each call with its start and end; plays the corpus builders, the sweeps (their runs'
-# summary.json), the evaluations and the plot; runs the script's inline Python for real.
+# summary.json, then their --after as the sweep runs it; with FAKE_CUT=STUDY that study's sweep
+# trains its first point, runs its --after and then the machine "goes": the script is killed),
+# the evaluations and the plot; runs the script's inline Python for real.
 FAKE = textwrap.dedent(
     """\
     #!{python}
-    import json, os, subprocess, sys, time
+    import json, os, signal, subprocess, sys, time
+    sys.path.insert(0, {repo!r})
     args = sys.argv[1:]
     start = time.time()
     points = {points!r}
@@ -68,11 +75,20 @@ FAKE = textwrap.dedent(
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         open(prefix + ".idx", "w").close()
     elif args[:3] == ["-m", "megatron_s2.training.sweep", "run"]:
+        from tests.helpers.study_scripts import run_after
         name = os.path.basename(args[3])[: -len(".yaml")]
         time.sleep(1.0)  # long enough for the evaluations beside it to start
-        for p in points[name]:
-            os.makedirs(f"sweeps/{{name}}/runs/{{p}}/checkpoints", exist_ok=True)
-            open(f"sweeps/{{name}}/runs/{{p}}/summary.json", "w").write("{{}}")
+        cut = os.environ.get("FAKE_CUT") == name
+        runs = [f"sweeps/{{name}}/runs/{{p}}" for p in points[name]][: 1 if cut else None]
+        for run in runs:
+            os.makedirs(f"{{run}}/checkpoints", exist_ok=True)
+            open(f"{{run}}/summary.json", "w").write("{{}}")
+        code = run_after(args, runs)
+        if cut:
+            os.kill(os.getppid(), signal.SIGKILL)
+            sys.exit(137)
+        log()
+        sys.exit(code)
     elif args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
         os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
@@ -92,23 +108,43 @@ FAKE = textwrap.dedent(
 )
 
 
-def _run(tmp_path, log, **extra):
+def _run(tmp_path, log, returncode=0, **extra):
     # The script's own knobs come from the test alone, not from the caller's environment.
-    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS and k[:5] != "FAKE_"}
     env.update(PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25", **extra)
     r = subprocess.run(
         ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == returncode, r.stdout + r.stderr
     return [json.loads(x) for x in log.read_text().splitlines()]
 
 
-def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
+def _write_fake(tmp_path, points=POINTS):
     fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.write_text(FAKE.format(python=sys.executable, repo=str(REPO), points=points))
     fake.chmod(0o755)
+
+
+def _run_dir(tmp_path, call):
+    """The run an evaluator call evaluated, relative to the script's directory (the sweep gives
+    its --after absolute run directories, the catch-up relative ones)."""
+    run = Path(call["args"][call["args"].index("--checkpoint") + 1]).parent
+    return run.relative_to(tmp_path) if run.is_absolute() else run
+
+
+def _after_of(sweep_call):
+    """The --after command of a sweep call, split: [bash, script, --evaluate-run, {run}, ...]."""
+    args = sweep_call["args"]
+    return shlex.split(args[args.index("--after") + 1])
+
+
+@pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
+def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path, through_after):
+    """Each run evaluated once: by the sweep's --after as its point finishes or, where the sweep
+    did not (FAKE_NO_AFTER: points trained before the script passed it), after the sweep."""
+    _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
-    calls = _run(tmp_path, log)
+    calls = _run(tmp_path, log, **({} if through_after else {"FAKE_NO_AFTER": "1"}))
 
     tools = [os.path.basename(c["args"][0]) for c in calls]
     assert tools.count("build_code_corpus.py") == 1
@@ -146,12 +182,19 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
             # after the corpus's own blend, so that it wins; code gets what the others leave
             "data.blend=[[0.55, data/code/train_valid], [0.25, data/kv/kv_code], "
             f"[0.2, data/retrieval/retrieval_code_{tag}]]",
+            "--after",
+            c["args"][-1],
         ]
+        # --after: this script again, on the run the sweep names, of this study
+        bash, script, *rest = _after_of(c)
+        assert bash == "bash" and Path(script).resolve() == SCRIPT.resolve()
+        extra = ["--allow-extrapolation"] if tag == "4k" else []
+        assert rest == ["--evaluate-run", "{run}", name, *extra]
     extension = sweeps["code-125m-extend-16k"]
     assert sweeps["code-125m-4k-base"]["end"] <= extension["start"]
 
     eval_calls = [c for c in calls if c["args"][:2] == EVAL_MODULE]
-    evals = {Path(c["args"][c["args"].index("--checkpoint") + 1]).parent: c for c in eval_calls}
+    evals = {_run_dir(tmp_path, c): c for c in eval_calls}
     expected = {
         Path("sweeps") / s / "runs" / p
         for s, ps in POINTS.items()
@@ -164,11 +207,13 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
         assert "--attention-probe" not in c["args"]  # only with PROBE_LENGTH
         before_extension = run.parts[1] == "code-125m-4k-base"
         assert ("--allow-extrapolation" in c["args"]) == before_extension
+        sweep = sweeps[run.parts[1]]
+        # inside its point's sweep (right after the point), else after it
+        assert (c["end"] <= sweep["end"]) == through_after
+        assert c["start"] >= sweep["start"]
         if before_extension:
             # not beside the extension: its tokens/s is a result
             assert c["end"] <= extension["start"]
-        else:
-            assert c["start"] >= extension["end"]
         assert (tmp_path / run / "long_context_eval.log").exists()
     plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
     assert len(plots) == 2
@@ -190,9 +235,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path):
 
 def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_path):
     """RETRIEVAL_WEIGHT=0 is run E's blend: no retrieval corpus is written or blended."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
-    fake.chmod(0o755)
+    _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     calls = _run(tmp_path, log, RETRIEVAL_WEIGHT="0")
     tools = [os.path.basename(c["args"][0]) for c in calls]
@@ -200,16 +243,15 @@ def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_
     sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
     assert len(sweeps) == 2
     run_e_blend = "data.blend=[[0.75, data/code/train_valid], [0.25, data/kv/kv_code]]"
-    assert [c["args"][-1] for c in sweeps] == [run_e_blend, run_e_blend]
+    blends = [[a for a in c["args"] if a.startswith("data.blend=")][-1] for c in sweeps]
+    assert blends == [run_e_blend, run_e_blend]
 
 
 @pytest.mark.parametrize("accuracy, extends", [("0.0", False), ("0.3", True)])
 def test_example_script_extends_only_models_that_retrieve(tmp_path, accuracy, extends):
     """EXTEND_MIN_ACCURACY: the extension (and its device time) only for base models whose
     passkey accuracy up to their own 4k reaches it."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
-    fake.chmod(0o755)
+    _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     calls = _run(tmp_path, log, EXTEND_MIN_ACCURACY="0.2", FAKE_ACCURACY=accuracy)
     studies = [
@@ -226,14 +268,15 @@ def test_example_script_extends_only_models_that_retrieve(tmp_path, accuracy, ex
         assert "extension skipped" in status and "EXTEND_MIN_ACCURACY=0.2" in status
 
 
-def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
+@pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
+def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path, through_after):
     """DEVICES=0,1: both studies get the sweep's --devices (a point per GPU) and the evaluations
-    of a study go round the GPUs, one process each."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
-    fake.chmod(0o755)
+    of a study go round the GPUs, one process each: through the sweep's --after each on its
+    point's GPU, in the catch-up each on a GPU of its own."""
+    _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
-    calls = _run(tmp_path, log, DEVICES="0, 1")  # spaces as a user may type them
+    extra = {} if through_after else {"FAKE_NO_AFTER": "1"}
+    calls = _run(tmp_path, log, DEVICES="0, 1", **extra)  # spaces as a user may type them
     sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
     assert len(sweeps) == 2
     for c in sweeps:
@@ -253,9 +296,7 @@ def test_example_script_spreads_points_and_evaluations_over_devices(tmp_path):
 def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
     """EXTEND_STUDIES: each extension study from the same 4k models, one after another, each
     evaluated after its own training and plotted."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
-    fake.chmod(0o755)
+    _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     studies = ["code-125m-extend-16k", "code-125m-extend-16k-remedies"]
     calls = _run(tmp_path, log, EXTEND_STUDIES=" ".join(studies))
@@ -270,7 +311,8 @@ def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
             and f"/{study}/" in c["args"][c["args"].index("--checkpoint") + 1]
         ]
         assert len(evals) == len(POINTS[study])
-        assert all(c["start"] >= sweep["end"] for c in evals)
+        # each right after its point, inside the study's sweep (the sweep's --after)
+        assert all(sweep["start"] <= c["start"] and c["end"] <= sweep["end"] for c in evals)
     plots = [c for c in calls if os.path.basename(c["args"][0]) == "plot_loss_by_position.py"]
     assert sorted(c["args"][c["args"].index("--out") + 1] for c in plots) == sorted(
         f"sweeps/{s}/loss_by_position.png" for s in ["code-125m-4k-base", *studies]
@@ -278,12 +320,14 @@ def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
 
 
 def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_path):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
-    fake.chmod(0o755)
+    _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
-    env.update(PYTHON=str(fake), FAKE_LOG=str(log), EXTEND_STUDIES="code-125m-extend-16k-remedis")
+    env.update(
+        PYTHON=str(tmp_path / "python"),
+        FAKE_LOG=str(log),
+        EXTEND_STUDIES="code-125m-extend-16k-remedis",
+    )
     r = subprocess.run(
         ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
@@ -294,9 +338,7 @@ def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_p
 
 
 def test_example_script_probes_attention_when_asked(tmp_path):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
-    fake.chmod(0o755)
+    _write_fake(tmp_path)
     calls = _run(tmp_path, tmp_path / "calls.jsonl", PROBE_LENGTH="8192")
     evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
     assert evals
@@ -313,9 +355,7 @@ def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tm
         "code-125m-extend-16k-remedies": ["dense,seed=2", "hybrid-DS,seed=2"],
         "code-125m-extend-16k": ["dense,seed=2", "hybrid-DS,seed=2"],
     }
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=points))
-    fake.chmod(0o755)
+    _write_fake(tmp_path, points)
     log = tmp_path / "calls.jsonl"
     calls = _run(
         tmp_path,
@@ -334,8 +374,40 @@ def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tm
     ]
     for c in sweeps:
         assert c["args"][-4:] == ["--seeds", "2", "--settings", "dense,hybrid-DS"]
-    assert sweeps[1]["args"][-5].endswith("[0.2, data/retrieval/retrieval_code_32k]]")
+    blend = [a for a in sweeps[1]["args"] if a.startswith("data.blend=")][-1]
+    assert blend.endswith("[0.2, data/retrieval/retrieval_code_32k]]")
     for study in points:
         for arm in ("dense", "hybrid-DS"):
             got = tmp_path / "results" / study / arm / "seed2" / "retrieval.json"
             assert json.loads(got.read_text())["tasks"]["passkey"]["cells"]
+
+
+def test_example_script_keeps_each_evaluation_when_cut_off(tmp_path):
+    """The GPU lease ends during the extension study (FAKE_CUT: its sweep has trained and
+    evaluated its first point, then the script is killed): every run finished before the cut
+    has its evaluation, and RESULTS_DIR its copy, since the sweeps' --after made them as each
+    point finished; a rerun evaluates only what the cut left out."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    _run(
+        tmp_path, log, returncode=-signal.SIGKILL, FAKE_CUT="code-125m-extend-16k", RESULTS_DIR="r"
+    )
+    base, extension = POINTS["code-125m-4k-base"], POINTS["code-125m-extend-16k"]
+    kept = [("code-125m-4k-base", p) for p in base] + [("code-125m-extend-16k", extension[0])]
+    for study, point in kept:
+        run = tmp_path / "sweeps" / study / "runs" / point
+        assert (run / "long_context_eval" / "loss_by_position.json").exists()
+        assert json.loads((tmp_path / "r" / study / point / "seed0" / "retrieval.json").read_text())
+    assert not (tmp_path / "r" / "code-125m-extend-16k" / extension[1]).exists()
+    status = (tmp_path / "example_status.log").read_text()
+    assert f"evaluated {tmp_path}/sweeps/code-125m-extend-16k/runs/{extension[0]} (exit 0" in status
+    assert "all done" not in status
+
+    log.write_text("")
+    calls = _run(tmp_path, log, RESULTS_DIR="r")
+    again = sorted(str(_run_dir(tmp_path, c)) for c in calls if c["args"][:2] == EVAL_MODULE)
+    assert again == [f"sweeps/code-125m-extend-16k/runs/{p}" for p in sorted(extension[1:])]
+    for point in extension:
+        assert (
+            tmp_path / "r" / "code-125m-extend-16k" / point / "seed0" / "retrieval.json"
+        ).exists()

@@ -75,7 +75,7 @@ def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch):
         sweep.only_seeds(study, [4])
     ran, collected = [], []
     monkeypatch.setattr(
-        sweep, "run_local", lambda st, dev: ran.extend(p.name for p in st.points) or 0
+        sweep, "run_local", lambda st, dev, after=None: ran.extend(p.name for p in st.points) or 0
     )
     monkeypatch.setattr(
         sweep, "collect_and_write", lambda st: collected.extend(p.name for p in st.points)

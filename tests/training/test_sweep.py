@@ -8,8 +8,12 @@ import csv
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -442,3 +446,287 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
             assert p.config.checkpoint.load_dir == (
                 f"sweeps/retrieval-125m-4k-base/runs/{p.name}/checkpoints"
             )
+
+
+# ---- --after: a command after each finished point, with a stand-in trainer --------------------
+# Plays the trainer (``train RUN_DIR ITERS``: a summary at ITERS, or exit 1 for the points named
+# in FAKE_FAIL) and the --after command (``hook RUN_DIR POINT``: exit FAKE_HOOK_EXIT for the
+# points named in FAKE_HOOK_FAIL); both append what they saw, with their start and end, to
+# FAKE_EVENTS.
+FAKE_TRAINER = """\
+import json, os, sys, time
+what, run_dir = sys.argv[1], sys.argv[2]
+start = time.time()
+time.sleep(float(os.environ.get("FAKE_SLEEP", "0.3")))
+name = os.path.basename(run_dir) if what == "train" else sys.argv[3]
+code = 0
+if what == "train":
+    if name in os.environ.get("FAKE_FAIL", "").split():
+        code = 1
+    else:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump({"iteration": int(sys.argv[3])}, f)
+else:
+    print(f"hook of {name} in {run_dir}")
+    if name in os.environ.get("FAKE_HOOK_FAIL", "").split():
+        code = int(os.environ.get("FAKE_HOOK_EXIT", "7"))
+with open(os.environ["FAKE_EVENTS"], "a") as f:
+    event = {"what": what, "point": name, "run_dir": run_dir, "code": code, "start": start,
+             "end": time.time(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    f.write(json.dumps(event) + "\\n")
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def fake_sweep(tmp_path, monkeypatch):
+    """A 4-point study (seeds 1-4 of the tiny model) in a folder whose name has a space (so that
+    ``{run}`` needs its quotes), every point trained by the stand-in above. Returns (the study
+    file, the loaded study, the --after command, the events read back)."""
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_TRAINER)
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("FAKE_EVENTS", str(events))
+    for var in ("FAKE_FAIL", "FAKE_HOOK_FAIL", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    real = sweep.point_command
+
+    def fake_command(study, point, *, restart=False, devices=None):
+        _, env = real(study, point, restart=restart, devices=devices)
+        iters = str(point.config.train.train_iters)
+        return [sys.executable, str(script), "train", point.run_dir, iters], env
+
+    monkeypatch.setattr(sweep, "point_command", fake_command)
+    path = write_study(
+        tmp_path,
+        name="hooks",
+        overrides=[*TINY, "train.train_iters=5"],
+        points=[{"train.seed": s} for s in (1, 2, 3, 4)],
+        output_dir=str(tmp_path / "out dir"),
+    )
+    study = load_study(path)
+    after = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} hook {{run}} {{point}}"
+
+    def read_events():
+        if not events.exists():
+            return []
+        return [json.loads(x) for x in events.read_text().splitlines()]
+
+    return path, study, after, read_events
+
+
+def _after_record(point):
+    return json.loads((Path(point.run_dir) / sweep.AFTER_RECORD).read_text())
+
+
+def test_after_runs_in_the_points_slot_right_after_it_and_resumes(fake_sweep, monkeypatch, capsys):
+    path, study, after, events = fake_sweep
+    monkeypatch.setenv("FAKE_FAIL", "seed=3")  # its training fails: no command after it
+    code = sweep.main(["run", str(path), "--devices", "3,5", "--after", after])
+    out = capsys.readouterr().out
+    assert code == sweep.EXIT_FAILED, out
+    got = events()
+    hooks = {e["point"]: e for e in got if e["what"] == "hook"}
+    trains = {e["point"]: e for e in got if e["what"] == "train"}
+    assert sorted(trains) == ["seed=1", "seed=2", "seed=3", "seed=4"]
+    assert sorted(hooks) == ["seed=1", "seed=2", "seed=4"]  # once each, finished points only
+    assert len([e for e in got if e["what"] == "hook"]) == 3
+    by_name = {p.name: p for p in study.points}
+    for name, hook in hooks.items():
+        point = by_name[name]
+        assert hook["run_dir"] == point.run_dir  # " " in the path: {run} arrived quoted
+        assert hook["gpu"] == trains[name]["gpu"] in ("3", "5")  # the point's own slot
+        record = _after_record(point)
+        assert record["exit_code"] == 0 and record["iteration"] == 5
+        assert record["command"] == sweep.after_command(after, point)
+        assert shlex.quote(point.run_dir) in record["command"]
+        log = (Path(point.run_dir) / sweep.AFTER_LOG).read_text()
+        assert f"hook of {name} in {point.run_dir}" in log
+        assert log.splitlines()[1] == f"CUDA_VISIBLE_DEVICES={hook['gpu']}"
+    # In each slot one process at a time, and each command before the slot's next training.
+    for gpu in ("3", "5"):
+        slot = sorted((e for e in got if e["gpu"] == gpu), key=lambda e: e["start"])
+        assert slot, got
+        for a, b in zip(slot, slot[1:]):
+            assert a["end"] <= b["start"], slot
+            if a["what"] == "train" and a["code"] == 0:
+                assert b == hooks[a["point"]], slot
+    assert sweep.point_state(by_name["seed=3"]) != "finished"
+    assert not (Path(by_name["seed=3"].run_dir) / sweep.AFTER_RECORD).exists()
+    assert "1 point(s) did not finish: seed=3" in out
+
+    # Again, the failure gone: seed=3 trains and gets its command; the others' are not rerun.
+    monkeypatch.delenv("FAKE_FAIL")
+    before = len(got)
+    assert sweep.main(["run", str(path), "--devices", "3,5", "--after", after]) == sweep.EXIT_OK
+    out = capsys.readouterr().out
+    new = events()[before:]
+    assert sorted((e["what"], e["point"]) for e in new) == [("hook", "seed=3"), ("train", "seed=3")]
+    for name in ("seed=1", "seed=2", "seed=4"):
+        assert f"point {name}: --after succeeded before, not rerun" in out
+
+
+def test_a_failed_after_command_leaves_the_point_finished_and_is_retried(
+    fake_sweep, monkeypatch, capsys
+):
+    path, study, after, events = fake_sweep
+    monkeypatch.setenv("FAKE_HOOK_FAIL", "seed=2 seed=4")
+    code = sweep.main(["run", str(path), "--after", after])  # one after another, echoed
+    out = capsys.readouterr().out
+    assert code == sweep.EXIT_AFTER_FAILED, out
+    assert [sweep.point_state(p) for p in study.points] == ["finished"] * 4
+    by_name = {p.name: p for p in study.points}
+    assert _after_record(by_name["seed=2"])["exit_code"] == 7
+    assert "point seed=2: --after failed (exit code 7)" in out
+    assert "--after failed for 2 point(s): seed=2, seed=4" in out
+    assert "hook of seed=1 in" in out  # without --devices the command's output is shown
+    # The table counts the training: every point finished.
+    with open(Path(study.output_dir) / "results.csv") as f:
+        assert [row["status"] for row in csv.DictReader(f)] == ["finished"] * 4
+    # Sequential: each command right after its point, before the next point trains.
+    assert [(e["what"], e["point"]) for e in events()] == [
+        (w, f"seed={s}") for s in (1, 2, 3, 4) for w in ("train", "hook")
+    ]
+
+    # Again: nothing trains, the failed commands are retried (their log appended), the rest not.
+    monkeypatch.delenv("FAKE_HOOK_FAIL")
+    before = len(events())
+    assert sweep.main(["run", str(path), "--after", after]) == sweep.EXIT_OK
+    assert [(e["what"], e["point"]) for e in events()[before:]] == [
+        ("hook", "seed=2"),
+        ("hook", "seed=4"),
+    ]
+    assert _after_record(by_name["seed=2"])["exit_code"] == 0
+    log = (Path(by_name["seed=2"].run_dir) / sweep.AFTER_LOG).read_text()
+    assert log.count("# exit code 7") == 1 and log.count("# exit code 0") == 1
+
+
+def test_after_catches_up_on_points_finished_before(fake_sweep, monkeypatch, capsys):
+    path, study, after, events = fake_sweep
+    assert sweep.main(["run", str(path), "--devices", "0,1"]) == sweep.EXIT_OK  # no --after
+    assert not any((Path(p.run_dir) / sweep.AFTER_RECORD).exists() for p in study.points)
+    n = len(events())
+    assert sweep.main(["run", str(path), "--devices", "0,1", "--after", after]) == sweep.EXIT_OK
+    new = events()[n:]
+    assert sorted(e["point"] for e in new) == [p.name for p in study.points]
+    assert {e["what"] for e in new} == {"hook"}  # nothing retrained
+    assert {e["gpu"] for e in new} <= {"0", "1"}
+    # Another command is not the one that succeeded: it runs too.
+    n = len(events())
+    assert sweep.main(["run", str(path), "--after", after + " --again"]) == sweep.EXIT_OK
+    assert len(events()) == n + 4
+    # Trained further (train_iters raised): the point resumes and its command runs again.
+    n = len(events())
+    assert sweep.main(["run", str(path), "train.train_iters=6", "--after", after]) == 0
+    new = events()[n:]
+    assert [(e["what"], e["point"]) for e in new][:2] == [("train", "seed=1"), ("hook", "seed=1")]
+    assert len(new) == 8 and _after_record(study.points[0])["iteration"] == 6
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--after", ""], "--after: the command is empty"),
+        (["--after", "  "], "--after: the command is empty"),
+        (["--after", "du {runn} {run} {seed}"], "--after: unknown field(s) {runn}, {seed}"),
+        (["--after", "echo 'unclosed {run}"], "is not a valid bash command"),
+        (["--after", "echo {run}", "--slurm"], "--after runs its command here"),
+    ],
+)
+def test_bad_after_is_refused_before_any_point(fake_sweep, capsys, extra, message):
+    path, study, _, events = fake_sweep
+    assert sweep.main(["run", str(path), *extra]) == sweep.EXIT_STUDY_ERROR
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("megatron-s2-sweep: study error: --after")
+    assert not events() and not os.path.exists(study.output_dir)
+
+
+def test_after_command_fields():
+    point = sweep.Point(0, "seed=1", {}, run_dir="/a b/runs/seed=1")
+    got = sweep.after_command("x {run}/ck {point} ${HOME} {a,b} {} awk '{{print}}'", point)
+    assert got == "x '/a b/runs/seed=1'/ck seed=1 ${HOME} {a,b} {} awk '{print}'"
+    sweep.check_after("x {run} ${HOME} {{print}} {a,b}")  # fields known, bash parses it
+    with pytest.raises(StudyError, match=r"unknown field\(s\) \{print\}"):
+        sweep.check_after("awk '{print}' {run}")
+
+
+@pytest.mark.parametrize("whole_group", [True, False], ids=["terminal", "sweep-only"])
+def test_ctrl_c_during_after_waits_for_it_and_starts_nothing_more(tmp_path, whole_group):
+    """Ctrl-C while a command runs: as during training, the sweep lets it end (a terminal's
+    Ctrl-C reaches it too, and it stops on its own), records how it ended, starts no other
+    point and exits 130; the next run retries a command that was cut short."""
+    events = tmp_path / "events.jsonl"
+    started = tmp_path / "started"
+    (tmp_path / "fake.py").write_text(FAKE_TRAINER)
+    # The sweep in a process of its own (the signal goes to it), with the stand-in trainer.
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        textwrap.dedent(
+            """\
+            import os, sys
+            from megatron_s2.training import sweep
+            def command(study, point, *, restart=False, devices=None):
+                fake = os.path.join(os.path.dirname(__file__), "fake.py")
+                return [sys.executable, fake, "train", point.run_dir, "5"], dict(os.environ)
+            sweep.point_command = command
+            sys.exit(sweep.main(sys.argv[1:]))
+            """
+        )
+    )
+    path = write_study(
+        tmp_path,
+        name="cut",
+        overrides=[*TINY, "train.train_iters=5"],
+        points=[{"train.seed": s} for s in (1, 2)],
+        output_dir=str(tmp_path / "out"),
+    )
+    after = f"echo {{point}} >> {events}; touch {started}; sleep 3; echo done {{point}} >> {events}"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(sys.path),
+        FAKE_EVENTS=str(tmp_path / "trained.jsonl"),
+        FAKE_SLEEP="0",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), "run", str(path), "--after", after],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group: the "terminal" Ctrl-C reaches it alone
+    )
+    deadline = time.time() + 60
+    while not started.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), proc.communicate()[0]
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == sweep.EXIT_INTERRUPTED, out
+    assert "interrupted" in out
+    study = load_study(path)
+    first, second = study.points
+    assert sweep.point_state(second) == "new"  # no further point started
+    record = _after_record(first)
+    lines = events.read_text().split()
+    if whole_group:
+        assert record["exit_code"] != 0 and lines == ["seed=1"]  # the command stopped
+    else:
+        assert record["exit_code"] == 0 and lines == ["seed=1", "done", "seed=1"]  # let end
+    # Again: the second point trains; a cut command is retried, a whole one not.
+    r = subprocess.run(
+        [sys.executable, str(driver), "run", str(path), "--after", after.replace("sleep 3", ":")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sweep.point_state(second) == "finished"
+    assert _after_record(first)["exit_code"] == 0 and _after_record(second)["exit_code"] == 0
