@@ -9,17 +9,22 @@ Two arms, everything equal but the questions a ``multikey`` document asks: ``sin
 the documents the writer has always made) and ``multi`` (Q = ``--queries``, each question
 followed by its answer, ``tools/make_retrieval_corpus.py --queries``). Both blend the same
 retrieval corpus shape (passkey + multikey documents, ``--needles`` needles, one training
-sample long) at ``--weight`` with the demo corpus (held-out demo documents are the evaluation's
-multikey haystack), train the demo's model shape (4 layers, hidden 128, dense, byte tokenizer)
-from scratch for the same steps and tokens, and are evaluated by the real evaluator
+sample long) at ``--weight`` with the demo corpus, train the demo's model shape (4 layers,
+hidden 128, dense, byte tokenizer) from scratch for the same steps and tokens, and are
+evaluated by the real evaluator
 (``megatron_s2.training.evaluation.long_context``: passkey and multikey at ``--eval-lengths``,
-five depths, ``--trials`` a cell) at every saved checkpoint.
+five depths, ``--trials`` a cell) at every saved checkpoint. The evaluation's multikey
+haystack (``--eval-haystack``): ``filler`` (default), fresh sentences of the demo corpus's
+filler generator under another seed than the training documents' (whose haystacks are windows
+of one fixed filler text, :func:`~megatron_s2.training.evaluation.tasks.haystack_stream`), or
+``demo``, held-out demo documents (text the model read 1 - ``--weight`` of the time).
 
-Layout: runs under ``--work`` (default /tmp/toy-multiquery); each evaluator output copied to
+Layout: runs under ``--work`` (default /tmp/toy-multiquery/<shape>); the settings, the command, the
+machine and the date to ``--out``/study.json; each evaluator output copied to
 ``--out``/<arm>/seed<k>/iter_<step>/retrieval.json and the last checkpoint's also to
 ``--out``/<arm>/seed<k>/retrieval.json (the layout tools/retrieval_tables.py reads); the table
 (exact match with 95% Wilson intervals, answer tokens right, answer log-likelihood, by arm, seed,
-step and length) to ``--out``/README.md. The two arms of a seed train side by side, one CPU
+step and length) to ``--out``/table.md. The two arms of a seed train side by side, one CPU
 thread each. Finished steps are skipped when run again (same --work).
 """
 
@@ -42,11 +47,11 @@ TASKS = ("passkey", "multikey")
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="toy_retrieval_study", description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", default="/tmp/toy-multiquery", help="corpora and runs")
+    p.add_argument("--work", help="corpora and runs (default /tmp/toy-multiquery/seq<S>-n<N>-q<Q>)")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "docs/long_context/results/toy-multiquery"),
-        help="evaluator JSON per arm, seed and step, and README.md with the table",
+        help="evaluator JSON per arm, seed and step, study.json (settings, command, machine) and "
+        "table.md (default docs/long_context/results/toy-multiquery/seq<S>-n<N>-q<Q>)",
     )
     p.add_argument("--seeds", default="1,2", help="comma list of seeds (default 1,2)")
     p.add_argument("--queries", type=int, default=4, help="questions a multi-arm document asks")
@@ -59,8 +64,21 @@ def _args(argv):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-lengths", default="512,1024")
     p.add_argument("--trials", type=int, default=20, help="prompts per (length, depth) cell")
+    p.add_argument(
+        "--eval-haystack",
+        choices=("demo", "filler"),
+        default="filler",
+        help="the evaluation's multikey haystack: held-out demo documents, or fresh filler "
+        "sentences of the kind the multikey training documents hide their needles in (default)",
+    )
     p.add_argument("--table-only", action="store_true", help="only rewrite the table from --out")
     args = p.parse_args(argv)
+    # One folder per study shape, so that another shape never reuses these corpora or runs.
+    name = f"seq{args.seq_length}-n{args.needles}-q{args.queries}"
+    if args.out is None:
+        args.out = os.path.join(ROOT, "docs/long_context/results/toy-multiquery", name)
+    if args.work is None:
+        args.work = os.path.join("/tmp/toy-multiquery", name)
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     if not args.seeds:
         p.error("--seeds is empty")
@@ -109,7 +127,8 @@ def _train_command(args, run: str, demo: str, corpus: str, seed: int) -> list:
         "data.demo=false", f"data.blend=[[{1 - w:.6g}, {demo}], [{w:.6g}, {corpus}]]",
         "data.split=98,2,0", f"model.seq_length={args.seq_length}",
         "attention.dense_layers.pattern=D",
-        "train.micro_batch_size=4", f"train.global_batch_size={args.global_batch}",
+        f"train.micro_batch_size={min(4, args.global_batch)}",
+        f"train.global_batch_size={args.global_batch}",
         f"train.train_iters={args.iters}", f"train.seed={1000 + seed}",
         f"optimizer.lr={args.lr}", f"optimizer.min_lr={args.lr / 10}",
         "train.eval_interval=0", f"checkpoint.save_interval={args.save_interval}",
@@ -117,15 +136,40 @@ def _train_command(args, run: str, demo: str, corpus: str, seed: int) -> list:
     ]  # fmt: skip
 
 
-def _eval_command(args, checkpoint: str, out_dir: str, demo: str) -> list:
-    # The multikey haystack: held-out demo documents only (the retrieval corpus would put
-    # other questions into it).
+def _filler_corpus(work: str) -> str:
+    """An indexed dataset of fresh filler sentences (byte tokenizer, documents of about 2k
+    characters; generator seed 1, while the training haystacks use seed 0): the ``filler``
+    evaluation haystack."""
+    import numpy as np
+
+    from megatron_s2.training.code_corpus import writing_indexed_dataset
+    from megatron_s2.training.demo_corpus import filler_text
+    from megatron_s2.training.tokenizer import load_tokenizer
+
+    prefix = os.path.join(work, "filler", "filler_seed1")
+    if not os.path.exists(prefix + ".idx"):
+        tok = load_tokenizer("byte")
+        lines = filler_text(1_000_000, seed=1).splitlines(keepends=True)
+        with writing_indexed_dataset(prefix, tok.vocab_size) as writer:
+            doc = []
+            for line in lines:
+                doc.append(line)
+                if sum(map(len, doc)) >= 2000:
+                    writer.add(np.array(tok.encode("".join(doc)) + [tok.eod], dtype=np.int64))
+                    doc = []
+            writer.meta = {"generator": "toy_retrieval_study filler", "seed": 1}
+    return prefix
+
+
+def _eval_command(args, checkpoint: str, out_dir: str, haystack: str) -> list:
+    # The multikey haystack: the held-out documents of ``haystack`` alone (the retrieval corpus
+    # would put other questions into it).
     return [
         sys.executable, "-m", "megatron_s2.training.evaluation.long_context",
         "--checkpoint", checkpoint, "--tasks", ",".join(TASKS),
         "--multikey-needles", str(args.needles), "--lengths", args.eval_lengths,
         "--trials", str(args.trials), "--skip-position", "--micro-batch-size", "4",
-        "--output-dir", out_dir, f"data.blend=[{demo}]",
+        "--output-dir", out_dir, f"data.blend=[{haystack}]",
     ]  # fmt: skip
 
 
@@ -141,11 +185,32 @@ def _run_all(jobs: list) -> None:
         raise SystemExit(f"toy_retrieval_study: failed, see {', '.join(failed)}")
 
 
+def _record(args, argv) -> None:
+    """``--out``/study.json: what the table needs (tokens a step) and what a reader needs to
+    redo the study: the settings, the command, the machine, the date."""
+    import datetime
+    import platform
+
+    os.makedirs(args.out, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("table_only", "out", "work")}
+    record = {
+        "settings": settings,
+        "tokens_per_step": args.global_batch * args.seq_length,
+        "command": "python tools/toy_retrieval_study.py " + " ".join(argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, CPU mode (gloo)",
+        "date": datetime.date.today().isoformat(),
+    }
+    with open(os.path.join(args.out, "study.json"), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
 def _study(args) -> None:
     from megatron_s2.training.demo_corpus import ensure_demo_data
 
     os.makedirs(args.work, exist_ok=True)
     demo = ensure_demo_data(os.path.join(args.work, "demo"))
+    haystack = demo if args.eval_haystack == "demo" else _filler_corpus(args.work)
     for seed in args.seeds:
         runs = {}
         jobs = []
@@ -168,7 +233,7 @@ def _study(args) -> None:
                     log = os.path.join(
                         args.work, f"eval_{arm}_seed{seed}_{os.path.basename(ckpt)}.log"
                     )
-                    evals.append((_eval_command(args, ckpt, out, demo), log, arm, out))
+                    evals.append((_eval_command(args, ckpt, out, haystack), log, arm, out))
         t0 = time.time()
         # Two at a time: one a core.
         for i in range(0, len(evals), 2):
@@ -224,6 +289,9 @@ def _table(args) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     tokens_per_step = args.global_batch * args.seq_length
+    recorded = os.path.join(args.out, "study.json")
+    if os.path.exists(recorded):  # the study's own, whatever this command's options say
+        tokens_per_step = json.load(open(recorded))["tokens_per_step"]
     for task, length, arm, seed, step, k, n, lo, hi, tok, ll in rows:
         lines.append(
             f"| {task} | {length} | {step} ({step * tokens_per_step / 1e6:.2f}M) | {arm} | "
@@ -237,6 +305,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
     if not args.table_only:
+        _record(args, argv)
         _study(args)
     os.makedirs(args.out, exist_ok=True)
     table = _table(args)
@@ -244,8 +313,9 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "table.md")
     with open(path, "w") as f:
         f.write(table + "\n")
+    runs = "" if args.table_only else f"; runs under {args.work}"
     print(f"toy_retrieval_study: evaluator files under {args.out}/<arm>/seed<k>/iter_<step>/, "
-          f"table in {path}; runs under {args.work}")  # fmt: skip
+          f"table in {path}{runs}")  # fmt: skip
     return 0
 
 
