@@ -36,7 +36,12 @@
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
 # RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS per study: trial lengths in tokens and document count;
-# default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle), WORKERS
+# default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle),
+# RETRIEVAL_NEEDLES (unset: the writer's 4; needles in a multikey document, 2-64) and
+# RETRIEVAL_QUERIES (1; questions a multikey document asks, each followed by its answer, at most
+# RETRIEVAL_NEEDLES: more answers per training token; passkey and needle documents ask one) for
+# tools/make_retrieval_corpus.py --multikey-needles / --queries (a corpus already written is
+# kept: give another RETRIEVAL_PREFIX when changing them), WORKERS
 # (processes writing trials: nproc), BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value
 # overrides for every point of the base / extension study, space-separated, e.g.
 # BASE_OVERRIDES=train.train_iters=1000), EXTEND_STUDIES (the extension studies, names in
@@ -70,6 +75,8 @@ RETRIEVAL_PREFIX=${RETRIEVAL_PREFIX:-data/retrieval/retrieval_code}
 RETRIEVAL_WEIGHT=${RETRIEVAL_WEIGHT:-0.2}
 RETRIEVAL_SPECS=${RETRIEVAL_SPECS:-4k:256:4096:8000 16k:256:16384:2000}
 RETRIEVAL_TASKS=${RETRIEVAL_TASKS:-passkey,needle}
+RETRIEVAL_QUERIES=${RETRIEVAL_QUERIES:-1}
+RETRIEVAL_NEEDLES=${RETRIEVAL_NEEDLES:-}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
@@ -166,6 +173,7 @@ if [[ $with_retrieval == 1 ]]; then
         if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
             "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
                 --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
+                --queries "$RETRIEVAL_QUERIES" ${RETRIEVAL_NEEDLES:+--multikey-needles "$RETRIEVAL_NEEDLES"} \
                 --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
                 --workers "$WORKERS" --seed 1 || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"

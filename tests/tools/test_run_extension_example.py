@@ -33,7 +33,7 @@ SCRIPT_KNOBS = {
     "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
-    "RESULTS_DIR", "SETTINGS",
+    "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -169,6 +169,9 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path, th
     for prefix, c in retrieval.items():
         assert c["args"][c["args"].index("--tokenizer") + 1] == "data/code/tokenizer"
         assert c["args"][c["args"].index("--tasks") + 1] == "passkey,needle"
+        # One question a document and the writer's own needle count unless asked otherwise.
+        assert c["args"][c["args"].index("--queries") + 1] == "1"
+        assert "--multikey-needles" not in c["args"]
         max_tokens = c["args"][c["args"].index("--max-tokens") + 1]
         assert max_tokens == {"4k": "4096", "16k": "16384"}[prefix.rsplit("_", 1)[1]]
     assert sorted(sweeps) == ["code-125m-4k-base", "code-125m-extend-16k"]
@@ -335,6 +338,28 @@ def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_p
     assert "no study code-125m-extend-16k-remedis" in r.stdout
     assert "code-125m-extend-16k-remedies" in r.stdout  # the studies there are, listed
     assert not log.exists()  # nothing ran
+
+
+def test_example_script_passes_queries_and_needles_to_the_retrieval_writer(tmp_path):
+    """RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES reach every retrieval corpus's writer as
+    --queries and --multikey-needles (multi-question multikey documents)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.chmod(0o755)
+    calls = _run(
+        tmp_path,
+        tmp_path / "calls.jsonl",
+        RETRIEVAL_TASKS="passkey,multikey",
+        RETRIEVAL_QUERIES="8",
+        RETRIEVAL_NEEDLES="16",
+    )
+    writers = [c for c in calls if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"]
+    assert len(writers) == 2
+    for c in writers:
+        args = c["args"]
+        assert args[args.index("--tasks") + 1] == "passkey,multikey"
+        assert args[args.index("--queries") + 1] == "8"
+        assert args[args.index("--multikey-needles") + 1] == "16"
 
 
 def test_example_script_probes_attention_when_asked(tmp_path):

@@ -246,11 +246,11 @@ def test_heldout_task_is_refused_and_never_written(tmp_path, capsys):
         ),
         (
             {"tasks": ["multikey"], "multikey_needles": 1},
-            "--multikey-needles must be an integer from 2 to 16",
+            "--multikey-needles must be an integer from 2 to 64",
         ),
         (
-            {"tasks": ["multikey"], "multikey_needles": 40},
-            "--multikey-needles must be an integer from 2 to 16",
+            {"tasks": ["multikey"], "multikey_needles": 65},
+            "--multikey-needles must be an integer from 2 to 64",
         ),
         ({"seq_length": 2048, "max_tokens": 1000}, "--seq-length and --max-tokens: give one"),
         ({"seq_length": 2}, "--seq-length must be >= 3"),
@@ -279,3 +279,269 @@ def test_cli_new_options(tmp_path, capsys):
     assert main(argv + ["--depth-distribution", "far"]) == 2
     err = capsys.readouterr().err
     assert "--depth-distribution: unknown 'far'; allowed: uniform, log-uniform" in err
+
+
+# --- multi-query documents (--queries) ---------------------------------------------------------
+
+MULTIKEY_NEEDLE = r"The value of key ([a-z]{6}) is (\d{6})\.\n"
+MULTIKEY_QUESTION = r"What is the value of key ([a-z]{6})\? The value of key \1 is (\d{6})"
+
+
+def _heldout_code(tok):
+    # Held-out "code" for the tasks whose haystack is the run's corpus (needle, kv, code-value):
+    # top-level statements and indented lines, EOD-terminated like a corpus's documents.
+    docs = []
+    for d in range(6):
+        lines = [f"import mod{d}\n"]
+        for i in range(40):
+            lines.append(f"def f{d}_{i}(x):\n    return x * {i} + {d}\n\nVALUE_{i} = {i * 7 + d}\n")
+        docs.append(np.array(tok.encode("".join(lines)) + [tok.eod], dtype=np.int64))
+    return docs
+
+
+def test_evaluation_trials_are_unchanged():
+    """The multi-query documents share make_trial's code: the evaluator's trials (get_task,
+    haystack_stream, make_trial, as retrieval.evaluate_retrieval calls them) of every task, one
+    and eight needles, are byte for byte those of the code before ``--queries`` (the digest
+    was taken from commit 0d6395d)."""
+    import hashlib
+
+    from megatron_s2.training.evaluation.tasks import TASKS, get_task, haystack_stream, make_trial
+
+    tok = load_tokenizer("byte")
+    h = hashlib.sha256()
+    for name in TASKS:
+        for needles in (None, 8):
+            task = get_task(name, needles)
+            stream = haystack_stream(task, tok, _heldout_code(tok), 2 * 777 + 2)
+            for seed in (0, 5):
+                for length in (500, 777):
+                    for depth in (0.0, 0.25, 0.5, 1.0):
+                        for i in range(3):
+                            t = make_trial(task, tok, stream, length, depth, i, seed=seed)
+                            h.update(t.tokens.astype(np.int64).tobytes())
+                            fields = (t.task, t.length, t.target_depth, t.depth, t.index, t.key,
+                                      t.value, t.needle_at, t.answer_at, t.question_at,
+                                      t.distance, t.others)  # fmt: skip
+                            h.update(repr(fields).encode())
+    assert h.hexdigest() == "8d19e24c99813507b1cfaef122cf3365c8dd3268f11698ac39d7a1bd32704674"
+
+
+def test_default_queries_write_the_same_bytes(tmp_path):
+    """``queries=1`` (the default, given or not) writes the .bin/.idx of the writer before
+    ``--queries`` (digest from commit 0d6395d): one sample-long corpus of all three tasks and a
+    log-uniform range of the default tasks."""
+    import hashlib
+
+    for queries in ({}, {"queries": 1}):
+        h = hashlib.sha256()
+        for k, kw in enumerate(
+            [
+                dict(
+                    tasks=["passkey", "needle", "multikey"],
+                    num_docs=6,
+                    seq_length=700,
+                    multikey_needles=5,
+                    seed=3,
+                ),
+                dict(
+                    num_docs=5,
+                    min_tokens=200,
+                    max_tokens=900,
+                    depth_distribution="log-uniform",
+                    seed=1,
+                ),
+            ]  # fmt: skip
+        ):
+            prefix = tmp_path / f"w{k}"
+            write_retrieval_dataset(prefix, "byte", **kw, **queries)
+            for ext in (".bin", ".idx"):
+                h.update((tmp_path / f"w{k}{ext}").read_bytes())
+        assert h.hexdigest() == "5a6f78b578713bd51660a33d61fcc2dad7591172309196f9c1b831c380847388"
+
+
+def _asked(text):
+    """The questions after a multikey document's haystack: ``[(key, answer), ...]`` in order,
+    from the first question on (it follows a newline, as the evaluation's single question)."""
+    first = text.index("What is the value of key")
+    tail = text[first:]
+    parts = tail.split("\n")
+    asked = [re.fullmatch(MULTIKEY_QUESTION, q) for q in parts]
+    assert all(asked), parts
+    return text[:first], [m.groups() for m in asked]
+
+
+def test_multi_query_documents_ask_distinct_needles_and_answer_each(tmp_path):
+    """``--queries 8`` with 16 needles: every multikey document holds 16 distinct needles and
+    then 8 distinct ones asked in turn, each question right after a newline and followed at once
+    by that key's value; passkey documents in the same corpus keep one question; every
+    document is one training sample."""
+    tok = load_tokenizer("byte")
+    prefix = str(tmp_path / "q")
+    stats = write_retrieval_dataset(prefix, "byte", tasks=["passkey", "multikey"], num_docs=12,
+                                    seq_length=2048, multikey_needles=16, queries=8)  # fmt: skip
+    docs = _docs(prefix)
+    assert [d.size for d in docs] == [2048] * 12 and stats["tokens"] == 12 * 2048
+    in_haystack_order = []
+    for i, doc in enumerate(docs):
+        assert doc[-1] == tok.eod and tok.eod not in doc[:-1]
+        text = tok.decode(doc[:-1].tolist())
+        if i % 2 == 0:
+            needle, question = PATTERNS["passkey"]
+            assert len(re.findall(needle, text)) == 1 and re.search(question, text)
+            assert text.count("What is the pass key?") == 1
+            continue
+        haystack, asked = _asked(text)
+        assert haystack.endswith("\n")
+        needles = dict(re.findall(MULTIKEY_NEEDLE, haystack))
+        assert len(needles) == 16 and len(set(needles.values())) == 16
+        assert len(asked) == 8 and len({k for k, _ in asked}) == 8
+        assert all(needles[k] == v for k, v in asked)
+        # Asked in an order of their own, not the needles' order in the haystack (8 questions
+        # in haystack order by chance: 1 in 40,320).
+        positions = [haystack.index(k) for k, _ in asked]
+        in_haystack_order.append(positions == sorted(positions))
+    assert len(in_haystack_order) == 6 and not any(in_haystack_order)
+
+
+def test_multi_query_trial_positions():
+    """make_multi_query_trial: each question's tokens, its answer's span and its needle are at
+    the offsets the trial reports; the answer is the asked needle's value; a boundary token
+    precedes every question; the trial is ``length + 1`` tokens as make_trial's."""
+    from megatron_s2.training.evaluation.retrieval_corpus import training_task
+    from megatron_s2.training.evaluation.tasks import haystack_stream, make_multi_query_trial
+
+    tok = load_tokenizer("byte")
+    rng = np.random.default_rng(7)
+    task = training_task("multikey", 12)
+    stream = haystack_stream(task, tok, [], 3000)
+    for index in range(6):
+        depths = tuple(float(d) for d in rng.random(5))
+        t = make_multi_query_trial(task, tok, stream, 1500, depths, index, seed="t")
+        assert t.tokens.size == 1501
+        assert len(t.questions) == 5 and len(t.others) == 7
+        assert sorted(q.target_depth for q in t.questions) == sorted(depths)
+        prev_end = None
+        for q in t.questions:
+            asked = tok.decode(t.tokens[q.question_at : q.answer_at].tolist())
+            assert asked == f"What is the value of key {q.key}? The value of key {q.key} is"
+            assert tok.decode(t.tokens[q.answer_at : q.answer_end].tolist()) == f" {q.value}"
+            needle = tok.decode(t.tokens[q.needle_at :].tolist())
+            assert needle.startswith(f"The value of key {q.key} is {q.value}.\n")
+            assert tok.decode(t.tokens[q.question_at - 1 : q.question_at].tolist()) == "\n"
+            assert q.distance == q.question_at - q.needle_at - len(needle.split("\n")[0]) - 1
+            assert abs(q.depth - q.target_depth) < 0.1  # snapped to a line end of the filler
+            if prev_end is not None:
+                assert q.question_at == prev_end + 1  # one newline between answer and question
+            prev_end = q.answer_end
+        assert prev_end == t.tokens.size  # the last answer ends the trial
+        for key, value, at in t.others:
+            assert tok.decode(t.tokens[at:].tolist()).startswith(
+                f"The value of key {key} is {value}."
+            )
+
+
+def test_multi_query_distances_cover_the_document(tmp_path):
+    """Every asked needle's depth is drawn uniformly, as the single question's: over 40
+    documents x 8 questions, the asked needles lie all over the haystack (a KS test against
+    uniform) and their distances to their questions reach from near to nearly the whole
+    document."""
+    tok = load_tokenizer("byte")
+    prefix = str(tmp_path / "d")
+    write_retrieval_dataset(prefix, "byte", tasks=["multikey"], num_docs=40, seq_length=2048,
+                            multikey_needles=16, queries=8, seed=4)  # fmt: skip
+    depths, distances = [], []
+    for doc in _docs(prefix):
+        text = tok.decode(doc[:-1].tolist())
+        haystack, asked = _asked(text)
+        for k, v in asked:
+            at = haystack.index(f"The value of key {k} is {v}.\n")
+            depths.append(at / len(haystack))
+            end = at + len(f"The value of key {k} is {v}.\n")
+            distances.append(text.index(f"What is the value of key {k}?") - end)
+    depths, distances = np.array(depths), np.array(distances)
+    assert depths.size == 320
+    from scipy import stats
+
+    # The needles take part of the haystack string: depths are within a needle or two of the
+    # drawn fraction, so the test is loose; a skewed draw (e.g. all asked needles near the
+    # question) fails it by far.
+    assert stats.kstest(depths, "uniform").pvalue > 0.001
+    assert np.mean(depths < 0.5) > 0.35 and np.mean(depths > 0.5) > 0.35
+    assert distances.max() > 0.8 * 2048 and distances.min() < 0.2 * 2048
+
+
+def test_multi_query_workers_write_the_same_documents(tmp_path):
+    kw = dict(tasks=["multikey", "passkey"], num_docs=8, min_tokens=1200, max_tokens=1800,
+              multikey_needles=10, queries=6, seed=9)  # fmt: skip
+    one = write_retrieval_dataset(tmp_path / "one", "byte", **kw)
+    two = write_retrieval_dataset(tmp_path / "two", "byte", workers=2, **kw)
+    assert one == two
+    d1, d2 = _docs(str(tmp_path / "one")), _docs(str(tmp_path / "two"))
+    assert len(d1) == 8 and all(np.array_equal(x, y) for x, y in zip(d1, d2))
+    # And they are multi-query documents, unlike the one-question corpus of the same seed.
+    tok = load_tokenizer("byte")
+    assert tok.decode(d1[0][:-1].tolist()).count("What is the value of key") == 6
+    write_retrieval_dataset(tmp_path / "single", "byte", **{**kw, "queries": 1})
+    single = _docs(str(tmp_path / "single"))
+    assert tok.decode(single[0][:-1].tolist()).count("What is the value of key") == 1
+    assert [d.size for d in single] == [d.size for d in d1]  # same lengths, drawn first
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tasks": ["multikey"], "queries": 0}, "--queries must be an integer >= 1"),
+        ({"tasks": ["multikey"], "queries": 2.5}, "--queries must be an integer >= 1"),
+        (
+            {"tasks": ["multikey"], "queries": 5},
+            "--queries 5 is more than task multikey's 4 needles (--multikey-needles)",
+        ),
+        (
+            {"tasks": ["multikey"], "multikey_needles": 6, "queries": 7},
+            "--queries 7 is more than task multikey's 6 needles",
+        ),
+        (
+            {"tasks": ["passkey", "needle"], "queries": 2},
+            "--queries 2: only multi-needle tasks ask several questions (multikey); "
+            "--tasks passkey,needle has none",
+        ),
+        (
+            {"tasks": ["multikey"], "multikey_needles": 16, "queries": 8, "max_tokens": 1022},
+            "--min-tokens: 1022 tokens leave no room for a haystack around task multikey's 16 "
+            "needles and 8 questions with their answers",
+        ),
+    ],
+)
+def test_queries_refuse_bad_values(tmp_path, kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_multi_query_trial_refuses_bad_values():
+    from megatron_s2.training.evaluation.tasks import TASKS, get_task, make_multi_query_trial
+
+    tok = load_tokenizer("byte")
+    stream = np.arange(97, 123, dtype=np.int64)
+    with pytest.raises(ConfigError, match="--queries: task passkey has one needle"):
+        make_multi_query_trial(TASKS["passkey"], tok, stream, 500, (0.1, 0.2), 0)
+    with pytest.raises(ConfigError, match="--queries must be from 1 to the needle count 4"):
+        make_multi_query_trial(TASKS["multikey"], tok, stream, 500, (0.1,) * 5, 0)
+    # The evaluation's needle range is unchanged (the training writer's is wider).
+    with pytest.raises(ConfigError, match="--multikey-needles must be an integer from 2 to 16"):
+        get_task("multikey", 40)
+
+
+def test_cli_queries(tmp_path, capsys):
+    import json
+
+    prefix = str(tmp_path / "c")
+    argv = ["--tokenizer", "byte", "--output-prefix", prefix, "--num-docs", "2",
+            "--tasks", "multikey", "--seq-length", "2048", "--multikey-needles", "32"]  # fmt: skip
+    assert main(argv + ["--queries", "8"]) == 0
+    text = load_tokenizer("byte").decode(_docs(prefix)[0][:-1].tolist())
+    assert text.count("What is the value of key") == 8
+    assert json.load(open(prefix + ".meta.json"))["queries"] == 8
+    assert main(argv + ["--queries", "33"]) == 2
+    assert "--queries 33 is more than task multikey's 32 needles" in capsys.readouterr().err

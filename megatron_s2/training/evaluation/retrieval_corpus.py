@@ -23,6 +23,14 @@ one training sequence long (``--seq-length``, or ``--max-tokens`` with ``--min-t
 it) and the distance between the fact and the question is drawn uniformly over the document
 (``--depth-distribution``), so the distances cover the whole training context.
 
+How many answers a document teaches. A trial supervises one answer (5-7 tokens) per up to a
+training sequence of haystack, and the 4k probe of issue 50 (85M tokens, 60% such documents)
+never formed the lookup. ``--queries Q`` makes each ``multikey`` document ask Q of its
+``--multikey-needles`` N needles one after another, each question followed by its answer
+(:func:`~.tasks.make_multi_query_trial`): Q answers in the same document length, the asked
+needles' depths drawn like the single question's. Training only: the evaluation still asks one
+question a trial.
+
 Command line: ``tools/make_retrieval_corpus.py``.
 """
 
@@ -42,10 +50,18 @@ from typing import Optional
 import numpy as np
 
 from ..run_config import ConfigError
-from .tasks import HELDOUT_TASKS, TASKS, check_multikey_needles, haystack_stream, make_trial
+from .tasks import (
+    HELDOUT_TASKS,
+    TASKS,
+    check_multikey_needles,
+    haystack_stream,
+    make_multi_query_trial,
+    make_trial,
+)
 
 __all__ = [
     "TRAINING_TASKS",
+    "TRAINING_MULTIKEY_RANGE",
     "DEPTH_DISTRIBUTIONS",
     "training_task",
     "write_retrieval_dataset",
@@ -60,12 +76,17 @@ TRAINING_TASKS = {
 }
 # How the distance between the fact and the question is drawn (_depth).
 DEPTH_DISTRIBUTIONS = ("uniform", "log-uniform")
+# Needles a multikey training document may hold: more than the evaluation's MULTIKEY_RANGE, so
+# that a 4k document can ask dozens of questions (--queries <= needles); the writer's length
+# check refuses a count that leaves no haystack.
+TRAINING_MULTIKEY_RANGE = (2, 64)
 
 
 def training_task(name: str, multikey_needles: Optional[int] = None):
     """The :class:`~.tasks.Task` whose documents this corpus writes for ``name`` (a multi-needle
-    task with ``multikey_needles`` needles). Raises :class:`ConfigError` naming ``--tasks`` for a
-    held-out or unknown task."""
+    task with ``multikey_needles`` needles, in :data:`TRAINING_MULTIKEY_RANGE`). Raises
+    :class:`ConfigError` naming ``--tasks`` for a held-out or unknown task and
+    ``--multikey-needles`` for a count out of range."""
     if name in HELDOUT_TASKS:
         raise ConfigError(
             f"--tasks: {name!r} is a held-out evaluation task, never written into training "
@@ -77,7 +98,7 @@ def training_task(name: str, multikey_needles: Optional[int] = None):
     # A held-out task smuggled in under another name would defeat the point of holding it out.
     assert not task.held_out, name
     if task.needles > 1 and multikey_needles is not None:
-        check_multikey_needles(multikey_needles)
+        check_multikey_needles(multikey_needles, TRAINING_MULTIKEY_RANGE)
         task = replace(task, needles=int(multikey_needles))
     return task
 
@@ -120,6 +141,7 @@ def write_retrieval_dataset(
     seq_length: Optional[int] = None,
     depth_distribution: str = "uniform",
     multikey_needles: Optional[int] = None,
+    queries: int = 1,
     seed: int = 0,
     workers: int = 1,
 ) -> dict:
@@ -135,11 +157,18 @@ def write_retrieval_dataset(
     log-uniformly from ``[min_tokens, max_tokens]`` when ``min_tokens`` is given below it. The
     fact-question distance is drawn by ``depth_distribution`` over the whole trial
     (:func:`_depth`). ``multikey_needles``: needles per ``multikey`` document (default
-    :data:`~.tasks.MULTIKEY_NEEDLES`). Returns ``{"documents", "tokens"}`` (EOD included).
-    ``workers`` > 1 makes the trials in that many processes (the documents are the same for any
-    count). Raises :class:`ConfigError` naming the option, before writing anything, for an
-    empty, unknown or held-out task, fewer than one document or worker, a length range the tasks
-    do not fit in, an unknown depth distribution or needle count.
+    :data:`~.tasks.MULTIKEY_NEEDLES`, up to :data:`TRAINING_MULTIKEY_RANGE`). ``queries`` (Q):
+    questions per document of a multi-needle task (``multikey``): Q distinct needles asked one
+    after another after the haystack, each question followed by its answer
+    (:func:`~.tasks.make_multi_query_trial`), every asked needle's distance drawn by
+    ``depth_distribution``; the document keeps its length (the haystack gives up the room).
+    Single-needle tasks in the list keep one question. Q = 1 (the default) writes the documents
+    this writer always wrote, byte for byte. Returns ``{"documents", "tokens"}`` (EOD
+    included). ``workers`` > 1 makes the trials in that many processes (the documents are the
+    same for any count). Raises :class:`ConfigError` naming the option, before writing
+    anything, for an empty, unknown or held-out task, fewer than one document or worker, a
+    length range the tasks do not fit in, an unknown depth distribution or needle count, and
+    ``--queries`` below 1, above the needle count, or above 1 with no multi-needle task.
     """
     if not tasks:
         raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
@@ -148,6 +177,7 @@ def write_retrieval_dataset(
         raise ConfigError(f"--num-docs must be >= 1, got {num_docs}")
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    _check_queries(queries, chosen)
     if depth_distribution not in DEPTH_DISTRIBUTIONS:
         raise ConfigError(
             f"--depth-distribution: unknown {depth_distribution!r}; allowed: "
@@ -175,21 +205,30 @@ def write_retrieval_dataset(
     _init_worker(*init)
     tok, streams = _WORKER["tok"], _WORKER["streams"]
     for task in chosen:
-        # The shortest trial must hold the needle, question and answer: say so before writing.
+        # The shortest trial must hold the needles, questions and answers: say so before writing.
+        asks = _asks(task, queries)
         try:
-            make_trial(task, tok, streams[task.name], min_tokens, 0.5, 0, seed="check")
+            _trial(task, tok, streams[task.name], min_tokens, (0.5,) * asks, 0, "check")
         except ConfigError:
+            what = (
+                f"{task.needles} needles and {asks} questions with their answers"
+                if asks > 1
+                else "needle, question and answer"
+            )
+            fix = " or fewer --queries / --multikey-needles" if asks > 1 else ""
             raise ConfigError(
                 f"--min-tokens: {min_tokens} tokens leave no room for a haystack around task "
-                f"{task.name}'s needle, question and answer; use a larger --min-tokens"
+                f"{task.name}'s {what}; use a larger --min-tokens (or --seq-length){fix}"
             ) from None
     rng = random.Random(f"retrieval-train-{seed}")
     lengths = _lengths(rng, num_docs, min_tokens, max_tokens)
-    # Drawn here, in document order, so that the documents do not depend on ``workers``.
-    jobs = [
-        (i, length, _depth(rng.random(), length, depth_distribution))
-        for i, length in enumerate(lengths)
-    ]
+    # Drawn here, in document order, so that the documents do not depend on ``workers``: one
+    # depth per question (one per document for Q = 1: the draws this writer always made).
+    jobs = []
+    for i, length in enumerate(lengths):
+        asks = _asks(chosen[i % len(chosen)], queries)
+        depths = tuple(_depth(rng.random(), length, depth_distribution) for _ in range(asks))
+        jobs.append((i, length, depths))
     tokens = 0
     with contextlib.ExitStack() as stack:
         writer = stack.enter_context(
@@ -212,6 +251,7 @@ def write_retrieval_dataset(
             "max_tokens": max_tokens,
             "depth_distribution": depth_distribution,
             "multikey_needles": max(t.needles for t in chosen),
+            "queries": queries,
             "tokenizer": str(tokenizer),
             **stats,
         }
@@ -234,15 +274,55 @@ def _init_worker(
     _WORKER.update(tok=tok, tasks=chosen, streams=streams, seed=seed)
 
 
-def _document(job: tuple[int, int, float]) -> np.ndarray:
-    """Document ``i``: its trial at ``length`` tokens and needle ``depth``, then EOD."""
-    i, length, depth = job
+def _check_queries(queries, chosen) -> None:
+    """Raise :class:`ConfigError` naming ``--queries`` unless it is an integer >= 1, and, above
+    1, at most the needle count of every multi-needle task of ``chosen`` with at least one such
+    task among them."""
+    if isinstance(queries, bool) or not isinstance(queries, int) or queries < 1:
+        raise ConfigError(
+            f"--queries must be an integer >= 1 (questions a document), got {queries!r}"
+        )
+    if queries == 1:
+        return
+    multi = [t for t in chosen if t.needles > 1]
+    if not multi:
+        accept = ", ".join(n for n, t in TRAINING_TASKS.items() if t.needles > 1)
+        raise ConfigError(
+            f"--queries {queries}: only multi-needle tasks ask several questions ({accept}); "
+            f"--tasks {','.join(t.name for t in chosen)} has none"
+        )
+    for t in multi:
+        if queries > t.needles:
+            raise ConfigError(
+                f"--queries {queries} is more than task {t.name}'s {t.needles} needles "
+                f"(--multikey-needles): each question asks a different needle"
+            )
+
+
+def _asks(task, queries: int) -> int:
+    # Questions in one document of ``task``: single-needle tasks ask one whatever --queries says.
+    return queries if task.needles > 1 else 1
+
+
+def _trial(task, tok, stream, length: int, depths: tuple, index: int, seed: str) -> np.ndarray:
+    """The tokens of one document's trial (no EOD): :func:`~.tasks.make_trial` for one
+    question, exactly as before ``--queries``; :func:`~.tasks.make_multi_query_trial` for
+    more."""
+    if len(depths) == 1:
+        return make_trial(task, tok, stream, length, depths[0], index, seed=seed).tokens
+    return make_multi_query_trial(task, tok, stream, length, depths, index, seed=seed).tokens
+
+
+def _document(job: tuple[int, int, tuple]) -> np.ndarray:
+    """Document ``i``: its trial at ``length`` tokens and needle ``depths`` (one per
+    question), then EOD."""
+    i, length, depths = job
     w = _WORKER
     task = w["tasks"][i % len(w["tasks"])]
-    trial = make_trial(
-        task, w["tok"], w["streams"][task.name], length, depth, i, seed=f"train-{w['seed']}"
+    tokens = _trial(
+        task, w["tok"], w["streams"][task.name], length, depths, i, f"train-{w['seed']}"
     )
-    return np.append(trial.tokens, w["tok"].eod).astype(np.int64)
+    return np.append(tokens, w["tok"].eod).astype(np.int64)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -281,7 +361,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--multikey-needles",
         type=int,
-        help="needles in a multikey document (default 4, from 2 to 16)",
+        help="needles in a multikey document (default 4, from {} to {})".format(
+            *TRAINING_MULTIKEY_RANGE
+        ),
+    )
+    p.add_argument(
+        "--queries",
+        type=int,
+        default=1,
+        help="questions in a multikey document, each followed by its answer (default 1; at most "
+        "--multikey-needles): more answers per training token; passkey and needle ask one",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -299,6 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seq_length=args.seq_length,
             depth_distribution=args.depth_distribution,
             multikey_needles=args.multikey_needles,
+            queries=args.queries,
             seed=args.seed,
             workers=args.workers,
         )

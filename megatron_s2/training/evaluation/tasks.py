@@ -12,7 +12,9 @@ and ``code-value`` (a constant defined once as a Python statement in held-out co
 at the end: held out, never written into training documents, :data:`HELDOUT_TASKS`).
 
 Nothing here runs a model: the retrieval training corpus (:mod:`.retrieval_corpus`) writes
-its documents with the same functions.
+its documents with the same functions, and its multi-question documents with
+:func:`make_multi_query_trial` (several needles asked one after another: more answers per
+training token; training only, the evaluation asks one question a trial).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ __all__ = [
     "heldout_documents",
     "haystack_stream",
     "make_trial",
+    "Question",
+    "MultiQueryTrial",
+    "make_multi_query_trial",
     "check_grid",
 ]
 
@@ -223,10 +228,10 @@ def get_task(name: str, multikey_needles: Optional[int] = None) -> Task:
     return replace(task, needles=int(multikey_needles))
 
 
-def check_multikey_needles(n) -> None:
+def check_multikey_needles(n, allowed: tuple[int, int] = MULTIKEY_RANGE) -> None:
     """Raise :class:`ConfigError` naming ``--multikey-needles`` unless ``n`` is an integer in
-    :data:`MULTIKEY_RANGE`."""
-    lo, hi = MULTIKEY_RANGE
+    ``allowed`` (both ends included; the evaluation's :data:`MULTIKEY_RANGE` by default)."""
+    lo, hi = allowed
     if isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= hi:
         raise ConfigError(
             f"--multikey-needles must be an integer from {lo} to {hi} (needles in one haystack), "
@@ -346,10 +351,150 @@ def make_trial(
     ``--lengths`` when the length leaves no room for a haystack.
     """
     rng = random.Random(f"{seed}-{task.name}-{length}-{depth!r}-{index}")
+    b = _build(task, tokenizer, stream, length, [depth], rng)
+    return Trial(
+        task=task.name,
+        length=length,
+        target_depth=depth,
+        depth=b.at[0] / b.room,
+        index=index,
+        key=b.keys[0],
+        value=b.values[0],
+        tokens=b.tokens,
+        needle_at=b.offsets[0],
+        answer_at=b.answer_at[0],
+        question_at=b.question_at[0],
+        distance=b.question_at[0] - b.offsets[0] - b.needle_sizes[0],
+        others=tuple((b.keys[j], b.values[j], b.offsets[j]) for j in range(1, task.needles)),
+    )
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question of a :class:`MultiQueryTrial`: the asked needle's ``key`` and ``value``,
+    its ``target_depth`` and realised ``depth`` (haystack fractions, as in :class:`Trial`), the
+    needle at token ``needle_at``, the question at ``question_at``, its answer in
+    ``tokens[answer_at:answer_end]``; ``distance``: tokens between the needle's end and the
+    question."""
+
+    key: str
+    value: str
+    target_depth: float
+    depth: float
+    needle_at: int
+    question_at: int
+    answer_at: int
+    answer_end: int
+    distance: int
+
+
+@dataclass(frozen=True)
+class MultiQueryTrial:
+    """A training document of several questions (:func:`make_multi_query_trial`): ``tokens``
+    (``[length + 1]``, as a :class:`Trial`'s), the ``questions`` in the order they are asked,
+    and the needles never asked, ``(key, value, token offset)`` each, in ``others``."""
+
+    task: str
+    length: int
+    index: int
+    tokens: np.ndarray
+    questions: tuple
+    others: tuple = ()
+
+
+def make_multi_query_trial(
+    task: Task,
+    tokenizer,
+    stream: np.ndarray,
+    length: int,
+    depths: Sequence[float],
+    index: int,
+    *,
+    seed: str = "train",
+) -> MultiQueryTrial:
+    """A training document that asks ``len(depths)`` (Q) of a multi-needle task's
+    ``task.needles`` (N) needles, ``length + 1`` tokens like :func:`make_trial`'s trial.
+
+    The haystack and the N needles are placed as :func:`make_trial` places them: needle ``j`` <
+    Q at ``depths[j]`` (the asked ones), the other N - Q at uniform depths. After the haystack
+    the Q questions follow in an order drawn from the seed, each followed at once by its answer
+    and each but the last by ``task.boundary`` (for ``multikey`` a newline), so that every
+    question starts as the evaluation's single question does: after a boundary. The haystack
+    is shorter by the extra questions and answers, so the document has exactly
+    :func:`make_trial`'s length. Training only: the evaluation asks one question
+    (:func:`make_trial`), and nothing here changes its trials. Deterministic in ``seed``
+    (the writer passes a training seed string). Raises :class:`ConfigError` naming
+    ``--queries`` for Q < 1 or Q > N, or a task of one needle, and ``--lengths`` when the
+    length leaves no room for a haystack.
+    """
+    queries = len(depths)
+    if task.needles < 2:
+        raise ConfigError(
+            f"--queries: task {task.name} has one needle; several questions need a multi-needle "
+            f"task (multikey)"
+        )
+    if not 1 <= queries <= task.needles:
+        raise ConfigError(
+            f"--queries must be from 1 to the needle count {task.needles} (each question asks "
+            f"a different needle), got {queries}"
+        )
+    rng = random.Random(f"{seed}-{task.name}-q{queries}-{length}-{tuple(depths)!r}-{index}")
+    b = _build(task, tokenizer, stream, length, list(depths), rng)
+    questions = tuple(
+        Question(
+            key=b.keys[j],
+            value=b.values[j],
+            target_depth=depths[j],
+            depth=b.at[j] / b.room,
+            needle_at=b.offsets[j],
+            question_at=b.question_at[j],
+            answer_at=b.answer_at[j],
+            answer_end=b.answer_end[j],
+            distance=b.question_at[j] - b.offsets[j] - b.needle_sizes[j],
+        )
+        for j in b.order
+    )
+    others = tuple((b.keys[j], b.values[j], b.offsets[j]) for j in range(queries, task.needles))
+    return MultiQueryTrial(
+        task=task.name,
+        length=length,
+        index=index,
+        tokens=b.tokens,
+        questions=questions,
+        others=others,
+    )
+
+
+@dataclass(frozen=True)
+class _Built:
+    # What _build placed; per needle j (0..N-1): keys, values, at (haystack insertion point),
+    # offsets, needle_sizes; per asked needle j (0..Q-1): question_at, answer_at, answer_end;
+    # order: the asked needles in the order their questions come.
+    tokens: np.ndarray
+    room: int
+    keys: list
+    values: list
+    at: list
+    offsets: list
+    needle_sizes: list
+    order: list
+    question_at: list
+    answer_at: list
+    answer_end: list
+
+
+def _build(task: Task, tokenizer, stream, length: int, depths: list, rng) -> _Built:
+    """The tokens of a trial that asks needles ``0 .. len(depths) - 1`` (at ``depths``) of
+    ``task``, from ``rng`` (:func:`make_trial` and :func:`make_multi_query_trial`). One asked
+    needle draws exactly what :func:`make_trial` always drew: the same trials as before the
+    multi-query documents."""
+    queries = len(depths)
     value = _digits(rng, task)
     start = rng.randrange(max(1, stream.size - length))
     keys: list[str] = []
     values = [value]
+    # Between an answer and the next question: a boundary, which the single question follows.
+    separator = np.asarray(tokenizer.encode(task.boundary), dtype=np.int64)
     for _ in range(KEY_ATTEMPTS):
         # One needle draws exactly what the single-needle tasks always drew: same prompts.
         keys = ["".join(rng.choice(task.key_alphabet) for _ in range(task.key_letters))]
@@ -361,14 +506,19 @@ def make_trial(
             v = _digits(rng, task)
             if v not in values:
                 values.append(v)
-        fill = {"key": keys[0], "value": value}
         needles = [
             np.asarray(tokenizer.encode(task.needle.format(key=k, value=v)), dtype=np.int64)
             for k, v in zip(keys, values)
         ]
-        question = np.asarray(tokenizer.encode(task.question.format(**fill)), dtype=np.int64)
-        answer = np.asarray(tokenizer.encode(task.answer.format(**fill)), dtype=np.int64)
-        room = length + 1 - sum(n.size for n in needles) - question.size - answer.size
+        fills = [{"key": keys[j], "value": values[j]} for j in range(queries)]
+        questions = [
+            np.asarray(tokenizer.encode(task.question.format(**f)), dtype=np.int64) for f in fills
+        ]
+        answers = [
+            np.asarray(tokenizer.encode(task.answer.format(**f)), dtype=np.int64) for f in fills
+        ]
+        asked = sum(q.size + a.size for q, a in zip(questions, answers))
+        room = length + 1 - sum(n.size for n in needles) - asked - (queries - 1) * separator.size
         if room < 1:
             raise ConfigError(
                 f"--lengths: {length} tokens leave no room for a haystack around task "
@@ -391,38 +541,48 @@ def make_trial(
     else:
         raise ConfigError(f"task {task.name}: no key absent from the haystack was found")
     ok = _boundaries(tokenizer, haystack, task)
-    at = [_snap(ok, int(round(depth * room)), task.top_level)]
-    for _ in range(1, task.needles):
+    at = [_snap(ok, int(round(d * room)), task.top_level) for d in depths]
+    for _ in range(queries, task.needles):
         for _ in range(DEPTH_ATTEMPTS):
             other = _snap(ok, int(round(rng.random() * room)), task.top_level)
             if other not in at:
                 break
         at.append(other)
+    # The questions in an order of their own (one question: no draw, as before).
+    order = list(range(queries))
+    if queries > 1:
+        rng.shuffle(order)
     # Needles in haystack order; at one point in the order drawn (the asked one first).
-    order = sorted(range(task.needles), key=lambda j: (at[j], j))
     parts, offsets, prev = [], [0] * task.needles, 0
-    for j in order:
+    for j in sorted(range(task.needles), key=lambda j: (at[j], j)):
         parts.append(haystack[prev : at[j]])
         offsets[j] = sum(p.size for p in parts)
         parts.append(needles[j])
         prev = at[j]
-    parts += [haystack[prev:], question, answer]
+    parts.append(haystack[prev:])
+    question_at, answer_at, answer_end = [0] * queries, [0] * queries, [0] * queries
+    size = sum(p.size for p in parts)
+    for n, j in enumerate(order):
+        if n:
+            parts.append(separator)
+            size += separator.size
+        question_at[j] = size
+        answer_at[j] = size + questions[j].size
+        answer_end[j] = size = answer_at[j] + answers[j].size
+        parts += [questions[j], answers[j]]
     tokens = np.concatenate(parts)
-    question_at = tokens.size - answer.size - question.size
-    return Trial(
-        task=task.name,
-        length=length,
-        target_depth=depth,
-        depth=at[0] / room,
-        index=index,
-        key=keys[0],
-        value=value,
+    return _Built(
         tokens=tokens,
-        needle_at=offsets[0],
-        answer_at=tokens.size - answer.size,
+        room=room,
+        keys=keys,
+        values=values,
+        at=at,
+        offsets=offsets,
+        needle_sizes=[n.size for n in needles],
+        order=order,
         question_at=question_at,
-        distance=question_at - offsets[0] - needles[0].size,
-        others=tuple((keys[j], values[j], offsets[j]) for j in range(1, task.needles)),
+        answer_at=answer_at,
+        answer_end=answer_end,
     )
 
 
