@@ -272,13 +272,15 @@ def _table(args) -> str:
         for task in TASKS:
             if task not in data["tasks"]:
                 continue
-            recs = data["tasks"][task]["trials"]
-            for length in data["lengths"]:
-                cell = [r for r in recs if r["length"] == length]
-                k, n = sum(r["exact"] for r in cell), len(cell)
+            # From the evaluator's per-length counts and per-cell means (the committed copies
+            # leave the per-trial records out): a cell's means weighted by its trials.
+            result = data["tasks"][task]
+            for b in result["by_length"]:
+                length, k, n = b["length"], b["correct"], b["trials"]
+                cells = [c for c in result["cells"] if c["length"] == length]
                 lo, hi = wilson_interval(k, n)
-                tok = sum(r["token_accuracy"] for r in cell) / n
-                ll = sum(r["log_likelihood"] for r in cell) / n
+                tok = sum(c["token_accuracy"] * c["trials"] for c in cells) / n
+                ll = sum(c["log_likelihood"] * c["trials"] for c in cells) / n
                 rows.append((task, length, arm, os.path.basename(seed_dir), step, k, n, lo, hi,
                              tok, ll))  # fmt: skip
     order = {a: i for i, a in enumerate(_arms(args))}

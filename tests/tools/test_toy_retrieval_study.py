@@ -36,16 +36,34 @@ def test_table_from_random_evaluations(tmp_path):
             for step in (150, 300):
                 tasks = {}
                 for task in ("passkey", "multikey"):
-                    records = []
+                    cells, by_length = [], []
                     for length in (512, 1024):
                         recs = [
-                            {"length": length, "exact": rng.random() < 0.4,
-                             "token_accuracy": rng.random(), "log_likelihood": -rng.uniform(1, 12)}
+                            {"length": length, "depth": rng.choice((0.0, 0.5, 1.0)),
+                             "exact": rng.random() < 0.4, "token_accuracy": rng.random(),
+                             "log_likelihood": -rng.uniform(1, 12)}
                             for _ in range(rng.randrange(5, 30))
                         ]  # fmt: skip
-                        records += recs
                         expected[(task, length, step, arm, seed)] = recs
-                    tasks[task] = {"trials": records}
+                        # What the evaluator writes: per-depth cells with their means, and
+                        # per-length counts (the committed copies drop the trial records).
+                        for depth in sorted({r["depth"] for r in recs}):
+                            cell = [r for r in recs if r["depth"] == depth]
+                            cells.append(
+                                {
+                                    "length": length,
+                                    "depth": depth,
+                                    "trials": len(cell),
+                                    "correct": sum(r["exact"] for r in cell),
+                                    "token_accuracy": sum(r["token_accuracy"] for r in cell)
+                                    / len(cell),
+                                    "log_likelihood": sum(r["log_likelihood"] for r in cell)
+                                    / len(cell),
+                                }
+                            )
+                        k = sum(r["exact"] for r in recs)
+                        by_length.append({"length": length, "correct": k, "trials": len(recs)})
+                    tasks[task] = {"cells": cells, "by_length": by_length}
                 d = tmp_path / arm / f"seed{seed}" / f"iter_{step:07d}"
                 d.mkdir(parents=True)
                 (d / "retrieval.json").write_text(
