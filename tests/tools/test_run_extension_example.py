@@ -344,7 +344,7 @@ def test_example_script_passes_queries_and_needles_to_the_retrieval_writer(tmp_p
     """RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES reach every retrieval corpus's writer as
     --queries and --multikey-needles (multi-question multikey documents)."""
     fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, points=POINTS))
+    fake.write_text(FAKE.format(python=sys.executable, repo=str(REPO), points=POINTS))
     fake.chmod(0o755)
     calls = _run(
         tmp_path,
