@@ -377,8 +377,9 @@ def _worker(step: str, work: str) -> list[str]:
     ]
 
 
-def run_check(args) -> dict:
-    """Run every step (module docstring); returns the report (also written to ``args.out``)."""
+def run_check(args, start: Optional[float] = None) -> dict:
+    """Run every step (module docstring); returns the report (also written to ``args.out``).
+    ``start``: the ``time.monotonic()`` that ``--time-limit`` counts from (default now)."""
     settings = _settings(args)
     work = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="hf_roundtrip_"))
     os.makedirs(work, exist_ok=True)
@@ -387,7 +388,7 @@ def run_check(args) -> dict:
         raise ValueError(f"--work-dir {work} already holds {', '.join(leftovers)}: give a new one")
     with open(os.path.join(work, "settings.json"), "w") as f:
         json.dump(settings, f, indent=2)
-    check = Check(os.path.abspath(args.out), work, settings, args.time_limit, PROCESS_START)
+    check = Check(os.path.abspath(args.out), work, settings, args.time_limit, start)
     s = settings
     py = sys.executable
     hf, imported, run, exported = (
@@ -747,8 +748,10 @@ def _run_worker(step: str, work: str) -> None:
         json.dump(result, f, indent=2)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Exit code 0 on PASS, 1 on FAIL, 2 for bad options (nothing run)."""
+def main(argv: Optional[list[str]] = None, start: Optional[float] = None) -> int:
+    """Exit code 0 on PASS, 1 on FAIL, 2 for bad options (nothing run). ``--time-limit`` counts
+    from ``start`` (a ``time.monotonic()``): the process's start on the command line, else the
+    call (a caller that imported this module long before, as a test does, keeps its budget)."""
     parser = _parser()
     parser.add_argument("work", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -756,7 +759,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _run_worker(args.worker, args.work)
         return 0
     try:
-        report = run_check(args)
+        report = run_check(args, start)
     except ValueError as e:
         print(f"[hf-check] error: {e}", file=sys.stderr)
         return 2
@@ -770,4 +773,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(start=PROCESS_START))

@@ -110,6 +110,26 @@ def test_bad_options_are_refused_before_anything_runs(tmp_path, capsys, option, 
     assert not out.exists()
 
 
+def test_the_time_limit_counts_from_the_call_not_the_import(tmp_path, monkeypatch):
+    # A caller that imported the tool long before (this file, in a long pytest session) must
+    # still get its whole --time-limit: counted from the process start, the tiny round trip
+    # failed its first step with "no time left" in the full suite.
+    import time
+
+    monkeypatch.setattr(tool, "PROCESS_START", time.monotonic() - 10_000)
+    seen = {}
+
+    def first_step_only(self, name, cmd):
+        seen[name] = self.deadline - time.monotonic()
+        return self._failed(name, self.report["steps"].setdefault(name, {}), "stopped by test")
+
+    monkeypatch.setattr(tool.Check, "run", first_step_only)
+    out = tmp_path / "report.json"
+    rc = tool.main(["--tiny", "--device", "cpu", "--out", str(out), "--time-limit", "100"])
+    assert rc == 1 and list(seen) == ["build"]
+    assert 90 < seen["build"] <= 100, seen
+
+
 @pytest.mark.slow
 def test_tiny_round_trip_on_the_cpu_passes(tmp_path):
     out, work = tmp_path / "report.json", tmp_path / "work"
