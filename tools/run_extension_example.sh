@@ -5,9 +5,10 @@
 #      tokenizer, the key-value recall corpus (tools/make_demo_corpus.py --tokenizer): long
 #      documents whose statements are queried thousands of tokens later, blended into both
 #      studies at KV_WEIGHT, and the retrieval training documents (tools/make_retrieval_corpus.py:
-#      passkey and needle trials in the evaluation's formats, a training seed; up to 4k tokens
-#      for the base study, up to 16k for the extension) at RETRIEVAL_WEIGHT, so that the models
-#      learn the question-answer format and the evaluation measures how far back they find it,
+#      passkey and needle trials in the evaluation's formats, a training seed, needle haystacks
+#      from the code corpus's training part; up to 4k tokens for the base study, up to 16k for
+#      the extension) at RETRIEVAL_WEIGHT, so that the models learn the question-answer
+#      format and the evaluation measures how far back they find it,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
 #   3. megatron-s2-eval-long-context on each 4k model as soon as its training finished (the
 #      sweep's --after: in the point's own slot, its GPU with DEVICES, before that slot's next
