@@ -95,11 +95,8 @@ def split_documents(part, num_documents: int) -> range:
     corpus of ``num_documents`` documents, with Megatron's rounding of split bounds
     (``BlendedMegatronDatasetBuilder``): what a run trains on (part 0) or validates on
     (part 1), exactly."""
-    begin, end = (
-        int(round(part[0] * float(num_documents))),
-        int(round(part[1] * float(num_documents))),
-    )
-    return range(begin, end)
+    n = float(num_documents)
+    return range(int(round(part[0] * n)), int(round(part[1] * n)))
 
 
 def heldout_documents(cfg: RunConfig) -> list[np.ndarray]:
