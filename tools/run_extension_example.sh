@@ -5,9 +5,10 @@
 #      tokenizer, the key-value recall corpus (tools/make_demo_corpus.py --tokenizer): long
 #      documents whose statements are queried thousands of tokens later, blended into both
 #      studies at KV_WEIGHT, and the retrieval training documents (tools/make_retrieval_corpus.py:
-#      passkey and needle trials in the evaluation's formats, a training seed; up to 4k tokens
-#      for the base study, up to 16k for the extension) at RETRIEVAL_WEIGHT, so that the models
-#      learn the question-answer format and the evaluation measures how far back they find it,
+#      passkey and needle trials in the evaluation's formats, a training seed, needle haystacks
+#      from the code corpus's training part; up to 4k tokens for the base study, up to 16k for
+#      the extension) at RETRIEVAL_WEIGHT, so that the models learn the question-answer
+#      format and the evaluation measures how far back they find it,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
 #   3. megatron-s2-eval-long-context on each 4k model as soon as its training finished (the
 #      sweep's --after: in the point's own slot, its GPU with DEVICES, before that slot's next
@@ -40,8 +41,12 @@
 # RETRIEVAL_NEEDLES (unset: the writer's 4; needles in a multikey document, 2-64) and
 # RETRIEVAL_QUERIES (1; questions a multikey document asks, each followed by its answer, at most
 # RETRIEVAL_NEEDLES: more answers per training token; passkey and needle documents ask one) for
-# tools/make_retrieval_corpus.py --multikey-needles / --queries (a corpus already written is
-# kept: give another RETRIEVAL_PREFIX when changing them), WORKERS
+# tools/make_retrieval_corpus.py --multikey-needles / --queries, RETRIEVAL_HAYSTACK (code: the
+# needle and multikey documents hide their needles in the code corpus's training part,
+# --haystack-corpus/--haystack-split with the corpus's data.blend and data.split, varied real
+# code like the evaluation's held-out haystacks and never those; filler: the writer's one fixed
+# filler text, the corpora of runs H and J; passkey keeps its filler either way) (a corpus already
+# written is kept: give another RETRIEVAL_PREFIX when changing them), WORKERS
 # (processes writing trials: nproc), BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value
 # overrides for every point of the base / extension study, space-separated, e.g.
 # BASE_OVERRIDES=train.train_iters=1000), EXTEND_STUDIES (the extension studies, names in
@@ -77,6 +82,7 @@ RETRIEVAL_SPECS=${RETRIEVAL_SPECS:-4k:256:4096:8000 16k:256:16384:2000}
 RETRIEVAL_TASKS=${RETRIEVAL_TASKS:-passkey,needle}
 RETRIEVAL_QUERIES=${RETRIEVAL_QUERIES:-1}
 RETRIEVAL_NEEDLES=${RETRIEVAL_NEEDLES:-}
+RETRIEVAL_HAYSTACK=${RETRIEVAL_HAYSTACK:-code}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
@@ -143,7 +149,11 @@ after() {  # STUDY [extra options]: the sweep's --after that evaluates each poin
     shift
     if (($#)); then printf ' %q' "$@"; fi
 }
-# Before any work: a misspelt study would otherwise stop the script after the base study.
+# Before any work: a misspelt setting would otherwise stop the script later.
+if [[ $RETRIEVAL_HAYSTACK != code && $RETRIEVAL_HAYSTACK != filler ]]; then
+    note "RETRIEVAL_HAYSTACK must be code or filler, got '$RETRIEVAL_HAYSTACK'"
+    exit 2
+fi
 (( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }
 for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
     if [[ ! -f "$ROOT/configs/studies/$study.yaml" ]]; then
@@ -157,6 +167,7 @@ if [[ ! -f "$CORPUS/corpus.json" ]]; then
     "$PYTHON" "$ROOT"/tools/build_code_corpus.py --out "$CORPUS" || exit
     note "code corpus built in $CORPUS"
 fi
+read_corpus
 if [[ ! -f "$KV_PREFIX.idx" ]]; then
     # 8k-64k characters: in the code tokenizer 2k-16k tokens, so that a query can be far from
     # its definition at every training length.
@@ -165,6 +176,14 @@ if [[ ! -f "$KV_PREFIX.idx" ]]; then
     note "key-value corpus written to $KV_PREFIX"
 fi
 with_retrieval=$("$PYTHON" -c "import sys; print(int(float(sys.argv[1]) > 0))" "$RETRIEVAL_WEIGHT")
+HAYSTACK_ARGS=()
+if [[ $RETRIEVAL_HAYSTACK == code ]]; then
+    # The corpus the runs train on, its training part only (the run's own split): the
+    # evaluation's haystacks are its held-out part.
+    read -r -a code_prefixes <<< "${CODE//,/ }"
+    code_split=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.split=//p' | tail -n 1)
+    HAYSTACK_ARGS=(--haystack-corpus "${code_prefixes[@]}" --haystack-split "$code_split")
+fi
 if [[ $with_retrieval == 1 ]]; then
     # One corpus per study, trials at most the study's sequence length (plus the answer's last
     # token and EOD): most then fit in one sample; one cut across samples trains no answer.
@@ -175,12 +194,11 @@ if [[ $with_retrieval == 1 ]]; then
                 --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
                 --queries "$RETRIEVAL_QUERIES" ${RETRIEVAL_NEEDLES:+--multikey-needles "$RETRIEVAL_NEEDLES"} \
                 --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
-                --workers "$WORKERS" --seed 1 || exit
+                --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
         fi
     done
 fi
-read_corpus
 # After the corpus's own overrides, which name the code corpus alone.
 CODE_WEIGHT=$("$PYTHON" -c "import sys; print(round(1 - float(sys.argv[1]) - float(sys.argv[2]), 6))" \
     "$KV_WEIGHT" "$RETRIEVAL_WEIGHT")

@@ -16,6 +16,7 @@ parsed as YAML (``train.lr=3e-4``, ``attention.s2.vert_stride=16``, ``data.blend
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -385,16 +386,28 @@ class DataConfig:
             )
         if self.blend:
             _blend_pairs(self.blend)  # raises on a malformed blend
-        parts = self.split.split(",")
-        try:
-            weights = [float(x) for x in parts]
-        except ValueError:
-            weights = []
-        if len(parts) != 3 or any(w < 0 for w in weights) or len(weights) != 3 or sum(weights) <= 0:
-            raise ConfigError(
-                "data.split must be three non-negative weights 'train,valid,test', got "
-                f"{self.split!r}"
-            )
+        check_split(self.split)
+
+
+def check_split(split: str, option: str = "data.split") -> list[float]:
+    """The weights of a ``data.split`` string ``'train,valid,test'`` (e.g. ``'39166,708,0'``);
+    :class:`ConfigError` naming ``option`` unless they are three finite non-negative numbers,
+    not all 0 (Megatron's own parser would read ``'-1,2'`` as 1, 2, 0)."""
+    parts = str(split).split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if (
+        len(parts) != 3
+        or len(weights) != 3
+        or not all(math.isfinite(w) and w >= 0 for w in weights)
+        or sum(weights) <= 0
+    ):
+        raise ConfigError(
+            f"{option} must be three non-negative weights 'train,valid,test', got {split!r}"
+        )
+    return weights
 
 
 # model.transformer_impl: the layer implementations of Megatron's --transformer-impl.

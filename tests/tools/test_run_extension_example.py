@@ -33,7 +33,7 @@ SCRIPT_KNOBS = {
     "RETRIEVAL_SPECS", "RETRIEVAL_TASKS", "WORKERS", "BASE_OVERRIDES", "EXTEND_OVERRIDES",
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
-    "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES",
+    "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -343,9 +343,7 @@ def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_p
 def test_example_script_passes_queries_and_needles_to_the_retrieval_writer(tmp_path):
     """RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES reach every retrieval corpus's writer as
     --queries and --multikey-needles (multi-question multikey documents)."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE.format(python=sys.executable, repo=str(REPO), points=POINTS))
-    fake.chmod(0o755)
+    _write_fake(tmp_path)
     calls = _run(
         tmp_path,
         tmp_path / "calls.jsonl",
@@ -360,6 +358,47 @@ def test_example_script_passes_queries_and_needles_to_the_retrieval_writer(tmp_p
         assert args[args.index("--tasks") + 1] == "passkey,multikey"
         assert args[args.index("--queries") + 1] == "8"
         assert args[args.index("--multikey-needles") + 1] == "16"
+
+
+@pytest.mark.parametrize("haystack", [None, "code", "filler"])
+def test_example_script_gives_the_retrieval_writer_the_code_haystack(tmp_path, haystack):
+    """RETRIEVAL_HAYSTACK (default code): every retrieval corpus's writer gets the code corpus
+    (the corpus's data.blend) and the run's data.split as --haystack-corpus/--haystack-split,
+    so that its needle and multikey haystacks are training code; filler: neither option (the
+    writer's filler text, as runs H and J)."""
+    _write_fake(tmp_path)
+    calls = _run(
+        tmp_path,
+        tmp_path / "calls.jsonl",
+        **({"RETRIEVAL_HAYSTACK": haystack} if haystack else {}),
+    )
+    writers = [c for c in calls if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"]
+    assert len(writers) == 2
+    for c in writers:
+        args = c["args"]
+        if haystack == "filler":
+            assert not [a for a in args if a.startswith("--haystack")]
+            continue
+        at = args.index("--haystack-corpus")
+        assert args[at : at + 4] == [
+            "--haystack-corpus",
+            "data/code/train_valid",
+            "--haystack-split",
+            "9,1,0",
+        ]
+
+
+def test_example_script_refuses_an_unknown_haystack_before_any_work(tmp_path):
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS}
+    env.update(PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), RETRIEVAL_HAYSTACK="kode")
+    r = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert "RETRIEVAL_HAYSTACK must be code or filler, got 'kode'" in r.stdout
+    assert not log.exists()  # nothing ran
 
 
 def test_example_script_probes_attention_when_asked(tmp_path):

@@ -545,3 +545,226 @@ def test_cli_queries(tmp_path, capsys):
     assert json.load(open(prefix + ".meta.json"))["queries"] == 8
     assert main(argv + ["--queries", "33"]) == 2
     assert "--queries 33 is more than task multikey's 32 needles" in capsys.readouterr().err
+
+
+# --- haystacks from a corpus's training part (--haystack-corpus) --------------------------------
+
+TAG = re.compile(r"D(\d{3})L\d\d")
+
+
+def _tagged_corpus(prefix, n=50, lines=30, offset=0):
+    """An indexed dataset of ``n`` code-like documents (byte tokenizer, EOD-terminated), each
+    line tagged with its document's number (``D007L12``), so that a haystack tells which
+    documents it came from; ``offset`` shifts every id (a corpus of another tokenizer)."""
+    from megatron_s2.training.code_corpus import writing_indexed_dataset
+
+    tok = load_tokenizer("byte")
+    with writing_indexed_dataset(str(prefix), tok.vocab_size + offset) as w:
+        for d in range(n):
+            text = "".join(f"value_{i} = D{d:03d}L{i:02d}\n" for i in range(lines))
+            w.add(np.array(tok.encode(text) + [tok.eod], dtype=np.int64) + offset)
+    return str(prefix)
+
+
+def _tags(text):
+    return {int(t) for t in TAG.findall(text)}
+
+
+def test_corpus_haystacks_come_from_the_training_part_only(tmp_path):
+    """needle and multikey documents (multi-question ones included) hide their needles in
+    windows of the corpus's training part: only training documents occur, several different
+    ones, drawn from all over the training part; passkey keeps its filler; the evaluator's
+    held-out part (heldout_documents, data.split) is disjoint from every haystack."""
+    import json
+
+    from megatron_s2.training.evaluation.tasks import heldout_documents
+    from megatron_s2.training.run_config import load_config
+
+    tok = load_tokenizer("byte")
+    corpus = _tagged_corpus(tmp_path / "code")  # 50 documents: train 0-39, valid 40-49
+    prefix = str(tmp_path / "r")
+    write_retrieval_dataset(
+        prefix, "byte", tasks=["passkey", "needle", "multikey"], num_docs=15, seq_length=1002,
+        multikey_needles=6, queries=3, seed=2, haystack_corpus=corpus, haystack_split="8,2,0",
+        haystack_tokens=8000,
+    )  # fmt: skip
+    seen = set()
+    for i, doc in enumerate(_docs(prefix)):
+        assert doc.size == 1002 and doc[-1] == tok.eod and tok.eod not in doc[:-1]
+        text = tok.decode(doc[:-1].tolist())
+        tags = _tags(text)
+        task = ("passkey", "needle", "multikey")[i % 3]
+        if task == "passkey":
+            assert not tags and PASSKEY_FILLER.strip()[:40] in text
+            continue
+        assert tags and max(tags) < 40, (task, sorted(tags))  # training documents only
+        seen |= tags
+        if task == "needle":
+            needle, question = PATTERNS["needle"]
+            assert len(re.findall(needle, text)) == 1
+            assert re.search(question, text).groups() == re.findall(needle, text)[0]
+        else:
+            haystack, asked = _asked(text)
+            needles = dict(re.findall(MULTIKEY_NEEDLE, haystack))
+            assert len(needles) == 6 and len(asked) == 3
+            assert all(needles[k] == v for k, v in asked)
+        # No filler sentences: the haystack is the corpus's lines.
+        assert "The grass is green" not in text
+    assert len(seen) >= 6, sorted(seen)  # several documents, not one fixed text
+    assert max(seen) >= 25, sorted(seen)  # spread over the training part, not its first files
+    meta = json.load(open(prefix + ".meta.json"))
+    assert meta["haystack"]["corpus"] == [corpus] and meta["haystack"]["split"] == "8,2,0"
+    assert meta["haystack"]["tokens"] == 8000 and meta["haystack"]["max_tokens"] == 8000
+    # The evaluator's held-out documents of a run on this corpus: disjoint from the haystacks.
+    cfg = load_config(None, ["data.demo=false", f"data.blend=[{corpus}]", "data.split=8,2,0"])
+    held = set().union(*(_tags(tok.decode(d[:-1].tolist())) for d in heldout_documents(cfg)))
+    assert held == set(range(40, 50))
+    assert not held & seen
+
+
+def test_training_haystack_documents_follow_the_seed(tmp_path):
+    """The haystack's documents: a seeded draw from the whole training part (several corpora
+    pooled), in corpus order, EOD dropped and each followed by a newline, cut at the cap; int32;
+    another seed draws other documents."""
+    from megatron_s2.training.evaluation.retrieval_corpus import training_haystack
+
+    tok = load_tokenizer("byte")
+    a = _tagged_corpus(tmp_path / "a", n=40)
+    b = _tagged_corpus(tmp_path / "b", n=40, lines=20)
+    stream, info = training_haystack([a, b], "3,1,0", tok, 9000, seed=0)
+    assert stream.dtype == np.int32 and stream.size == 9000 and tok.eod not in stream
+    assert info["documents"] >= 9000 // 561 and info["tokens"] == 9000
+    text = tok.decode(stream.tolist())
+    # Whole documents one after another (the last one cut): each starts at its line 0.
+    blocks = re.findall(r"value_0 = D(\d{3})L00\n", text)
+    assert len(blocks) == info["documents"]
+    numbers = [int(n) for n in blocks]
+    assert all(n < 30 for n in numbers)  # the training part of both corpora: 30 of 40
+    again, _ = training_haystack([a, b], "3,1,0", tok, 9000, seed=0)
+    other, _ = training_haystack([a, b], "3,1,0", tok, 9000, seed=1)
+    assert np.array_equal(stream, again) and not np.array_equal(stream, other)
+    assert numbers != list(range(len(numbers)))  # not the first documents
+    # Every training document when the cap exceeds the training part.
+    whole, info = training_haystack([a], "3,1,0", tok, 10**6, seed=0)
+    assert info["documents"] == 30 and whole.size == 30 * 561
+    assert [int(n) for n in re.findall(r"value_0 = D(\d{3})L00\n", tok.decode(whole.tolist()))] == (
+        list(range(30))
+    )
+
+
+def test_corpus_haystack_workers_write_the_same_documents(tmp_path):
+    """The workers read one memory-mapped copy of the haystack: the same documents as one
+    process."""
+    corpus = _tagged_corpus(tmp_path / "code")
+    kw = dict(tasks=["needle", "multikey"], num_docs=6, seq_length=900, seed=3,
+              haystack_corpus=[corpus], haystack_split="8,2,0", haystack_tokens=6000)  # fmt: skip
+    one = write_retrieval_dataset(tmp_path / "one", "byte", **kw)
+    two = write_retrieval_dataset(tmp_path / "two", "byte", workers=2, **kw)
+    assert one == two
+    d1, d2 = _docs(str(tmp_path / "one")), _docs(str(tmp_path / "two"))
+    assert len(d1) == 6 and all(np.array_equal(x, y) for x, y in zip(d1, d2))
+    assert _tags(load_tokenizer("byte").decode(d1[0][:-1].tolist()))
+
+
+def test_without_haystack_options_the_bytes_are_unchanged(tmp_path):
+    """No --haystack-* option (given as None or left out): the .bin/.idx/.meta.json of the
+    writer before them, byte for byte (digest from commit 2a5842b): filler haystacks, a
+    multi-query corpus of all three tasks and a log-uniform range of two."""
+    import hashlib
+
+    off = {"haystack_corpus": None, "haystack_split": None, "haystack_tokens": None}
+    for given in ({}, off):
+        h = hashlib.sha256()
+        for k, kw in enumerate(
+            [
+                dict(
+                    tasks=["passkey", "needle", "multikey"],
+                    num_docs=6,
+                    seq_length=600,
+                    multikey_needles=6,
+                    queries=3,
+                    seed=7,
+                ),
+                dict(
+                    tasks=["needle", "passkey"], num_docs=4, min_tokens=300, max_tokens=800, seed=2
+                ),
+            ]  # fmt: skip
+        ):
+            prefix = str(tmp_path / f"w{k}")
+            write_retrieval_dataset(prefix, "byte", **kw, **given)
+            for ext in (".bin", ".idx", ".meta.json"):
+                h.update(open(prefix + ext, "rb").read())
+        assert h.hexdigest() == "6531bb47394fd01b7d4d44b373e130e2576be4b5ce21af02fd0cf6af2bcde4a2"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"haystack_corpus": "{corpus}"}, "--haystack-corpus needs --haystack-split"),
+        ({"haystack_split": "8,2,0"}, "--haystack-split needs --haystack-corpus"),
+        ({"haystack_tokens": 5000}, "--haystack-tokens needs --haystack-corpus"),
+        (
+            {"haystack_corpus": "{corpus}", "haystack_split": "8,2,0", "haystack_tokens": 1001},
+            "--haystack-tokens must be an integer of at least the document length 1002",
+        ),
+        (
+            {"haystack_corpus": "{tmp}/nope", "haystack_split": "8,2,0"},
+            "/nope': no indexed dataset there (missing {tmp}/nope.idx and {tmp}/nope.bin)",
+        ),
+        (
+            {"haystack_corpus": "{tmp}/junk", "haystack_split": "8,2,0"},
+            "/junk': unreadable indexed dataset",
+        ),
+        (
+            {"haystack_corpus": "{corpus}", "haystack_split": "0,1,0"},
+            "--haystack-split '0,1,0' has no training part",
+        ),
+        (
+            {"haystack_corpus": "{corpus}", "haystack_split": "9,1"},
+            "--haystack-split must be three non-negative weights 'train,valid,test', got '9,1'",
+        ),
+        (
+            {"haystack_corpus": "{corpus}", "haystack_split": "1,99,0"},  # round(0.5) = 0 docs
+            "--haystack-split '1,99,0' leaves no training documents",
+        ),
+        (
+            {"haystack_corpus": "{corpus}", "haystack_split": "1,49,0"},  # one 561-token doc
+            "its training part under --haystack-split '1,49,0' holds 561 tokens, less than one "
+            "document (1002)",
+        ),
+        (
+            {"haystack_corpus": "{other}", "haystack_split": "8,2,0"},
+            "is beyond the tokenizer's vocabulary (258): a corpus of another tokenizer",
+        ),
+    ],
+)
+def test_haystack_options_refuse_bad_values(tmp_path, kwargs, message):
+    paths = {
+        "tmp": str(tmp_path),
+        "corpus": _tagged_corpus(tmp_path / "code"),
+        "other": _tagged_corpus(tmp_path / "other", n=10, offset=300),
+    }
+    (tmp_path / "junk.idx").write_bytes(b"not an index")
+    (tmp_path / "junk.bin").write_bytes(b"")
+    kwargs = {k: v.format(**paths) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=re.escape(message.format(**paths))):
+        write_retrieval_dataset(
+            tmp_path / "x", "byte", tasks=["needle"], num_docs=2, seq_length=1002, **kwargs
+        )
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_cli_haystack_options(tmp_path, capsys):
+    import json
+
+    corpus = _tagged_corpus(tmp_path / "code")
+    prefix = str(tmp_path / "c")
+    argv = ["--tokenizer", "byte", "--output-prefix", prefix, "--num-docs", "2",
+            "--tasks", "needle", "--seq-length", "1002"]  # fmt: skip
+    hay = ["--haystack-corpus", corpus, "--haystack-split", "8,2,0", "--haystack-tokens", "6000"]
+    assert main(argv + hay) == 0
+    assert json.load(open(prefix + ".meta.json"))["haystack"]["tokens"] == 6000
+    text = load_tokenizer("byte").decode(_docs(prefix)[0][:-1].tolist())
+    assert _tags(text) and max(_tags(text)) < 40
+    assert main(argv + ["--haystack-split", "8,2,0"]) == 2
+    assert "--haystack-split needs --haystack-corpus" in capsys.readouterr().err

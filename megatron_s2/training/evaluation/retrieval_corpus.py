@@ -11,10 +11,17 @@ seeds are integers: no evaluation trial is repeated here). Blended into a run
 answer is what the evaluation measures.
 
 Haystacks: ``passkey`` in its repeated filler sentences, as the evaluation does (the classic
-passkey training set-up); ``needle`` and ``multikey`` in the demo corpus's filler sentences,
-while the evaluation hides them in held-out code, a haystack these documents never show. The
-held-out tasks (:data:`~.tasks.HELDOUT_TASKS`, ``code-value``) are refused: they measure
-retrieval the model was never drilled on.
+passkey training set-up). ``needle`` and ``multikey``, by default, in the demo corpus's filler
+sentences: one fixed text about a document long, so that every document's haystack is nearly
+the same text (a model can memorise it), and not what the evaluation uses, which hides them in
+held-out code of the run's corpus. The 4k probe of issue 50 learnt no lookup, and on the
+multi-key task its models did not even answer with a number in a code haystack. With
+``--haystack-corpus PREFIX --haystack-split SPLIT`` their haystacks are instead windows of the
+TRAINING part of a corpus (:func:`training_haystack`; e.g. the code corpus the run trains on,
+with the run's ``data.split``): varied real text, never the held-out documents the evaluation
+reads (filler ``"corpus"``, as the evaluation's tasks). The held-out tasks
+(:data:`~.tasks.HELDOUT_TASKS`, ``code-value``) are refused: they measure retrieval the model
+was never drilled on.
 
 Where the fact sits. Run J of ``docs/long_context_eval.md`` trained on trials of 128-1024
 tokens, so every passkey lay within 1k tokens of its question, inside the S2 layers' local
@@ -38,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import math
 import multiprocessing
 import os
 import random
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Optional
@@ -55,15 +64,20 @@ from .tasks import (
     TASKS,
     check_multikey_needles,
     haystack_stream,
+    join_documents,
     make_multi_query_trial,
     make_trial,
+    split_documents,
+    split_parts,
 )
 
 __all__ = [
     "TRAINING_TASKS",
     "TRAINING_MULTIKEY_RANGE",
     "DEPTH_DISTRIBUTIONS",
+    "HAYSTACK_TOKENS",
     "training_task",
+    "training_haystack",
     "write_retrieval_dataset",
     "main",
 ]
@@ -80,11 +94,17 @@ DEPTH_DISTRIBUTIONS = ("uniform", "log-uniform")
 # that a 4k document can ask dozens of questions (--queries <= needles); the writer's length
 # check refuses a count that leaves no haystack.
 TRAINING_MULTIKEY_RANGE = (2, 64)
+# Default cap on the tokens of a --haystack-corpus haystack (--haystack-tokens): 16M tokens,
+# 64 MiB as int32, thousands of code files (the code corpus's training part is about 40k
+# files): enough that documents rarely share a window, small enough for every worker.
+HAYSTACK_TOKENS = 16 * 2**20
 
 
-def training_task(name: str, multikey_needles: Optional[int] = None):
+def training_task(name: str, multikey_needles: Optional[int] = None, corpus: bool = False):
     """The :class:`~.tasks.Task` whose documents this corpus writes for ``name`` (a multi-needle
-    task with ``multikey_needles`` needles, in :data:`TRAINING_MULTIKEY_RANGE`). Raises
+    task with ``multikey_needles`` needles, in :data:`TRAINING_MULTIKEY_RANGE`); with ``corpus``
+    (a ``--haystack-corpus`` is given) ``needle`` and ``multikey`` take their haystack from it
+    (filler ``"corpus"``, as the evaluation's), ``passkey`` keeps its repeated filler. Raises
     :class:`ConfigError` naming ``--tasks`` for a held-out or unknown task and
     ``--multikey-needles`` for a count out of range."""
     if name in HELDOUT_TASKS:
@@ -100,7 +120,106 @@ def training_task(name: str, multikey_needles: Optional[int] = None):
     if task.needles > 1 and multikey_needles is not None:
         check_multikey_needles(multikey_needles, TRAINING_MULTIKEY_RANGE)
         task = replace(task, needles=int(multikey_needles))
+    if corpus and task.filler != "passkey":
+        task = replace(task, filler="corpus")
     return task
+
+
+def training_haystack(
+    prefixes: Sequence[str],
+    split: str,
+    tokenizer,
+    max_tokens: int = HAYSTACK_TOKENS,
+    seed: int = 0,
+) -> tuple[np.ndarray, dict]:
+    """The haystack of ``needle`` and ``multikey`` training documents under ``--haystack-corpus``:
+    documents of the TRAINING part of the Megatron indexed datasets ``prefixes`` under the run's
+    ``data.split`` string ``split`` (Megatron's split bounds, as :func:`~.tasks.heldout_documents`
+    takes the validation part: :func:`~.tasks.split_documents`), so that no held-out document,
+    which the evaluation hides its needles in, is ever in a training haystack.
+
+    Which documents: the training documents of all prefixes in an order drawn from ``seed``,
+    taken until their tokens reach ``max_tokens`` (the last one cut), so that they are spread
+    over the whole training part, not its first files; then, in corpus order, EOD dropped and
+    joined by newlines as the evaluation's haystack (:func:`~.tasks.join_documents`).
+    Returns ``(stream, info)``: ``stream`` ``[min(max_tokens, training tokens)]`` token ids,
+    int32 when ``tokenizer.vocab_size`` fits (always for real tokenizers), else int64; ``info``
+    for the corpus's ``.meta.json``.
+
+    Memory: 4 bytes a token, 64 MiB at the default 16M (:data:`HAYSTACK_TOKENS`); while it is
+    built, about as much again for the documents' copies. The writer's worker processes
+    memory-map one saved copy, so the cost does not grow with ``--workers``. Raises
+    :class:`ConfigError` naming ``--haystack-corpus`` for a missing or unreadable prefix or ids
+    beyond the tokenizer's vocabulary (another tokenizer's corpus), and ``--haystack-split``
+    for a split that Megatron cannot parse, that has no training part or that leaves no
+    training documents. A training part smaller than ``max_tokens`` gives a shorter stream
+    (the writer refuses one shorter than a document).
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    matrix = split_parts(split, "--haystack-split")
+    if matrix[0] is None:
+        raise ConfigError(
+            f"--haystack-split {split!r} has no training part (its first weight is 0): the "
+            f"haystack comes from the training part only, the held-out parts are the evaluation's"
+        )
+    datasets, candidates = [], []
+    for k, prefix in enumerate(prefixes):
+        missing = [ext for ext in (".idx", ".bin") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise ConfigError(
+                f"--haystack-corpus {prefix!r}: no indexed dataset there (missing "
+                f"{' and '.join(prefix + ext for ext in missing)}); give a Megatron dataset "
+                f"prefix, e.g. data/code/train_valid"
+            )
+        try:
+            dataset = IndexedDataset(prefix)
+            sizes = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+        except Exception as exc:  # Megatron raises assertions on a damaged index
+            raise ConfigError(
+                f"--haystack-corpus {prefix!r}: unreadable indexed dataset: "
+                f"{type(exc).__name__} {exc}"
+            ) from None
+        train = split_documents(matrix[0], len(dataset))
+        datasets.append(dataset)
+        # (corpus, document, tokens with EOD) of every training document.
+        candidates.append(
+            np.stack(
+                [np.full(len(train), k), np.arange(train.start, train.stop), sizes[train]], axis=1
+            ).reshape(-1, 3)
+        )
+    candidates = np.concatenate(candidates)
+    candidates = candidates[candidates[:, 2] > 0]
+    if not candidates.size:
+        raise ConfigError(
+            f"--haystack-split {split!r} leaves no training documents in --haystack-corpus "
+            f"{list(prefixes)}"
+        )
+    # A seed of its own (not the trials' random.Random): numpy's generator draws the
+    # permutation of a million documents at once.
+    digest = hashlib.sha256(f"retrieval-haystack-{seed}".encode()).digest()
+    order = np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(len(candidates))
+    # A document's EOD becomes the newline after it: the sizes with EOD count the joined tokens.
+    take = int(np.searchsorted(np.cumsum(candidates[order, 2]), max_tokens)) + 1
+    chosen = candidates[np.sort(order[:take])]  # corpus order: neighbouring files stay adjacent
+    dtype = np.int32 if tokenizer.vocab_size <= np.iinfo(np.int32).max else np.int64
+    stream = join_documents(
+        [np.asarray(datasets[k][i], dtype=dtype) for k, i, _ in chosen], tokenizer, dtype
+    )[:max_tokens]
+    top = int(stream.max()) if stream.size else -1
+    if top >= tokenizer.vocab_size:
+        raise ConfigError(
+            f"--haystack-corpus {list(prefixes)}: token id {top} is beyond the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}): a corpus of another tokenizer than --tokenizer"
+        )
+    info = {
+        "corpus": [os.fspath(p) for p in prefixes],
+        "split": split,
+        "max_tokens": max_tokens,
+        "documents": int(len(chosen)),
+        "tokens": int(stream.size),
+    }
+    return stream, info
 
 
 def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
@@ -144,6 +263,9 @@ def write_retrieval_dataset(
     queries: int = 1,
     seed: int = 0,
     workers: int = 1,
+    haystack_corpus: Optional[Sequence[str] | str] = None,
+    haystack_split: Optional[str] = None,
+    haystack_tokens: Optional[int] = None,
 ) -> dict:
     """Write ``num_docs`` retrieval documents as a Megatron indexed dataset
     ``output_prefix.bin/.idx`` (+ ``.meta.json``), tokenized with ``tokenizer`` (``byte`` or a
@@ -165,10 +287,23 @@ def write_retrieval_dataset(
     Single-needle tasks in the list keep one question. Q = 1 (the default) writes the documents
     this writer always wrote, byte for byte. Returns ``{"documents", "tokens"}`` (EOD
     included). ``workers`` > 1 makes the trials in that many processes (the documents are the
-    same for any count). Raises :class:`ConfigError` naming the option, before writing
-    anything, for an empty, unknown or held-out task, fewer than one document or worker, a
-    length range the tasks do not fit in, an unknown depth distribution or needle count, and
-    ``--queries`` below 1, above the needle count, or above 1 with no multi-needle task.
+    same for any count).
+
+    ``haystack_corpus`` (one or more indexed dataset prefixes, e.g. ``data/code/train_valid``)
+    with ``haystack_split`` (the run's ``data.split``): ``needle`` and ``multikey`` documents,
+    multi-question ones included, hide their needles in windows of up to ``haystack_tokens``
+    (default :data:`HAYSTACK_TOKENS`) tokens of the corpus's training part
+    (:func:`training_haystack`, its documents drawn from ``seed``; memory there); ``passkey``
+    keeps its filler. Without them the documents are those this writer always wrote, byte
+    for byte; with them ``.meta.json`` gets ``"haystack"``.
+
+    Raises :class:`ConfigError` naming the option, before writing anything, for an empty,
+    unknown or held-out task, fewer than one document or worker, a length range the tasks do
+    not fit in, an unknown depth distribution or needle count, ``--queries`` below 1, above the
+    needle count, or above 1 with no multi-needle task, one of ``--haystack-corpus`` and
+    ``--haystack-split`` without the other (or ``--haystack-tokens`` without them), a
+    ``--haystack-tokens`` below the document length (``max_tokens + 2``), and the errors of
+    :func:`training_haystack`.
     """
     if not tasks:
         raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
@@ -198,11 +333,29 @@ def write_retrieval_dataset(
         raise ConfigError(
             f"--min-tokens/--max-tokens: need 1 <= min <= max, got {min_tokens}, {max_tokens}"
         )
+    corpus = _check_haystack_options(haystack_corpus, haystack_split, haystack_tokens, max_tokens)
     from ..code_corpus import writing_indexed_dataset
 
+    haystack = haystack_meta = None
+    if corpus:
+        from ..tokenizer import load_tokenizer
+
+        # Read (and so checked) even for passkey alone, which then does not use it.
+        cap = HAYSTACK_TOKENS if haystack_tokens is None else haystack_tokens
+        haystack, haystack_meta = training_haystack(
+            corpus, haystack_split, load_tokenizer(tokenizer), cap, seed
+        )
+        if haystack.size < max_tokens + 2:
+            raise ConfigError(
+                f"--haystack-corpus {corpus}: its training part under --haystack-split "
+                f"{haystack_split!r} holds {haystack.size} tokens, less than one document "
+                f"({max_tokens + 2}); give a larger corpus"
+            )
+        if not any(training_task(n, None, True).filler == "corpus" for n in tasks):
+            haystack = haystack_meta = None
     # This process makes the trials itself (workers == 1) or only checks and writes them.
-    init = (tokenizer, list(tasks), max_tokens, seed, multikey_needles)
-    _init_worker(*init)
+    init = (tokenizer, list(tasks), max_tokens, seed, multikey_needles, bool(corpus))
+    _init_worker(*init, haystack=haystack)
     tok, streams = _WORKER["tok"], _WORKER["streams"]
     for task in chosen:
         # The shortest trial must hold the needles, questions and answers: say so before writing.
@@ -236,8 +389,17 @@ def write_retrieval_dataset(
         )
         docs = map(_document, jobs)
         if workers > 1:
+            shared = None
+            if haystack is not None:
+                # One copy for all processes: the workers memory-map it (the page cache holds it
+                # once) instead of each building its own; this process maps it too.
+                folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="haystack-"))
+                shared = os.path.join(folder, "haystack.npy")
+                np.save(shared, haystack)
+                haystack = None
+                _use_haystack(np.load(shared, mmap_mode="r"))
             ctx = multiprocessing.get_context("spawn")
-            pool = stack.enter_context(ctx.Pool(workers, _init_worker, init))
+            pool = stack.enter_context(ctx.Pool(workers, _init_worker, (*init, shared)))
             docs = pool.imap(_document, jobs, chunksize=64)
         for doc in docs:
             writer.add(doc)
@@ -255,6 +417,9 @@ def write_retrieval_dataset(
             "tokenizer": str(tokenizer),
             **stats,
         }
+        if haystack_meta is not None:
+            writer.meta["haystack"] = haystack_meta
+    _WORKER.clear()  # the haystack's memory (or its mapping of a removed file) goes with it
     return stats
 
 
@@ -264,14 +429,61 @@ _WORKER: dict = {}
 
 
 def _init_worker(
-    tokenizer: str, tasks: list[str], max_tokens: int, seed: int, multikey_needles=None
+    tokenizer: str,
+    tasks: list[str],
+    max_tokens: int,
+    seed: int,
+    multikey_needles=None,
+    corpus: bool = False,
+    haystack=None,
 ) -> None:
+    """Set :data:`_WORKER` up for this process: the tokenizer, the tasks (with ``corpus``, the
+    ``--haystack-corpus`` ones) and each task's haystack stream; ``haystack``: the corpus
+    stream (an array, or in a worker the path of its saved copy, memory-mapped)."""
     from ..code_corpus import _encoder
 
     tok, _ = _encoder(tokenizer)
-    chosen = [training_task(t, multikey_needles) for t in tasks]
-    streams = {t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen}
+    chosen = [training_task(t, multikey_needles, corpus) for t in tasks]
+    # The corpus tasks' stream is the haystack, set below (not built per task).
+    streams = {
+        t.name: haystack_stream(t, tok, [], max_tokens + 1) for t in chosen if t.filler != "corpus"
+    }
     _WORKER.update(tok=tok, tasks=chosen, streams=streams, seed=seed)
+    if haystack is not None:
+        _use_haystack(np.load(haystack, mmap_mode="r") if isinstance(haystack, str) else haystack)
+
+
+def _use_haystack(stream: np.ndarray) -> None:
+    # The corpus haystack, one array shared by every task that hides its needles in it.
+    for t in _WORKER["tasks"]:
+        if t.filler == "corpus":
+            _WORKER["streams"][t.name] = stream
+
+
+def _check_haystack_options(corpus, split, tokens, max_tokens: int) -> list[str]:
+    """The ``--haystack-corpus`` prefixes (``[]`` without one), after checking that it and
+    ``--haystack-split`` come together, and ``--haystack-tokens`` only with them, an integer
+    of at least the document length ``max_tokens + 2``; :class:`ConfigError` naming the
+    option otherwise."""
+    corpus = [corpus] if isinstance(corpus, (str, os.PathLike)) else list(corpus or [])
+    corpus = [os.fspath(c) for c in corpus]
+    if corpus and split is None:
+        raise ConfigError(
+            "--haystack-corpus needs --haystack-split: the run's data.split (e.g. "
+            "'39166,708,0'), so that only its training part is used"
+        )
+    if split is not None and not corpus:
+        raise ConfigError("--haystack-split needs --haystack-corpus (the corpus it splits)")
+    if tokens is None:
+        return corpus
+    if not corpus:
+        raise ConfigError("--haystack-tokens needs --haystack-corpus (it caps that haystack)")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < max_tokens + 2:
+        raise ConfigError(
+            f"--haystack-tokens must be an integer of at least the document length "
+            f"{max_tokens + 2} (trial + answer's last token + EOD), got {tokens!r}"
+        )
+    return corpus
 
 
 def _check_queries(queries, chosen) -> None:
@@ -372,6 +584,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="questions in a multikey document, each followed by its answer (default 1; at most "
         "--multikey-needles): more answers per training token; passkey and needle ask one",
     )
+    p.add_argument(
+        "--haystack-corpus",
+        nargs="+",
+        action="extend",
+        metavar="PREFIX",
+        help="indexed dataset prefix(es), e.g. data/code/train_valid: needle and multikey "
+        "haystacks from their training part (passkey keeps its filler); with --haystack-split",
+    )
+    p.add_argument(
+        "--haystack-split",
+        metavar="SPLIT",
+        help="the run's data.split, e.g. 39166,708,0: only its training part is used (the "
+        "held-out parts are the evaluation's haystacks)",
+    )
+    p.add_argument(
+        "--haystack-tokens",
+        type=int,
+        help=f"cap on the haystack's tokens, documents drawn from --seed over the whole training "
+        f"part (default {HAYSTACK_TOKENS}: {HAYSTACK_TOKENS * 4 // 2**20} MiB as int32)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--workers", type=int, default=1, help="processes making trials (default 1; same output)"
@@ -391,6 +623,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             queries=args.queries,
             seed=args.seed,
             workers=args.workers,
+            haystack_corpus=args.haystack_corpus,
+            haystack_split=args.haystack_split,
+            haystack_tokens=args.haystack_tokens,
         )
     except (ConfigError, OSError) as exc:
         print(f"make_retrieval_corpus: error: {exc}", file=sys.stderr)

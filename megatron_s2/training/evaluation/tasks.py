@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..run_config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig, check_split
 
 __all__ = [
     "PASSKEY_FILLER",
@@ -39,8 +39,11 @@ __all__ = [
     "get_task",
     "Trial",
     "default_tasks",
+    "split_parts",
+    "split_documents",
     "heldout_documents",
     "haystack_stream",
+    "join_documents",
     "make_trial",
     "Question",
     "MultiQueryTrial",
@@ -73,17 +76,36 @@ def _run_prefixes(cfg: RunConfig) -> list[str]:
     return cfg.blend()[0]
 
 
-def heldout_documents(cfg: RunConfig) -> list[np.ndarray]:
-    """The held-out documents of the run's corpora (token id arrays, EOD included): the
-    validation part of ``data.split`` (the test part when validation has no weight), in
-    corpus order. Raises :class:`ConfigError` naming ``data.split`` when neither has any."""
+def split_parts(split: str, option: str = "data.split") -> list:
+    """Megatron's split matrix of the ``data.split`` string ``split`` (e.g. ``"39166,708,0"``):
+    per part (train, valid, test) its ``(begin, end)`` fractions of a corpus's documents, or
+    None where the part weighs 0. Raises :class:`ConfigError` naming ``option`` (the setting
+    the string came from) unless it is three non-negative weights, not all 0."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
     )
+
+    check_split(split, option)
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def split_documents(part, num_documents: int) -> range:
+    """The document indices of one part of :func:`split_parts` (a ``(begin, end)`` pair) in a
+    corpus of ``num_documents`` documents, with Megatron's rounding of split bounds
+    (``BlendedMegatronDatasetBuilder``): what a run trains on (part 0) or validates on
+    (part 1), exactly."""
+    n = float(num_documents)
+    return range(int(round(part[0] * n)), int(round(part[1] * n)))
+
+
+def heldout_documents(cfg: RunConfig) -> list[np.ndarray]:
+    """The held-out documents of the run's corpora (token id arrays, EOD included): the
+    validation part of ``data.split`` (the test part when validation has no weight), in
+    corpus order. Raises :class:`ConfigError` naming ``data.split`` when neither has any."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
+    matrix = split_parts(cfg.data.split)
     part = matrix[1] if matrix[1] is not None else matrix[2]
     if part is None:
         raise ConfigError(
@@ -93,10 +115,9 @@ def heldout_documents(cfg: RunConfig) -> list[np.ndarray]:
     docs = []
     for prefix in _run_prefixes(cfg):
         dataset = IndexedDataset(prefix)
-        n = len(dataset)
-        # Megatron's rounding of split bounds (BlendedMegatronDatasetBuilder).
-        begin, end = int(round(part[0] * n)), int(round(part[1] * n))
-        docs.extend(np.asarray(dataset[i], dtype=np.int64) for i in range(begin, end))
+        docs.extend(
+            np.asarray(dataset[i], dtype=np.int64) for i in split_documents(part, len(dataset))
+        )
     docs = [d for d in docs if d.size]
     if not docs:
         raise ConfigError(
@@ -258,14 +279,22 @@ def haystack_stream(task: Task, tokenizer, documents: Sequence[np.ndarray], min_
         # Whole sentences, never repeated: about 2 characters a token or more for any tokenizer.
         unit = np.asarray(tokenizer.encode(filler_text(2 * min_tokens + 4096)), dtype=np.int64)
     else:
-        newline = np.asarray(tokenizer.encode("\n"), dtype=np.int64)
-        parts = []
-        for doc in documents:
-            parts += [doc[doc != tokenizer.eod], newline]
-        unit = np.concatenate(parts)
+        unit = join_documents(documents, tokenizer)
     if unit.size == 0:
         raise ConfigError(f"task {task.name}: the filler text tokenizes to nothing")
     return np.resize(unit, max(min_tokens, unit.size))
+
+
+def join_documents(documents: Sequence[np.ndarray], tokenizer, dtype=np.int64) -> np.ndarray:
+    """The ``documents`` (token id arrays) as one haystack: each without its EOD tokens (so that a
+    needle and its question are in one document) and followed by the newline's tokens, in
+    ``dtype`` (``[sum of sizes less EOD + newlines]``; the evaluation's int64, or int32 to halve a
+    large training haystack)."""
+    newline = np.asarray(tokenizer.encode("\n"), dtype=dtype)
+    parts = []
+    for doc in documents:
+        parts += [np.asarray(doc[doc != tokenizer.eod], dtype=dtype), newline]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 @dataclass(frozen=True)
