@@ -326,14 +326,32 @@ def _starts_line(text: str) -> bool:
     return bool(text) and not text[0].isspace() and text[0] not in ")]}"
 
 
+def _ends_unit(text: str, task: Task) -> bool:
+    """Whether a token whose text is ``text`` ends a unit (sentence, line) of ``task``'s
+    haystack, so that a needle may follow it."""
+    if text.endswith(task.boundary):
+        return True
+    # Byte-level BPE merges a line's end with the next line's indentation ("\n        "), so in
+    # indented code a token ending in the newline itself is rare (thousands of tokens apart in
+    # a class body) and needles snapped far from their depth, a third of them to the
+    # haystack's start. Such a token ends a line too: the needle then follows the indentation
+    # (and the next line, whose indentation it took, starts in column 0). Not for top-level
+    # tasks, whose needle must be a column-0 statement.
+    if task.boundary == "\n" and not task.top_level and "\n" in text:
+        return not text[text.rindex("\n") + 1 :].strip(" \t")
+    return False
+
+
 def _boundaries(tokenizer, ids: np.ndarray, task: Task) -> np.ndarray:
-    """Per token of ``ids``: whether a needle may follow it: its text ends with
-    ``task.boundary``, and for a ``top_level`` task the next token starts a column-0 line (not a
-    parse: a decorator's line may precede such a point; the last token counts, as the question,
-    a column-0 line, follows it)."""
+    """Per token of ``ids``: whether a needle may follow it: its text ends a unit of the
+    haystack (:func:`_ends_unit`: ends with ``task.boundary``, or for a line boundary, a newline
+    followed by indentation only), and for a ``top_level`` task the next token starts a column-0
+    line (not a parse: a decorator's line may precede such a point; the last token counts, as
+    the question, a column-0 line, follows it)."""
     uniq = np.unique(ids)
     text = {int(t): tokenizer.decode([int(t)]) for t in uniq}
-    ok = np.fromiter((text[int(t)].endswith(task.boundary) for t in ids), bool, count=ids.size)
+    ends = {t: _ends_unit(s, task) for t, s in text.items()}
+    ok = np.fromiter((ends[int(t)] for t in ids), bool, count=ids.size)
     if task.top_level and ids.size:
         nxt = np.fromiter((_starts_line(text[int(t)]) for t in ids[1:]), bool, count=ids.size - 1)
         ok[:-1] &= nxt
