@@ -36,7 +36,8 @@
 # evaluator's JSON of every run copied to RESULTS_DIR/<study>/<arm>/seed<k>/), PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
-# RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS per study: trial lengths in tokens and document count;
+# RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS[:QUERIES[:NEEDLES]] per corpus: trial lengths in tokens,
+# document count, and optionally this corpus's own RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES;
 # default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle),
 # RETRIEVAL_NEEDLES (unset: the writer's 4; needles in a multikey document, 2-64) and
 # RETRIEVAL_QUERIES (1; questions a multikey document asks, each followed by its answer, at most
@@ -188,11 +189,15 @@ if [[ $with_retrieval == 1 ]]; then
     # One corpus per study, trials at most the study's sequence length (plus the answer's last
     # token and EOD): most then fit in one sample; one cut across samples trains no answer.
     for spec in $RETRIEVAL_SPECS; do
-        IFS=: read -r tag min_tokens max_tokens num_docs <<< "$spec"
+        # Optional fifth and sixth fields: this corpus's own queries and needles (a short-trial
+        # corpus cannot hold the many needles of a one-sample one in the same study).
+        IFS=: read -r tag min_tokens max_tokens num_docs queries needles <<< "$spec"
+        queries=${queries:-$RETRIEVAL_QUERIES}
+        needles=${needles:-$RETRIEVAL_NEEDLES}
         if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
             "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
                 --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
-                --queries "$RETRIEVAL_QUERIES" ${RETRIEVAL_NEEDLES:+--multikey-needles "$RETRIEVAL_NEEDLES"} \
+                --queries "$queries" ${needles:+--multikey-needles "$needles"} \
                 --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
                 --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"

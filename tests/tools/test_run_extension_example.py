@@ -360,6 +360,35 @@ def test_example_script_passes_queries_and_needles_to_the_retrieval_writer(tmp_p
         assert args[args.index("--multikey-needles") + 1] == "16"
 
 
+def test_a_retrieval_spec_may_set_its_own_queries_and_needles(tmp_path):
+    """RETRIEVAL_SPECS' optional fifth and sixth fields override RETRIEVAL_QUERIES and
+    RETRIEVAL_NEEDLES for that corpus alone (a short-trial corpus next to a many-needle one)."""
+    _write_fake(tmp_path)
+    calls = _run(
+        tmp_path,
+        tmp_path / "calls.jsonl",
+        RETRIEVAL_TASKS="passkey,multikey",
+        RETRIEVAL_SPECS="4kmq:4094:4094:40:16:32 4kshort:128:1024:60 16k:256:16384:20:2",
+        RETRIEVAL_QUERIES="1",
+        RETRIEVAL_NEEDLES="4",
+    )
+    writers = {
+        c["args"][c["args"].index("--output-prefix") + 1].rsplit("_", 1)[1]: c["args"]
+        for c in calls
+        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
+    }
+    assert sorted(writers) == ["16k", "4kmq", "4kshort"]
+
+    def value(args, option):
+        return args[args.index(option) + 1]
+
+    got = {
+        tag: tuple(value(a, o) for o in ("--queries", "--multikey-needles", "--num-docs"))
+        for tag, a in writers.items()
+    }
+    assert got == {"4kmq": ("16", "32", "40"), "4kshort": ("1", "4", "60"), "16k": ("2", "4", "20")}
+
+
 @pytest.mark.parametrize("haystack", [None, "code", "filler"])
 def test_example_script_gives_the_retrieval_writer_the_code_haystack(tmp_path, haystack):
     """RETRIEVAL_HAYSTACK (default code): every retrieval corpus's writer gets the code corpus
