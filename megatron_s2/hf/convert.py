@@ -460,6 +460,11 @@ def plan_export(
     _check_out_dir(out_dir, "OUT_HF_DIR")
     if max_shard_bytes < 1:
         _fail(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    if not Path(source).exists():
+        _fail(
+            f"RUN_OR_CHECKPOINT {source} does not exist (give a run directory, its checkpoints/ "
+            f"directory or one iter_NNNNNNN folder; relative to {Path.cwd()})"
+        )
     root, iteration = resolve_checkpoint(str(_checkpoint_root(Path(source))))
     run, vocab = saved_config(root, iteration)
     if not run or "model" not in run:

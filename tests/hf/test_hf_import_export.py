@@ -502,6 +502,14 @@ def test_export_refuses_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "OUT_HF_DIR" in err and "not empty" in err
     assert not (tmp_path / "out").exists()
+    # A path that is not there says so (not "no intact checkpoint"), with where it looked.
+    assert (
+        hf_main(["export", str(tmp_path / "runs" / "typo"), str(tmp_path / "out")])
+        == EXIT_BAD_INPUT
+    )
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "RUN_OR_CHECKPOINT" in err and "typo" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_a_schedule_with_holes_beyond_the_trained_length(
