@@ -577,7 +577,9 @@ def test_export_says_when_the_imported_config_json_is_not_found(
     trained_in = tmp_path / "work"
     (trained_in / "imports" / "m" / "hf").mkdir(parents=True)
     shutil.copy(llama_dir / "config.json", trained_in / "imports" / "m" / "hf" / "config.json")
-    (tmp_path / "elsewhere").mkdir()
+    # The run directories exist (their checkpoints are faked above) where export is run.
+    (trained_in / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "runs" / "r").mkdir(parents=True)
 
     # From the directory the run was trained in: found, and named.
     monkeypatch.chdir(trained_in)
