@@ -331,33 +331,39 @@ def test_default_queries_write_the_same_bytes(tmp_path):
     """``queries=1`` (the default, given or not) writes the .bin/.idx of the writer before
     ``--queries`` (digest from commit 0d6395d): one sample-long corpus of all three tasks and a
     log-uniform range of the default tasks."""
+    for queries in ({}, {"queries": 1}):
+        configs = [
+            dict(
+                tasks=["passkey", "needle", "multikey"],
+                num_docs=6,
+                seq_length=700,
+                multikey_needles=5,
+                seed=3,
+            ),
+            dict(
+                num_docs=5,
+                min_tokens=200,
+                max_tokens=900,
+                depth_distribution="log-uniform",
+                seed=1,
+            ),
+        ]
+        digest = _corpora_digest(tmp_path, configs, queries, (".bin", ".idx"))
+        assert digest == "5a6f78b578713bd51660a33d61fcc2dad7591172309196f9c1b831c380847388"
+
+
+def _corpora_digest(out, configs, extra, extensions):
+    """SHA-256 over the files (``extensions``, in order) of one byte-tokenizer corpus per
+    keyword set of ``configs`` (each with ``extra`` added), written under ``out``."""
     import hashlib
 
-    for queries in ({}, {"queries": 1}):
-        h = hashlib.sha256()
-        for k, kw in enumerate(
-            [
-                dict(
-                    tasks=["passkey", "needle", "multikey"],
-                    num_docs=6,
-                    seq_length=700,
-                    multikey_needles=5,
-                    seed=3,
-                ),
-                dict(
-                    num_docs=5,
-                    min_tokens=200,
-                    max_tokens=900,
-                    depth_distribution="log-uniform",
-                    seed=1,
-                ),
-            ]  # fmt: skip
-        ):
-            prefix = tmp_path / f"w{k}"
-            write_retrieval_dataset(prefix, "byte", **kw, **queries)
-            for ext in (".bin", ".idx"):
-                h.update((tmp_path / f"w{k}{ext}").read_bytes())
-        assert h.hexdigest() == "5a6f78b578713bd51660a33d61fcc2dad7591172309196f9c1b831c380847388"
+    h = hashlib.sha256()
+    for k, kw in enumerate(configs):
+        prefix = str(out / f"w{k}")
+        write_retrieval_dataset(prefix, "byte", **kw, **extra)
+        for ext in extensions:
+            h.update(open(prefix + ext, "rb").read())
+    return h.hexdigest()
 
 
 def _asked(text):
@@ -670,31 +676,21 @@ def test_without_haystack_options_the_bytes_are_unchanged(tmp_path):
     """No --haystack-* option (given as None or left out): the .bin/.idx/.meta.json of the
     writer before them, byte for byte (digest from commit 2a5842b): filler haystacks, a
     multi-query corpus of all three tasks and a log-uniform range of two."""
-    import hashlib
-
     off = {"haystack_corpus": None, "haystack_split": None, "haystack_tokens": None}
     for given in ({}, off):
-        h = hashlib.sha256()
-        for k, kw in enumerate(
-            [
-                dict(
-                    tasks=["passkey", "needle", "multikey"],
-                    num_docs=6,
-                    seq_length=600,
-                    multikey_needles=6,
-                    queries=3,
-                    seed=7,
-                ),
-                dict(
-                    tasks=["needle", "passkey"], num_docs=4, min_tokens=300, max_tokens=800, seed=2
-                ),
-            ]  # fmt: skip
-        ):
-            prefix = str(tmp_path / f"w{k}")
-            write_retrieval_dataset(prefix, "byte", **kw, **given)
-            for ext in (".bin", ".idx", ".meta.json"):
-                h.update(open(prefix + ext, "rb").read())
-        assert h.hexdigest() == "6531bb47394fd01b7d4d44b373e130e2576be4b5ce21af02fd0cf6af2bcde4a2"
+        configs = [
+            dict(
+                tasks=["passkey", "needle", "multikey"],
+                num_docs=6,
+                seq_length=600,
+                multikey_needles=6,
+                queries=3,
+                seed=7,
+            ),
+            dict(tasks=["needle", "passkey"], num_docs=4, min_tokens=300, max_tokens=800, seed=2),
+        ]
+        digest = _corpora_digest(tmp_path, configs, given, (".bin", ".idx", ".meta.json"))
+        assert digest == "6531bb47394fd01b7d4d44b373e130e2576be4b5ce21af02fd0cf6af2bcde4a2"
 
 
 @pytest.mark.parametrize(
