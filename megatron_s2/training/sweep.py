@@ -600,15 +600,43 @@ def point_state(point: Point) -> str:
 
 
 # ---- running -------------------------------------------------------------------------------
+def _slot_env(devices: Optional[Sequence[str]]) -> dict:
+    """The environment of a process run for a point: this one's, without a caller's ``RUN_DIR``
+    (not this run's), seeing only ``devices`` (GPU ids) when given."""
+    env = dict(os.environ)
+    env.pop("RUN_DIR", None)
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    return env
+
+
+def _start_logged(
+    log, argv: list, env: dict, devices: Optional[Sequence[str]], shown: str, **popen
+) -> subprocess.Popen:
+    """Write the GPU ids (with ``devices``) and the command ``shown`` to the open file ``log``,
+    then start ``argv`` with its output (stderr too) piped as text for :func:`_follow`, bytes
+    that are not UTF-8 replaced; ``popen``: further ``subprocess.Popen`` arguments."""
+    if devices:
+        log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
+    log.write(f"$ {shown}\n")
+    log.flush()
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        **popen,
+    )
+
+
 def point_command(
     study: Study, point: Point, *, restart: bool = False, devices: Optional[Sequence[str]] = None
 ) -> tuple[list, dict]:
     """(argv, environment) that trains ``point``: the trainer's CLI, or ``launch/torchrun.sh``
     with ``nproc_per_node`` > 1; ``devices`` (GPU ids) become its ``CUDA_VISIBLE_DEVICES``."""
-    env = dict(os.environ)
-    env.pop("RUN_DIR", None)
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    env = _slot_env(devices)
     extra = ["--restart"] if restart else []
     nproc = study.nproc_per_node or 1
     if nproc > 1:
@@ -663,18 +691,7 @@ def _run_one(
     log_path = os.path.join(study.output_dir, "logs", f"{point.name}.log")
     start = time.time()
     with open(log_path, "a") as log:
-        if devices:
-            log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
-        log.write(f"$ {shlex.join(argv)}\n")
-        log.flush()
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
+        proc = _start_logged(log, argv, env, devices, shlex.join(argv))
         try:
             interrupted = _follow(proc, log, echo)
         finally:
@@ -800,27 +817,14 @@ def _run_after(
     output appended to ``<run dir>/after.log`` (and on the console with ``echo``), the outcome
     written to ``<run dir>/after.json``. Returns its exit code; raises KeyboardInterrupt after
     it ended if Ctrl-C was pressed meanwhile (as :func:`_run_one`)."""
-    env = dict(os.environ)
-    env.pop("RUN_DIR", None)  # as for the trainer: a RUN_DIR of the caller is not this run's
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    env = _slot_env(devices)
     iteration = _summary_iteration(point)
     start = time.time()
     with open(os.path.join(point.run_dir, AFTER_LOG), "a") as log:
         log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        if devices:
-            log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
-        log.write(f"$ {command}\n")
-        log.flush()
         # stdin closed: a command that reads it would otherwise hold the sweep forever.
-        proc = subprocess.Popen(
-            ["bash", "-c", command],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
+        proc = _start_logged(
+            log, ["bash", "-c", command], env, devices, command, stdin=subprocess.DEVNULL
         )
         try:
             interrupted = _follow(proc, log, echo)
