@@ -585,7 +585,7 @@ def retrieval_probe_4k() -> str:
     }
     rows = []
     for arm, (layers, recipe) in recipes.items():
-        r = read_json(PROBE / arm / "seed1" / "retrieval.json")["tasks"]
+        r = read_json(PROBE / arm / "seed0" / "retrieval.json")["tasks"]
         cells = r["passkey"]["cells"]
         ll = sum(c["log_likelihood"] for c in cells) / len(cells)
         rows.append(
@@ -611,6 +611,70 @@ def retrieval_probe_4k() -> str:
         "passkey answer log-likelihood (nats)",
     ]
     return table(header, rows)
+
+
+PROBE2 = LONG / "results" / "retrieval-125m-4k-probe2"
+PROBE2_RECIPES = {
+    "dense-mq": "4,094-token documents: 32 needles in training code, 16 asked in turn",
+    "dense-mq-short": "half of those, half short trials (128-1,024 tokens, several a sample)",
+}
+
+
+def _ci(acc: float, lo: float, hi: float) -> str:
+    """An exact-match rate with its 95% interval, as fractions: ``0.85 [0.77, 0.91]``."""
+    return f"{acc:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def retrieval_probe2_4k() -> str:
+    """docs/long_context_eval.md, "the second 4k probe": exact match per task and length."""
+    runs = read_csv(PROBE2 / "results.csv")
+    rows = []
+    for arm, recipe in PROBE2_RECIPES.items():
+        tasks = read_json(PROBE2 / arm / "seed0" / "retrieval.json")["tasks"]
+        for name in ("passkey", "multikey", "code-value"):
+            cells = tasks[name]["cells"]
+            ll = sum(c["log_likelihood"] for c in cells) / len(cells)
+            by_len = [
+                _ci(b["accuracy"], b["ci_low"], b["ci_high"]) for b in tasks[name]["by_length"]
+            ]
+            first = name == "passkey"
+            rows.append(
+                [
+                    f"`{arm}`" if first else "",
+                    recipe if first else "",
+                    f4(float(runs[arm]["final_valid_loss"])) if first else "",
+                    name,
+                    *by_len,
+                    f"{ll:.2f}",
+                ]
+            )
+    lengths = [b["length"] for b in tasks["passkey"]["by_length"]]
+    header = [
+        "point",
+        "retrieval documents (60% of tokens)",
+        "valid loss",
+        "task",
+        *(f"{n:,} tokens" for n in lengths),
+        "answer log-likelihood (nats)",
+    ]
+    return table(header, rows)
+
+
+def retrieval_probe2_depths() -> str:
+    """docs/long_context_eval.md: the retrieving probe-2 model's passkey and multikey exact match
+    by needle depth (rows) and length (columns), each cell with its Wilson 95% interval."""
+    tasks = read_json(PROBE2 / "dense-mq-short" / "seed0" / "retrieval.json")["tasks"]
+    lengths = [b["length"] for b in tasks["passkey"]["by_length"]]
+    rows = []
+    for name in ("passkey", "multikey"):
+        cells = {(c["depth"], c["length"]): c for c in tasks[name]["cells"]}
+        for depth in sorted({d for d, _ in cells}):
+            row = [name if depth == 0 else "", f"{depth:g}"]
+            for n in lengths:
+                c = cells[(depth, n)]
+                row.append(_ci(c["accuracy"], c["ci_low"], c["ci_high"]))
+            rows.append(row)
+    return table(["task", "needle depth", *(f"{n:,} tokens" for n in lengths)], rows)
 
 
 @dataclass(frozen=True)
@@ -654,11 +718,25 @@ TABLES: dict[str, Table] = {
         "docs/long_context_eval.md",
         (
             "docs/long_context/results/retrieval-125m-4k-probe/results.csv",
-            "docs/long_context/results/retrieval-125m-4k-probe/dense-full/seed1/retrieval.json",
-            "docs/long_context/results/retrieval-125m-4k-probe/dense-mixed/seed1/retrieval.json",
-            "docs/long_context/results/retrieval-125m-4k-probe/hybrid-DS-mixed/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-probe/dense-full/seed0/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-probe/dense-mixed/seed0/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-probe/hybrid-DS-mixed/seed0/retrieval.json",
         ),
         retrieval_probe_4k,
+    ),
+    "retrieval-probe2-4k": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-probe2/results.csv",
+            "docs/long_context/results/retrieval-125m-4k-probe2/dense-mq/seed0/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-probe2/dense-mq-short/seed0/retrieval.json",
+        ),
+        retrieval_probe2_4k,
+    ),
+    "retrieval-probe2-depths": Table(
+        "docs/long_context_eval.md",
+        ("docs/long_context/results/retrieval-125m-4k-probe2/dense-mq-short/seed0/retrieval.json",),
+        retrieval_probe2_depths,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training

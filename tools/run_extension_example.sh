@@ -31,14 +31,18 @@
 # status: non-zero if a step failed, an evaluation during a sweep included (the sweep's exit code
 # 3), even where the catch-up then redid it.
 # Environment: BASE_STUDY (code-125m-4k-base), SEEDS (unset: every seed; e.g. 1,2), SETTINGS
-# (unset: every arm; e.g. dense,hybrid-DS: the sweeps' --settings), EXTEND_TAG
-# (16k: the RETRIEVAL_SPECS tag blended into the extensions), RESULTS_DIR (unset; a folder: the
+# (unset: every arm; e.g. dense,hybrid-DS: the sweeps' --settings), BASE_TAG (4k: the
+# RETRIEVAL_SPECS tag blended into the base study; a comma list, e.g. 4kmq,4kpack, shares
+# RETRIEVAL_WEIGHT evenly among its corpora), EXTEND_TAG (16k: the same for the extensions),
+# RESULTS_DIR (unset; a folder: the
 # evaluator's JSON of every run copied to RESULTS_DIR/<study>/<arm>/seed<k>/), PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
 # RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
-# RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS[:QUERIES[:NEEDLES]] per corpus: trial lengths in tokens,
-# document count, and optionally this corpus's own RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES;
-# default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle),
+# RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS[:QUERIES[:NEEDLES[:PACK]]] per corpus: trial lengths in
+# tokens, document count, and optionally this corpus's own RETRIEVAL_QUERIES and
+# RETRIEVAL_NEEDLES (empty: the defaults) and PACK, documents of PACK tokens each packed with
+# whole trials, so that every training sample starts with one (make_retrieval_corpus.py
+# --pack-to; DOCS then counts the packed documents); default "4k:256:4096:8000 16k:256:16384:2000"), RETRIEVAL_TASKS (passkey,needle),
 # RETRIEVAL_NEEDLES (unset: the writer's 4; needles in a multikey document, 2-64) and
 # RETRIEVAL_QUERIES (1; questions a multikey document asks, each followed by its answer, at most
 # RETRIEVAL_NEEDLES: more answers per training token; passkey and needle documents ask one) for
@@ -103,6 +107,7 @@ SEED_ARGS=()
 [[ -n "${SETTINGS:-}" ]] && SEED_ARGS+=(--settings "$SETTINGS")
 # The retrieval corpus (a RETRIEVAL_SPECS tag) blended into the extension studies.
 EXTEND_TAG=${EXTEND_TAG:-16k}
+BASE_TAG=${BASE_TAG:-4k}
 # Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models.
 read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
 status=0
@@ -191,13 +196,14 @@ if [[ $with_retrieval == 1 ]]; then
     for spec in $RETRIEVAL_SPECS; do
         # Optional fifth and sixth fields: this corpus's own queries and needles (a short-trial
         # corpus cannot hold the many needles of a one-sample one in the same study).
-        IFS=: read -r tag min_tokens max_tokens num_docs queries needles <<< "$spec"
+        IFS=: read -r tag min_tokens max_tokens num_docs queries needles pack <<< "$spec"
         queries=${queries:-$RETRIEVAL_QUERIES}
         needles=${needles:-$RETRIEVAL_NEEDLES}
         if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
             "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
                 --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
                 --queries "$queries" ${needles:+--multikey-needles "$needles"} \
+                ${pack:+--pack-to "$pack"} \
                 --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
                 --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
@@ -207,14 +213,21 @@ fi
 # After the corpus's own overrides, which name the code corpus alone.
 CODE_WEIGHT=$("$PYTHON" -c "import sys; print(round(1 - float(sys.argv[1]) - float(sys.argv[2]), 6))" \
     "$KV_WEIGHT" "$RETRIEVAL_WEIGHT")
-blend() {  # TAG: the study's data.blend override (TAG names its retrieval corpus)
-    local parts="[$CODE_WEIGHT, $CODE], [$KV_WEIGHT, $KV_PREFIX]"
-    [[ $with_retrieval == 1 ]] && parts+=", [$RETRIEVAL_WEIGHT, ${RETRIEVAL_PREFIX}_$1]"
+blend() {  # TAGS: the study's data.blend override (TAGS: its retrieval corpora, a comma list)
+    local parts="[$CODE_WEIGHT, $CODE], [$KV_WEIGHT, $KV_PREFIX]" tags tag share
+    if [[ $with_retrieval == 1 ]]; then
+        IFS=, read -r -a tags <<< "$1"
+        share=$("$PYTHON" -c "import sys; print(round(float(sys.argv[1]) / int(sys.argv[2]), 6))" \
+            "$RETRIEVAL_WEIGHT" "${#tags[@]}")
+        for tag in "${tags[@]}"; do
+            parts+=", [$share, ${RETRIEVAL_PREFIX}_$tag]"
+        done
+    fi
     echo "data.blend=[$parts]"
 }
 
 # Lengths above the 4k the models were trained at: that is the "before extension" column.
-"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend 4k)" "${BASE_EXTRA[@]}" \
+"$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend "$BASE_TAG")" "${BASE_EXTRA[@]}" \
     --after "$(after "$BASE_NAME" --allow-extrapolation)" "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" \
     || status=$?
 note "base study done (exit $status)"

@@ -34,6 +34,7 @@ SCRIPT_KNOBS = {
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
+    "BASE_TAG",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -111,7 +112,8 @@ FAKE = textwrap.dedent(
 def _run(tmp_path, log, returncode=0, **extra):
     # The script's own knobs come from the test alone, not from the caller's environment.
     env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS and k[:5] != "FAKE_"}
-    env.update(PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25", **extra)
+    env.update(PYTHON=str(tmp_path / "python"), FAKE_LOG=str(log), KV_WEIGHT="0.25")
+    env.update(extra)
     r = subprocess.run(
         ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
@@ -387,6 +389,47 @@ def test_a_retrieval_spec_may_set_its_own_queries_and_needles(tmp_path):
         for tag, a in writers.items()
     }
     assert got == {"4kmq": ("16", "32", "40"), "4kshort": ("1", "4", "60"), "16k": ("2", "4", "20")}
+
+
+def test_packed_corpora_and_tag_lists_share_the_retrieval_weight(tmp_path):
+    """RETRIEVAL_SPECS' seventh field gives that corpus's writer --pack-to (the others none),
+    and BASE_TAG / EXTEND_TAG as comma lists blend each of their corpora at an even share of
+    RETRIEVAL_WEIGHT into the base study and the extensions."""
+    _write_fake(tmp_path)
+    calls = _run(
+        tmp_path,
+        tmp_path / "calls.jsonl",
+        RETRIEVAL_TASKS="passkey,multikey",
+        RETRIEVAL_SPECS="4kmq:4094:4094:40:16:32 4kpack:128:1024:60:2::4096 "
+        "16kpack:256:4096:20:::16384",
+        RETRIEVAL_WEIGHT="0.6",
+        KV_WEIGHT="0.1",
+        BASE_TAG="4kmq,4kpack",
+        EXTEND_TAG="16kpack",
+    )
+    writers = {
+        c["args"][c["args"].index("--output-prefix") + 1].rsplit("_", 1)[1]: c["args"]
+        for c in calls
+        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
+    }
+    pack = {
+        t: a[a.index("--pack-to") + 1] if "--pack-to" in a else None for t, a in writers.items()
+    }
+    assert pack == {"4kmq": None, "4kpack": "4096", "16kpack": "16384"}
+    # empty fields: the defaults (RETRIEVAL_QUERIES 1, the writer's own needle count)
+    assert writers["4kpack"][writers["4kpack"].index("--queries") + 1] == "2"
+    assert "--multikey-needles" not in writers["4kpack"]
+    assert writers["16kpack"][writers["16kpack"].index("--queries") + 1] == "1"
+    sweeps = {
+        Path(c["args"][3]).stem: [a for a in c["args"] if a.startswith("data.blend=")][-1]
+        for c in calls
+        if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
+    }
+    head = "data.blend=[[0.3, data/code/train_valid], [0.1, data/kv/kv_code], "
+    assert sweeps["code-125m-4k-base"] == head + (
+        "[0.3, data/retrieval/retrieval_code_4kmq], [0.3, data/retrieval/retrieval_code_4kpack]]"
+    )
+    assert sweeps["code-125m-extend-16k"] == head + "[0.6, data/retrieval/retrieval_code_16kpack]]"
 
 
 @pytest.mark.parametrize("haystack", [None, "code", "filler"])

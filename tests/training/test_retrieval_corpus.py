@@ -764,3 +764,101 @@ def test_cli_haystack_options(tmp_path, capsys):
     assert _tags(text) and max(_tags(text)) < 40
     assert main(argv + ["--haystack-split", "8,2,0"]) == 2
     assert "--haystack-split needs --haystack-corpus" in capsys.readouterr().err
+
+
+# --- packed documents (--pack-to) ---------------------------------------------------------------
+
+
+def _split_trials(doc, eod):
+    """The trials of one packed document: the pieces between its EODs (each ends with one)."""
+    ends = np.flatnonzero(doc == eod)
+    assert ends.size and ends[-1] == doc.size - 1, "a packed document ends with a trial's EOD"
+    return np.split(doc, ends[:-1] + 1)
+
+
+@pytest.mark.parametrize("lo, hi, size", [(40, 300, 1024), (60, 122, 124), (10, 30, 5000)])
+def test_pack_lengths_fill_the_document_in_range(lo, hi, size):
+    """Every trial length in [lo, hi] and the trials' documents (L + 2 tokens each) exactly fill
+    ``size``, over many seeds, including the edge where a document holds one longest trial."""
+    import random
+
+    from megatron_s2.training.evaluation.retrieval_corpus import _pack_lengths
+
+    counts = set()
+    for seed in range(300):
+        lengths = _pack_lengths(random.Random(seed), lo, hi, size)
+        assert all(lo <= n <= hi for n in lengths), lengths
+        assert sum(n + 2 for n in lengths) == size
+        counts.add(len(lengths))
+    assert len(counts) > 1 or size == hi + 2  # the count varies with the draws
+
+
+def test_packed_documents_start_every_sample_with_a_trial(tmp_path):
+    """``--pack-to P``: documents of exactly P tokens, each whole trials in the evaluation's
+    formats (the same checks as one-trial documents), tasks alternating over the trials, and
+    Megatron's sample index starts every sample at a document's, hence a trial's, first token."""
+    tok = load_tokenizer("byte")
+    prefix = str(tmp_path / "p")
+    stats = write_retrieval_dataset(
+        prefix, "byte", tasks=["passkey", "needle"], num_docs=6, min_tokens=300,
+        max_tokens=700, pack_to=2048, seed=3,
+    )  # fmt: skip
+    docs = _docs(prefix)
+    assert [d.size for d in docs] == [2048] * 6 and stats["tokens"] == 6 * 2048
+    trials = [t for d in docs for t in _split_trials(d, tok.eod)]
+    assert len(trials) > 6
+    for j, trial in enumerate(trials):
+        assert 300 + 2 <= trial.size <= 700 + 2
+        name = ("passkey", "needle")[j % 2]
+        text = tok.decode(trial[:-1].tolist())
+        needle, question = PATTERNS[name]
+        found, asked = re.search(needle, text), re.search(question, text)
+        assert found and asked, (name, text[-200:])
+        assert found.groups()[-1] == asked.groups()[-1]
+    import json
+
+    meta = json.load(open(prefix + ".meta.json"))
+    assert meta["pack_to"] == 2048 and meta["trials"] == len(trials)
+    from megatron.core.datasets import helpers
+
+    sizes = np.array([d.size for d in docs], dtype=np.int32)
+    order = np.random.default_rng(0).permutation(len(docs)).astype(np.int32)
+    index = helpers.build_sample_idx(sizes, order, 2048, 1, int(sizes.sum()), True, True)
+    assert (index[:, 1] == 0).all()
+
+
+def test_packed_documents_workers_and_default(tmp_path):
+    """The packed documents do not depend on ``workers``, and leaving ``pack_to`` out writes the
+    same bytes as before (one trial a document)."""
+    kw = dict(tasks=["multikey", "passkey"], num_docs=4, min_tokens=300, max_tokens=800, seed=1)
+    write_retrieval_dataset(tmp_path / "a", "byte", pack_to=2000, **kw)
+    write_retrieval_dataset(tmp_path / "b", "byte", pack_to=2000, workers=2, **kw)
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    write_retrieval_dataset(tmp_path / "c", "byte", **kw)
+    assert (tmp_path / "c.bin").read_bytes() != (tmp_path / "a.bin").read_bytes()
+    assert [d.size for d in _docs(str(tmp_path / "c"))] != [2000] * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"pack_to": 1000, "seq_length": 1000}, "--pack-to and --seq-length: give one"),
+        ({"pack_to": 500, "min_tokens": 100, "max_tokens": 600}, "--pack-to must be at least"),
+        ({"pack_to": 4000, "min_tokens": 300, "max_tokens": 600}, "--max-tokens >= 2 * --min"),
+        ({"pack_to": "4096", "min_tokens": 100, "max_tokens": 600}, "--pack-to must be an int"),
+    ],
+)
+def test_pack_to_refuses_bad_values(tmp_path, kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_cli_pack_to(tmp_path, capsys):
+    prefix = str(tmp_path / "o")
+    argv = ["--tokenizer", "byte", "--output-prefix", prefix, "--num-docs", "3", "--tasks",
+            "passkey", "--min-tokens", "200", "--max-tokens", "600"]  # fmt: skip
+    assert main(argv + ["--pack-to", "1800"]) == 0
+    assert [d.size for d in _docs(prefix)] == [1800] * 3
+    assert main(argv + ["--pack-to", "300"]) == 2
+    assert "--pack-to must be at least --max-tokens + 2 = 602" in capsys.readouterr().err
