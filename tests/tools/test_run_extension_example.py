@@ -134,6 +134,16 @@ def _run_dir(tmp_path, call):
     return run.relative_to(tmp_path) if run.is_absolute() else run
 
 
+def _writers_by_tag(calls):
+    """The retrieval writer's calls, as {RETRIEVAL_SPECS tag: its argument list} (the tag is
+    the suffix of its --output-prefix)."""
+    return {
+        c["args"][c["args"].index("--output-prefix") + 1].rsplit("_", 1)[1]: c["args"]
+        for c in calls
+        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
+    }
+
+
 def _after_of(sweep_call):
     """The --after command of a sweep call, split: [bash, script, --evaluate-run, {run}, ...]."""
     args = sweep_call["args"]
@@ -374,11 +384,7 @@ def test_a_retrieval_spec_may_set_its_own_queries_and_needles(tmp_path):
         RETRIEVAL_QUERIES="1",
         RETRIEVAL_NEEDLES="4",
     )
-    writers = {
-        c["args"][c["args"].index("--output-prefix") + 1].rsplit("_", 1)[1]: c["args"]
-        for c in calls
-        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
-    }
+    writers = _writers_by_tag(calls)
     assert sorted(writers) == ["16k", "4kmq", "4kshort"]
 
     def value(args, option):
@@ -407,11 +413,7 @@ def test_packed_corpora_and_tag_lists_share_the_retrieval_weight(tmp_path):
         BASE_TAG="4kmq,4kpack",
         EXTEND_TAG="16kpack",
     )
-    writers = {
-        c["args"][c["args"].index("--output-prefix") + 1].rsplit("_", 1)[1]: c["args"]
-        for c in calls
-        if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"
-    }
+    writers = _writers_by_tag(calls)
     pack = {
         t: a[a.index("--pack-to") + 1] if "--pack-to" in a else None for t, a in writers.items()
     }

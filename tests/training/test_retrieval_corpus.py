@@ -37,6 +37,14 @@ def _docs(prefix):
     return [np.array(ds[i]) for i in range(len(ds))]
 
 
+def _assert_refused(tmp_path, kwargs, message):
+    """The writer, given ``kwargs`` (two documents unless they say otherwise), raises a
+    ConfigError holding ``message`` and writes no dataset."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
+    assert not (tmp_path / "x.bin").exists()
+
+
 def test_documents_are_whole_trials_with_the_needles_value_as_answer(tmp_path):
     tok = load_tokenizer("byte")
     prefix = str(tmp_path / "r")
@@ -106,9 +114,7 @@ def test_one_task_only(tmp_path):
     ],
 )
 def test_bad_input_names_the_option(tmp_path, kwargs, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
-    assert not (tmp_path / "x.bin").exists()
+    _assert_refused(tmp_path, kwargs, message)
 
 
 def test_cli(tmp_path, capsys):
@@ -257,9 +263,7 @@ def test_heldout_task_is_refused_and_never_written(tmp_path, capsys):
     ],
 )
 def test_new_options_refuse_bad_values(tmp_path, kwargs, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
-    assert not (tmp_path / "x.bin").exists()
+    _assert_refused(tmp_path, kwargs, message)
 
 
 def test_cli_new_options(tmp_path, capsys):
@@ -520,9 +524,7 @@ def test_multi_query_workers_write_the_same_documents(tmp_path):
     ],
 )
 def test_queries_refuse_bad_values(tmp_path, kwargs, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
-    assert not (tmp_path / "x.bin").exists()
+    _assert_refused(tmp_path, kwargs, message)
 
 
 def test_multi_query_trial_refuses_bad_values():
@@ -849,9 +851,7 @@ def test_packed_documents_workers_and_default(tmp_path):
     ],
 )
 def test_pack_to_refuses_bad_values(tmp_path, kwargs, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        write_retrieval_dataset(tmp_path / "x", "byte", **{"num_docs": 2, **kwargs})
-    assert not (tmp_path / "x.bin").exists()
+    _assert_refused(tmp_path, kwargs, message)
 
 
 def test_cli_pack_to(tmp_path, capsys):
