@@ -451,7 +451,7 @@ def write_retrieval_dataset(
             docs = pool.imap(_document, jobs, chunksize=64)
         docs = iter(docs)
         for count in groups:
-            doc = np.concatenate([next(docs) for _ in range(count)]) if count > 1 else next(docs)
+            doc = np.concatenate([next(docs) for _ in range(count)])
             writer.add(doc)
             tokens += doc.size
         stats = {"documents": num_docs, "tokens": tokens}
