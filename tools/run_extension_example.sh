@@ -65,7 +65,9 @@
 # each, through the sweep's --devices, each point's evaluation on its GPU; default one after
 # another), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
 # POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a length: every evaluation also runs
-# --attention-probe at it, which layers look at the needle). Progress, one line per step, in
+# --attention-probe at it, which layers look at the needle), PREFIX_EOD (unset; also: each
+# evaluation is followed by a retrieval-only one of the same grid with every prompt behind the
+# EOD token, --prefix-eod, into <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/). Progress, one line per step, in
 # STATUS (example_status.log). Measured
 # on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 #
@@ -88,6 +90,7 @@ RETRIEVAL_TASKS=${RETRIEVAL_TASKS:-passkey,needle}
 RETRIEVAL_QUERIES=${RETRIEVAL_QUERIES:-1}
 RETRIEVAL_NEEDLES=${RETRIEVAL_NEEDLES:-}
 RETRIEVAL_HAYSTACK=${RETRIEVAL_HAYSTACK:-code}
+PREFIX_EOD=${PREFIX_EOD:-}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
@@ -117,16 +120,26 @@ read_corpus() {  # OVERRIDES: the code corpus's own overrides; CODE: the corpus 
     CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
 }
 evaluate() {  # RUN [extra options]: held-out code only, for the loss by position.
-    local run=$1
+    local run=$1 rc=0
     shift
-    [[ -f "$run/long_context_eval/loss_by_position.json" ]] && return 0
-    "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
-        --lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}" \
-        --trials "${TRIALS:-10}" --position-sequences "${POSITION_SEQUENCES:-64}" \
-        ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \
-        "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
-    local rc=$?
-    note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
+    local grid=(--lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}"
+        --trials "${TRIALS:-10}")
+    if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
+        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
+            "${grid[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" \
+            ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \
+            "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
+        rc=$?
+        note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
+    fi
+    if ((rc == 0)) && [[ $PREFIX_EOD == also && ! -f "$run/long_context_eval_eod/retrieval.json" ]]; then
+        # The same trials' grid once more, every prompt behind the EOD token (retrieval only).
+        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
+            "${grid[@]}" --prefix-eod --skip-position --output-dir "$run/long_context_eval_eod" \
+            "$@" "data.blend=[$CODE]" > "$run/long_context_eval_eod.log" 2>&1
+        rc=$?
+        note "evaluated $run with --prefix-eod (exit $rc; output in $run/long_context_eval_eod.log)"
+    fi
     return $rc
 }
 copy_results() {  # STUDY RUN: with RESULTS_DIR, RUN's evaluator JSON to RESULTS_DIR/<study>/<arm>/seed<k>/
@@ -137,7 +150,11 @@ copy_results() {  # STUDY RUN: with RESULTS_DIR, RUN's evaluator JSON to RESULTS
     seed=seed0  # a run without a seed
     [[ $point == *,seed=* ]] && seed=seed${point##*,seed=}
     mkdir -p "$RESULTS_DIR/$study/$arm/$seed" &&
-        cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/"
+        cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/" || return
+    # The EOD-prefixed evaluation is a study directory of its own: tables never mix protocols.
+    [[ -f "$run/long_context_eval_eod/retrieval.json" ]] || return 0
+    mkdir -p "$RESULTS_DIR/$study-eod/$arm/$seed" &&
+        cp "$run"/long_context_eval_eod/retrieval.json "$RESULTS_DIR/$study-eod/$arm/$seed/"
 }
 if [[ ${1:-} == --evaluate-run ]]; then
     # The sweeps' --after (below): the run just trained, on the GPU its point had; its results
@@ -158,6 +175,10 @@ after() {  # STUDY [extra options]: the sweep's --after that evaluates each poin
 # Before any work: a misspelt setting would otherwise stop the script later.
 if [[ $RETRIEVAL_HAYSTACK != code && $RETRIEVAL_HAYSTACK != filler ]]; then
     note "RETRIEVAL_HAYSTACK must be code or filler, got '$RETRIEVAL_HAYSTACK'"
+    exit 2
+fi
+if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
+    note "PREFIX_EOD must be empty or also, got '$PREFIX_EOD'"
     exit 2
 fi
 (( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }

@@ -34,7 +34,7 @@ SCRIPT_KNOBS = {
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
-    "BASE_TAG",
+    "BASE_TAG", "PREFIX_EOD",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -92,14 +92,18 @@ FAKE = textwrap.dedent(
         sys.exit(code)
     elif args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
-        os.makedirs(os.path.join(run, "long_context_eval"), exist_ok=True)
-        open(os.path.join(run, "long_context_eval", "loss_by_position.json"), "w").write("{{}}")
+        out = (args[args.index("--output-dir") + 1] if "--output-dir" in args
+               else os.path.join(run, "long_context_eval"))
+        os.makedirs(out, exist_ok=True)
+        if "--skip-position" not in args:
+            open(os.path.join(out, "loss_by_position.json"), "w").write("{{}}")
         acc = float(os.environ.get("FAKE_ACCURACY", "0"))
         cells = [{{"length": n, "depth": 0.5, "accuracy": acc if n <= 4096 else 0.0,
                    "token_accuracy": 0.0, "log_likelihood": -11.5, "trials": 10}}
                  for n in (2048, 4096, 8192)]
-        json.dump({{"tasks": {{"passkey": {{"cells": cells}}}}}},
-                  open(os.path.join(run, "long_context_eval", "retrieval.json"), "w"))
+        json.dump({{"tasks": {{"passkey": {{"cells": cells}}}},
+                   "prefix_eod": "--prefix-eod" in args}},
+                  open(os.path.join(out, "retrieval.json"), "w"))
     elif tool == "plot_loss_by_position.py":
         pass
     else:
@@ -549,3 +553,54 @@ def test_example_script_keeps_each_evaluation_when_cut_off(tmp_path):
         assert (
             tmp_path / "r" / "code-125m-extend-16k" / point / "seed0" / "retrieval.json"
         ).exists()
+
+
+def test_prefix_eod_also_evaluates_every_run_behind_the_eod_token_once(tmp_path):
+    """PREFIX_EOD=also: after each run's evaluation, a retrieval-only one of the same grid with
+    --prefix-eod into <run>/long_context_eval_eod/, copied to RESULTS_DIR/<study>-eod/ (a
+    study directory of its own); a second run of the script redoes neither."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, PREFIX_EOD="also", RESULTS_DIR="r", LENGTHS="4096,8192")
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    runs = [f"sweeps/{study}/runs/{p}" for study in ("code-125m-4k-base", "code-125m-extend-16k")
+            for p in POINTS[study]]  # fmt: skip
+    plain = [c for c in evals if "--prefix-eod" not in c["args"]]
+    eod = [c for c in evals if "--prefix-eod" in c["args"]]
+    assert sorted(str(_run_dir(tmp_path, c)) for c in plain) == sorted(runs)
+    assert sorted(str(_run_dir(tmp_path, c)) for c in eod) == sorted(runs)
+    for c in eod:
+        args, run = c["args"], tmp_path / _run_dir(tmp_path, c)
+        assert "--skip-position" in args and "--attention-probe" not in args
+        assert args[args.index("--lengths") + 1] == "4096,8192"
+        assert (
+            Path(args[args.index("--output-dir") + 1]).resolve()
+            == (run / "long_context_eval_eod").resolve()
+        )
+        # After the run's own evaluation, and with the base runs' --allow-extrapolation.
+        first = next(p for p in plain if _run_dir(tmp_path, p) == _run_dir(tmp_path, c))
+        assert first["end"] <= c["start"]
+        assert ("--allow-extrapolation" in args) == ("4k-base" in str(run))
+    for study in ("code-125m-4k-base", "code-125m-extend-16k"):
+        for point in POINTS[study]:
+            got = json.loads((tmp_path / "r" / f"{study}-eod" / point / "seed0" / "retrieval.json")
+                             .read_text())  # fmt: skip
+            assert got["prefix_eod"] is True
+            mine = json.loads((tmp_path / "r" / study / point / "seed0" / "retrieval.json")
+                              .read_text())  # fmt: skip
+            assert mine["prefix_eod"] is False
+    log.write_text("")
+    again = _run(tmp_path, log, PREFIX_EOD="also", RESULTS_DIR="r", LENGTHS="4096,8192")
+    assert not [c for c in again if c["args"][:2] == EVAL_MODULE]
+
+
+def test_example_script_refuses_an_unknown_prefix_eod_before_any_work(tmp_path):
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    _run(tmp_path, log, returncode=2, PREFIX_EOD="yes")
+    assert log.read_text() == ""
+    assert (
+        "PREFIX_EOD must be empty or also, got 'yes'"
+        in (tmp_path / "example_status.log").read_text()
+    )

@@ -122,6 +122,81 @@ def test_retrieval_json_has_counts_and_wilson_intervals(monkeypatch):
         assert all(0 <= r["distance"] < r["length"] for r in res["trials"])
 
 
+def _copying_model(tok, batches):
+    """A stand-in model that predicts every next token right (greedy = the prompt shifted by
+    one) and keeps each batch it scores in ``batches``: a record's greedy answer equals its
+    answer only when the evaluator reads the answer from the right positions."""
+    em = types.SimpleNamespace(tokenizer=tok, cfg=None)
+
+    def score(_em, batch, micro_batch_size=1):
+        batches.append(batch.copy())
+        rows, width = batch.shape
+        return {
+            "greedy": batch[:, 1:],
+            "nll": np.full((rows, width - 1), 0.5),
+            "correct": np.ones((rows, width - 1), dtype=bool),
+        }
+
+    return em, score
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey"])
+def test_prefix_eod_starts_every_prompt_with_eod_at_the_same_length(monkeypatch, task):
+    """--prefix-eod: each prompt is the EOD token then the trial built one token shorter, as
+    long as without it; the answer is read at the shifted positions (the copying model's
+    greedy answer equals the answer, exact everywhere) and the file records the protocol."""
+    tok = load_tokenizer("byte")
+    docs = [np.asarray(tok.encode("x = 1\n" * 400) + [tok.eod])]
+    lengths, depths, trials = [300, 420], [0.0, 0.5, 1.0], 2
+    runs = {}
+    for prefix in (False, True):
+        batches = []
+        em, score = _copying_model(tok, batches)
+        monkeypatch.setattr(R, "score_sequences", score)
+        out = R.evaluate_retrieval(em, [task], lengths, depths, trials, documents=docs,
+                                   multikey_needles=3, prefix_eod=prefix)  # fmt: skip
+        assert out["prefix_eod"] is prefix
+        runs[prefix] = (out, batches)
+        for batch, n in zip(batches, lengths):
+            assert batch.shape == (len(depths) * trials, n + 1)  # length + 1: the answer's end
+            assert (batch[:, 0] == tok.eod).all() == prefix
+            assert (batch[:, 1:] != tok.eod).all()  # one EOD at most, only at the start
+        for r in out["tasks"][task]["trials"]:
+            assert r["exact"] and r["greedy"] == r["answer"], r
+    # With the prefix, the trials are those of one token less, behind the EOD.
+    from megatron_s2.training.evaluation.tasks import get_task, haystack_stream, make_trial
+
+    t = get_task(task, 3)
+    stream = haystack_stream(t, tok, docs, 2 * max(lengths) + 2)
+    out, batches = runs[True]
+    for batch, n in zip(batches, lengths):
+        expected = [make_trial(t, tok, stream, n - 1, d, i).tokens for d in depths
+                    for i in range(trials)]  # fmt: skip
+        np.testing.assert_array_equal(batch[:, 1:], np.stack(expected))
+    # Each record's answer is its trial's own (read after the prefix, not one token early).
+    truth = [
+        tok.decode(x.tokens[x.answer_at :].tolist())
+        for n in lengths
+        for x in (make_trial(t, tok, stream, n - 1, d, i) for d in depths for i in range(trials))
+    ]
+    assert [r["answer"] for r in out["tasks"][task]["trials"]] == truth
+
+
+def test_a_study_mixing_prompt_protocols_is_refused(tmp_path):
+    """Arms evaluated with and without --prefix-eod are not comparable: the tables refuse."""
+    plain, eod = _arm(DENSE), _arm(HYBRID)
+    for r in eod.values():
+        r["prefix_eod"] = True
+    _write_study(tmp_path / "mixed", {"dense": plain, "hybrid-DS": eod})
+    with pytest.raises(ValueError, match="mix prompts with and without the EOD prefix"):
+        S.read_arm_results(tmp_path / "mixed")
+    # Old files without the field read as False: a study of them alone is fine.
+    for r in plain.values():
+        r["prefix_eod"] = False
+    _write_study(tmp_path / "same", {"dense": plain, "hybrid-DS": _arm(HYBRID)})
+    assert set(S.read_arm_results(tmp_path / "same")) == {"dense", "hybrid-DS"}
+
+
 def _result(acc, trials=10, tasks=("passkey",), lengths=(1024, 2048), depths=(0.0, 0.5, 1.0)):
     """A synthetic retrieval.json: ``acc(task, length, depth)`` -> successes out of
     ``trials``; written as the evaluator writes it (no per-trial records)."""

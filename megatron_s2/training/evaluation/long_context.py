@@ -71,6 +71,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--prefix-eod",
+        action="store_true",
+        help="start every retrieval prompt with the end-of-document token, as a document starts "
+        "inside Megatron's packed training stream (a BOS for models without one); the prompt "
+        "keeps its length. retrieval.json records it (prefix_eod)",
+    )
+    p.add_argument(
         "--allow-extrapolation",
         action="store_true",
         help="allow lengths above model.seq_length",
@@ -168,11 +175,14 @@ def run(args) -> dict:
             micro_batch_size=args.micro_batch_size,
             documents=documents,
             multikey_needles=args.multikey_needles,
+            prefix_eod=args.prefix_eod,
         )
         retrieval.update(checkpoint=em.checkpoint, iteration=em.iteration)
         result["retrieval"] = retrieval
         if em.rank0:
             md = []
+            if args.prefix_eod:
+                md += ["Every prompt starts with the end-of-document token (--prefix-eod).", ""]
             for task in tasks:
                 md += [
                     f"## {task}: greedy exact-match accuracy",

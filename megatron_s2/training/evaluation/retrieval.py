@@ -55,10 +55,17 @@ def evaluate_retrieval(
     micro_batch_size: int = 1,
     documents: Optional[list] = None,
     multikey_needles: Optional[int] = None,
+    prefix_eod: bool = False,
 ) -> dict:
     """Every task over ``lengths`` x ``depths`` with ``trials`` prompts each (collective);
     ``multikey_needles``: needles of a multi-needle task (default
     :data:`~.tasks.MULTIKEY_NEEDLES`).
+
+    ``prefix_eod``: every prompt starts with the tokenizer's end-of-document token, the way a
+    document starts inside Megatron's packed training stream (after the previous document's
+    EOD; the role a BOS token plays for Llama-style models), and its trial is built one token
+    shorter, so that prompts keep their ``length``. Without it a needle at depth 0 is the
+    prompt's very first tokens, a position training samples almost never start a document at.
 
     Returns ``{"tasks": {task: {"cells": [...], "by_length": [...], "trials": [...]}}, ...}``:
     a cell per (length, depth) with ``accuracy`` (greedy exact match, fraction of trials),
@@ -71,6 +78,7 @@ def evaluate_retrieval(
     """
     check_grid(tasks, depths, trials, multikey_needles)
     tok = em.tokenizer
+    prefix = np.asarray([tok.eod] if prefix_eod else [], dtype=np.int64)
     out = {"tasks": {}}
     for name in tasks:
         task = get_task(name, multikey_needles)
@@ -79,16 +87,17 @@ def evaluate_retrieval(
         stream = haystack_stream(task, tok, documents or [], 2 * max(lengths) + 2)
         cells, records = [], []
         for length in lengths:
+            # One token of each prompt goes to the EOD prefix: the trial is built shorter.
             prompts = [
-                make_trial(task, tok, stream, length, d, i, seed=seed)
+                make_trial(task, tok, stream, length - prefix.size, d, i, seed=seed)
                 for d in depths
                 for i in range(trials)
             ]
-            scores = score_sequences(
-                em, np.stack([p.tokens for p in prompts]), micro_batch_size=micro_batch_size
-            )
+            batch = np.stack([np.concatenate([prefix, p.tokens]) for p in prompts])
+            scores = score_sequences(em, batch, micro_batch_size=micro_batch_size)
             for row, p in enumerate(prompts):
-                span = slice(p.answer_at - 1, length)  # the positions that predict the answer
+                answer_at = p.answer_at + prefix.size  # in the prompt, after the prefix
+                span = slice(answer_at - 1, length)  # the positions that predict the answer
                 greedy = scores["greedy"][row, span]
                 records.append(
                     {
@@ -99,7 +108,7 @@ def evaluate_retrieval(
                         "distance": p.distance,
                         "needles": task.needles,
                         "key": p.key,
-                        "answer": tok.decode(p.tokens[p.answer_at :].tolist()),
+                        "answer": tok.decode(batch[row, answer_at:].tolist()),
                         "greedy": tok.decode(greedy.tolist()),
                         "log_likelihood": -float(scores["nll"][row, span].sum()),
                         "token_accuracy": float(scores["correct"][row, span].mean()),
@@ -130,6 +139,7 @@ def evaluate_retrieval(
         seed=seed,
         interval={"method": "wilson", "level": CONFIDENCE},
         multikey_needles=get_task("multikey", multikey_needles).needles,
+        prefix_eod=bool(prefix_eod),
     )
     return out
 

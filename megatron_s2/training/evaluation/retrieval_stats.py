@@ -144,7 +144,9 @@ _SEED_DIR = re.compile(r"^seed(\d+)$")
 def read_arm_results(study_dir: str | os.PathLike) -> dict[str, dict[int, dict]]:
     """The raw results of one study: ``{arm: {seed: retrieval.json content}}`` from
     ``study_dir/<arm>/seed<k>/retrieval.json`` (the layout of ``docs/long_context/results/``).
-    Raises FileNotFoundError naming the layout when there is none."""
+    Raises FileNotFoundError naming the layout when there is none, and ValueError when the
+    files were evaluated under different prompt protocols (``prefix_eod``, absent in files
+    written before it existed: False), which no table may compare."""
     found: dict[str, dict[int, dict]] = {}
     for arm in sorted(os.listdir(study_dir)):
         arm_dir = os.path.join(study_dir, arm)
@@ -160,6 +162,16 @@ def read_arm_results(study_dir: str | os.PathLike) -> dict[str, dict[int, dict]]
         raise FileNotFoundError(
             f"{study_dir}: no <arm>/seed<k>/retrieval.json files (the layout of "
             f"docs/long_context/results/<study>/)"
+        )
+    protocol = {
+        f"{arm}/seed{seed}": bool(r.get("prefix_eod", False))
+        for arm, seeds in found.items()
+        for seed, r in seeds.items()
+    }
+    if len(set(protocol.values())) > 1:
+        raise ValueError(
+            f"{study_dir}: its retrieval.json files mix prompts with and without the EOD prefix "
+            f"(prefix_eod: {protocol}); keep each protocol in a study directory of its own"
         )
     return found
 
