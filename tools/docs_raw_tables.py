@@ -663,7 +663,51 @@ def retrieval_probe2_4k() -> str:
 def retrieval_probe2_depths() -> str:
     """docs/long_context_eval.md: the retrieving probe-2 model's passkey and multikey exact match
     by needle depth (rows) and length (columns), each cell with its Wilson 95% interval."""
-    tasks = read_json(PROBE2 / "dense-mq-short" / "seed0" / "retrieval.json")["tasks"]
+    return _depth_table(read_json(PROBE2 / "dense-mq-short" / "seed0" / "retrieval.json")["tasks"])
+
+
+RECIPE = LONG / "results"
+RECIPE_STAGES = {
+    "retrieval-125m-4k-base": "4k base (2,000 steps, 131M tokens at 4k)",
+    "retrieval-125m-extend-32k": "after the 32k extension (200 steps, 26M tokens at 32k)",
+}
+
+
+def retrieval_recipe_lengths() -> str:
+    """docs/long_context_eval.md, the recipe's dense twin (seed 1): exact match per task and
+    length before and after the 32k extension, with the run's valid loss and tokens/s."""
+    rows = []
+    for study, stage in RECIPE_STAGES.items():
+        run = read_csv(RECIPE / study / "results.csv")["dense,seed=1"]
+        tasks = read_json(RECIPE / study / "dense" / "seed1" / "retrieval.json")["tasks"]
+        for name in ("passkey", "multikey", "code-value"):
+            by_len = [
+                _ci(b["accuracy"], b["ci_low"], b["ci_high"]) for b in tasks[name]["by_length"]
+            ]
+            first = name == "passkey"
+            rows.append(
+                [
+                    stage if first else "",
+                    f4(float(run["final_valid_loss"])) if first else "",
+                    thousands(float(run["tokens_per_s"])) if first else "",
+                    name,
+                    *by_len,
+                ]
+            )
+    lengths = [b["length"] for b in tasks["passkey"]["by_length"]]
+    header = ["dense twin, seed 1", "valid loss", "tokens/s", "task"]
+    return table(header + [f"{n:,} tokens" for n in lengths], rows)
+
+
+def retrieval_recipe_depths() -> str:
+    """docs/long_context_eval.md: the extended dense twin's passkey and multikey exact match by
+    needle depth (rows) and length (columns), each cell with its Wilson 95% interval."""
+    tasks = read_json(RECIPE / "retrieval-125m-extend-32k" / "dense" / "seed1" / "retrieval.json")
+    return _depth_table(tasks["tasks"])
+
+
+def _depth_table(tasks: dict) -> str:
+    """Passkey and multikey exact match of one retrieval.json's ``tasks`` by depth x length."""
     lengths = [b["length"] for b in tasks["passkey"]["by_length"]]
     rows = []
     for name in ("passkey", "multikey"):
@@ -737,6 +781,20 @@ TABLES: dict[str, Table] = {
         "docs/long_context_eval.md",
         ("docs/long_context/results/retrieval-125m-4k-probe2/dense-mq-short/seed0/retrieval.json",),
         retrieval_probe2_depths,
+    ),
+    "retrieval-recipe-lengths": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/{f}"
+            for study in RECIPE_STAGES
+            for f in ("results.csv", "dense/seed1/retrieval.json")
+        ),
+        retrieval_recipe_lengths,
+    ),
+    "retrieval-recipe-depths": Table(
+        "docs/long_context_eval.md",
+        ("docs/long_context/results/retrieval-125m-extend-32k/dense/seed1/retrieval.json",),
+        retrieval_recipe_depths,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
