@@ -51,6 +51,7 @@ waits for them, starts no other point and prints one line; running it again resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -610,17 +611,69 @@ def _slot_env(devices: Optional[Sequence[str]]) -> dict:
     return env
 
 
+class _CtrlC:
+    """The Ctrl-Cs (SIGINT) that reached the sweep while :func:`run_local` runs points, counted.
+
+    Python's own handler raises KeyboardInterrupt wherever the main thread happens to be: one
+    that landed after a process (a point's trainer, an ``--after`` command) had started but
+    before the ``try`` that waits for it escaped that block, and the sweep exited without
+    waiting for the process, passing a further Ctrl-C on or recording how it ended (its
+    sessions file, ``after.json``); one in a ``finally`` could cut a record short. This handler
+    only counts; the code that starts and waits for processes looks at the count where acting
+    on it is safe (:func:`_start_logged`, :func:`_wait_through_ctrl_c`, the loop of
+    :func:`run_local`, which starts nothing once :attr:`pressed`).
+
+    Not :class:`~megatron_s2.training.preemption.Preemption`: that is the trainer's (a second
+    Ctrl-C raises there, and it catches SIGTERM too)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @property
+    def pressed(self) -> bool:
+        return self.count > 0
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.count += 1
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the Ctrl-Cs in this block; the previous handler is back after it. An ignored
+        SIGINT stays ignored (a shell's background job: Ctrl-C in the terminal is not meant for
+        it); outside the main thread (which alone gets signals and may set handlers), and with
+        a handler not set from Python (which could not be put back), nothing changes."""
+        previous = signal.getsignal(signal.SIGINT)
+        if (
+            previous in (signal.SIG_IGN, None)
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            yield self
+            return
+        signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _start_logged(
-    log, argv: list, env: dict, devices: Optional[Sequence[str]], shown: str, **popen
+    log,
+    argv: list,
+    env: dict,
+    devices: Optional[Sequence[str]],
+    shown: str,
+    ctrl_c: _CtrlC,
+    **popen,
 ) -> subprocess.Popen:
     """Write the GPU ids (with ``devices``) and the command ``shown`` to the open file ``log``,
     then start ``argv`` with its output (stderr too) piped as text for :func:`_follow`, bytes
-    that are not UTF-8 replaced; ``popen``: further ``subprocess.Popen`` arguments."""
+    that are not UTF-8 replaced; ``popen``: further ``subprocess.Popen`` arguments. A Ctrl-C
+    that came while it started is passed on to it (see below)."""
     if devices:
         log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
     log.write(f"$ {shown}\n")
     log.flush()
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         argv,
         env=env,
         stdout=subprocess.PIPE,
@@ -629,6 +682,12 @@ def _start_logged(
         errors="replace",
         **popen,
     )
+    if ctrl_c.pressed:
+        # The caller saw none before starting it, so this one came while it started: a
+        # terminal's may have reached the process group before the process was in it, and
+        # ``kill -INT`` reaches the sweep alone; either way nothing is to run on after a Ctrl-C.
+        proc.send_signal(signal.SIGINT)
+    return proc
 
 
 def point_command(
@@ -681,30 +740,30 @@ def _run_one(
     study: Study,
     point: Point,
     restart: bool,
+    ctrl_c: _CtrlC,
     devices: Optional[Sequence[str]] = None,
     echo: bool = True,
 ) -> int:
     """Train ``point`` in a subprocess, its output in ``<output_dir>/logs/<point>.log`` (and on
-    the console with ``echo``); append the session to the run's sessions file."""
+    the console with ``echo``); append the session to the run's sessions file. Returns the exit
+    code; whether Ctrl-C was pressed meanwhile, ``ctrl_c`` says."""
     argv, env = point_command(study, point, restart=restart, devices=devices)
     os.makedirs(os.path.join(study.output_dir, "logs"), exist_ok=True)
     log_path = os.path.join(study.output_dir, "logs", f"{point.name}.log")
     start = time.time()
     with open(log_path, "a") as log:
-        proc = _start_logged(log, argv, env, devices, shlex.join(argv))
+        proc = _start_logged(log, argv, env, devices, shlex.join(argv), ctrl_c)
         try:
-            interrupted = _follow(proc, log, echo)
+            _follow(proc, log, echo, ctrl_c)
         finally:
             _record_session(point.run_dir, start, time.time(), proc.poll(), "local")
     sys.stdout.flush()
-    if interrupted:
-        raise KeyboardInterrupt
     return proc.returncode
 
 
-def _follow(proc: subprocess.Popen, log, echo: bool) -> bool:
+def _follow(proc: subprocess.Popen, log, echo: bool, ctrl_c: _CtrlC) -> None:
     """Copy ``proc``'s output to the open file ``log`` (and to the console with ``echo``) until
-    it ends; return whether Ctrl-C was pressed meanwhile (see :func:`_wait_through_ctrl_c`)."""
+    it ends, passing Ctrl-Cs on as :func:`_wait_through_ctrl_c` does."""
 
     def copy_output() -> None:
         for line in proc.stdout:
@@ -713,31 +772,36 @@ def _follow(proc: subprocess.Popen, log, echo: bool) -> bool:
             log.write(line)
             log.flush()  # a log to follow while the process runs (tail -f)
 
-    # Copied by a thread: a Ctrl-C reaches only the main thread, and one that interrupted a read
-    # here would drop what the process printed last (for a trainer: where it saved).
+    # Copied by a thread: a read blocks until the process prints, and the wait below must look
+    # for Ctrl-Cs to pass on meanwhile.
     reader = threading.Thread(target=copy_output, daemon=True)
     reader.start()
-    interrupted = _wait_through_ctrl_c(proc)
+    _wait_through_ctrl_c(proc, ctrl_c)
     reader.join()
-    return interrupted
 
 
-def _wait_through_ctrl_c(proc: subprocess.Popen) -> bool:
-    """Wait for ``proc`` to end; return whether Ctrl-C was pressed meanwhile.
+# How often a wait looks for a Ctrl-C to pass on (the handler only counts them: see _CtrlC).
+_CTRL_C_POLL_S = 0.1
+
+
+def _wait_through_ctrl_c(proc: subprocess.Popen, ctrl_c: _CtrlC) -> None:
+    """Wait for ``proc`` to end, passing on every Ctrl-C after the first.
 
     A terminal's Ctrl-C reaches the trainer too (same process group): it finishes its
-    iteration, checkpoints and stops, so the first one only waits. A further one is passed on
-    (the trainer aborts on its second; where the first reached the sweep alone, as ``kill
-    -INT`` sends it, this is the trainer's first)."""
-    interrupted = False
+    iteration, checkpoints and stops, so the first one only waits (one that came while the
+    process started, :func:`_start_logged` passed on). A further one is passed on (the trainer
+    aborts on its second; where the first reached the sweep alone, as ``kill -INT`` sends it,
+    this is the trainer's first)."""
+    passed_on = 1  # the Ctrl-Cs counted up to here are not to pass on
     while True:
         try:
-            proc.wait()
-            return interrupted
-        except KeyboardInterrupt:
-            if interrupted and proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            interrupted = True
+            proc.wait(timeout=_CTRL_C_POLL_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        while passed_on < ctrl_c.count and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            passed_on += 1
 
 
 def _record_session(run_dir: str, start: float, end: float, code, how: str) -> None:
@@ -811,12 +875,16 @@ def _after_succeeded(point: Point, command: str) -> bool:
 
 
 def _run_after(
-    point: Point, command: str, devices: Optional[Sequence[str]] = None, echo: bool = True
+    point: Point,
+    command: str,
+    ctrl_c: _CtrlC,
+    devices: Optional[Sequence[str]] = None,
+    echo: bool = True,
 ) -> int:
     """Run ``command`` with bash in the sweep's directory, seeing ``devices`` as the point did;
     output appended to ``<run dir>/after.log`` (and on the console with ``echo``), the outcome
-    written to ``<run dir>/after.json``. Returns its exit code; raises KeyboardInterrupt after
-    it ended if Ctrl-C was pressed meanwhile (as :func:`_run_one`)."""
+    written to ``<run dir>/after.json``. Returns its exit code; whether Ctrl-C was pressed
+    meanwhile, ``ctrl_c`` says (as :func:`_run_one`)."""
     env = _slot_env(devices)
     iteration = _summary_iteration(point)
     start = time.time()
@@ -824,10 +892,10 @@ def _run_after(
         log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         # stdin closed: a command that reads it would otherwise hold the sweep forever.
         proc = _start_logged(
-            log, ["bash", "-c", command], env, devices, command, stdin=subprocess.DEVNULL
+            log, ["bash", "-c", command], env, devices, command, ctrl_c, stdin=subprocess.DEVNULL
         )
         try:
-            interrupted = _follow(proc, log, echo)
+            _follow(proc, log, echo, ctrl_c)
         finally:
             code = proc.poll()
             log.write(f"# exit code {code}\n")
@@ -844,8 +912,6 @@ def _run_after(
                 json.dump(record, f, indent=1)
             os.replace(tmp, os.path.join(point.run_dir, AFTER_RECORD))  # never half written
     sys.stdout.flush()
-    if interrupted:
-        raise KeyboardInterrupt
     return proc.returncode
 
 
@@ -896,16 +962,20 @@ def run_local(
         todo.put(point)
     concurrent = len(groups) > 1
 
-    stop = threading.Event()  # Ctrl-C: no further point (nor --after command) starts
+    ctrl_c = _CtrlC()  # once pressed, no further point (nor --after command) starts
 
     def run_after(point: Point, group: Optional[list]) -> None:
+        if ctrl_c.pressed:
+            return
         command = after_command(after, point)
         if _after_succeeded(point, command):
             _say(f"point {point.name}: --after succeeded before, not rerun")
             return
         where = f" on GPU {','.join(group)}" if group else ""
         _say(f"point {point.name}: --after{where}, output in {point.run_dir}/{AFTER_LOG}")
-        code = _run_after(point, command, devices=group, echo=not concurrent)
+        code = _run_after(point, command, ctrl_c, devices=group, echo=not concurrent)
+        if ctrl_c.pressed and not concurrent:
+            return  # as after a point's training (see worker)
         if code != 0:
             _say(f"point {point.name}: --after failed (exit code {code}); see its {AFTER_LOG}")
             after_failed.append(point.name)
@@ -913,7 +983,7 @@ def run_local(
             _say(f"point {point.name}: --after done")
 
     def worker(group: Optional[list]) -> None:
-        while not stop.is_set():
+        while not ctrl_c.pressed:
             try:
                 point = todo.get_nowait()
             except queue.Empty:
@@ -927,37 +997,38 @@ def run_local(
             if concurrent:
                 gpus = ",".join(group)
                 _say(f"point {point.name}: on GPU {gpus}, log in {study.output_dir}/logs")
-            code = _run_one(study, point, restart, devices=group, echo=not concurrent)
+            code = _run_one(study, point, restart, ctrl_c, devices=group, echo=not concurrent)
+            if ctrl_c.pressed and not concurrent:
+                # One point at a time its output, the trainer's own Ctrl-C lines too, was on the
+                # console, and main() says the sweep was interrupted; with several at once each
+                # slot says how its point ended (their output is in their logs only).
+                return
             if code != 0 or point_state(point) != "finished":
                 _say(f"point {point.name}: failed (exit code {code}); see its log")
                 failed.append(point.name)
                 continue
             if concurrent:
                 _say(f"point {point.name}: finished")
-            # Not after a Ctrl-C that this trainer outlived (another slot's main thread saw it).
-            if after is not None and not stop.is_set():
+            # Not after a Ctrl-C that this trainer outlived (run_after starts nothing then).
+            if after is not None:
                 run_after(point, group)
 
-    if concurrent:
-        threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in groups]
-        for t in threads:
-            t.start()
-        try:
+    # From before the first process starts to after the last has ended, a Ctrl-C is counted,
+    # not raised (see _CtrlC): each slot waits for its process, passes further Ctrl-Cs on and
+    # records how it ended, then starts nothing more.
+    with ctrl_c.counting():
+        if concurrent:
+            threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in groups]
+            for t in threads:
+                t.start()
             for t in threads:
                 t.join()
-        except KeyboardInterrupt:
-            # Only this (the main) thread sees the Ctrl-C; the running points' trainers got it
-            # from the terminal and are saving: let them end, start no other point.
-            stop.set()
-            for t in threads:
-                while t.is_alive():
-                    try:
-                        t.join()
-                    except KeyboardInterrupt:
-                        continue
-            raise
-    else:
-        worker(groups[0])
+        else:
+            worker(groups[0])
+    if ctrl_c.pressed:
+        # Every process the sweep started has ended and is recorded: main() says the sweep
+        # was interrupted and exits 130, as for a Ctrl-C anywhere else.
+        raise KeyboardInterrupt
     if failed:
         _say(f"{len(failed)} point(s) did not finish: {', '.join(failed)}")
     if after_failed:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -735,3 +736,133 @@ def test_ctrl_c_during_after_waits_for_it_and_starts_nothing_more(tmp_path, whol
     assert r.returncode == 0, r.stdout + r.stderr
     assert sweep.point_state(second) == "finished"
     assert _after_record(first)["exit_code"] == 0 and _after_record(second)["exit_code"] == 0
+
+
+# Stands in for a process the sweep starts: once the file it is given exists, a SIGINT stops it
+# with 130, as the trainer's does; otherwise it runs on (longer than any test waits).
+STOPS_ON_CTRL_C = """\
+import signal, sys, time
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+open(sys.argv[1], "w").close()
+time.sleep(300)
+"""
+
+
+def _start_stops_on_ctrl_c(ready, popen=subprocess.Popen, **kwargs):
+    """Start :data:`STOPS_ON_CTRL_C` and return it once its SIGINT handler is in place."""
+    proc = popen([sys.executable, "-c", STOPS_ON_CTRL_C, str(ready)], **kwargs)
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.time() < deadline, "the stand-in did not start"
+        time.sleep(0.01)
+    return proc
+
+
+@pytest.mark.parametrize("child", ["train", "after"])
+@pytest.mark.parametrize("devices", [None, "0,1"], ids=["one-at-a-time", "slots"])
+def test_ctrl_c_right_after_a_process_started_is_passed_on_waited_for_and_recorded(
+    fake_sweep, monkeypatch, capsys, tmp_path, devices, child
+):
+    """A Ctrl-C that comes right after the sweep started a process (a point's training, or its
+    --after command), before the sweep waits for it: the sweep passes it on (the process may
+    have started after a terminal's Ctrl-C, and ``kill -INT`` reaches the sweep alone), waits
+    for the process, records how it ended (130), starts nothing more, exits 130 and puts its
+    SIGINT handler back. The Ctrl-C is sent to this process, where the sweep runs, from inside
+    its Popen once the process runs: one at a time, on the way out of Popen; with --devices,
+    where the main thread goes on starting the slots' threads once the first slot's process
+    runs. (Before, it raised KeyboardInterrupt there, and the sweep exited without waiting.)"""
+    path, study, after, events = fake_sweep
+    monkeypatch.setenv("FAKE_SLEEP", "0")
+    real_popen = subprocess.Popen
+    started = []  # the stand-in for the process the Ctrl-C comes after
+    running, pressed = threading.Event(), threading.Event()
+
+    def ctrl_c():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # handled in os.kill, in the main thread
+        finally:
+            pressed.set()
+
+    def popen(argv, **kwargs):
+        ours = argv[2:3] == ["train"] if child == "train" else argv[:2] == ["bash", "-c"]
+        if started or not ours:
+            return real_popen(argv, **kwargs)
+        started.append(_start_stops_on_ctrl_c(tmp_path / "ready", real_popen, **kwargs))
+        if devices is None:
+            ctrl_c()
+        else:  # in the first slot's thread: the main thread sends it
+            running.set()
+            assert pressed.wait(60)
+        return started[0]
+
+    slots = []
+
+    class Slot(threading.Thread):
+        """A thread as the sweep starts it: from the main thread, the first slot's start waits
+        for the stand-in to run and sends the Ctrl-C (the threads a slot starts go on as ever)."""
+
+        def start(self):
+            slots.append(self)
+            super().start()
+            if threading.current_thread() is threading.main_thread() and len(slots) == 1:
+                assert running.wait(60)
+                ctrl_c()
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", popen)
+    if devices is not None:
+        monkeypatch.setattr(sweep.threading, "Thread", Slot)
+    handler = signal.getsignal(signal.SIGINT)
+    argv = ["run", str(path), "--after", after, *(["--devices", devices] if devices else [])]
+    try:
+        code = sweep.main(argv)
+        (proc,) = started
+        # Set by the sweep's wait: it passed the Ctrl-C on and waited for the process.
+        returncode = proc.returncode
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for slot in slots:  # (a slot the sweep left behind: let it end here, while faked)
+            slot.join(60)
+    out, err = capsys.readouterr()
+    assert code == sweep.EXIT_INTERRUPTED, out + err
+    assert returncode == 130, out + err
+    assert err.strip().startswith("megatron-s2-sweep: interrupted;"), err
+    assert signal.getsignal(signal.SIGINT) == handler
+    first, *others = study.points
+    if child == "train":
+        with open(Path(first.run_dir) / sweep.SESSIONS) as f:
+            assert [json.loads(x)["exit_code"] for x in f] == [130]
+        assert events() == []  # no other point trained
+    else:
+        assert _after_record(first)["exit_code"] == 130
+        log = (Path(first.run_dir) / sweep.AFTER_LOG).read_text()
+        assert log.endswith("# exit code 130\n"), log
+        assert [(e["what"], e["point"]) for e in events()] == [("train", first.name)]
+    assert [sweep.point_state(p) for p in others] == ["new"] * len(others)
+    # As for any Ctrl-C: one at a time no line on the point (its output was shown), with
+    # --devices the slot's line on how it ended.
+    what = "failed" if child == "train" else "--after failed"
+    said = f"point {first.name}: {what} (exit code 130)"
+    assert (said in out) == (devices is not None), out
+
+
+def test_a_further_ctrl_c_is_passed_on_from_any_thread(tmp_path):
+    """The first Ctrl-C reached a running process from the terminal too: the sweep only waits;
+    a further one it passes on, also from a slot's thread (--devices), where no signal comes."""
+    proc = _start_stops_on_ctrl_c(tmp_path / "ready")
+    try:
+        ctrl_c = sweep._CtrlC()
+        ctrl_c.count = 1
+        slot = threading.Thread(target=sweep._wait_through_ctrl_c, args=(proc, ctrl_c))
+        slot.start()
+        slot.join(5 * sweep._CTRL_C_POLL_S)
+        assert slot.is_alive() and proc.returncode is None  # not passed on: still waiting
+        ctrl_c.count = 2
+        slot.join(60)
+        assert not slot.is_alive() and proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
