@@ -63,7 +63,8 @@
 # example's question; decided after the base study's catch-up, from every 4k evaluation),
 # DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as there are ids, one GPU
 # each, through the sweep's --devices, each point's evaluation on its GPU; default one after
-# another), LENGTHS (4096,8192,16384), TASKS (kv-filler,passkey,needle), TRIALS (10),
+# another), LENGTHS (4096,8192,16384), BASE_LENGTHS (unset: LENGTHS; the base study's own, e.g.
+# 4096 alone where lengths beyond the base's are known to score nothing), TASKS (kv-filler,passkey,needle), TRIALS (10),
 # POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a length: every evaluation also runs
 # --attention-probe at it, which layers look at the needle), PREFIX_EOD (unset; also: each
 # evaluation is followed by a retrieval-only one of the same grid with every prompt behind the
@@ -119,10 +120,11 @@ read_corpus() {  # OVERRIDES: the code corpus's own overrides; CODE: the corpus 
     read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['overrides'])" "$CORPUS/corpus.json")
     CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
 }
-evaluate() {  # RUN [extra options]: held-out code only, for the loss by position.
-    local run=$1 rc=0
-    shift
-    local grid=(--lengths "${LENGTHS:-4096,8192,16384}" --tasks "${TASKS:-kv-filler,passkey,needle}"
+evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by position.
+    local run=$1 lengths=${LENGTHS:-4096,8192,16384} rc=0
+    [[ $2 == "$BASE_NAME" && -n ${BASE_LENGTHS:-} ]] && lengths=$BASE_LENGTHS
+    shift 2
+    local grid=(--lengths "$lengths" --tasks "${TASKS:-kv-filler,passkey,needle}"
         --trials "${TRIALS:-10}")
     if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
         "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
@@ -162,7 +164,7 @@ if [[ ${1:-} == --evaluate-run ]]; then
     run=$2 study=$3
     shift 3
     read_corpus
-    evaluate "$run" "$@"
+    evaluate "$run" "$study" "$@"
     rc=$?
     copy_results "$study" "$run" || rc=$((rc ? rc : 1))
     exit "$rc"
@@ -258,9 +260,9 @@ evaluate_study() {  # STUDY [extra options]: the catch-up, side by side on the G
     [[ -n "$DEVICES" ]] && IFS=, read -r -a ids <<< "$DEVICES"
     for run in sweeps/"$study"/runs/*/; do
         if (( ${#ids[@]} )); then
-            CUDA_VISIBLE_DEVICES=${ids[i % ${#ids[@]}]} evaluate "${run%/}" "$@" &
+            CUDA_VISIBLE_DEVICES=${ids[i % ${#ids[@]}]} evaluate "${run%/}" "$study" "$@" &
         else
-            evaluate "${run%/}" "$@" &
+            evaluate "${run%/}" "$study" "$@" &
         fi
         pids+=($!)
         i=$((i + 1))

@@ -34,7 +34,7 @@ SCRIPT_KNOBS = {
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
-    "BASE_TAG", "PREFIX_EOD",
+    "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -604,3 +604,22 @@ def test_example_script_refuses_an_unknown_prefix_eod_before_any_work(tmp_path):
         "PREFIX_EOD must be empty or also, got 'yes'"
         in (tmp_path / "example_status.log").read_text()
     )
+
+
+@pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
+def test_base_lengths_apply_to_the_base_study_alone(tmp_path, through_after):
+    """BASE_LENGTHS: the base study's evaluations (both protocols) at those lengths, the
+    extension's at LENGTHS, whether the sweep's --after or the catch-up evaluates them."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    extra = {} if through_after else {"FAKE_NO_AFTER": "1"}
+    calls = _run(tmp_path, log, LENGTHS="4096,32768", BASE_LENGTHS="4096", PREFIX_EOD="also",
+                 **extra)  # fmt: skip
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    assert len(evals) == 2 * (
+        len(POINTS["code-125m-4k-base"]) + len(POINTS["code-125m-extend-16k"])
+    )
+    for c in evals:
+        lengths = c["args"][c["args"].index("--lengths") + 1]
+        base = "code-125m-4k-base" in str(_run_dir(tmp_path, c))
+        assert lengths == ("4096" if base else "4096,32768"), c["args"]
