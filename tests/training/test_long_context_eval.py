@@ -377,6 +377,24 @@ def test_attention_probe_on_the_tiny_run(evaluated):
     assert "| layer | kind | depth 0 | depth 0.5 | depth 1 |" in stdout
 
 
+def test_prefix_eod_on_the_tiny_run(run_dir, evaluated):
+    """--prefix-eod through the CLI on a trained model (the real tokenizer's EOD): the file and
+    the table say so, the prompts keep their length and every trial has its passkey answer
+    (the positions themselves: test_retrieval_scores.py)."""
+    out = run_dir / "eval-eod"
+    args = ["--lengths", "128", "--depths", "0,1", "--trials", "2", "--tasks", "passkey"]
+    stdout = _eval_cli(run_dir, out, *args, "--prefix-eod", "--skip-position")
+    saved = json.loads((out / "retrieval.json").read_text())
+    assert saved["prefix_eod"] is True and saved["lengths"] == [128]
+    assert "Every prompt starts with the end-of-document token" in stdout
+    assert not (out / "loss_by_position.json").exists()
+    plain = json.loads((evaluated[1] / "retrieval.json").read_text())
+    assert plain["prefix_eod"] is False
+    records = saved["tasks"]["passkey"]["trials"]
+    assert len(records) == 4 and all(r["length"] == 128 for r in records)
+    assert all(r["answer"].strip().isdigit() for r in records), records
+
+
 def test_attention_probe_needs_one_process(run_dir, capsys):
     ckpt = ["--checkpoint", str(run_dir / "checkpoints"), "--lengths", "128"]
     err = _fails(capsys, *ckpt, "--attention-probe", "128", "parallel.context_parallel_size=2")
