@@ -64,11 +64,12 @@
 # DEVICES (GPU ids, e.g. 0,1: each study runs as many points at once as there are ids, one GPU
 # each, through the sweep's --devices, each point's evaluation on its GPU; default one after
 # another), LENGTHS (4096,8192,16384), BASE_LENGTHS (unset: LENGTHS; the base study's own, e.g.
-# 4096 alone where lengths beyond the base's are known to score nothing), TASKS (kv-filler,passkey,needle), TRIALS (10),
-# POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a length: every evaluation also runs
-# --attention-probe at it, which layers look at the needle), PREFIX_EOD (unset; also: each
-# evaluation is followed by a retrieval-only one of the same grid with every prompt behind the
-# EOD token, --prefix-eod, into <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/). Progress, one line per step, in
+# 4096 alone where lengths beyond the base's are known to score nothing), TASKS
+# (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a
+# length: every evaluation whose lengths include it also runs --attention-probe at it, which
+# layers look at the needle), PREFIX_EOD (unset; also: each evaluation is followed by a
+# retrieval-only one of the same grid with every prompt behind the EOD token, --prefix-eod, into
+# <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/). Progress, one line per step, in
 # STATUS (example_status.log). Measured
 # on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 #
@@ -125,11 +126,13 @@ evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by p
     [[ $2 == "$BASE_NAME" && -n ${BASE_LENGTHS:-} ]] && lengths=$BASE_LENGTHS
     shift 2
     local grid=(--lengths "$lengths" --tasks "${TASKS:-kv-filler,passkey,needle}"
-        --trials "${TRIALS:-10}")
+        --trials "${TRIALS:-10}") probe=()
+    # The probe where its length is evaluated: not on a base evaluated at 4k alone.
+    [[ -n ${PROBE_LENGTH:-} && ,$lengths, == *,$PROBE_LENGTH,* ]] && probe=(--attention-probe "$PROBE_LENGTH")
     if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
         "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
             "${grid[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" \
-            ${PROBE_LENGTH:+--attention-probe "$PROBE_LENGTH"} "$@" \
+            "${probe[@]}" "$@" \
             "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
         rc=$?
         note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"

@@ -609,12 +609,13 @@ def test_example_script_refuses_an_unknown_prefix_eod_before_any_work(tmp_path):
 @pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
 def test_base_lengths_apply_to_the_base_study_alone(tmp_path, through_after):
     """BASE_LENGTHS: the base study's evaluations (both protocols) at those lengths, the
-    extension's at LENGTHS, whether the sweep's --after or the catch-up evaluates them."""
+    extension's at LENGTHS, whether the sweep's --after or the catch-up evaluates them; a
+    PROBE_LENGTH outside an evaluation's lengths (32k, the base at 4k) is not probed there."""
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     extra = {} if through_after else {"FAKE_NO_AFTER": "1"}
     calls = _run(tmp_path, log, LENGTHS="4096,32768", BASE_LENGTHS="4096", PREFIX_EOD="also",
-                 **extra)  # fmt: skip
+                 PROBE_LENGTH="32768", **extra)  # fmt: skip
     evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
     assert len(evals) == 2 * (
         len(POINTS["code-125m-4k-base"]) + len(POINTS["code-125m-extend-16k"])
@@ -623,3 +624,6 @@ def test_base_lengths_apply_to_the_base_study_alone(tmp_path, through_after):
         lengths = c["args"][c["args"].index("--lengths") + 1]
         base = "code-125m-4k-base" in str(_run_dir(tmp_path, c))
         assert lengths == ("4096" if base else "4096,32768"), c["args"]
+        # The probe at 32k where 32k is evaluated: the extension's first evaluation alone.
+        probed = not base and "--prefix-eod" not in c["args"]
+        assert ("--attention-probe" in c["args"]) == probed, c["args"]
