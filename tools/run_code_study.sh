@@ -73,7 +73,7 @@ print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
 PY
 )
 # The catch-up: the finished points still without their curve (trained before this script passed
-# --after, or their evaluation failed during the sweep). One after another, or with EVAL_DEVICES
+# --after, or their evaluation failed during the sweep), where their checkpoints are. One after another, or with EVAL_DEVICES
 # (GPU ids, e.g. 0,1) one per GPU at a time, each in the background with its own
 # CUDA_VISIBLE_DEVICES and its output in its run's long_context_eval.log.
 IFS=, read -r -a eval_devices <<< "${EVAL_DEVICES:-}"
@@ -83,6 +83,12 @@ for run in "$OUT"/runs/*/; do
     run=${run%/}
     [[ -f "$run/summary.json" ]] || continue
     [[ -f "$run/long_context_eval/loss_by_position.json" ]] && continue
+    if ! compgen -G "$run/checkpoints/iter_*" > /dev/null; then
+        # A run finished in an earlier GPU lease whose raw output (summary, metrics) was carried
+        # in to complete the study: its checkpoints did not outlive that lease.
+        echo "== not evaluated: $(basename "$run") has no checkpoint here (trained elsewhere)"
+        continue
+    fi
     echo "== evaluating: $(basename "$run")"
     if (( ${#eval_devices[@]} )); then
         if (( ${#pids[@]} >= ${#eval_devices[@]} )); then

@@ -89,6 +89,7 @@ def _study(tmp_path):
         (out / "runs" / name).mkdir(parents=True)
     for name in names[:2]:
         (out / "runs" / name / "summary.json").write_text("{}")
+        (out / "runs" / name / "checkpoints" / "iter_0000003").mkdir(parents=True)
     env = dict(
         os.environ,
         CORPUS=str(corpus),
@@ -213,3 +214,19 @@ def test_an_evaluation_failed_in_the_sweep_is_redone_after_it(tmp_path):
     ]
     assert evaluated == [(False, "seed=1"), (False, "seed=2"), (True, "seed=2")]
     assert (out / "runs" / "seed=2" / "long_context_eval" / "loss_by_position.json").exists()
+
+
+def test_a_finished_run_without_checkpoints_is_not_evaluated(tmp_path):
+    """A run carried in from an earlier lease (its summary and metrics, no checkpoints, which
+    did not outlive that lease): the catch-up says so and skips it, evaluates the others, and
+    the script's exit status stays 0."""
+    study, out, env = _study(tmp_path)
+    env["FAKE_NO_AFTER"] = "1"  # the catch-up alone evaluates
+    carried = out / "runs" / "seed=3"
+    carried.mkdir()
+    (carried / "summary.json").write_text("{}")
+    (carried / "metrics.jsonl").write_text("{}\n")
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(_evaluated(calls)) == ["seed=1", "seed=2"]
+    assert "== not evaluated: seed=3 has no checkpoint here (trained elsewhere)" in r.stdout
