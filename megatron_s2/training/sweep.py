@@ -364,6 +364,21 @@ def only_seeds(study: Study, seeds: Sequence[int]) -> list:
     return [p for p in study.points if p.values.get(SEED_KEY) in seeds]
 
 
+def split_settings(study: Study, raw: str) -> list:
+    """``run --settings``'s comma list as setting names. A grid point's setting holds commas
+    itself (``vert_stride=4,local_blocks=8``), so the list is read left to right taking the
+    longest run of pieces that names a setting of ``study``; a piece that starts none is kept
+    alone (:func:`only_settings` then refuses it, listing the settings)."""
+    known = {p.setting for p in study.points}
+    pieces = [x for x in raw.split(",") if x]
+    names, i = [], 0
+    while i < len(pieces):
+        end = next((j for j in range(len(pieces), i, -1) if ",".join(pieces[i:j]) in known), i + 1)
+        names.append(",".join(pieces[i:end]))
+        i = end
+    return names
+
+
 def only_settings(study: Study, settings: Sequence[str]) -> list:
     """The points of ``study`` whose setting (the point's name without its seed) is in
     ``settings`` (``run --settings``: a study's arms spread over several machines or leases).
@@ -1478,7 +1493,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--settings",
         default=None,
         metavar="NAME,...",
-        help="run only the points of these settings (point names without the seed); with "
+        help="run only the points of these settings (point names without the seed; a grid "
+        "point's own commas are fine: vert_stride=4,local_blocks=8,dense is two settings); with "
         "--seeds, the points that match both",
     )
     run.add_argument(
@@ -1552,8 +1568,7 @@ def _main(args: argparse.Namespace) -> int:
                     ) from None
                 keep &= {p.name for p in only_seeds(study, chosen)}
             if args.settings:
-                names = [x for x in args.settings.split(",") if x]
-                keep &= {p.name for p in only_settings(study, names)}
+                keep &= {p.name for p in only_settings(study, split_settings(study, args.settings))}
         except StudyError as e:
             print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
             return EXIT_STUDY_ERROR

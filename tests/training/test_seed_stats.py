@@ -109,6 +109,36 @@ def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch):
         load_study(no_seeds, output_dir=str(tmp_path / "n"))
 
 
+def test_settings_may_name_grid_points_whose_names_hold_commas(tmp_path, monkeypatch):
+    """``run --settings`` on a grid study: a grid point's setting is itself a comma list
+    (``vert_stride=4,local_blocks=8``), so the list is read by the longest known setting; an
+    unknown piece is refused with the study's settings listed."""
+    path = write_study(
+        tmp_path,
+        overrides={"train.train_iters": 50},
+        grid={"attention.s2.vert_stride": [4, 8], "attention.s2.local_blocks": [8, 16]},
+        points=[{"name": "dense", "attention.dense_layers.pattern": "D"}],
+        seeds=[1, 2],
+    )
+    study = load_study(path, output_dir=str(tmp_path / "out"))
+    cells = [f"vert_stride={v},local_blocks={b}" for v in (4, 8) for b in (8, 16)]
+    assert set(dict.fromkeys(p.setting for p in study.points)) == {*cells, "dense"}
+    raw = f"{cells[0]},dense,{cells[3]}"
+    assert sweep.split_settings(study, raw) == [cells[0], "dense", cells[3]]
+    assert sweep.split_settings(study, "vert_stride=4,nope") == ["vert_stride=4", "nope"]
+    ran = []
+    monkeypatch.setattr(
+        sweep, "run_local", lambda st, dev, after=None: ran.extend(p.name for p in st.points) or 0
+    )
+    monkeypatch.setattr(sweep, "collect_and_write", lambda st: None)
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert sweep.main(["run", str(path), *out, "--settings", raw, "--seeds", "2"]) == 0
+    assert sorted(ran) == sorted([f"{cells[0]},seed=2", "dense,seed=2", f"{cells[3]},seed=2"])
+    ran.clear()
+    code = sweep.main(["run", str(path), *out, "--settings", "vert_stride=4,local_blocks=9"])
+    assert code == sweep.EXIT_STUDY_ERROR and not ran
+
+
 def test_a_study_without_seeds_names_points_as_before(tmp_path):
     study = load_study(write_study(tmp_path, points=[{"name": "a", "train.seed": 5}]))
     assert [(p.name, p.setting) for p in study.points] == [("a", "a")]
