@@ -44,6 +44,11 @@ if [[ ${1:-} == --evaluate-run ]]; then
         echo "$run: evaluated already"
         exit 0
     fi
+    if ! compgen -G "$run/checkpoints/iter_*" > /dev/null; then
+        # Carried in from an earlier lease (see the catch-up below): nothing here to evaluate.
+        echo "$run: no checkpoint here (trained elsewhere), not evaluated"
+        exit 0
+    fi
     echo "evaluating $run (GPUs: ${CUDA_VISIBLE_DEVICES:-all}); output in $run/long_context_eval.log"
     evaluate "$run" > "$run/long_context_eval.log" 2>&1  # set -e: its exit status is ours
     exit 0

@@ -216,12 +216,15 @@ def test_an_evaluation_failed_in_the_sweep_is_redone_after_it(tmp_path):
     assert (out / "runs" / "seed=2" / "long_context_eval" / "loss_by_position.json").exists()
 
 
-def test_a_finished_run_without_checkpoints_is_not_evaluated(tmp_path):
+@pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
+def test_a_finished_run_without_checkpoints_is_not_evaluated(tmp_path, through_after):
     """A run carried in from an earlier lease (its summary and metrics, no checkpoints, which
-    did not outlive that lease): the catch-up says so and skips it, evaluates the others, and
-    the script's exit status stays 0."""
+    did not outlive that lease): the sweep's --after (run for every finished point whose
+    command has not succeeded) and the catch-up both say so and skip it, the others are
+    evaluated, and the script's exit status stays 0."""
     study, out, env = _study(tmp_path)
-    env["FAKE_NO_AFTER"] = "1"  # the catch-up alone evaluates
+    if not through_after:
+        env["FAKE_NO_AFTER"] = "1"
     carried = out / "runs" / "seed=3"
     carried.mkdir()
     (carried / "summary.json").write_text("{}")
@@ -229,4 +232,9 @@ def test_a_finished_run_without_checkpoints_is_not_evaluated(tmp_path):
     r, calls = _run_script(study, env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(_evaluated(calls)) == ["seed=1", "seed=2"]
-    assert "== not evaluated: seed=3 has no checkpoint here (trained elsewhere)" in r.stdout
+    said = (
+        f"{carried}: no checkpoint here (trained elsewhere), not evaluated"
+        if through_after
+        else "== not evaluated: seed=3 has no checkpoint here (trained elsewhere)"
+    )
+    assert said in r.stdout, r.stdout
