@@ -50,7 +50,9 @@
 # needle and multikey documents hide their needles in the code corpus's training part,
 # --haystack-corpus/--haystack-split with the corpus's data.blend and data.split, varied real
 # code like the evaluation's held-out haystacks and never those; filler: the writer's one fixed
-# filler text, the corpora of runs H and J; passkey keeps its filler either way) (a corpus already
+# filler text, the corpora of runs H and J; passkey keeps its filler either way),
+# RETRIEVAL_DEPTH_DISTRIBUTION (unset: the writer's uniform; log-uniform or arcsine, its
+# --depth-distribution: where the fact sits in its trial) (a corpus already
 # written is kept: give another RETRIEVAL_PREFIX when changing them), WORKERS
 # (processes writing trials: nproc), BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value
 # overrides for every point of the base / extension study, space-separated, e.g.
@@ -93,6 +95,7 @@ RETRIEVAL_QUERIES=${RETRIEVAL_QUERIES:-1}
 RETRIEVAL_NEEDLES=${RETRIEVAL_NEEDLES:-}
 RETRIEVAL_HAYSTACK=${RETRIEVAL_HAYSTACK:-code}
 PREFIX_EOD=${PREFIX_EOD:-}
+RETRIEVAL_DEPTH_DISTRIBUTION=${RETRIEVAL_DEPTH_DISTRIBUTION:-}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
 read -r -a EXTEND_EXTRA <<< "${EXTEND_OVERRIDES:-}"
@@ -182,6 +185,14 @@ if [[ $RETRIEVAL_HAYSTACK != code && $RETRIEVAL_HAYSTACK != filler ]]; then
     note "RETRIEVAL_HAYSTACK must be code or filler, got '$RETRIEVAL_HAYSTACK'"
     exit 2
 fi
+case $RETRIEVAL_DEPTH_DISTRIBUTION in
+    "" | uniform | log-uniform | arcsine) ;;
+    *)
+        note "RETRIEVAL_DEPTH_DISTRIBUTION must be uniform, log-uniform or arcsine, got" \
+            "'$RETRIEVAL_DEPTH_DISTRIBUTION'"
+        exit 2
+        ;;
+esac
 if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
     note "PREFIX_EOD must be empty or also, got '$PREFIX_EOD'"
     exit 2
@@ -230,6 +241,7 @@ if [[ $with_retrieval == 1 ]]; then
                 --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
                 --queries "$queries" ${needles:+--multikey-needles "$needles"} \
                 ${pack:+--pack-to "$pack"} \
+                ${RETRIEVAL_DEPTH_DISTRIBUTION:+--depth-distribution "$RETRIEVAL_DEPTH_DISTRIBUTION"} \
                 --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
                 --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"

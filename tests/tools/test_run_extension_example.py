@@ -34,7 +34,7 @@ SCRIPT_KNOBS = {
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
-    "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS",
+    "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS", "RETRIEVAL_DEPTH_DISTRIBUTION",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -627,3 +627,26 @@ def test_base_lengths_apply_to_the_base_study_alone(tmp_path, through_after):
         # The probe at 32k where 32k is evaluated: the extension's first evaluation alone.
         probed = not base and "--prefix-eod" not in c["args"]
         assert ("--attention-probe" in c["args"]) == probed, c["args"]
+
+
+def test_retrieval_depth_distribution_reaches_every_writer_and_is_checked_first(tmp_path):
+    """RETRIEVAL_DEPTH_DISTRIBUTION goes to every retrieval writer as --depth-distribution (unset:
+    none, the writer's uniform); a value the writer does not know is refused before any work."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    calls = _run(tmp_path, log, RETRIEVAL_DEPTH_DISTRIBUTION="arcsine")
+    writers = _writers_by_tag(calls)
+    assert writers and all(
+        a[a.index("--depth-distribution") + 1] == "arcsine" for a in writers.values()
+    )
+    (tmp_path / "data").rename(tmp_path / "data-arcsine")  # the next run writes its own corpora
+    log.write_text("")
+    plain = _writers_by_tag(_run(tmp_path, log))
+    assert plain and all("--depth-distribution" not in a for a in plain.values())
+    log.write_text("")
+    _run(tmp_path, log, returncode=2, RETRIEVAL_DEPTH_DISTRIBUTION="edges")
+    assert log.read_text() == ""
+    status = (tmp_path / "example_status.log").read_text()
+    assert "RETRIEVAL_DEPTH_DISTRIBUTION must be uniform, log-uniform or arcsine, got 'edges'" in (
+        status
+    )

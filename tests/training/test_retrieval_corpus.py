@@ -4,10 +4,12 @@ a training seed, and clear errors."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from megatron_s2.training.evaluation.retrieval_corpus import main, write_retrieval_dataset
 from megatron_s2.training.evaluation.tasks import PASSKEY_FILLER
@@ -195,6 +197,35 @@ def test_log_uniform_distances_favour_near_facts(tmp_path):
     assert np.mean(log > 1024) > 0.02
 
 
+def test_arcsine_depths_follow_their_distribution():
+    """``arcsine``: the depth for a uniform draw u is the Beta(1/2, 1/2) quantile, so its CDF
+    is (2 / pi) asin(sqrt(x)) (Kolmogorov-Smirnov against it on random draws); a fact within the
+    first 1% of its trial is ~6x as likely as under ``uniform``."""
+    from megatron_s2.training.evaluation.retrieval_corpus import _depth
+
+    rng = random.Random(5)
+    depths = np.array([_depth(rng.random(), 4096, "arcsine") for _ in range(20000)])
+    assert ((depths >= 0) & (depths <= 1)).all()
+    assert stats.kstest(depths, stats.beta(0.5, 0.5).cdf).pvalue > 0.01
+    # Against another law (uniform) the same test rejects: it can fail.
+    assert stats.kstest(depths, "uniform").pvalue < 1e-6
+    assert 0.055 < np.mean(depths < 0.01) < 0.075 and 0.055 < np.mean(depths > 0.99) < 0.075
+
+
+def test_arcsine_documents_put_more_facts_at_the_start(tmp_path):
+    """The writer with ``--depth-distribution arcsine``: more passkeys open their trial (the
+    fact-question distance near the whole trial) than with the uniform draw, on the same seed."""
+    tok = load_tokenizer("byte")
+    kw = dict(tasks=["passkey"], num_docs=200, max_tokens=1024, seed=3)
+    write_retrieval_dataset(tmp_path / "u", "byte", **kw)
+    write_retrieval_dataset(tmp_path / "a", "byte", depth_distribution="arcsine", **kw)
+    dist = {n: _passkey_distances(_docs(str(tmp_path / n)), tok)[:, 0] for n in ("u", "a")}
+    # The longest distance is the fact at the trial's start; within 2% of the trial of it.
+    top = max(d.max() for d in dist.values())
+    start = {n: np.mean(d >= top - 20) for n, d in dist.items()}
+    assert start["a"] > 2 * start["u"] and start["a"] > 0.05, start
+
+
 def test_multikey_documents(tmp_path):
     """``multikey``: N needles of one format with distinct keys and values, the question asks
     one of them, and the answer is that key's value."""
@@ -248,7 +279,7 @@ def test_heldout_task_is_refused_and_never_written(tmp_path, capsys):
     [
         (
             {"depth_distribution": "normal"},
-            "--depth-distribution: unknown 'normal'; allowed: uniform, log-uniform",
+            "--depth-distribution: unknown 'normal'; allowed: uniform, log-uniform, arcsine",
         ),
         (
             {"tasks": ["multikey"], "multikey_needles": 1},
@@ -282,7 +313,7 @@ def test_cli_new_options(tmp_path, capsys):
     assert meta["depth_distribution"] == "log-uniform" and meta["max_tokens"] == 698
     assert main(argv + ["--depth-distribution", "far"]) == 2
     err = capsys.readouterr().err
-    assert "--depth-distribution: unknown 'far'; allowed: uniform, log-uniform" in err
+    assert "--depth-distribution: unknown 'far'; allowed: uniform, log-uniform, arcsine" in err
 
 
 # --- multi-query documents (--queries) ---------------------------------------------------------
