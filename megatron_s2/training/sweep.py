@@ -679,11 +679,15 @@ def _start_logged(
     shown: str,
     ctrl_c: _CtrlC,
     **popen,
-) -> subprocess.Popen:
+) -> Optional[subprocess.Popen]:
     """Write the GPU ids (with ``devices``) and the command ``shown`` to the open file ``log``,
     then start ``argv`` with its output (stderr too) piped as text for :func:`_follow`, bytes
-    that are not UTF-8 replaced; ``popen``: further ``subprocess.Popen`` arguments. A Ctrl-C
-    that came while it started is passed on to it (see below)."""
+    that are not UTF-8 replaced; ``popen``: further ``subprocess.Popen`` arguments. None, and
+    nothing written or started, once Ctrl-C was pressed (one may come after the caller last
+    looked, while it prepared the command); a Ctrl-C that came while it started is passed on
+    to it (see below)."""
+    if ctrl_c.pressed:
+        return None
     if devices:
         log.write(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}\n")
     log.write(f"$ {shown}\n")
@@ -768,6 +772,8 @@ def _run_one(
     start = time.time()
     with open(log_path, "a") as log:
         proc = _start_logged(log, argv, env, devices, shlex.join(argv), ctrl_c)
+        if proc is None:
+            return EXIT_INTERRUPTED  # not started: nothing to record
         try:
             _follow(proc, log, echo, ctrl_c)
         finally:
@@ -909,6 +915,8 @@ def _run_after(
         proc = _start_logged(
             log, ["bash", "-c", command], env, devices, command, ctrl_c, stdin=subprocess.DEVNULL
         )
+        if proc is None:
+            return EXIT_INTERRUPTED  # not run: no after.json, so a later sweep runs it
         try:
             _follow(proc, log, echo, ctrl_c)
         finally:

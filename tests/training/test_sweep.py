@@ -744,7 +744,7 @@ STOPS_ON_CTRL_C = """\
 import signal, sys, time
 signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 open(sys.argv[1], "w").close()
-time.sleep(300)
+time.sleep(30)  # then exits 0: a Ctrl-C not passed on fails the test in 30 s, not a hang
 """
 
 
@@ -756,6 +756,46 @@ def _start_stops_on_ctrl_c(ready, popen=subprocess.Popen, **kwargs):
         assert proc.poll() is None and time.time() < deadline, "the stand-in did not start"
         time.sleep(0.01)
     return proc
+
+
+@pytest.mark.parametrize("child", ["train", "after"])
+def test_ctrl_c_while_a_process_is_prepared_starts_nothing(fake_sweep, monkeypatch, capsys, child):
+    """A Ctrl-C after the sweep last looked but before it started the next process (while it
+    prepared a point's command, or looked up its --after record): nothing is started or
+    recorded for it (no sessions line, no after.json: a later sweep runs it), exit 130."""
+    path, study, after, events = fake_sweep
+    monkeypatch.setenv("FAKE_SLEEP", "0")
+    real_popen, started = subprocess.Popen, []
+    first = study.points[0]
+
+    def popen(argv, **kwargs):
+        if argv[:2] != ["bash", "-n"]:  # not the --after command's syntax check at the start
+            started.append(argv)
+        return real_popen(argv, **kwargs)
+
+    def ctrl_c_inside(real):
+        def patched(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)  # handled in os.kill: the main thread runs here
+            return real(*args, **kwargs)
+
+        return patched
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", popen)
+    if child == "train":
+        monkeypatch.setattr(sweep, "point_command", ctrl_c_inside(sweep.point_command))
+    else:
+        monkeypatch.setattr(sweep, "_after_succeeded", ctrl_c_inside(sweep._after_succeeded))
+    code = sweep.main(["run", str(path), "--after", after])
+    out, err = capsys.readouterr()
+    assert code == sweep.EXIT_INTERRUPTED, out + err
+    assert not (Path(first.run_dir) / sweep.AFTER_RECORD).exists()
+    if child == "train":
+        assert started == [] and events() == []
+        assert not (Path(first.run_dir) / sweep.SESSIONS).exists()
+    else:  # the first point trained; its --after, and everything after it, did not start
+        assert [(e["what"], e["point"]) for e in events()] == [("train", first.name)]
+        assert len(started) == 1
+    assert [sweep.point_state(p) for p in study.points[1:]] == ["new"] * (len(study.points) - 1)
 
 
 @pytest.mark.parametrize("child", ["train", "after"])
