@@ -141,7 +141,7 @@ evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by p
         note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
     fi
     if ((rc == 0)) && [[ $PREFIX_EOD == also && ! -f "$run/long_context_eval_eod/retrieval.json" ]]; then
-        # The same trials' grid once more, every prompt behind the EOD token (retrieval only).
+        # The same trials once more (their needles and values), each behind the EOD token.
         "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
             "${grid[@]}" --prefix-eod --skip-position --output-dir "$run/long_context_eval_eod" \
             "$@" "data.blend=[$CODE]" > "$run/long_context_eval_eod.log" 2>&1

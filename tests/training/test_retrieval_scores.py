@@ -170,16 +170,25 @@ def test_prefix_eod_starts_every_prompt_with_eod_at_the_same_length(monkeypatch,
     stream = haystack_stream(t, tok, docs, 2 * max(lengths) + 2)
     out, batches = runs[True]
     for batch, n in zip(batches, lengths):
-        expected = [make_trial(t, tok, stream, n - 1, d, i).tokens for d in depths
-                    for i in range(trials)]  # fmt: skip
+        expected = [make_trial(t, tok, stream, n - 1, d, i, draw_length=n).tokens
+                    for d in depths for i in range(trials)]  # fmt: skip
         np.testing.assert_array_equal(batch[:, 1:], np.stack(expected))
     # Each record's answer is its trial's own (read after the prefix, not one token early).
     truth = [
         tok.decode(x.tokens[x.answer_at :].tolist())
         for n in lengths
-        for x in (make_trial(t, tok, stream, n - 1, d, i) for d in depths for i in range(trials))
+        for x in (
+            make_trial(t, tok, stream, n - 1, d, i, draw_length=n)
+            for d in depths
+            for i in range(trials)
+        )
     ]
     assert [r["answer"] for r in out["tasks"][task]["trials"]] == truth
+    # Paired with the plain protocol: every trial asks the same needle for the same value.
+    plain = runs[False][0]["tasks"][task]["trials"]
+    assert [(r["key"], r["answer"]) for r in out["tasks"][task]["trials"]] == [
+        (r["key"], r["answer"]) for r in plain
+    ]
 
 
 def test_a_study_mixing_prompt_protocols_is_refused(tmp_path):

@@ -64,7 +64,8 @@ def evaluate_retrieval(
     ``prefix_eod``: every prompt starts with the tokenizer's end-of-document token, the way a
     document starts inside Megatron's packed training stream (after the previous document's
     EOD; the role a BOS token plays for Llama-style models), and its trial is built one token
-    shorter, so that prompts keep their ``length``. Without it a needle at depth 0 is the
+    shorter (from the same draws: each trial pairs with the plain one, the same needle and
+    value), so that prompts keep their ``length``. Without it a needle at depth 0 is the
     prompt's very first tokens, a position training samples almost never start a document at.
 
     Returns ``{"tasks": {task: {"cells": [...], "by_length": [...], "trials": [...]}}, ...}``:
@@ -87,9 +88,13 @@ def evaluate_retrieval(
         stream = haystack_stream(task, tok, documents or [], 2 * max(lengths) + 2)
         cells, records = [], []
         for length in lengths:
-            # One token of each prompt goes to the EOD prefix: the trial is built shorter.
+            # One token of each prompt goes to the EOD prefix: the trial is built shorter, from
+            # the draws of the full length (the same needle and value: paired with the plain
+            # protocol's trial).
             prompts = [
-                make_trial(task, tok, stream, length - prefix.size, d, i, seed=seed)
+                make_trial(
+                    task, tok, stream, length - prefix.size, d, i, seed=seed, draw_length=length
+                )
                 for d in depths
                 for i in range(trials)
             ]

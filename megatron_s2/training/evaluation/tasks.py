@@ -385,9 +385,14 @@ def make_trial(
     index: int,
     *,
     seed: int = 0,
+    draw_length: Optional[int] = None,
 ) -> Trial:
     """The trial ``index`` of ``task`` at ``length`` tokens and needle ``depth`` (0 = the start
     of the context, 1 = just before the question), deterministic in ``seed``.
+
+    ``draw_length`` (default ``length``): the length whose draws (value, keys, haystack start)
+    the trial takes, so that a trial built shorter for a prompt prefix (the evaluation's
+    ``--prefix-eod``) asks the same needle as the trial at ``draw_length``: the two are paired.
 
     The haystack is a window of ``stream`` (:func:`haystack_stream`) ending at a boundary;
     the asked needle goes after the last boundary at or before ``depth`` of it (for a
@@ -397,7 +402,8 @@ def make_trial(
     keys are drawn until none occurs in the haystack. Raises :class:`ConfigError` naming
     ``--lengths`` when the length leaves no room for a haystack.
     """
-    rng = random.Random(f"{seed}-{task.name}-{length}-{depth!r}-{index}")
+    drawn = length if draw_length is None else draw_length
+    rng = random.Random(f"{seed}-{task.name}-{drawn}-{depth!r}-{index}")
     b = _build(task, tokenizer, stream, length, [depth], rng)
     return Trial(
         task=task.name,
