@@ -46,7 +46,7 @@ if [[ ${1:-} == --evaluate-run ]]; then
     fi
     if ! compgen -G "$run/checkpoints/iter_*" > /dev/null; then
         # Carried in from an earlier lease (see the catch-up below): nothing here to evaluate.
-        echo "$run: no checkpoint here (trained elsewhere), not evaluated"
+        echo "$run: no checkpoint here (trained elsewhere, or saved none), not evaluated"
         exit 0
     fi
     echo "evaluating $run (GPUs: ${CUDA_VISIBLE_DEVICES:-all}); output in $run/long_context_eval.log"
@@ -91,7 +91,7 @@ for run in "$OUT"/runs/*/; do
     if ! compgen -G "$run/checkpoints/iter_*" > /dev/null; then
         # A run finished in an earlier GPU lease whose raw output (summary, metrics) was carried
         # in to complete the study: its checkpoints did not outlive that lease.
-        echo "== not evaluated: $(basename "$run") has no checkpoint here (trained elsewhere)"
+        echo "== not evaluated: $(basename "$run") has no checkpoint here (trained elsewhere, or saved none)"
         continue
     fi
     echo "== evaluating: $(basename "$run")"

@@ -67,9 +67,9 @@
 # each, through the sweep's --devices, each point's evaluation on its GPU; default one after
 # another), LENGTHS (4096,8192,16384), BASE_LENGTHS (unset: LENGTHS; the base study's own, e.g.
 # 4096 alone where lengths beyond the base's are known to score nothing), TASKS
-# (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES (64), PROBE_LENGTH (unset; a
-# length: every evaluation whose lengths include it also runs --attention-probe at it, which
-# layers look at the needle), PREFIX_EOD (unset; also: each evaluation is followed by a
+# (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES (64), PROBE_LENGTH (unset; one
+# of LENGTHS: every evaluation whose lengths include it also runs --attention-probe at it,
+# which layers look at the needle), PREFIX_EOD (unset; also: each evaluation is followed by a
 # retrieval-only one of the same grid with every prompt behind the EOD token, --prefix-eod, into
 # <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/). Progress, one line per step, in
 # STATUS (example_status.log). Measured
@@ -193,6 +193,11 @@ case $RETRIEVAL_DEPTH_DISTRIBUTION in
         exit 2
         ;;
 esac
+if [[ -n ${PROBE_LENGTH:-} && ,${LENGTHS:-4096,8192,16384}, != *,$PROBE_LENGTH,* ]]; then
+    # Probed only where evaluated (the base with BASE_LENGTHS may skip it; the extension not).
+    note "PROBE_LENGTH must be one of LENGTHS (${LENGTHS:-4096,8192,16384}), got '$PROBE_LENGTH'"
+    exit 2
+fi
 if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
     note "PREFIX_EOD must be empty or also, got '$PREFIX_EOD'"
     exit 2
@@ -245,6 +250,28 @@ if [[ $with_retrieval == 1 ]]; then
                 --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
                 --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" || exit
             note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
+        elif [[ -f "${RETRIEVAL_PREFIX}_$tag.meta.json" ]]; then
+            # A corpus written before is reused only if it was written as asked now.
+            if ! why=$("$PYTHON" - "${RETRIEVAL_PREFIX}_$tag.meta.json" "$RETRIEVAL_TASKS" \
+                "$min_tokens" "$max_tokens" "$num_docs" "$queries" "${needles:-}" "${pack:-}" \
+                "${RETRIEVAL_DEPTH_DISTRIBUTION:-uniform}" <<'PY'
+import json, sys
+meta = json.load(open(sys.argv[1]))
+tasks, lo, hi, docs, queries, needles, pack, depth = sys.argv[2:]
+asked = {"tasks": tasks.split(","), "min_tokens": int(lo), "max_tokens": int(hi),
+         "documents": int(docs), "queries": int(queries), "depth_distribution": depth,
+         "pack_to": int(pack) if pack else None}
+if needles:
+    asked["multikey_needles"] = int(needles)
+diff = [f"{k} {meta.get(k)!r}, asked {v!r}" for k, v in asked.items() if meta.get(k) != v]
+print("; ".join(diff))
+sys.exit(1 if diff else 0)
+PY
+            ); then
+                note "RETRIEVAL_SPECS $tag: ${RETRIEVAL_PREFIX}_$tag was written with other" \
+                    "settings (written $why); give another RETRIEVAL_PREFIX or remove it"
+                exit 2
+            fi
         fi
     done
 fi

@@ -233,8 +233,8 @@ def test_a_finished_run_without_checkpoints_is_not_evaluated(tmp_path, through_a
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(_evaluated(calls)) == ["seed=1", "seed=2"]
     said = (
-        f"{carried}: no checkpoint here (trained elsewhere), not evaluated"
+        f"{carried}: no checkpoint here (trained elsewhere, or saved none), not evaluated"
         if through_after
-        else "== not evaluated: seed=3 has no checkpoint here (trained elsewhere)"
+        else "== not evaluated: seed=3 has no checkpoint here (trained elsewhere, or saved none)"
     )
     assert said in r.stdout, r.stdout

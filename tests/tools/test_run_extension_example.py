@@ -594,16 +594,23 @@ def test_prefix_eod_also_evaluates_every_run_behind_the_eod_token_once(tmp_path)
     assert not [c for c in again if c["args"][:2] == EVAL_MODULE]
 
 
-def test_example_script_refuses_an_unknown_prefix_eod_before_any_work(tmp_path):
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"PREFIX_EOD": "yes"}, "PREFIX_EOD must be empty or also, got 'yes'"),
+        (
+            {"LENGTHS": "4096,8192", "PROBE_LENGTH": "16384"},
+            "PROBE_LENGTH must be one of LENGTHS (4096,8192), got '16384'",
+        ),
+    ],
+)
+def test_example_script_refuses_bad_evaluation_settings_before_any_work(tmp_path, env, message):
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     log.write_text("")
-    _run(tmp_path, log, returncode=2, PREFIX_EOD="yes")
+    _run(tmp_path, log, returncode=2, **env)
     assert log.read_text() == ""
-    assert (
-        "PREFIX_EOD must be empty or also, got 'yes'"
-        in (tmp_path / "example_status.log").read_text()
-    )
+    assert message in (tmp_path / "example_status.log").read_text()
 
 
 @pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
@@ -650,3 +657,38 @@ def test_retrieval_depth_distribution_reaches_every_writer_and_is_checked_first(
     assert "RETRIEVAL_DEPTH_DISTRIBUTION must be uniform, log-uniform or arcsine, got 'edges'" in (
         status
     )
+
+
+def test_a_corpus_written_before_is_reused_only_as_asked(tmp_path):
+    """A retrieval corpus already on disk (cached by RETRIEVAL_PREFIX) is reused when its
+    metadata says it was written as the settings ask now, and refused before any training when
+    not (here another depth distribution), naming the field, what was written and what asked.
+    The metadata's fields are the real writer's (checked on a tiny corpus)."""
+    from megatron_s2.training.evaluation.retrieval_corpus import write_retrieval_dataset
+
+    write_retrieval_dataset(tmp_path / "real", "byte", tasks=["passkey"], num_docs=2,
+                            max_tokens=600, pack_to=2048, min_tokens=128)  # fmt: skip
+    real = json.loads((tmp_path / "real.meta.json").read_text())
+    for key in ("tasks", "min_tokens", "max_tokens", "documents", "queries",
+                "depth_distribution", "multikey_needles", "pack_to"):  # fmt: skip
+        assert key in real, key
+    _write_fake(tmp_path)
+    prefix = tmp_path / "data" / "retrieval" / "retrieval_code_4k"
+    prefix.parent.mkdir(parents=True)
+    prefix.with_suffix(".idx").write_text("")
+    meta = {"tasks": ["passkey", "needle"], "min_tokens": 256, "max_tokens": 4096,
+            "documents": 8000, "queries": 1, "depth_distribution": "uniform",
+            "multikey_needles": 4}  # fmt: skip
+    Path(f"{prefix}.meta.json").write_text(json.dumps(meta))
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    refused = _run(tmp_path, log, returncode=2, RETRIEVAL_DEPTH_DISTRIBUTION="arcsine")
+    status = (tmp_path / "example_status.log").read_text()
+    assert (
+        "RETRIEVAL_SPECS 4k: data/retrieval/retrieval_code_4k was written with other settings "
+        "(written depth_distribution 'uniform', asked 'arcsine')"
+    ) in status, status
+    assert not [c for c in refused if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
+    log.write_text("")
+    calls = _run(tmp_path, log)  # as written: reused, the 16k corpus written beside it
+    assert sorted(_writers_by_tag(calls)) == ["16k"]
