@@ -676,10 +676,14 @@ RECIPE_STAGES = {
 def retrieval_recipe_lengths() -> str:
     """docs/long_context_eval.md, the recipe's dense twin (seed 1): exact match per task and
     length before and after the 32k extension, with the run's valid loss and tokens/s."""
-    rows = []
+    rows, lengths = [], None
     for study, stage in RECIPE_STAGES.items():
         run = read_csv(RECIPE / study / "results.csv")["dense,seed=1"]
         tasks = read_json(RECIPE / study / "dense" / "seed1" / "retrieval.json")["tasks"]
+        mine = [b["length"] for b in tasks["passkey"]["by_length"]]
+        if lengths not in (None, mine):  # one header for both stages' columns
+            raise ValueError(f"{study}: lengths {mine}, the stage before {lengths}")
+        lengths = mine
         for name in ("passkey", "multikey", "code-value"):
             by_len = [
                 _ci(b["accuracy"], b["ci_low"], b["ci_high"]) for b in tasks[name]["by_length"]
@@ -694,7 +698,6 @@ def retrieval_recipe_lengths() -> str:
                     *by_len,
                 ]
             )
-    lengths = [b["length"] for b in tasks["passkey"]["by_length"]]
     header = ["dense twin, seed 1", "valid loss", "tokens/s", "task"]
     return table(header + [f"{n:,} tokens" for n in lengths], rows)
 

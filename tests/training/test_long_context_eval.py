@@ -258,6 +258,13 @@ def test_empty_grid(run_dir, capsys):
     )
 
 
+def test_prefix_eod_where_it_would_be_ignored_is_refused(run_dir, capsys):
+    ckpt = ["--checkpoint", str(run_dir / "checkpoints"), "--lengths", "128", "--prefix-eod"]
+    for extra in (["--skip-retrieval"], ["--attention-probe", "128"]):
+        err = _fails(capsys, *ckpt, *extra)
+        assert "--prefix-eod applies to the retrieval prompts only" in err, err
+
+
 def test_length_above_seq_length_or_off_the_blocks(run_dir, capsys):
     ckpt = ["--checkpoint", str(run_dir / "checkpoints")]
     err = _fails(capsys, *ckpt, "--lengths", "128,512")

@@ -132,6 +132,13 @@ def run(args) -> dict:
     else:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     probe = [args.attention_probe] if args.attention_probe is not None else []
+    if args.prefix_eod and (args.skip_retrieval or probe):
+        # It changes the retrieval prompts alone: where it would be ignored, say so first.
+        raise ConfigError(
+            "--prefix-eod applies to the retrieval prompts only: drop --skip-retrieval and "
+            "--attention-probe from this evaluation (the probe reads plain prompts), or "
+            "--prefix-eod"
+        )
     if not args.skip_retrieval or probe:
         check_grid(tasks, depths, args.trials, args.multikey_needles)
     pos_length = args.position_length or max(lengths)
