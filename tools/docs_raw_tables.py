@@ -620,9 +620,10 @@ PROBE2_RECIPES = {
 }
 
 
-def _ci(acc: float, lo: float, hi: float) -> str:
-    """An exact-match rate with its 95% interval, as fractions: ``0.85 [0.77, 0.91]``."""
-    return f"{acc:.2f} [{lo:.2f}, {hi:.2f}]"
+def _ci(entry: dict) -> str:
+    """A retrieval.json cell's or length's exact match with its 95% interval, as fractions:
+    ``0.85 [0.77, 0.91]``."""
+    return f"{entry['accuracy']:.2f} [{entry['ci_low']:.2f}, {entry['ci_high']:.2f}]"
 
 
 def retrieval_probe2_4k() -> str:
@@ -634,9 +635,7 @@ def retrieval_probe2_4k() -> str:
         for name in ("passkey", "multikey", "code-value"):
             cells = tasks[name]["cells"]
             ll = sum(c["log_likelihood"] for c in cells) / len(cells)
-            by_len = [
-                _ci(b["accuracy"], b["ci_low"], b["ci_high"]) for b in tasks[name]["by_length"]
-            ]
+            by_len = [_ci(b) for b in tasks[name]["by_length"]]
             first = name == "passkey"
             rows.append(
                 [
@@ -685,9 +684,7 @@ def retrieval_recipe_lengths() -> str:
             raise ValueError(f"{study}: lengths {mine}, the stage before {lengths}")
         lengths = mine
         for name in ("passkey", "multikey", "code-value"):
-            by_len = [
-                _ci(b["accuracy"], b["ci_low"], b["ci_high"]) for b in tasks[name]["by_length"]
-            ]
+            by_len = [_ci(b) for b in tasks[name]["by_length"]]
             first = name == "passkey"
             rows.append(
                 [
@@ -718,8 +715,7 @@ def _depth_table(tasks: dict) -> str:
         for depth in sorted({d for d, _ in cells}):
             row = [name if depth == 0 else "", f"{depth:g}"]
             for n in lengths:
-                c = cells[(depth, n)]
-                row.append(_ci(c["accuracy"], c["ci_low"], c["ci_high"]))
+                row.append(_ci(cells[(depth, n)]))
             rows.append(row)
     return table(["task", "needle depth", *(f"{n:,} tokens" for n in lengths)], rows)
 
