@@ -95,6 +95,7 @@ RETRIEVAL_QUERIES=${RETRIEVAL_QUERIES:-1}
 RETRIEVAL_NEEDLES=${RETRIEVAL_NEEDLES:-}
 RETRIEVAL_HAYSTACK=${RETRIEVAL_HAYSTACK:-code}
 PREFIX_EOD=${PREFIX_EOD:-}
+LENGTHS=${LENGTHS:-4096,8192,16384}
 RETRIEVAL_DEPTH_DISTRIBUTION=${RETRIEVAL_DEPTH_DISTRIBUTION:-}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 read -r -a BASE_EXTRA <<< "${BASE_OVERRIDES:-}"
@@ -125,26 +126,25 @@ read_corpus() {  # OVERRIDES: the code corpus's own overrides; CODE: the corpus 
     CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
 }
 evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by position.
-    local run=$1 lengths=${LENGTHS:-4096,8192,16384} rc=0
+    local run=$1 lengths=$LENGTHS rc=0
     [[ $2 == "$BASE_NAME" && -n ${BASE_LENGTHS:-} ]] && lengths=$BASE_LENGTHS
     shift 2
-    local grid=(--lengths "$lengths" --tasks "${TASKS:-kv-filler,passkey,needle}"
-        --trials "${TRIALS:-10}") probe=()
+    # Both protocols' evaluations: the run's checkpoint, the grid, the options given.
+    local evaluator=("$PYTHON" -m megatron_s2.training.evaluation.long_context
+        --checkpoint "$run/checkpoints" --lengths "$lengths"
+        --tasks "${TASKS:-kv-filler,passkey,needle}" --trials "${TRIALS:-10}" "$@") probe=()
     # The probe where its length is evaluated: not on a base evaluated at 4k alone.
     [[ -n ${PROBE_LENGTH:-} && ,$lengths, == *,$PROBE_LENGTH,* ]] && probe=(--attention-probe "$PROBE_LENGTH")
     if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
-        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
-            "${grid[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" \
-            "${probe[@]}" "$@" \
+        "${evaluator[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" "${probe[@]}" \
             "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
         rc=$?
         note "evaluated $run (exit $rc; output in $run/long_context_eval.log)"
     fi
     if ((rc == 0)) && [[ $PREFIX_EOD == also && ! -f "$run/long_context_eval_eod/retrieval.json" ]]; then
         # The same trials once more (their needles and values), each behind the EOD token.
-        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
-            "${grid[@]}" --prefix-eod --skip-position --output-dir "$run/long_context_eval_eod" \
-            "$@" "data.blend=[$CODE]" > "$run/long_context_eval_eod.log" 2>&1
+        "${evaluator[@]}" --prefix-eod --skip-position --output-dir "$run/long_context_eval_eod" \
+            "data.blend=[$CODE]" > "$run/long_context_eval_eod.log" 2>&1
         rc=$?
         note "evaluated $run with --prefix-eod (exit $rc; output in $run/long_context_eval_eod.log)"
     fi
@@ -193,9 +193,9 @@ case $RETRIEVAL_DEPTH_DISTRIBUTION in
         exit 2
         ;;
 esac
-if [[ -n ${PROBE_LENGTH:-} && ,${LENGTHS:-4096,8192,16384}, != *,$PROBE_LENGTH,* ]]; then
+if [[ -n ${PROBE_LENGTH:-} && ,$LENGTHS, != *,$PROBE_LENGTH,* ]]; then
     # Probed only where evaluated (the base with BASE_LENGTHS may skip it; the extension not).
-    note "PROBE_LENGTH must be one of LENGTHS (${LENGTHS:-4096,8192,16384}), got '$PROBE_LENGTH'"
+    note "PROBE_LENGTH must be one of LENGTHS ($LENGTHS), got '$PROBE_LENGTH'"
     exit 2
 fi
 if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
