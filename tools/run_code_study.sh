@@ -38,14 +38,16 @@ evaluate() {  # RUN: the evaluator on the run's checkpoints, on the GPUs this pr
     "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$1/checkpoints" \
         "${eval_args[@]}" --position-sequences "${POSITION_SEQUENCES:-64}"
 }
+# A run finished in an earlier GPU lease whose raw output (summary, metrics) was carried in to
+# complete the study has no checkpoint here: they did not outlive that lease.
+has_checkpoint() { compgen -G "$1/checkpoints/iter_*" > /dev/null; }
 if [[ ${1:-} == --evaluate-run ]]; then
     run=$2
     if [[ -f "$run/long_context_eval/loss_by_position.json" ]]; then
         echo "$run: evaluated already"
         exit 0
     fi
-    if ! compgen -G "$run/checkpoints/iter_*" > /dev/null; then
-        # Carried in from an earlier lease (see the catch-up below): nothing here to evaluate.
+    if ! has_checkpoint "$run"; then
         echo "$run: no checkpoint here (trained elsewhere, or saved none), not evaluated"
         exit 0
     fi
@@ -78,9 +80,9 @@ print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
 PY
 )
 # The catch-up: the finished points still without their curve (trained before this script passed
-# --after, or their evaluation failed during the sweep), where their checkpoints are. One after another, or with EVAL_DEVICES
-# (GPU ids, e.g. 0,1) one per GPU at a time, each in the background with its own
-# CUDA_VISIBLE_DEVICES and its output in its run's long_context_eval.log.
+# --after, or their evaluation failed during the sweep), where their checkpoints are. One after
+# another, or with EVAL_DEVICES (GPU ids, e.g. 0,1) one per GPU at a time, each in the background
+# with its own CUDA_VISIBLE_DEVICES and its output in its run's long_context_eval.log.
 IFS=, read -r -a eval_devices <<< "${EVAL_DEVICES:-}"
 pids=()
 i=0
@@ -88,10 +90,9 @@ for run in "$OUT"/runs/*/; do
     run=${run%/}
     [[ -f "$run/summary.json" ]] || continue
     [[ -f "$run/long_context_eval/loss_by_position.json" ]] && continue
-    if ! compgen -G "$run/checkpoints/iter_*" > /dev/null; then
-        # A run finished in an earlier GPU lease whose raw output (summary, metrics) was carried
-        # in to complete the study: its checkpoints did not outlive that lease.
-        echo "== not evaluated: $(basename "$run") has no checkpoint here (trained elsewhere, or saved none)"
+    if ! has_checkpoint "$run"; then
+        echo "== not evaluated: $(basename "$run") has no checkpoint here" \
+            "(trained elsewhere, or saved none)"
         continue
     fi
     echo "== evaluating: $(basename "$run")"
