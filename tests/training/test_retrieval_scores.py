@@ -123,21 +123,16 @@ def test_retrieval_json_has_counts_and_wilson_intervals(monkeypatch):
 
 
 def _copying_model(tok, batches):
-    """A stand-in model that predicts every next token right (greedy = the prompt shifted by
-    one) and keeps each batch it scores in ``batches``: a record's greedy answer equals its
-    answer only when the evaluator reads the answer from the right positions."""
-    em = types.SimpleNamespace(tokenizer=tok, cfg=None)
+    """:func:`_fake_model` right on every row (greedy = the prompt shifted by one), keeping each
+    batch it scores in ``batches``: a record's greedy answer equals its answer only when the
+    evaluator reads the answer from the right positions."""
+    em, score = _fake_model(tok, lambda row: True)
 
-    def score(_em, batch, micro_batch_size=1):
+    def keeping(_em, batch, micro_batch_size=1):
         batches.append(batch.copy())
-        rows, width = batch.shape
-        return {
-            "greedy": batch[:, 1:],
-            "nll": np.full((rows, width - 1), 0.5),
-            "correct": np.ones((rows, width - 1), dtype=bool),
-        }
+        return score(_em, batch, micro_batch_size)
 
-    return em, score
+    return em, keeping
 
 
 @pytest.mark.parametrize("task", ["passkey", "multikey"])
