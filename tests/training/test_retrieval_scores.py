@@ -335,3 +335,106 @@ def test_evaluator_refuses_bad_multikey_needles(capsys):
         assert "--multikey-needles must be an integer from 2 to 16" in err, err
     assert main(base[:-1] + ["passkey,code-values"]) == 2
     assert "--tasks: unknown ['code-values']" in capsys.readouterr().err
+
+
+def test_paired_difference_matches_published_value():
+    """Fagerland, Lydersen & Laake (2017), Statistical Analysis of Contingency Tables, ch. 8:
+    the Cavo et al. (2012) paired table 59 / 6 / 16 / 80, Newcombe's square-and-add interval
+    -0.0621 (-0.1186 to -0.0046)."""
+    d, lo, hi = S.paired_difference_interval(59, 6, 16, 80)
+    assert d == pytest.approx(-0.0621, abs=6e-5)
+    assert lo == pytest.approx(-0.1186, abs=6e-5) and hi == pytest.approx(-0.0046, abs=6e-5)
+    # Swapping the two models negates the interval.
+    d2, lo2, hi2 = S.paired_difference_interval(59, 16, 6, 80)
+    assert (d2, lo2, hi2) == pytest.approx((-d, -hi, -lo))
+
+
+def test_paired_difference_covers_the_true_difference():
+    """Over simulated paired outcomes (100 trials, correlated models) the 95% interval holds
+    the true difference in 93-97.5% of draws, and it is narrower than the unpaired one when the
+    two models fail on the same trials."""
+    rng = np.random.default_rng(5)
+    for probs in [(0.7, 0.1, 0.05, 0.15), (0.5, 0.2, 0.2, 0.1), (0.85, 0.03, 0.07, 0.05)]:
+        true = probs[1] - probs[2]
+        hits = 0
+        for _ in range(2000):
+            lo, hi = S.paired_difference_interval(*rng.multinomial(100, probs))[1:]
+            assert -1.0 <= lo <= hi <= 1.0
+            hits += lo <= true <= hi
+        assert 0.93 <= hits / 2000 <= 0.975, (probs, hits / 2000)
+    # Same rates (80% and 75%), outcomes strongly shared vs independent.
+    lo, hi = S.paired_difference_interval(75, 5, 0, 20)[1:]
+    lo_ind, hi_ind = S.paired_difference_interval(60, 20, 15, 5)[1:]
+    assert hi - lo < 0.6 * (hi_ind - lo_ind)
+    # Two models right and wrong on exactly the same trials: no difference, still an interval.
+    d, lo, hi = S.paired_difference_interval(70, 0, 0, 30)
+    assert d == 0.0 and lo < 0.0 < hi
+    with pytest.raises(ValueError, match="counts >= 0 and at least one trial"):
+        S.paired_difference_interval(0, 0, 0, 0)
+    with pytest.raises(ValueError, match="counts >= 0"):
+        S.paired_difference_interval(5, -1, 0, 3)
+
+
+def _with_trials(exact_by_key, answers=None, task="passkey"):
+    """A retrieval.json with per-trial records: ``exact_by_key[(length, depth, trial)]``."""
+    answers = answers or {}
+    trials = [
+        {"length": n, "depth": d, "trial": i, "answer": answers.get((n, d, i), f" {n}{i}"),
+         "key": "", "exact": bool(e)}
+        for (n, d, i), e in exact_by_key.items()
+    ]  # fmt: skip
+    cells = []
+    for n, d in sorted({(n, d) for n, d, _ in exact_by_key}):
+        k = sum(e for (m, dd, _), e in exact_by_key.items() if (m, dd) == (n, d))
+        t = sum(1 for (m, dd, _) in exact_by_key if (m, dd) == (n, d))
+        cells.append({"length": n, "depth": d, "accuracy": k / t, "correct": k, "trials": t})
+    return {"tasks": {task: {"cells": cells, "trials": trials}}}
+
+
+def test_paired_trial_difference_counts_the_same_trials():
+    rng = np.random.default_rng(3)
+    keys = [(n, d, i) for n in (1024, 2048) for d in (0.0, 1.0) for i in range(25)]
+    a = {k: bool(rng.random() < 0.8) for k in keys}
+    b = {k: bool(rng.random() < 0.6) for k in keys}
+    got = S.paired_trial_difference(_with_trials(a), _with_trials(b), "passkey")
+    for n in (1024, 2048):
+        mine = [k for k in keys if k[0] == n]
+        counts = [
+            sum(a[k] and b[k] for k in mine),
+            sum(a[k] and not b[k] for k in mine),
+            sum(b[k] and not a[k] for k in mine),
+            sum(not a[k] and not b[k] for k in mine),
+        ]
+        want = S.paired_difference_interval(*counts)
+        assert got[n] == pytest.approx((*(100 * v for v in want), 50))
+    # One depth only.
+    only0 = S.paired_trial_difference(_with_trials(a), _with_trials(b), "passkey", depths=[0.0])
+    assert only0[1024][3] == 25
+    # Not the same trials: refused, naming the trial.
+    other = {k: " 99999" for k in keys[:1]}
+    with pytest.raises(ValueError, match=r"trial \(1024, 0.0, 0\) of 'passkey' asks"):
+        S.paired_trial_difference(_with_trials(a, other), _with_trials(b), "passkey")
+    with pytest.raises(ValueError, match="hold different trials"):
+        S.paired_trial_difference(
+            _with_trials(dict(list(a.items())[:-1])), _with_trials(b), "passkey"
+        )
+    with pytest.raises(ValueError, match="no per-trial records"):
+        S.paired_trial_difference(_result(lambda t, n, d: 5), _with_trials(b), "passkey")
+
+
+def test_one_seed_study_shows_the_trial_level_difference():
+    """With one common seed the difference row is the two checkpoints on the same trials,
+    labelled as such; files without per-trial records keep the plain "one seed" row."""
+    keys = [(1024, d, i) for d in (0.0, 1.0) for i in range(20)]
+    dense = {k: k[2] < 18 for k in keys}  # 36 of 40
+    hybrid = {k: k[2] < 12 for k in keys}  # 24 of 40, all inside dense's successes
+    text = S.study_markdown(
+        {"dense": {1: _with_trials(dense)}, "hybrid-DS": {1: _with_trials(hybrid)}}
+    )
+    d, lo, hi = S.paired_difference_interval(24, 0, 12, 4)
+    row = f"| hybrid-DS | trials of seed 1 | {100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] |"
+    assert row in text.splitlines(), text
+    assert "the evaluation's noise only" in text
+    plain = S.study_markdown({"dense": {1: _result(lambda t, n, d: 9)},
+                              "hybrid-DS": {1: _result(lambda t, n, d: 6)}})  # fmt: skip
+    assert "| hybrid-DS | one seed | – | – |" in plain and "noise only" not in plain

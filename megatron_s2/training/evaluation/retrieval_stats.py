@@ -31,6 +31,8 @@ __all__ = [
     "wilson_interval",
     "cell_counts",
     "cell_interval",
+    "paired_difference_interval",
+    "paired_trial_difference",
     "length_means",
     "seed_summary",
     "difference_to_reference",
@@ -82,6 +84,91 @@ def cell_interval(cell: Mapping, level: float = CONFIDENCE) -> tuple[float, floa
     if "ci_low" in cell and "ci_high" in cell:
         return float(cell["ci_low"]), float(cell["ci_high"])
     return wilson_interval(*cell_counts(cell), level=level)
+
+
+def paired_difference_interval(
+    both: int, only_a: int, only_b: int, neither: int, level: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """``(difference, low, high)`` of two success rates measured on the same trials: ``a``'s
+    rate minus ``b``'s (fractions in [-1, 1]), from the four counts of the trials' outcomes
+    (``both`` succeeded, ``only_a``, ``only_b``, ``neither``), with Newcombe's (1998)
+    square-and-add interval for paired data at confidence ``level``: each rate's Wilson
+    interval, combined with the correlation of the two outcomes over trials (the phi
+    coefficient, its positive part reduced by n/2 as Newcombe does), so that two models that
+    fail on the same trials get a narrower interval than two independent samples would.
+    Raises ValueError for negative counts or no trials."""
+    counts = (both, only_a, only_b, neither)
+    if min(counts) < 0 or sum(counts) < 1:
+        raise ValueError(
+            "paired_difference_interval: need counts >= 0 and at least one trial, got "
+            f"both={both} only_a={only_a} only_b={only_b} neither={neither}"
+        )
+    n = sum(counts)
+    a_yes, b_yes = both + only_a, both + only_b
+    pa, pb = a_yes / n, b_yes / n
+    la, ua = wilson_interval(a_yes, n, level)
+    lb, ub = wilson_interval(b_yes, n, level)
+    margins = a_yes * (n - a_yes) * b_yes * (n - b_yes)
+    phi = 0.0
+    if margins > 0:
+        cross = both * neither - only_a * only_b
+        # Newcombe's correction: a positive association counts only beyond n/2.
+        if cross > n / 2:
+            phi = (cross - n / 2) / math.sqrt(margins)
+        elif cross < 0:
+            phi = cross / math.sqrt(margins)
+    diff = pa - pb
+    down = math.sqrt(max(0.0, (pa - la) ** 2 + (ub - pb) ** 2 - 2 * phi * (pa - la) * (ub - pb)))
+    up = math.sqrt(max(0.0, (pb - lb) ** 2 + (ua - pa) ** 2 - 2 * phi * (pb - lb) * (ua - pa)))
+    return diff, max(-1.0, diff - down), min(1.0, diff + up)
+
+
+def paired_trial_difference(
+    result: Mapping,
+    reference: Mapping,
+    task: str,
+    level: float = CONFIDENCE,
+    depths: Optional[Sequence[float]] = None,
+) -> dict[int, tuple[float, float, float, int]]:
+    """One evaluation against another on the same trials: ``{length: (difference, low, high,
+    trials)}`` of ``result``'s exact match minus ``reference``'s, in points (0-100), with
+    :func:`paired_difference_interval` over the length's trials (of ``depths`` only when
+    given). This is the evaluation's noise alone (which trials a model happens to get right),
+    not the training run's: it says whether two checkpoints differ on these trials, not
+    whether two recipes differ. Trials are matched by (length, depth, trial index) and must
+    ask the same answers (two evaluations with the evaluator's same seed, e.g. two arms of a
+    study, or one run with and without ``--prefix-eod``). Raises ValueError when a file has no
+    per-trial records, or when the trials do not match (naming the first that differs)."""
+
+    def trials(r: Mapping, which: str) -> dict[tuple, Mapping]:
+        records = r["tasks"][task].get("trials") or []
+        if not records:
+            raise ValueError(f"paired_trial_difference: the {which} file has no per-trial "
+                             f"records for {task!r} (written before they existed?)")  # fmt: skip
+        return {(int(t["length"]), float(t["depth"]), int(t["trial"])): t for t in records}
+
+    mine, ref = trials(result, "first"), trials(reference, "reference")
+    if set(mine) != set(ref):
+        raise ValueError(f"paired_trial_difference: the two files hold different trials for "
+                         f"{task!r} ({len(mine)} and {len(ref)}; e.g. "
+                         f"{sorted(set(mine) ^ set(ref))[0]} in one only)")  # fmt: skip
+    counts: dict[int, list[int]] = {}
+    for key in sorted(mine):
+        a, b = mine[key], ref[key]
+        if (a.get("answer"), a.get("key")) != (b.get("answer"), b.get("key")):
+            raise ValueError(f"paired_trial_difference: trial {key} of {task!r} asks "
+                             f"{a.get('answer')!r} in one file and {b.get('answer')!r} in the "
+                             "other: not the same trials (another evaluator seed?)")  # fmt: skip
+        if depths is not None and not any(math.isclose(key[1], d) for d in depths):
+            continue
+        # both, only the first, only the reference, neither
+        slot = (0 if b["exact"] else 1) if a["exact"] else (2 if b["exact"] else 3)
+        counts.setdefault(key[0], [0, 0, 0, 0])[slot] += 1
+    out = {}
+    for n, (both, only_a, only_b, neither) in counts.items():
+        d, lo, hi = paired_difference_interval(both, only_a, only_b, neither, level)
+        out[n] = (100.0 * d, 100.0 * lo, 100.0 * hi, both + only_a + only_b + neither)
+    return out
 
 
 def length_means(result: Mapping, task: str) -> dict[int, float]:
@@ -237,9 +324,37 @@ def study_markdown(
             ]
             for a in order[1:]:
                 diffs = difference_to_reference(arms[a], arms[reference], task, level)
-                methods = sorted({how for _, how in diffs.values() if how}) or ["one seed"]
+                methods = sorted({how for _, how in diffs.values() if how})
                 cells = [format_estimate(diffs.get(n, (None, ""))[0], signed=True)
                          for n in lengths]  # fmt: skip
-                lines.append(f"| {a} | {'/'.join(methods)} | " + " | ".join(cells) + " |")
+                common = sorted(set(arms[a]) & set(arms[reference]))
+                if not methods and len(common) == 1:
+                    # No interval over seeds: the one common seed's two checkpoints on the same
+                    # trials, labelled as the evaluation's noise only.
+                    seed = common[0]
+                    by_trial = _trial_cells(arms[a][seed], arms[reference][seed], task, level)
+                    if by_trial is not None:
+                        methods = [f"trials of seed {seed}"]
+                        cells = [by_trial.get(n, "–") for n in lengths]
+                lines.append(f"| {a} | {'/'.join(methods or ['one seed'])} | "
+                             + " | ".join(cells) + " |")  # fmt: skip
             lines.append("")
+    if any("trials of seed" in line for line in lines):
+        lines += [
+            "Rows marked *trials of seed k*: the two runs of that one seed on the same trials "
+            f"(points, Newcombe's paired {pct} interval over trials). That is the evaluation's "
+            "noise only, not the training run's: it tells whether these two checkpoints differ "
+            "on these trials, not whether the two recipes do; that needs seeds.",
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _trial_cells(result: Mapping, reference: Mapping, task: str, level: float) -> Optional[dict]:
+    """``{length: "-3.0 [-9.7, +3.4]"}`` from :func:`paired_trial_difference`, or None when
+    the files cannot be paired (no per-trial records, other trials)."""
+    try:
+        diffs = paired_trial_difference(result, reference, task, level)
+    except ValueError:
+        return None
+    return {n: f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" for n, (d, lo, hi, _) in diffs.items()}
