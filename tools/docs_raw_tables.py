@@ -672,31 +672,122 @@ RECIPE_STAGES = {
 }
 
 
+RECIPE_ARMS = ("dense", "hybrid-DS")
+
+
 def retrieval_recipe_lengths() -> str:
-    """docs/long_context_eval.md, the recipe's dense twin (seed 1): exact match per task and
-    length before and after the 32k extension, with the run's valid loss and tokens/s."""
-    rows, lengths = [], None
+    """docs/long_context_eval.md, the recipe's arms (seed 1 each): exact match per task and
+    length before and after the 32k extension, with each run's valid loss and tokens/s; a
+    length a run was not evaluated at (a base evaluated at 4k only) is ``not run``."""
+    rows, lengths = [], set()
     for study, stage in RECIPE_STAGES.items():
-        run = read_csv(RECIPE / study / "results.csv")["dense,seed=1"]
-        tasks = read_json(RECIPE / study / "dense" / "seed1" / "retrieval.json")["tasks"]
-        mine = [b["length"] for b in tasks["passkey"]["by_length"]]
-        if lengths not in (None, mine):  # one header for both stages' columns
-            raise ValueError(f"{study}: lengths {mine}, the stage before {lengths}")
-        lengths = mine
-        for name in ("passkey", "multikey", "code-value"):
-            by_len = [_ci(b) for b in tasks[name]["by_length"]]
-            first = name == "passkey"
-            rows.append(
-                [
-                    stage if first else "",
+        runs = read_csv(RECIPE / study / "results.csv")
+        for arm in RECIPE_ARMS:
+            run = runs[f"{arm},seed=1"]
+            tasks = read_json(RECIPE / study / arm / "seed1" / "retrieval.json")["tasks"]
+            for name in ("passkey", "multikey", "code-value"):
+                by_len = {b["length"]: _ci(b) for b in tasks[name]["by_length"]}
+                lengths |= set(by_len)
+                first = name == "passkey"
+                head = [
+                    stage if first and arm == RECIPE_ARMS[0] else "",
+                    arm if first else "",
                     f4(float(run["final_valid_loss"])) if first else "",
                     thousands(float(run["tokens_per_s"])) if first else "",
                     name,
-                    *by_len,
                 ]
-            )
-    header = ["dense twin, seed 1", "valid loss", "tokens/s", "task"]
-    return table(header + [f"{n:,} tokens" for n in lengths], rows)
+                rows.append((head, by_len))
+    columns = sorted(lengths)
+    header = ["stage", "arm, seed 1", "valid loss", "tokens/s", "task"]
+    return table(
+        header + [f"{n:,} tokens" for n in columns],
+        [head + [by_len.get(n, "not run") for n in columns] for head, by_len in rows],
+    )
+
+
+def _stats():
+    """megatron_s2's retrieval statistics (imported here: the other tables need no package)."""
+    sys.path.insert(0, str(REPO))
+    from megatron_s2.training.evaluation import retrieval_stats
+
+    return retrieval_stats
+
+
+def _paired(entry: tuple[float, float, float, int]) -> str:
+    """A paired difference in points with its interval: ``-3.0 [-9.7, +3.4]``."""
+    d, lo, hi, _ = entry
+    return f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
+
+def retrieval_recipe_difference() -> str:
+    """docs/long_context_eval.md: the extended hybrid-DS minus the extended dense twin (seed 1
+    each) per task and length, in points, over the same 100 trials a length (Newcombe's paired
+    95% interval: the evaluation's noise only, not the training run's)."""
+    stats = _stats()
+    study = RECIPE / "retrieval-125m-extend-32k"
+    hybrid = read_json(study / "hybrid-DS" / "seed1" / "retrieval.json")
+    dense = read_json(study / "dense" / "seed1" / "retrieval.json")
+    rows, lengths = [], None
+    for name in ("passkey", "multikey"):
+        diff = stats.paired_trial_difference(hybrid, dense, name)
+        lengths = lengths or sorted(diff)
+        rows.append([name, *(_paired(diff[n]) for n in lengths)])
+    return table(["hybrid-DS - dense, seed 1", *(f"{n:,} tokens" for n in lengths)], rows)
+
+
+def retrieval_recipe_depth0() -> str:
+    """docs/long_context_eval.md: depth 0 after the extension, the plain prompt against the
+    EOD-prefixed one (the same needles): each arm's exact match per length and pooled over the
+    lengths with Wilson intervals, and the hybrid's EOD minus plain over the same trials
+    (points, Newcombe's paired interval; 20 trials a length, 80 pooled)."""
+    stats = _stats()
+    plain = RECIPE / "retrieval-125m-extend-32k"
+    eod = RECIPE / "retrieval-125m-extend-32k-eod"
+    runs = {
+        "dense, plain": read_json(plain / "dense" / "seed1" / "retrieval.json"),
+        "hybrid-DS, plain": read_json(plain / "hybrid-DS" / "seed1" / "retrieval.json"),
+        "hybrid-DS, EOD first": read_json(eod / "hybrid-DS" / "seed1" / "retrieval.json"),
+    }
+    rows, lengths = [], None
+    for name in ("passkey", "multikey"):
+        for label, res in runs.items():
+            cells = {c["length"]: c for c in res["tasks"][name]["cells"] if c["depth"] == 0}
+            lengths = lengths or sorted(cells)
+            k = sum(cells[n]["correct"] for n in lengths)
+            trials = sum(cells[n]["trials"] for n in lengths)
+            lo, hi = stats.wilson_interval(k, trials)
+            pooled = {"accuracy": k / trials, "ci_low": lo, "ci_high": hi}
+            rows.append([name if label == "dense, plain" else "", label,
+                         *(_ci(cells[n]) for n in lengths), _ci(pooled)])  # fmt: skip
+        counts = stats.paired_counts(
+            runs["hybrid-DS, EOD first"], runs["hybrid-DS, plain"], name, depths=[0.0]
+        )
+        total = [sum(c[i] for c in counts.values()) for i in range(4)]
+        d, lo, hi = stats.paired_difference_interval(*total)
+        by_len = []
+        for n in lengths:
+            dn, lon, hin = stats.paired_difference_interval(*counts[n])
+            by_len.append(_paired((100 * dn, 100 * lon, 100 * hin, 0)))
+        pooled_diff = _paired((100 * d, 100 * lo, 100 * hi, 0))
+        rows.append(["", "hybrid-DS, EOD - plain (points)", *by_len, pooled_diff])
+    header = ["task", "depth 0, seed 1", *(f"{n:,} tokens" for n in lengths), "all four"]
+    return table(header, rows)
+
+
+def retrieval_recipe_probe() -> str:
+    """docs/long_context_eval.md: the extended hybrid-DS's attention probe at 32k: per layer,
+    the attention its top head (and the mean head) puts on the needle's tokens from the
+    question, at each needle depth (fractions of the head's attention)."""
+    probe = read_json(
+        RECIPE / "retrieval-125m-extend-32k" / "hybrid-DS" / "seed1" / "attention_probe.json"
+    )
+    rows = [
+        [str(layer["layer"]), layer["kind"],
+         *(f"{top:.2f} ({mean:.2f})" for top, mean in zip(layer["top_head"], layer["mean_head"]))]
+        for layer in probe["layers"]
+    ]  # fmt: skip
+    depths = [f"depth {d:g}" for d in probe["depths"]]
+    return table(["layer", "attention", *depths], rows)
 
 
 def retrieval_recipe_depths() -> str:
@@ -786,9 +877,35 @@ TABLES: dict[str, Table] = {
         tuple(
             f"docs/long_context/results/{study}/{f}"
             for study in RECIPE_STAGES
-            for f in ("results.csv", "dense/seed1/retrieval.json")
+            for f in ("results.csv", *(f"{arm}/seed1/retrieval.json" for arm in RECIPE_ARMS))
         ),
         retrieval_recipe_lengths,
+    ),
+    "retrieval-recipe-difference": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed1/retrieval.json"
+            for arm in RECIPE_ARMS
+        ),
+        retrieval_recipe_difference,
+    ),
+    "retrieval-recipe-depth0": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k/dense/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-extend-32k/hybrid-DS/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-extend-32k-eod/hybrid-DS/seed1/"
+            "retrieval.json",
+        ),
+        retrieval_recipe_depth0,
+    ),
+    "retrieval-recipe-probe": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k/hybrid-DS/seed1/"
+            "attention_probe.json",
+        ),
+        retrieval_recipe_probe,
     ),
     "retrieval-recipe-depths": Table(
         "docs/long_context_eval.md",

@@ -32,6 +32,7 @@ __all__ = [
     "cell_counts",
     "cell_interval",
     "paired_difference_interval",
+    "paired_counts",
     "paired_trial_difference",
     "length_means",
     "seed_summary",
@@ -123,6 +124,48 @@ def paired_difference_interval(
     return diff, max(-1.0, diff - down), min(1.0, diff + up)
 
 
+def paired_counts(
+    result: Mapping, reference: Mapping, task: str, depths: Optional[Sequence[float]] = None
+) -> dict[int, tuple[int, int, int, int]]:
+    """``{length: (both, only_result, only_reference, neither)}``: how many of the length's
+    trials (of ``depths`` only when given) each of two evaluations got exactly right, trial by
+    trial. Trials are matched by (length, depth, trial index) and must ask the same answers
+    (two evaluations with the evaluator's same seed, e.g. two arms of a study, or one run with
+    and without ``--prefix-eod``). Raises ValueError when a file has no per-trial records, or
+    when the trials do not match (naming the first that differs)."""
+
+    def trials(r: Mapping, which: str) -> dict[tuple, Mapping]:
+        records = r["tasks"][task].get("trials") or []
+        if not records:
+            raise ValueError(
+                f"paired_counts: the {which} file has no per-trial records for {task!r} "
+                "(written before they existed?)"
+            )
+        return {(int(t["length"]), float(t["depth"]), int(t["trial"])): t for t in records}
+
+    mine, ref = trials(result, "first"), trials(reference, "reference")
+    if set(mine) != set(ref):
+        raise ValueError(
+            f"paired_counts: the two files hold different trials for {task!r} ({len(mine)} "
+            f"and {len(ref)}; e.g. {sorted(set(mine) ^ set(ref))[0]} in one only)"
+        )
+    counts: dict[int, list[int]] = {}
+    for key in sorted(mine):
+        a, b = mine[key], ref[key]
+        if (a.get("answer"), a.get("key")) != (b.get("answer"), b.get("key")):
+            raise ValueError(
+                f"paired_counts: trial {key} of {task!r} asks {a.get('answer')!r} in one file "
+                f"and {b.get('answer')!r} in the other: not the same trials (another "
+                "evaluator seed?)"
+            )
+        if depths is not None and not any(math.isclose(key[1], d) for d in depths):
+            continue
+        # both, only the first, only the reference, neither
+        slot = (0 if b["exact"] else 1) if a["exact"] else (2 if b["exact"] else 3)
+        counts.setdefault(key[0], [0, 0, 0, 0])[slot] += 1
+    return {n: (c[0], c[1], c[2], c[3]) for n, c in counts.items()}
+
+
 def paired_trial_difference(
     result: Mapping,
     reference: Mapping,
@@ -133,41 +176,13 @@ def paired_trial_difference(
     """One evaluation against another on the same trials: ``{length: (difference, low, high,
     trials)}`` of ``result``'s exact match minus ``reference``'s, in points (0-100), with
     :func:`paired_difference_interval` over the length's trials (of ``depths`` only when
-    given). This is the evaluation's noise alone (which trials a model happens to get right),
-    not the training run's: it says whether two checkpoints differ on these trials, not
-    whether two recipes differ. Trials are matched by (length, depth, trial index) and must
-    ask the same answers (two evaluations with the evaluator's same seed, e.g. two arms of a
-    study, or one run with and without ``--prefix-eod``). Raises ValueError when a file has no
-    per-trial records, or when the trials do not match (naming the first that differs)."""
-
-    def trials(r: Mapping, which: str) -> dict[tuple, Mapping]:
-        records = r["tasks"][task].get("trials") or []
-        if not records:
-            raise ValueError(f"paired_trial_difference: the {which} file has no per-trial "
-                             f"records for {task!r} (written before they existed?)")  # fmt: skip
-        return {(int(t["length"]), float(t["depth"]), int(t["trial"])): t for t in records}
-
-    mine, ref = trials(result, "first"), trials(reference, "reference")
-    if set(mine) != set(ref):
-        raise ValueError(f"paired_trial_difference: the two files hold different trials for "
-                         f"{task!r} ({len(mine)} and {len(ref)}; e.g. "
-                         f"{sorted(set(mine) ^ set(ref))[0]} in one only)")  # fmt: skip
-    counts: dict[int, list[int]] = {}
-    for key in sorted(mine):
-        a, b = mine[key], ref[key]
-        if (a.get("answer"), a.get("key")) != (b.get("answer"), b.get("key")):
-            raise ValueError(f"paired_trial_difference: trial {key} of {task!r} asks "
-                             f"{a.get('answer')!r} in one file and {b.get('answer')!r} in the "
-                             "other: not the same trials (another evaluator seed?)")  # fmt: skip
-        if depths is not None and not any(math.isclose(key[1], d) for d in depths):
-            continue
-        # both, only the first, only the reference, neither
-        slot = (0 if b["exact"] else 1) if a["exact"] else (2 if b["exact"] else 3)
-        counts.setdefault(key[0], [0, 0, 0, 0])[slot] += 1
+    given; matching and errors as :func:`paired_counts`). This is the evaluation's noise alone
+    (which trials a model happens to get right), not the training run's: it says whether two
+    checkpoints differ on these trials, not whether two recipes differ."""
     out = {}
-    for n, (both, only_a, only_b, neither) in counts.items():
-        d, lo, hi = paired_difference_interval(both, only_a, only_b, neither, level)
-        out[n] = (100.0 * d, 100.0 * lo, 100.0 * hi, both + only_a + only_b + neither)
+    for n, counts in paired_counts(result, reference, task, depths).items():
+        d, lo, hi = paired_difference_interval(*counts, level=level)
+        out[n] = (100.0 * d, 100.0 * lo, 100.0 * hi, sum(counts))
     return out
 
 
