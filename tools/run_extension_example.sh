@@ -241,37 +241,34 @@ if [[ $with_retrieval == 1 ]]; then
         IFS=: read -r tag min_tokens max_tokens num_docs queries needles pack <<< "$spec"
         queries=${queries:-$RETRIEVAL_QUERIES}
         needles=${needles:-$RETRIEVAL_NEEDLES}
-        if [[ ! -f "${RETRIEVAL_PREFIX}_$tag.idx" ]]; then
-            "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
-                --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
-                --queries "$queries" ${needles:+--multikey-needles "$needles"} \
-                ${pack:+--pack-to "$pack"} \
-                ${RETRIEVAL_DEPTH_DISTRIBUTION:+--depth-distribution "$RETRIEVAL_DEPTH_DISTRIBUTION"} \
-                --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
-                --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" || exit
-            note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
-        elif [[ -f "${RETRIEVAL_PREFIX}_$tag.meta.json" ]]; then
-            # A corpus written before is reused only if it was written as asked now.
-            if ! why=$("$PYTHON" - "${RETRIEVAL_PREFIX}_$tag.meta.json" "$RETRIEVAL_TASKS" \
-                "$min_tokens" "$max_tokens" "$num_docs" "$queries" "${needles:-}" "${pack:-}" \
-                "${RETRIEVAL_DEPTH_DISTRIBUTION:-uniform}" <<'PY'
-import json, sys
-meta = json.load(open(sys.argv[1]))
-tasks, lo, hi, docs, queries, needles, pack, depth = sys.argv[2:]
-asked = {"tasks": tasks.split(","), "min_tokens": int(lo), "max_tokens": int(hi),
-         "documents": int(docs), "queries": int(queries), "depth_distribution": depth,
-         "pack_to": int(pack) if pack else None}
-if needles:
-    asked["multikey_needles"] = int(needles)
-diff = [f"{k} {meta.get(k)!r}, asked {v!r}" for k, v in asked.items() if meta.get(k) != v]
-print("; ".join(diff))
-sys.exit(1 if diff else 0)
-PY
-            ); then
-                note "RETRIEVAL_SPECS $tag: ${RETRIEVAL_PREFIX}_$tag was written with other" \
-                    "settings (written $why); give another RETRIEVAL_PREFIX or remove it"
-                exit 2
+        # A corpus written before (cached by RETRIEVAL_PREFIX) is kept only if it was written
+        # as asked now: the writer's --reuse compares its own metadata, and refuses otherwise.
+        had=0
+        [[ -f "${RETRIEVAL_PREFIX}_$tag.idx" ]] && had=1
+        err=$(mktemp)
+        "$PYTHON" "$ROOT"/tools/make_retrieval_corpus.py --tokenizer "$CORPUS/tokenizer" \
+            --output-prefix "${RETRIEVAL_PREFIX}_$tag" --tasks "$RETRIEVAL_TASKS" \
+            --queries "$queries" ${needles:+--multikey-needles "$needles"} \
+            ${pack:+--pack-to "$pack"} \
+            ${RETRIEVAL_DEPTH_DISTRIBUTION:+--depth-distribution "$RETRIEVAL_DEPTH_DISTRIBUTION"} \
+            --min-tokens "$min_tokens" --max-tokens "$max_tokens" --num-docs "$num_docs" \
+            --workers "$WORKERS" --seed 1 "${HAYSTACK_ARGS[@]}" --reuse 2> "$err"
+        rc=$?
+        cat "$err" >&2
+        why=$(tail -n 1 "$err")
+        rm -f "$err"
+        if [[ $rc != 0 ]]; then
+            if [[ $had == 1 ]]; then
+                note "RETRIEVAL_SPECS $tag: ${why#make_retrieval_corpus: error: }; or give" \
+                    "another RETRIEVAL_PREFIX"
             fi
+            exit "$rc"
+        fi
+        if [[ $had == 1 ]]; then
+            note "retrieval training documents in ${RETRIEVAL_PREFIX}_$tag reused (written before" \
+                "with these settings)"
+        else
+            note "retrieval training documents written to ${RETRIEVAL_PREFIX}_$tag"
         fi
     done
 fi

@@ -74,7 +74,17 @@ FAKE = textwrap.dedent(
     elif tool in ("make_demo_corpus.py", "make_retrieval_corpus.py"):
         prefix = args[args.index("--output-prefix") + 1]
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        open(prefix + ".idx", "w").close()
+        # The writer's --reuse, played: one written before with other arguments is refused.
+        if "--reuse" in args and os.path.exists(prefix + ".idx"):
+            written = json.load(open(prefix + ".meta.json"))["args"]
+            if written != args:
+                print(f"make_retrieval_corpus: error: --output-prefix {{prefix}} was written "
+                      f"with other settings (written {{written}}); remove it", file=sys.stderr)
+                log()
+                sys.exit(2)
+        else:
+            open(prefix + ".idx", "w").close()
+            json.dump({{"args": args}}, open(prefix + ".meta.json", "w"))
     elif args[:3] == ["-m", "megatron_s2.training.sweep", "run"]:
         from tests.helpers.study_scripts import run_after
         name = os.path.basename(args[3])[: -len(".yaml")]
@@ -242,12 +252,16 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path, th
     assert "all done (exit 0)" in (tmp_path / "example_status.log").read_text()
 
     # Again: the corpora exist and every run has its evaluation; the sweeps are asked again
-    # (they skip finished points themselves).
+    # (they skip finished points themselves), and the retrieval writer only checks its corpora
+    # against their settings (--reuse).
     log.write_text("")
     calls = _run(tmp_path, log)
     tools = [os.path.basename(c["args"][0]) for c in calls]
-    assert not {"build_code_corpus.py", "make_demo_corpus.py", "make_retrieval_corpus.py"} & set(
-        tools
+    assert not {"build_code_corpus.py", "make_demo_corpus.py"} & set(tools)
+    assert all(a[-1] == "--reuse" for a in _writers_by_tag(calls).values())
+    assert (
+        "reused (written before with these settings)"
+        in (tmp_path / "example_status.log").read_text()
     )
     assert not [c for c in calls if c["args"][:2] == EVAL_MODULE]
 
@@ -660,35 +674,28 @@ def test_retrieval_depth_distribution_reaches_every_writer_and_is_checked_first(
 
 
 def test_a_corpus_written_before_is_reused_only_as_asked(tmp_path):
-    """A retrieval corpus already on disk (cached by RETRIEVAL_PREFIX) is reused when its
-    metadata says it was written as the settings ask now, and refused before any training when
-    not (here another depth distribution), naming the field, what was written and what asked.
-    The metadata's fields are the real writer's (checked on a tiny corpus)."""
-    from megatron_s2.training.evaluation.retrieval_corpus import write_retrieval_dataset
-
-    write_retrieval_dataset(tmp_path / "real", "byte", tasks=["passkey"], num_docs=2,
-                            max_tokens=600, pack_to=2048, min_tokens=128)  # fmt: skip
-    real = json.loads((tmp_path / "real.meta.json").read_text())
-    for key in ("tasks", "min_tokens", "max_tokens", "documents", "queries",
-                "depth_distribution", "multikey_needles", "pack_to"):  # fmt: skip
-        assert key in real, key
+    """Every retrieval corpus is asked of the writer with --reuse, so that one already on disk
+    (cached by RETRIEVAL_PREFIX) is kept when written as asked now; when the writer refuses it
+    (written otherwise: here another depth distribution), the script stops before any training,
+    saying which RETRIEVAL_SPECS entry and why. The writer's own comparison is tested with it
+    (test_retrieval_corpus.py::test_reuse_keeps_a_corpus_written_with_the_same_settings)."""
     _write_fake(tmp_path)
-    prefix = tmp_path / "data" / "retrieval" / "retrieval_code_4k"
-    prefix.parent.mkdir(parents=True)
-    prefix.with_suffix(".idx").write_text("")
-    meta = {"tasks": ["passkey", "needle"], "min_tokens": 256, "max_tokens": 4096,
-            "documents": 8000, "queries": 1, "depth_distribution": "uniform",
-            "multikey_needles": 4}  # fmt: skip
-    Path(f"{prefix}.meta.json").write_text(json.dumps(meta))
     log = tmp_path / "calls.jsonl"
+    first = _writers_by_tag(_run(tmp_path, log))
+    assert first and all(a[-1] == "--reuse" for a in first.values())
+    status = (tmp_path / "example_status.log").read_text()
+    assert "retrieval training documents written to data/retrieval/retrieval_code_4k" in status
+    log.write_text("")
+    calls = _run(tmp_path, log)  # the same settings: both reused
+    assert sorted(_writers_by_tag(calls)) == sorted(first)
+    status = (tmp_path / "example_status.log").read_text()
+    assert "retrieval training documents in data/retrieval/retrieval_code_4k reused" in status
     log.write_text("")
     refused = _run(tmp_path, log, returncode=2, RETRIEVAL_DEPTH_DISTRIBUTION="arcsine")
     status = (tmp_path / "example_status.log").read_text()
     assert (
-        "RETRIEVAL_SPECS 4k: data/retrieval/retrieval_code_4k was written with other settings "
-        "(written depth_distribution 'uniform', asked 'arcsine')"
+        "RETRIEVAL_SPECS 4k: --output-prefix data/retrieval/retrieval_code_4k was written with "
+        "other settings (written ["
     ) in status, status
+    assert "or give another RETRIEVAL_PREFIX" in status
     assert not [c for c in refused if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
-    log.write_text("")
-    calls = _run(tmp_path, log)  # as written: reused, the 16k corpus written beside it
-    assert sorted(_writers_by_tag(calls)) == ["16k"]

@@ -893,3 +893,65 @@ def test_cli_pack_to(tmp_path, capsys):
     assert [d.size for d in _docs(prefix)] == [1800] * 3
     assert main(argv + ["--pack-to", "300"]) == 2
     assert "--pack-to must be at least --max-tokens + 2 = 602" in capsys.readouterr().err
+
+
+def test_reuse_keeps_a_corpus_written_with_the_same_settings(tmp_path, capsys):
+    """--reuse: a dataset written with the same settings is kept untouched (not rewritten, no
+    tokenizer or corpus read); one written otherwise is refused naming each differing field,
+    also the haystack's; a dataset without its .meta.json is refused; without --reuse the
+    writer writes anew as before. Every setting the writer records takes part."""
+    import json
+    import os
+
+    corpus = _tagged_corpus(tmp_path / "code")
+    prefix = str(tmp_path / "r")
+    argv = ["--tokenizer", "byte", "--output-prefix", prefix, "--num-docs", "6", "--tasks",
+            "passkey,multikey", "--seq-length", "1002", "--queries", "2",
+            "--haystack-corpus", corpus, "--haystack-split", "8,2,0",
+            "--haystack-tokens", "8000", "--seed", "3"]  # fmt: skip
+    assert main(argv + ["--reuse"]) == 0  # nothing there yet: written
+    assert "reused" not in capsys.readouterr().out
+    written = {ext: os.stat(prefix + ext).st_mtime_ns for ext in (".bin", ".idx", ".meta.json")}
+    meta = json.load(open(prefix + ".meta.json"))
+    # The same settings (workers do not change the documents): kept as it is.
+    assert main(argv + ["--reuse", "--workers", "2", "--tokenizer", "byte"]) == 0
+    out = capsys.readouterr().out
+    assert f"{prefix}: reused, written before with these settings: 6 documents, " in out
+    assert {e: os.stat(prefix + e).st_mtime_ns for e in written} == written
+    # Each recorded setting, changed alone, is a difference.
+    for flag, value, field in [
+        ("--seed", "4", "seed 3, asked 4"),
+        ("--num-docs", "7", "documents 6, asked 7"),
+        ("--queries", "1", "queries 2, asked 1"),
+        ("--depth-distribution", "arcsine", "depth_distribution 'uniform', asked 'arcsine'"),
+        ("--haystack-tokens", "9000", "haystack max_tokens 8000, asked 9000"),
+        ("--haystack-split", "9,1,0", "haystack split '8,2,0', asked '9,1,0'"),
+    ]:
+        changed = list(argv)
+        if flag in changed:
+            changed[changed.index(flag) + 1] = value
+        else:
+            changed += [flag, value]
+        assert main(changed + ["--reuse"]) == 2, flag
+        err = capsys.readouterr().err
+        assert f"--output-prefix {prefix} was written with other settings (written " in err
+        assert field in err and "remove it or give another --output-prefix" in err, err
+    assert {e: os.stat(prefix + e).st_mtime_ns for e in written} == written
+    # Several fields at once, and the filler haystack asked where the corpus was used.
+    no_corpus = argv[: argv.index("--haystack-corpus")] + ["--seed", "3", "--max-tokens", "900"]
+    no_corpus.remove("--seq-length")
+    no_corpus.remove("1002")
+    assert main(no_corpus + ["--reuse"]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens 1000, asked 900" in err and "asked the filler" in err, err
+    # Every key the writer records of its arguments is compared (none left out).
+    assert {"generator", "tasks", "seed", "min_tokens", "max_tokens", "depth_distribution",
+            "multikey_needles", "queries", "tokenizer", "documents", "haystack",
+            "tokens"} == set(meta)  # fmt: skip
+    # No .meta.json: how it was written is unknown.
+    os.remove(prefix + ".meta.json")
+    assert main(argv + ["--reuse"]) == 2
+    assert ".meta.json cannot be read" in capsys.readouterr().err
+    # Without --reuse: written anew.
+    assert main(argv) == 0
+    assert json.load(open(prefix + ".meta.json")) == meta

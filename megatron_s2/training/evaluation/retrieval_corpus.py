@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import math
 import multiprocessing
 import os
@@ -302,6 +303,7 @@ def write_retrieval_dataset(
     haystack_split: Optional[str] = None,
     haystack_tokens: Optional[int] = None,
     pack_to: Optional[int] = None,
+    reuse: bool = False,
 ) -> dict:
     """Write ``num_docs`` retrieval documents as a Megatron indexed dataset
     ``output_prefix.bin/.idx`` (+ ``.meta.json``), tokenized with ``tokenizer`` (``byte`` or a
@@ -349,6 +351,14 @@ def write_retrieval_dataset(
     :func:`training_haystack`; and for ``pack_to`` with ``seq_length``, or below
     ``max_tokens + 2`` (a document must hold the longest trial), or with ``max_tokens`` below
     ``2 * min_tokens + 2`` (the last trial of a document could not be filled in range).
+
+    ``reuse``: when ``output_prefix`` already holds a dataset, keep it if its ``.meta.json``
+    records exactly the settings asked now (every field the writer records from its arguments:
+    tasks, seed, lengths, depth distribution, needles, queries, tokenizer, documents, packing
+    and the haystack's corpus, split and cap) and return its ``{"documents", "tokens",
+    "reused": True}`` without reading the tokenizer or the corpus; raise :class:`ConfigError`
+    naming each differing field (written and asked) otherwise, or when the ``.meta.json`` is
+    missing. A study script that caches corpora by prefix calls the writer with it every time.
     """
     if not tasks:
         raise ConfigError("--tasks is empty: give at least one of " + ", ".join(TRAINING_TASKS))
@@ -380,6 +390,30 @@ def write_retrieval_dataset(
         )
     corpus = _check_haystack_options(haystack_corpus, haystack_split, haystack_tokens, max_tokens)
     _check_pack(pack_to, seq_length, min_tokens, max_tokens)
+    uses_corpus = bool(corpus) and any(
+        training_task(n, None, True).filler == "corpus" for n in tasks
+    )
+    cap = HAYSTACK_TOKENS if haystack_tokens is None else haystack_tokens
+    # What .meta.json records of the arguments (the counts it adds come from the writing).
+    settings = {
+        "generator": "retrieval-train-v2",
+        "tasks": list(tasks),
+        "seed": seed,
+        "min_tokens": min_tokens,
+        "max_tokens": max_tokens,
+        "depth_distribution": depth_distribution,
+        "multikey_needles": max(t.needles for t in chosen),
+        "queries": queries,
+        "tokenizer": str(tokenizer),
+        "documents": num_docs,
+    }
+    if pack_to is not None:
+        settings["pack_to"] = pack_to
+    haystack_settings = {"corpus": corpus, "split": haystack_split, "max_tokens": cap}
+    if reuse and os.path.isfile(os.fspath(output_prefix) + ".idx"):
+        return _reused(
+            os.fspath(output_prefix), settings, haystack_settings if uses_corpus else None
+        )
     from ..code_corpus import writing_indexed_dataset
 
     haystack = haystack_meta = None
@@ -387,7 +421,6 @@ def write_retrieval_dataset(
         from ..tokenizer import load_tokenizer
 
         # Read (and so checked) even for passkey alone, which then does not use it.
-        cap = HAYSTACK_TOKENS if haystack_tokens is None else haystack_tokens
         haystack, haystack_meta = training_haystack(
             corpus, haystack_split, load_tokenizer(tokenizer), cap, seed
         )
@@ -397,7 +430,7 @@ def write_retrieval_dataset(
                 f"{haystack_split!r} holds {haystack.size} tokens, less than one document "
                 f"({max_tokens + 2}); give a larger corpus"
             )
-        if not any(training_task(n, None, True).filler == "corpus" for n in tasks):
+        if not uses_corpus:
             haystack = haystack_meta = None
     # This process makes the trials itself (workers == 1) or only checks and writes them.
     init = (tokenizer, list(tasks), max_tokens, seed, multikey_needles, bool(corpus))
@@ -461,25 +494,45 @@ def write_retrieval_dataset(
             writer.add(doc)
             tokens += doc.size
         stats = {"documents": num_docs, "tokens": tokens}
-        writer.meta = {
-            "generator": "retrieval-train-v2",
-            "tasks": list(tasks),
-            "seed": seed,
-            "min_tokens": min_tokens,
-            "max_tokens": max_tokens,
-            "depth_distribution": depth_distribution,
-            "multikey_needles": max(t.needles for t in chosen),
-            "queries": queries,
-            "tokenizer": str(tokenizer),
-            **stats,
-        }
+        writer.meta = {**settings, **stats}
         if haystack_meta is not None:
             writer.meta["haystack"] = haystack_meta
         if pack_to is not None:
-            writer.meta["pack_to"] = pack_to
             writer.meta["trials"] = len(lengths)
     _WORKER.clear()  # the haystack's memory (or its mapping of a removed file) goes with it
     return stats
+
+
+def _reused(prefix: str, settings: dict, haystack: Optional[dict]) -> dict:
+    """The dataset at ``prefix`` kept as it is when its ``.meta.json`` holds ``settings`` and,
+    for a corpus haystack, ``haystack``'s fields under its ``"haystack"`` (none without one):
+    ``{"documents", "tokens", "reused": True}``; :class:`ConfigError` naming every difference."""
+    again = "remove it or give another --output-prefix"
+    try:
+        with open(prefix + ".meta.json", encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--reuse: {prefix}.idx exists but its .meta.json cannot be read ({exc}), so how it "
+            f"was written is unknown; {again}"
+        ) from None
+    diff = [f"{k} {meta.get(k)!r}, asked {v!r}" for k, v in settings.items() if meta.get(k) != v]
+    written = meta.get("haystack")
+    if haystack is None and written is not None:
+        diff.append(f"haystack from {written.get('corpus')!r}, asked the filler")
+    elif haystack is not None:
+        written = written or {}
+        diff += [
+            f"haystack {k} {written.get(k)!r}, asked {v!r}"
+            for k, v in haystack.items()
+            if written.get(k) != v
+        ]
+    if diff:
+        raise ConfigError(
+            f"--output-prefix {prefix} was written with other settings (written "
+            f"{'; '.join(diff)}); {again}"
+        )
+    return {"documents": meta["documents"], "tokens": meta["tokens"], "reused": True}
 
 
 # What _document needs, set once per process: the tokenizer and haystacks are too costly to
@@ -698,6 +751,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="if --output-prefix already holds a dataset written with these same settings (its "
+        ".meta.json), keep it and exit 0; one written otherwise is an error naming the "
+        "differences (default: write anew)",
+    )
+    p.add_argument(
         "--workers", type=int, default=1, help="processes making trials (default 1; same output)"
     )
     args = p.parse_args(argv)
@@ -719,9 +779,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             haystack_split=args.haystack_split,
             haystack_tokens=args.haystack_tokens,
             pack_to=args.pack_to,
+            reuse=args.reuse,
         )
     except (ConfigError, OSError) as exc:
         print(f"make_retrieval_corpus: error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.output_prefix}: {stats['documents']} documents, {stats['tokens']} tokens")
+    how = "reused, written before with these settings: " if stats.get("reused") else ""
+    print(f"{args.output_prefix}: {how}{stats['documents']} documents, {stats['tokens']} tokens")
     return 0
