@@ -739,7 +739,8 @@ def retrieval_recipe_depth0() -> str:
     """docs/long_context_eval.md: depth 0 after the extension, the plain prompt against the
     EOD-prefixed one (the same needles): each arm's exact match per length and pooled over the
     lengths with Wilson intervals, and the hybrid's EOD minus plain over the same trials
-    (points, Newcombe's paired interval; 20 trials a length, 80 pooled)."""
+    (points, Newcombe's paired interval; 20 trials a length, 80 pooled); the same difference
+    for the hybrid's 4k base (evaluated at 4k only)."""
     stats = _stats()
     plain = RECIPE / "retrieval-125m-extend-32k"
     eod = RECIPE / "retrieval-125m-extend-32k-eod"
@@ -748,6 +749,12 @@ def retrieval_recipe_depth0() -> str:
         "hybrid-DS, plain": read_json(plain / "hybrid-DS" / "seed1" / "retrieval.json"),
         "hybrid-DS, EOD first": read_json(eod / "hybrid-DS" / "seed1" / "retrieval.json"),
     }
+    base_plain = read_json(
+        RECIPE / "retrieval-125m-4k-base" / "hybrid-DS" / "seed1" / "retrieval.json"
+    )
+    base_eod = read_json(
+        RECIPE / "retrieval-125m-4k-base-eod" / "hybrid-DS" / "seed1" / "retrieval.json"
+    )
     rows, lengths = [], None
     for name in ("passkey", "multikey"):
         for label, res in runs.items():
@@ -770,6 +777,10 @@ def retrieval_recipe_depth0() -> str:
             by_len.append(_paired((100 * dn, 100 * lon, 100 * hin, 0)))
         pooled_diff = _paired((100 * d, 100 * lo, 100 * hi, 0))
         rows.append(["", "hybrid-DS, EOD - plain (points)", *by_len, pooled_diff])
+        # The same test on the 4k base before the extension (evaluated at 4k only).
+        base = stats.paired_trial_difference(base_eod, base_plain, name, depths=[0.0])
+        cells = [_paired(base[n]) if n in base else "not run" for n in lengths]
+        rows.append(["", "hybrid-DS 4k base, EOD - plain (points)", *cells, ""])
     header = ["task", "depth 0, seed 1", *(f"{n:,} tokens" for n in lengths), "all four"]
     return table(header, rows)
 
@@ -896,6 +907,8 @@ TABLES: dict[str, Table] = {
             "docs/long_context/results/retrieval-125m-extend-32k/hybrid-DS/seed1/retrieval.json",
             "docs/long_context/results/retrieval-125m-extend-32k-eod/hybrid-DS/seed1/"
             "retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-base/hybrid-DS/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-base-eod/hybrid-DS/seed1/retrieval.json",
         ),
         retrieval_recipe_depth0,
     ),
