@@ -735,6 +735,26 @@ def retrieval_recipe_difference() -> str:
     return table(["hybrid-DS - dense, seed 1", *(f"{n:,} tokens" for n in lengths)], rows)
 
 
+def retrieval_recipe_loss_by_position() -> str:
+    """docs/long_context_eval.md: the extended dense twin's and hybrid-DS's loss per token on
+    held-out code at 32k by position range (token-weighted over the evaluator's bins; seed 1
+    each, the same 20 sequences), and the hybrid relative to the twin."""
+    runs = {
+        arm: read_json(
+            RECIPE / "retrieval-125m-extend-32k" / arm / "seed1" / "loss_by_position.json"
+        )
+        for arm in RECIPE_ARMS
+    }
+    dense, hybrid = runs["dense"], runs["hybrid-DS"]
+    rows = []
+    for lo, hi in ((0, 2048), (2048, 4096), (4096, 8192), (8192, 16384), (16384, 32768)):
+        d, h = range_loss(dense, lo, hi), range_loss(hybrid, lo, hi)
+        rows.append([f"{lo:,}-{hi:,}", f4(d), f4(h), rel(h, d)])
+    d, h = float(dense["loss"]), float(hybrid["loss"])
+    rows.append(["all 32,768", f4(d), f4(h), rel(h, d)])
+    return table(["positions", "dense twin", "hybrid-DS", "vs dense"], rows)
+
+
 def retrieval_recipe_depth0() -> str:
     """docs/long_context_eval.md: depth 0 after the extension, the plain prompt against the
     EOD-prefixed one (the same needles): each arm's exact match per length and pooled over the
@@ -899,6 +919,14 @@ TABLES: dict[str, Table] = {
             for arm in RECIPE_ARMS
         ),
         retrieval_recipe_difference,
+    ),
+    "retrieval-recipe-loss-by-position": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed1/loss_by_position.json"
+            for arm in RECIPE_ARMS
+        ),
+        retrieval_recipe_loss_by_position,
     ),
     "retrieval-recipe-depth0": Table(
         "docs/long_context_eval.md",
