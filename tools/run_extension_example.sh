@@ -31,7 +31,9 @@
 # status: non-zero if a step failed, an evaluation during a sweep included (the sweep's exit code
 # 3), even where the catch-up then redid it.
 # Environment: BASE_STUDY (code-125m-4k-base), SEEDS (unset: every seed; e.g. 1,2), SETTINGS
-# (unset: every arm; e.g. dense,hybrid-DS: the sweeps' --settings), BASE_TAG (4k: the
+# (unset: every arm; e.g. dense,hybrid-DS: the sweeps' --settings), BASE_SETTINGS (unset:
+# SETTINGS; the base study's arms where they differ, e.g. dense for SETTINGS=dense,
+# dense-to-hybrid-DS, whose extension loads the dense base), BASE_TAG (4k: the
 # RETRIEVAL_SPECS tag blended into the base study; a comma list, e.g. 4kmq,4kpack, shares
 # RETRIEVAL_WEIGHT evenly among its corpora), EXTEND_TAG (16k: the same for the extensions),
 # RESULTS_DIR (unset; a folder: the
@@ -112,8 +114,13 @@ BASE_NAME=${BASE_STUDY:-code-125m-4k-base}
 BASE=$ROOT/configs/studies/$BASE_NAME.yaml
 SEED_ARGS=()
 [[ -n "${SEEDS:-}" ]] && SEED_ARGS=(--seeds "$SEEDS")
-# SETTINGS (e.g. dense,hybrid-DS): only these arms of the base and extension studies.
+# SETTINGS (e.g. dense,hybrid-DS): only these arms of the base and extension studies;
+# BASE_SETTINGS, where the base study's arms differ (an extension arm that loads another arm's
+# base, e.g. dense-to-hybrid-DS from dense: BASE_SETTINGS=dense).
+BASE_SEED_ARGS=("${SEED_ARGS[@]}")
 [[ -n "${SETTINGS:-}" ]] && SEED_ARGS+=(--settings "$SETTINGS")
+BASE_SETTINGS=${BASE_SETTINGS:-${SETTINGS:-}}
+[[ -n "$BASE_SETTINGS" ]] && BASE_SEED_ARGS+=(--settings "$BASE_SETTINGS")
 # The retrieval corpus (a RETRIEVAL_SPECS tag) blended into the extension studies.
 EXTEND_TAG=${EXTEND_TAG:-16k}
 BASE_TAG=${BASE_TAG:-4k}
@@ -290,7 +297,7 @@ blend() {  # TAGS: the study's data.blend override (TAGS: its retrieval corpora,
 
 # Lengths above the 4k the models were trained at: that is the "before extension" column.
 "$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend "$BASE_TAG")" "${BASE_EXTRA[@]}" \
-    --after "$(after "$BASE_NAME" --allow-extrapolation)" "${SWEEP_DEVICES[@]}" "${SEED_ARGS[@]}" \
+    --after "$(after "$BASE_NAME" --allow-extrapolation)" "${SWEEP_DEVICES[@]}" "${BASE_SEED_ARGS[@]}" \
     || status=$?
 note "base study done (exit $status)"
 evaluate_study() {  # STUDY [extra options]: the catch-up, side by side on the GPU(s)

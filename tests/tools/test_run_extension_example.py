@@ -699,3 +699,31 @@ def test_a_corpus_written_before_is_reused_only_as_asked(tmp_path):
     ) in status, status
     assert "or give another RETRIEVAL_PREFIX" in status
     assert not [c for c in refused if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
+
+
+def test_base_settings_choose_the_base_studys_arms_alone(tmp_path):
+    """BASE_SETTINGS: the base study's --settings where they differ from the extension's (an
+    extension arm that loads another arm's base, dense-to-hybrid from dense); unset, both
+    studies get SETTINGS."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+
+    def settings_by_study(calls):
+        return {
+            Path(c["args"][3]).stem: c["args"][c["args"].index("--settings") + 1]
+            for c in calls
+            if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]
+        }
+
+    calls = _run(tmp_path, log, SETTINGS="dense,dense-to-hybrid", BASE_SETTINGS="dense")
+    assert settings_by_study(calls) == {
+        "code-125m-4k-base": "dense",
+        "code-125m-extend-16k": "dense,dense-to-hybrid",
+    }
+    (tmp_path / "sweeps").rename(tmp_path / "sweeps-1")
+    log.write_text("")
+    calls = _run(tmp_path, log, SETTINGS="dense")
+    assert settings_by_study(calls) == {
+        "code-125m-4k-base": "dense",
+        "code-125m-extend-16k": "dense",
+    }

@@ -418,7 +418,7 @@ def test_example_study_loads():
         ("code-125m-4k-seeds", 12),
         ("retrieval-125m-4k-probe", 4),
         ("retrieval-125m-4k-base", 18),
-        ("retrieval-125m-extend-32k", 18),
+        ("retrieval-125m-extend-32k", 21),
     ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
@@ -442,11 +442,15 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
     assert len(tokens) == (2 if name.endswith("remedies") else 1)
     assert {p.config.data.split for p in study.points} == {"100,3,0"}
     if name == "retrieval-125m-extend-32k":
-        # each extension loads the base run of its own arm and seed
+        # each extension loads the base run of its own arm and seed; dense-to-hybrid-DS the
+        # dense one of its seed, extended as the DS hybrid
         for p in study.points:
+            base = p.name.replace("dense-to-hybrid-DS", "dense")
             assert p.config.checkpoint.load_dir == (
-                f"sweeps/retrieval-125m-4k-base/runs/{p.name}/checkpoints"
+                f"sweeps/retrieval-125m-4k-base/runs/{base}/checkpoints"
             )
+            if p.name.startswith("dense-to-hybrid-DS"):
+                assert p.config.attention["dense_layers"]["pattern"] == "DS"
 
 
 # ---- --after: a command after each finished point, with a stand-in trainer --------------------
