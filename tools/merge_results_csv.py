@@ -12,8 +12,9 @@ file over the committed one would lose the earlier leases' rows; this keeps them
 
 Refused, with exit code 2 and nothing written: a file that is not a sweep table, tables with
 different columns (another sweep version or study), and a point finished in both with
-different values (two runs of the same point: say which one stands with ``--replace``). Rows are matched by the ``point`` column;
-points new to the committed table are appended in NEW's order.
+different values (two runs of the same point: say which one stands with ``--replace``). Rows
+are matched by the ``point`` column; points new to the committed table are appended in NEW's
+order.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ length's depths and then over seeds, with the 95% Student-t interval over seeds;
 difference to the reference arm (``dense`` unless ``--reference``), per length, in points, paired
 by seed where both arms ran two or more of the same seeds (Welch's interval otherwise). See
 ``megatron_s2/training/evaluation/retrieval_stats.py``.
+
+    python tools/retrieval_tables.py docs/long_context/results/retrieval-125m-extend-32k --goal
+
+``--goal``: instead, issue 50's goal per arm (each arm within 5 points of the reference at 16k
+and 32k on passkey and multikey, no worse on code-value, >= 1.3x its tokens/s, 3 seeds), the
+tokens/s from the study's ``results.csv`` beside the arms (the sweep's, rows ``<arm>,seed=<k>``).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
+    goal_markdown,
     read_arm_results,
     study_markdown,
+    study_tokens_per_s,
     tasks_of,
 )
 
@@ -35,6 +43,11 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", help="comma list (default: every task all files hold)")
     p.add_argument("--reference", default="dense", help="the reference arm (default dense)")
     p.add_argument("--output", help="also write the markdown to this file")
+    p.add_argument(
+        "--goal",
+        action="store_true",
+        help="print issue 50's goal table instead (needs <study>/results.csv for tokens/s)",
+    )
     args = p.parse_args(argv)
     try:
         arms = read_arm_results(args.study)
@@ -48,7 +61,11 @@ def main(argv=None) -> int:
                 f"--reference: {args.reference!r} is not an arm of {args.study}; arms: "
                 + ", ".join(arms)
             )
-        text = study_markdown(arms, tasks, reference=args.reference)
+        if args.goal:
+            speed = study_tokens_per_s(os.path.join(args.study, "results.csv"), arms)
+            text = goal_markdown(arms, speed, reference=args.reference)
+        else:
+            text = study_markdown(arms, tasks, reference=args.reference)
     except (OSError, ValueError, KeyError) as exc:
         print(f"retrieval_tables: error: {exc}", file=sys.stderr)
         return 2

@@ -438,3 +438,69 @@ def test_one_seed_study_shows_the_trial_level_difference():
     plain = S.study_markdown({"dense": {1: _result(lambda t, n, d: 9)},
                               "hybrid-DS": {1: _result(lambda t, n, d: 6)}})  # fmt: skip
     assert "| hybrid-DS | one seed | – | – |" in plain and "noise only" not in plain
+
+
+GOAL_LENGTHS = (16384, 32768)
+GOAL_TASKS = ("passkey", "multikey", "code-value")
+
+
+def _goal_arm(successes):
+    """{seed: retrieval.json}: ``successes[seed][task]`` of 10 at every length and depth (a
+    task missing from the dict: 0)."""
+    return {
+        seed: _result(lambda t, n, d, v=v: v.get(t, 0), tasks=GOAL_TASKS, lengths=GOAL_LENGTHS)
+        for seed, v in successes.items()
+    }
+
+
+def test_goal_table_verdicts():
+    """Issue 50's goal per arm: met within 5 points on every task and length with 3 seeds and
+    the speed-up; not met naming the miss (a mean below -5, a worse held-out task, too slow);
+    pending with fewer seeds, naming what the means miss so far."""
+    dense = _goal_arm({s: {"passkey": 9, "multikey": 8, "code-value": 2} for s in (1, 2, 3)})
+    close = _goal_arm({1: {"passkey": 9, "multikey": 8, "code-value": 2},
+                       2: {"passkey": 8, "multikey": 8, "code-value": 2},
+                       3: {"passkey": 9, "multikey": 7, "code-value": 3}})  # fmt: skip
+    far = _goal_arm({s: {"passkey": 8, "multikey": 7, "code-value": 2} for s in (1, 2, 3)})
+    far[3] = _goal_arm({3: {"passkey": 7, "multikey": 8, "code-value": 2}})[3]  # passkey -13.3
+    worse = _goal_arm({s: {"passkey": 9, "multikey": 8, "code-value": 0} for s in (1, 2, 3)})
+    young = _goal_arm({1: {"passkey": 8, "multikey": 8, "code-value": 2}})
+    arms = {"dense": dense, "close": close, "far": far, "worse": worse, "young": young}
+    speed = {a: {s: 100.0 for s in arms[a]} for a in arms}
+    speed["dense"] = {s: 70.0 for s in (1, 2, 3)}
+    slow = dict(speed, close={s: 80.0 for s in (1, 2, 3)})
+    text = S.goal_markdown(arms, speed)
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["close"].endswith("| 1.43x | met |"), rows["close"]
+    # close's passkey: -0, -10, -0 points by seed -> mean -3.3 with the t-interval over seeds.
+    d = [0.0, -10.0, 0.0]
+    hw = stats.t.ppf(0.975, 2) * np.std(d, ddof=1) / math.sqrt(3)
+    assert f"| -3.3 [{-10 / 3 - hw:+.1f}, {-10 / 3 + hw:+.1f}] |" in rows["close"]
+    assert "not met: passkey at 16,384 -13.3 points; passkey at 32,768 -13.3 points" in rows["far"]
+    assert "not met: code-value worse (-20.0 points)" in rows["worse"]
+    assert rows["young"].endswith("| pending: 1 of 3 seeds; so far missed: passkey at 16,384 "
+                                  "-10.0 points; passkey at 32,768 -10.0 points |")  # fmt: skip
+    assert "(trials)" not in rows["young"]  # no per-trial records in these files: mean alone
+    assert "not met: 1.14x tokens/s, below 1.3x" in S.goal_markdown(arms, slow)
+    with pytest.raises(ValueError, match="reference arm 'twin' not among the arms"):
+        S.goal_markdown(arms, speed, reference="twin")
+
+
+def test_goal_table_from_the_committed_study(tmp_path):
+    """retrieval_tables.py --goal on the committed recipe study: one seed per arm, the
+    trial-level differences, the measured speed-up, pending; without results.csv, refused."""
+    tool = os.path.join(REPO, "tools", "retrieval_tables.py")
+    study = os.path.join(REPO, "docs", "long_context", "results", "retrieval-125m-extend-32k")
+    proc = subprocess.run([sys.executable, tool, study, "--goal"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| hybrid-DS |")]
+    assert "| -5.0 [-12.8, +2.8] (trials) |" in row and "| 1.33x |" in row
+    assert row.endswith("| pending: 1 of 3 seeds |")
+    import shutil
+
+    bare = tmp_path / "study"
+    shutil.copytree(study, bare, ignore=shutil.ignore_patterns("results.csv"))
+    proc = subprocess.run([sys.executable, tool, str(bare), "--goal"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "no " in proc.stderr and "results.csv" in proc.stderr

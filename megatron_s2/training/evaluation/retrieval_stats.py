@@ -41,6 +41,8 @@ __all__ = [
     "format_estimate",
     "tasks_of",
     "study_markdown",
+    "goal_markdown",
+    "study_tokens_per_s",
 ]
 
 
@@ -373,3 +375,139 @@ def _trial_cells(result: Mapping, reference: Mapping, task: str, level: float) -
     except ValueError:
         return None
     return {n: f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" for n, (d, lo, hi, _) in diffs.items()}
+
+
+def _difference(
+    arm: Mapping[int, Mapping], ref: Mapping[int, Mapping], task: str, n: int, level: float
+) -> tuple[Optional[float], Optional[float], Optional[float], str]:
+    """``(mean, low, high, how)`` of an arm's exact match minus the reference's at length ``n``
+    in points: over seeds where two or more can be compared, else over the one common seed's
+    trials (``how`` "trials"), else the mean alone (``how`` "one seed")."""
+    est, how = difference_to_reference(arm, ref, task, level).get(n, (None, ""))
+    if est is not None and est.half_width is not None:
+        return est.mean, est.low, est.high, how
+    common = sorted(set(arm) & set(ref))
+    if len(common) == 1:
+        try:
+            d, lo, hi, _ = paired_trial_difference(arm[common[0]], ref[common[0]], task, level)[n]
+            return d, lo, hi, "trials"
+        except (ValueError, KeyError):
+            pass
+    if est is not None:
+        return est.mean, None, None, "one seed"
+    mine, theirs = seed_summary(arm, task, level), seed_summary(ref, task, level)
+    if n in mine and n in theirs:
+        return mine[n].mean - theirs[n].mean, None, None, "one seed"
+    return None, None, None, "not run"
+
+
+def goal_markdown(
+    arms: Mapping[str, Mapping[int, Mapping]],
+    tokens_per_s: Mapping[str, Mapping[int, float]],
+    reference: str = "dense",
+    lengths: Sequence[int] = (16384, 32768),
+    tasks: Sequence[str] = ("passkey", "multikey"),
+    heldout: str = "code-value",
+    points: float = 5.0,
+    speedup: float = 1.3,
+    min_seeds: int = 3,
+    level: float = CONFIDENCE,
+) -> str:
+    """Issue 50's goal per arm, as a markdown table: its exact-match difference to ``reference``
+    (points, mean over depths and seeds, with the 95% interval over seeds, or over the one
+    common seed's trials, marked) at each of ``lengths`` for ``tasks``; on the ``heldout`` task
+    the mean difference over every length evaluated; its training tokens/s over the
+    reference's (``tokens_per_s``: ``{arm: {seed: tokens/s}}``, means over seeds); and a
+    verdict: with fewer than ``min_seeds`` seeds of either arm *pending* (naming what the means
+    so far miss); else *met* when every mean difference is at least ``-points``, the held-out
+    task is no worse (mean difference >= 0, or every length's interval holding 0) and the
+    speed-up is at least ``speedup``, *not met* naming what fails otherwise. Raises ValueError
+    naming the reference when it is not among the arms."""
+    if reference not in arms:
+        raise ValueError(f"reference arm {reference!r} not among the arms: {', '.join(arms)}")
+    ref = arms[reference]
+    header = ["arm", "seeds", *(f"{t} {n:,}" for t in tasks for n in lengths)]
+    header += [f"{heldout} (mean over lengths)", f"tokens/s vs {reference}", "goal"]
+    rows = []
+    for name, arm in arms.items():
+        if name == reference:
+            continue
+        cells, misses = [], []
+        for task in tasks:
+            for n in lengths:
+                mean, lo, hi, how = _difference(arm, ref, task, n, level)
+                if mean is None:
+                    cells.append("not run")
+                    misses.append(f"{task} at {n:,} not run")
+                    continue
+                text = f"{mean:+.1f}"
+                if lo is not None:
+                    text += f" [{lo:+.1f}, {hi:+.1f}]" + (" (trials)" if how == "trials" else "")
+                cells.append(text)
+                if mean < -points - 1e-9:  # -5.0 is within 5 points, rounding aside
+                    misses.append(f"{task} at {n:,} {mean:+.1f} points")
+        held = []
+        for n in sorted({int(c["length"]) for r in arm.values() for c in
+                         r["tasks"].get(heldout, {}).get("cells", [])}):  # fmt: skip
+            held.append(_difference(arm, ref, heldout, n, level))
+        held = [h for h in held if h[0] is not None]
+        if held:
+            mean_held = sum(h[0] for h in held) / len(held)
+            no_worse = mean_held >= 0 or all(lo is not None and lo <= 0 <= hi
+                                             for _, lo, hi, _ in held)  # fmt: skip
+            cells.append(f"{mean_held:+.1f}" + ("" if no_worse else " (worse)"))
+            if not no_worse:
+                misses.append(f"{heldout} worse ({mean_held:+.1f} points)")
+        else:
+            cells.append("not run")
+            misses.append(f"{heldout} not run")
+        mine = [v for v in tokens_per_s.get(name, {}).values()]
+        theirs = [v for v in tokens_per_s.get(reference, {}).values()]
+        if mine and theirs:
+            ratio = (sum(mine) / len(mine)) / (sum(theirs) / len(theirs))
+            cells.append(f"{ratio:.2f}x")
+            if ratio < speedup:
+                misses.append(f"{ratio:.2f}x tokens/s, below {speedup:g}x")
+        else:
+            cells.append("not measured")
+            misses.append("tokens/s not measured")
+        seeds = min(len(arm), len(ref))
+        if seeds < min_seeds:
+            verdict = f"pending: {seeds} of {min_seeds} seeds"
+            if misses:
+                verdict += "; so far missed: " + "; ".join(misses)
+        elif misses:
+            verdict = "not met: " + "; ".join(misses)
+        else:
+            verdict = "met"
+        rows.append([name, ",".join(str(k) for k in sorted(arm)), *cells, verdict])
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+        f"Differences to {reference} in points (exact match, mean over depths and seeds) with "
+        f"their {100 * level:g}% interval over seeds, or over the one common seed's trials where "
+        f"marked (the evaluation's noise only). Goal: every mean at least -{points:g} points, "
+        f"{heldout} no worse, >= {speedup:g}x tokens/s, >= {min_seeds} seeds per arm.",
+    ]
+    return "\n".join(lines)
+
+
+def study_tokens_per_s(
+    results_csv: str | os.PathLike, arms: Mapping[str, Mapping[int, Mapping]]
+) -> dict[str, dict[int, float]]:
+    """``{arm: {seed: tokens/s}}`` of the finished runs in a sweep's ``results.csv`` (rows
+    ``<arm>,seed=<k>``), for the arms and seeds of ``arms`` (:func:`read_arm_results`).
+    Raises FileNotFoundError naming the file when it is missing."""
+    import csv
+
+    if not os.path.isfile(results_csv):
+        raise FileNotFoundError(f"no {results_csv} (the sweep's results.csv, for the tokens/s)")
+    out: dict[str, dict[int, float]] = {}
+    with open(results_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            arm, _, seed = row["point"].rpartition(",seed=")
+            if row["status"] == "finished" and seed.isdigit() and int(seed) in arms.get(arm, {}):
+                out.setdefault(arm, {})[int(seed)] = float(row["tokens_per_s"])
+    return out
