@@ -6,8 +6,8 @@
 #      documents whose statements are queried thousands of tokens later, blended into both
 #      studies at KV_WEIGHT, and the retrieval training documents (tools/make_retrieval_corpus.py:
 #      passkey and needle trials in the evaluation's formats, a training seed, needle haystacks
-#      from the code corpus's training part; up to 4k tokens for the base study, up to 16k for
-#      the extension) at RETRIEVAL_WEIGHT, so that the models learn the question-answer
+#      from the code corpus's training part; trials as long as each RETRIEVAL_SPECS entry
+#      says, BASE_TAG's for the base study and EXTEND_TAG's for the extension) at RETRIEVAL_WEIGHT, so that the models learn the question-answer
 #      format and the evaluation measures how far back they find it,
 #   2. configs/studies/code-125m-4k-base.yaml: the dense model and its S2 hybrid at 4k,
 #   3. megatron-s2-eval-long-context on each 4k model as soon as its training finished (the
@@ -38,7 +38,8 @@
 # RETRIEVAL_WEIGHT evenly among its corpora), EXTEND_TAG (16k: the same for the extensions),
 # RESULTS_DIR (unset; a folder: the
 # evaluator's JSON of every run copied to RESULTS_DIR/<study>/<arm>/seed<k>/), PYTHON (python), CORPUS (data/code), KV_PREFIX (data/kv/kv_code), KV_WEIGHT (0.1),
-# RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _4k and _16k are appended), RETRIEVAL_WEIGHT
+# RETRIEVAL_PREFIX (data/retrieval/retrieval_code; _<TAG> of each RETRIEVAL_SPECS entry is
+# appended), RETRIEVAL_WEIGHT
 # (0.2; 0 leaves the retrieval documents out, as run E of the docs did with KV_WEIGHT 0.3),
 # RETRIEVAL_SPECS (one TAG:MIN:MAX:DOCS[:QUERIES[:NEEDLES[:PACK]]] per corpus: trial lengths in
 # tokens, document count, and optionally this corpus's own RETRIEVAL_QUERIES and

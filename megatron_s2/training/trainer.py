@@ -44,7 +44,7 @@ from .checkpointing import (
     stored_run_dir,
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
-from .errors import RunDirError
+from .errors import CheckpointError, RunDirError
 from .evaluation.validation import Evaluator
 from .metrics import (
     MetricsLogger,
@@ -320,6 +320,15 @@ class Trainer:
                     f"there would mix the two runs' metrics and checkpoints. Start over with "
                     f"--restart (moves it to {moved}.old-<time>), or use another {other}"
                 )
+        if candidate is None and cfg.checkpoint.resume and cfg.checkpoint.load_dir:
+            # Asked for another run's weights that are not there (its run failed, or never
+            # ran): starting from random weights instead would be a silent wrong result.
+            raise CheckpointError(
+                f"checkpoint.load_dir {cfg.checkpoint.load_dir} holds no checkpoint (and "
+                f"{cfg.checkpoint_dir} none of this run's own): this run would start from "
+                f"random weights instead of the weights it names. Train that run first, fix "
+                f"the path, or drop checkpoint.load_dir to start from scratch"
+            )
         if candidate is None:
             return None, None, None
         saved, vocab = read_checkpoint_config(candidate.path)

@@ -420,6 +420,29 @@ def test_a_new_run_is_refused_over_a_previous_one(tmp_path):
         _locate(load_config(None, [*args, f"checkpoint.load_dir={other}"]))
 
 
+def test_a_load_dir_without_a_checkpoint_is_refused(tmp_path):
+    """checkpoint.load_dir names another run's weights: where none are (that run failed or
+    never ran, e.g. an extension whose base was not trained), the run is refused before
+    anything is built instead of starting from random weights; with a checkpoint of its own
+    (a resume) the load_dir is not needed."""
+    from megatron_s2.training.errors import CheckpointError
+
+    for missing in (tmp_path / "absent", tmp_path / "empty"):
+        if missing.name == "empty":
+            os.makedirs(missing)
+        args = [f"logging.run_dir={tmp_path / 'ext'}", f"checkpoint.load_dir={missing}"]
+        with pytest.raises(CheckpointError, match="holds no checkpoint .*random weights"):
+            _locate(load_config(None, args))
+    assert not (tmp_path / "ext").exists()  # nothing written
+    # Its own checkpoint: a resume, load_dir or not.
+    _fake_checkpoint(tmp_path / "ext" / "checkpoints", 3)
+    candidate, _, _ = _locate(load_config(None, args))
+    assert candidate.own and candidate.iteration == 3
+    # checkpoint.resume=false loads nothing at all: not refused for the missing weights.
+    fresh = [f"logging.run_dir={tmp_path / 'new'}", f"checkpoint.load_dir={tmp_path / 'absent'}"]
+    assert _locate(load_config(None, [*fresh, "checkpoint.resume=false"])) == (None, None, None)
+
+
 # ---------------------------------------------------------------------------- the summary
 def test_summary_quotes_the_losses_metrics_jsonl_holds(tmp_path, capsys):
     """Across a resume, and with records every 10 iterations, the summary's first and last
