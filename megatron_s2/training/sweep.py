@@ -79,7 +79,9 @@ from .run_config import (
     ConfigError,
     DuplicateKeyError,
     RunConfig,
+    format_changes,
     load_config,
+    resume_changes,
     yaml_load,
 )
 
@@ -90,6 +92,7 @@ __all__ = [
     "load_study",
     "expand_points",
     "point_state",
+    "stale_settings",
     "point_command",
     "run_local",
     "check_after",
@@ -613,6 +616,48 @@ def point_state(point: Point) -> str:
     ):
         return "interrupted"
     return "new"
+
+
+def stale_settings(point: Point) -> list:
+    """The settings a finished point was trained with that differ from what the study asks of
+    it now, where they decide its result: those a resume of the run would refuse or apply
+    (:func:`~.run_config.resume_changes`: the model's shape and meaning, attention, tokenizer,
+    data blend and split, optimizer and schedule, seed, steps), read from the trainer's
+    ``config.yaml`` in its run folder; how the run executed (parallel layout, workers,
+    logging) does not count. ``[]`` when they agree, for a point not finished, or without a
+    readable ``config.yaml`` (a run folder carried without it) to compare with."""
+    if not point.valid or point_state(point) != "finished":
+        return []
+    try:
+        with open(os.path.join(point.run_dir, "config.yaml")) as f:
+            stored = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(stored, dict):
+        return []
+    changes = resume_changes(stored, point.config, own=True)
+    return changes.refused + changes.plan
+
+
+def refuse_stale(study: Study) -> bool:
+    """Print, for every finished point of ``study`` trained with other settings than it asks
+    now (:func:`stale_settings`), what differs; True if there was one. Such a point would
+    otherwise be skipped as finished and its old results reported as this study's."""
+    found = False
+    for point in study.points:
+        changes = stale_settings(point)
+        if changes:
+            found = True
+            print(
+                f"{PROG}: study error: point {point.name} finished with other settings than "
+                f"the study asks now (its run folder {point.run_dir}):\n"
+                + format_changes(changes, old="the run", new="the study")
+                + "\nIts results are not this study's: move that run folder aside (or give "
+                "another --output-dir) and run again",
+                file=sys.stderr,
+                flush=True,
+            )
+    return found
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -1558,6 +1603,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "list":
         for p in study.points:
             state = point_state(p)
+            if state == "finished" and stale_settings(p):
+                state = "stale"  # finished with other settings: `run` refuses it
             print(f"{p.index:3d}  {state:11s}  {p.name}" + (f"  ({p.error})" if p.error else ""))
         return EXIT_OK
     if args.command == "collect":
@@ -1584,6 +1631,8 @@ def _main(args: argparse.Namespace) -> int:
     if not any(p.valid for p in study.points):
         report_invalid(study)
         print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)
+        return EXIT_STUDY_ERROR
+    if refuse_stale(study):
         return EXIT_STUDY_ERROR
     if args.slurm and args.devices is not None:
         print(

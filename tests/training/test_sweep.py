@@ -910,3 +910,46 @@ def test_a_further_ctrl_c_is_passed_on_from_any_thread(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_point_finished_with_other_settings_is_refused_not_skipped(fake_sweep, capsys):
+    """A finished point whose run folder's config.yaml (the trainer's) records other settings
+    than the study asks now, where they decide the result (here the learning rate), would be
+    skipped as finished and reported as this study's: `run` refuses before training anything,
+    naming the setting and the folder, and `list` shows it as stale. Settings of how the run
+    executed (data workers) do not count; a folder without a readable config.yaml (carried from
+    another lease without it) is finished as before."""
+    path, study, after, events = fake_sweep
+    assert sweep.main(["run", str(path)]) == sweep.EXIT_OK
+    trained = len(events())
+    by_name = {p.name: p for p in study.points}
+
+    def write_config(name, edit=None, text=None):
+        cfg = by_name[name].config.to_dict()
+        if edit:
+            edit(cfg)
+        target = Path(by_name[name].run_dir) / "config.yaml"
+        target.write_text(text if text is not None else yaml.safe_dump(cfg, sort_keys=False))
+
+    write_config("seed=1")  # as asked
+    write_config("seed=3", edit=lambda c: c["train"].update(num_workers=7))  # execution only
+    write_config("seed=4", text="{not: [yaml")  # unreadable: not compared
+    capsys.readouterr()
+    assert sweep.main(["run", str(path)]) == sweep.EXIT_OK
+    assert len(events()) == trained  # nothing retrained
+    assert sweep.stale_settings(by_name["seed=1"]) == []
+
+    write_config("seed=2", edit=lambda c: c["optimizer"].update(lr=0.5))
+    capsys.readouterr()
+    assert sweep.main(["run", str(path)]) == sweep.EXIT_STUDY_ERROR
+    err = capsys.readouterr().err
+    assert "point seed=2 finished with other settings than the study asks now" in err
+    assert by_name["seed=2"].run_dir in err and "optimizer.lr" in err and "0.5" in err
+    assert "move that run folder aside" in err
+    assert len(events()) == trained
+    assert sweep.main(["list", str(path)]) == sweep.EXIT_OK
+    listed = {line.split()[-1]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert listed == {"seed=1": "finished", "seed=2": "stale", "seed=3": "finished",
+                      "seed=4": "finished"}  # fmt: skip
+    # Another selection that leaves the stale point out runs as before.
+    assert sweep.main(["run", str(path), "--settings", "seed=1,seed=3"]) == sweep.EXIT_OK
