@@ -1,0 +1,96 @@
+"""tools/compare_trials.py: two evaluations of the same trials, trial by trial."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_s2.training.evaluation import retrieval_stats as S
+
+pytestmark = pytest.mark.version_independent
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(REPO, "tools", "compare_trials.py")
+
+
+def _evaluation(exact, answer=lambda k: f" {k[0]}{k[2]}"):
+    """A retrieval.json of task passkey with per-trial records ``exact[(length, depth, i)]``."""
+    trials = [{"length": n, "depth": d, "trial": i, "answer": answer((n, d, i)), "key": "",
+               "exact": bool(e)} for (n, d, i), e in exact.items()]  # fmt: skip
+    return {"tasks": {"passkey": {"cells": [], "trials": trials}}}
+
+
+def _run(tmp_path, a, b, *args):
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    return subprocess.run([sys.executable, TOOL, str(pa), str(pb), *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def test_rows_per_length_and_pooled_are_the_paired_counts(tmp_path):
+    rng = np.random.default_rng(11)
+    keys = [(n, d, i) for n in (1024, 2048) for d in (0.0, 0.5, 1.0) for i in range(15)]
+    a = {k: bool(rng.random() < 0.7) for k in keys}
+    b = {k: bool(rng.random() < 0.5) for k in keys}
+    done = _run(tmp_path, _evaluation(a), _evaluation(b), "--depths", "0")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "### passkey at depths 0"
+
+    def counts(sel):
+        return (
+            sum(a[k] and b[k] for k in sel),
+            sum(a[k] and not b[k] for k in sel),
+            sum(b[k] and not a[k] for k in sel),
+            sum(not (a[k] or b[k]) for k in sel),
+        )
+
+    def row(label, sel):
+        c = counts(sel)
+        d, lo, hi = S.paired_difference_interval(*c)
+        pa, pb = 100 * (c[0] + c[1]) / len(sel), 100 * (c[0] + c[2]) / len(sel)
+        return (f"| {label} | {pa:.1f} | {pb:.1f} | {100 * d:+.1f} [{100 * lo:+.1f}, "
+                f"{100 * hi:+.1f}] | {len(sel)} |")  # fmt: skip
+
+    zero = [k for k in keys if k[1] == 0.0]
+    assert row("1,024", [k for k in zero if k[0] == 1024]) in lines
+    assert row("2,048", [k for k in zero if k[0] == 2048]) in lines
+    assert row("all lengths", zero) in lines
+    # Every depth by default: 45 trials a length.
+    everything = _run(tmp_path, _evaluation(a), _evaluation(b)).stdout.splitlines()
+    assert row("all lengths", keys) in everything
+
+
+def test_the_committed_eod_comparison_reproduces_the_docs_pooled_numbers(tmp_path):
+    """The docs' depth-0 table: EOD-first minus plain for the extended hybrid, pooled over the
+    four lengths: passkey +0.0 [-8.7, +8.7], multikey +8.8 [+2.1, +15.3]."""
+    base = os.path.join(REPO, "docs", "long_context", "results")
+    eod = os.path.join(
+        base, "retrieval-125m-extend-32k-eod", "hybrid-DS", "seed1", "retrieval.json"
+    )
+    plain = os.path.join(base, "retrieval-125m-extend-32k", "hybrid-DS", "seed1", "retrieval.json")
+    args = [eod, plain, "--depths", "0", "--tasks", "passkey,multikey"]
+    done = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pooled = [line for line in done.stdout.splitlines() if line.startswith("| all lengths")]
+    assert pooled == ["| all lengths | 41.2 | 41.2 | +0.0 [-8.7, +8.7] | 80 |",
+                      "| all lengths | 43.8 | 35.0 | +8.8 [+2.1, +15.3] | 80 |"]  # fmt: skip
+
+
+def test_bad_input_is_refused(tmp_path):
+    keys = [(1024, 0.0, i) for i in range(4)]
+    a = _evaluation({k: True for k in keys})
+    other = _evaluation({k: True for k in keys}, answer=lambda k: " 99999")
+    for args, b, message in [
+        ((), other, "not the same trials"),
+        (("--tasks", "needle"), a, "--tasks: ['needle'] not in both files; allowed: passkey"),
+        (("--depths", "x"), a, "--depths takes numbers separated by commas"),
+        (("--depths", "0.5"), a, "no trial of 'passkey' at those depths"),
+    ]:
+        done = _run(tmp_path, a, b, *args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Two evaluations of the same retrieval trials, trial by trial (markdown on stdout).
+
+    python tools/compare_trials.py RESULT.json REFERENCE.json [--depths 0] [--tasks passkey]
+
+RESULT and REFERENCE are ``retrieval.json`` files of ``megatron-s2-eval-long-context`` with the
+same evaluator seed (two checkpoints, e.g. a recipe change against the recipe it changes, or one
+checkpoint with and without ``--prefix-eod``), holding per-trial records. Per task: each file's
+exact match per length and pooled over the lengths, and RESULT minus REFERENCE in points with
+Newcombe's paired 95% interval over the same trials (only the trials at ``--depths`` when given,
+e.g. ``--depths 0`` for the needle in the context's first tokens). The interval is the
+evaluation's noise only (which trials a checkpoint happens to get right), not the spread between
+training seeds. See ``megatron_s2/training/evaluation/retrieval_stats.py`` (``paired_counts``).
+Exit code 2 on bad input (files that do not hold the same trials, a task or depth not in them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
+    paired_counts,
+    paired_difference_interval,
+    tasks_of,
+)
+
+
+def _row(label: str, counts: tuple[int, int, int, int]) -> str:
+    """One table row: the two exact matches (%), the paired difference and the trials."""
+    both, only_a, only_b, neither = counts
+    n = sum(counts)
+    d, lo, hi = paired_difference_interval(*counts)
+    a, b = 100.0 * (both + only_a) / n, 100.0 * (both + only_b) / n
+    return (
+        f"| {label} | {a:.1f} | {b:.1f} | {100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {n} |"
+    )
+
+
+def compare_markdown(result: dict, reference: dict, tasks, depths=None) -> str:
+    """The tables for ``tasks``: per length and pooled over the lengths (see the module
+    docstring); ValueError from :func:`paired_counts` when the trials do not match."""
+    lines = []
+    for task in tasks:
+        counts = paired_counts(result, reference, task, depths)
+        if not counts:
+            raise ValueError(f"--depths {depths}: no trial of {task!r} at those depths")
+        lines += [
+            f"### {task}" + (f" at depths {', '.join(f'{d:g}' for d in depths)}" if depths else ""),
+            "",
+            "| length | result (%) | reference (%) | result - reference (points, 95%) | trials |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [_row(f"{n:,}", counts[n]) for n in sorted(counts)]
+        pooled = tuple(sum(c[i] for c in counts.values()) for i in range(4))
+        lines += [_row("all lengths", pooled), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="compare_trials", description=__doc__.split("\n\n")[0])
+    p.add_argument("result", help="retrieval.json of the evaluation compared")
+    p.add_argument("reference", help="retrieval.json of the reference evaluation")
+    p.add_argument("--tasks", help="comma list (default: every task both files hold)")
+    p.add_argument("--depths", help="comma list of needle depths, e.g. 0 (default: all)")
+    args = p.parse_args(argv)
+    try:
+        runs = []
+        for path in (args.result, args.reference):
+            with open(path) as f:
+                runs.append(json.load(f))
+        known = tasks_of(runs)
+        tasks = [t for t in (args.tasks or "").split(",") if t] or known
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise ValueError(f"--tasks: {unknown} not in both files; allowed: {', '.join(known)}")
+        try:
+            depths = [float(x) for x in args.depths.split(",")] if args.depths else None
+        except ValueError:
+            raise ValueError(
+                f"--depths takes numbers separated by commas, got {args.depths!r}"
+            ) from None
+        text = compare_markdown(runs[0], runs[1], tasks, depths)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"compare_trials: error: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
