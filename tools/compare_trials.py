@@ -24,21 +24,19 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
+    counts_difference,
     paired_counts,
-    paired_difference_interval,
+    pool_counts,
     tasks_of,
 )
 
 
 def _row(label: str, counts: tuple[int, int, int, int]) -> str:
     """One table row: the two exact matches (%), the paired difference and the trials."""
-    both, only_a, only_b, neither = counts
-    n = sum(counts)
-    d, lo, hi = paired_difference_interval(*counts)
+    both, only_a, only_b, _ = counts
+    d, lo, hi, n = counts_difference(counts)
     a, b = 100.0 * (both + only_a) / n, 100.0 * (both + only_b) / n
-    return (
-        f"| {label} | {a:.1f} | {b:.1f} | {100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {n} |"
-    )
+    return f"| {label} | {a:.1f} | {b:.1f} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] | {n} |"
 
 
 def compare_markdown(result: dict, reference: dict, tasks, depths=None) -> str:
@@ -56,8 +54,7 @@ def compare_markdown(result: dict, reference: dict, tasks, depths=None) -> str:
             "|---|---|---|---|---|",
         ]
         lines += [_row(f"{n:,}", counts[n]) for n in sorted(counts)]
-        pooled = tuple(sum(c[i] for c in counts.values()) for i in range(4))
-        lines += [_row("all lengths", pooled), ""]
+        lines += [_row("all lengths", pool_counts(counts)), ""]
     return "\n".join(lines)
 
 

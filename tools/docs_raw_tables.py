@@ -707,7 +707,8 @@ def retrieval_recipe_lengths() -> str:
 
 def _stats():
     """megatron_s2's retrieval statistics (imported here: the other tables need no package)."""
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from megatron_s2.training.evaluation import retrieval_stats
 
     return retrieval_stats
@@ -799,13 +800,8 @@ def retrieval_recipe_depth0() -> str:
         counts = stats.paired_counts(
             runs["hybrid-DS, EOD first"], runs["hybrid-DS, plain"], name, depths=[0.0]
         )
-        total = [sum(c[i] for c in counts.values()) for i in range(4)]
-        d, lo, hi = stats.paired_difference_interval(*total)
-        by_len = []
-        for n in lengths:
-            dn, lon, hin = stats.paired_difference_interval(*counts[n])
-            by_len.append(_paired((100 * dn, 100 * lon, 100 * hin, 0)))
-        pooled_diff = _paired((100 * d, 100 * lo, 100 * hi, 0))
+        by_len = [_paired(stats.counts_difference(counts[n])) for n in lengths]
+        pooled_diff = _paired(stats.counts_difference(stats.pool_counts(counts)))
         rows.append(["", "hybrid-DS, EOD - plain (points)", *by_len, pooled_diff])
         # The same test on the 4k base before the extension (evaluated at 4k only).
         base = stats.paired_trial_difference(base_eod, base_plain, name, depths=[0.0])

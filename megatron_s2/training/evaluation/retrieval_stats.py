@@ -17,6 +17,7 @@ trials).
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -34,6 +35,8 @@ __all__ = [
     "paired_difference_interval",
     "paired_counts",
     "paired_trial_difference",
+    "counts_difference",
+    "pool_counts",
     "length_means",
     "seed_summary",
     "difference_to_reference",
@@ -181,11 +184,24 @@ def paired_trial_difference(
     given; matching and errors as :func:`paired_counts`). This is the evaluation's noise alone
     (which trials a model happens to get right), not the training run's: it says whether two
     checkpoints differ on these trials, not whether two recipes differ."""
-    out = {}
-    for n, counts in paired_counts(result, reference, task, depths).items():
-        d, lo, hi = paired_difference_interval(*counts, level=level)
-        out[n] = (100.0 * d, 100.0 * lo, 100.0 * hi, sum(counts))
-    return out
+    counts = paired_counts(result, reference, task, depths)
+    return {n: counts_difference(c, level) for n, c in counts.items()}
+
+
+def counts_difference(
+    counts: tuple[int, int, int, int], level: float = CONFIDENCE
+) -> tuple[float, float, float, int]:
+    """``(difference, low, high, trials)`` in points (0-100) of one ``(both, only_result,
+    only_reference, neither)`` tuple of :func:`paired_counts`, by
+    :func:`paired_difference_interval`."""
+    d, lo, hi = paired_difference_interval(*counts, level=level)
+    return 100.0 * d, 100.0 * lo, 100.0 * hi, sum(counts)
+
+
+def pool_counts(by_length: Mapping[int, tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+    """:func:`paired_counts`'s four counts summed over its lengths (the trials pooled)."""
+    both, only_a, only_b, neither = (sum(c[i] for c in by_length.values()) for i in range(4))
+    return both, only_a, only_b, neither
 
 
 def length_means(result: Mapping, task: str) -> dict[int, float]:
@@ -344,13 +360,18 @@ def study_markdown(
                 methods = sorted({how for _, how in diffs.values() if how})
                 cells = [format_estimate(diffs.get(n, (None, ""))[0], signed=True)
                          for n in lengths]  # fmt: skip
-                common = sorted(set(arms[a]) & set(arms[reference]))
-                if not methods and len(common) == 1:
-                    # No interval over seeds: the one common seed's two checkpoints on the same
-                    # trials, labelled as the evaluation's noise only.
-                    seed = common[0]
-                    by_trial = _trial_cells(arms[a][seed], arms[reference][seed], task, level)
-                    if by_trial is not None:
+                if not methods:
+                    # No interval over seeds: where one seed is common, its two checkpoints on
+                    # the same trials, labelled as the evaluation's noise only.
+                    by_trial = {
+                        n: f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+                        for n, (d, lo, hi, how) in _differences(
+                            arms[a], arms[reference], task, level
+                        ).items()
+                        if how == "trials"
+                    }
+                    if by_trial:
+                        (seed,) = set(arms[a]) & set(arms[reference])
                         methods = [f"trials of seed {seed}"]
                         cells = [by_trial.get(n, "–") for n in lengths]
                 lines.append(f"| {a} | {'/'.join(methods or ['one seed'])} | "
@@ -367,38 +388,34 @@ def study_markdown(
     return "\n".join(lines)
 
 
-def _trial_cells(result: Mapping, reference: Mapping, task: str, level: float) -> Optional[dict]:
-    """``{length: "-3.0 [-9.7, +3.4]"}`` from :func:`paired_trial_difference`, or None when
-    the files cannot be paired (no per-trial records, other trials)."""
-    try:
-        diffs = paired_trial_difference(result, reference, task, level)
-    except ValueError:
-        return None
-    return {n: f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" for n, (d, lo, hi, _) in diffs.items()}
-
-
-def _difference(
-    arm: Mapping[int, Mapping], ref: Mapping[int, Mapping], task: str, n: int, level: float
-) -> tuple[Optional[float], Optional[float], Optional[float], str]:
-    """``(mean, low, high, how)`` of an arm's exact match minus the reference's at length ``n``
-    in points: over seeds where two or more can be compared, else over the one common seed's
-    trials (``how`` "trials"), else the mean alone (``how`` "one seed")."""
-    est, how = difference_to_reference(arm, ref, task, level).get(n, (None, ""))
-    if est is not None and est.half_width is not None:
-        return est.mean, est.low, est.high, how
+def _differences(
+    arm: Mapping[int, Mapping], ref: Mapping[int, Mapping], task: str, level: float
+) -> dict[int, tuple[float, Optional[float], Optional[float], str]]:
+    """``{length: (mean, low, high, how)}``: an arm's exact match minus the reference's in
+    points at each length both have, with its interval over seeds where two or more can be
+    compared (``how`` "paired" or "Welch"), else over the one common seed's trials (``how``
+    "trials", when the files hold per-trial records of the same trials), else the mean alone
+    (``how`` "one seed", no interval)."""
+    by_seed = difference_to_reference(arm, ref, task, level)
     common = sorted(set(arm) & set(ref))
+    trials: dict = {}
     if len(common) == 1:
         try:
-            d, lo, hi, _ = paired_trial_difference(arm[common[0]], ref[common[0]], task, level)[n]
-            return d, lo, hi, "trials"
-        except (ValueError, KeyError):
+            trials = paired_trial_difference(arm[common[0]], ref[common[0]], task, level)
+        except ValueError:
             pass
-    if est is not None:
-        return est.mean, None, None, "one seed"
     mine, theirs = seed_summary(arm, task, level), seed_summary(ref, task, level)
-    if n in mine and n in theirs:
-        return mine[n].mean - theirs[n].mean, None, None, "one seed"
-    return None, None, None, "not run"
+    out = {}
+    for n in sorted(set(mine) & set(theirs)):
+        est, how = by_seed.get(n, (None, ""))
+        if est is not None and est.half_width is not None:
+            out[n] = (est.mean, est.low, est.high, how)
+        elif n in trials:
+            out[n] = (*trials[n][:3], "trials")
+        else:
+            mean = est.mean if est is not None else mine[n].mean - theirs[n].mean
+            out[n] = (mean, None, None, "one seed")
+    return out
 
 
 def goal_markdown(
@@ -434,8 +451,9 @@ def goal_markdown(
             continue
         cells, misses = [], []
         for task in tasks:
+            diffs = _differences(arm, ref, task, level)
             for n in lengths:
-                mean, lo, hi, how = _difference(arm, ref, task, n, level)
+                mean, lo, hi, how = diffs.get(n, (None, None, None, "not run"))
                 if mean is None:
                     cells.append("not run")
                     misses.append(f"{task} at {n:,} not run")
@@ -446,11 +464,8 @@ def goal_markdown(
                 cells.append(text)
                 if mean < -points - 1e-9:  # -5.0 is within 5 points, rounding aside
                     misses.append(f"{task} at {n:,} {mean:+.1f} points")
-        held = []
-        for n in sorted({int(c["length"]) for r in arm.values() for c in
-                         r["tasks"].get(heldout, {}).get("cells", [])}):  # fmt: skip
-            held.append(_difference(arm, ref, heldout, n, level))
-        held = [h for h in held if h[0] is not None]
+        has_heldout = any(heldout in r["tasks"] for r in arm.values())
+        held = list(_differences(arm, ref, heldout, level).values()) if has_heldout else []
         if held:
             mean_held = sum(h[0] for h in held) / len(held)
             no_worse = mean_held >= 0 or all(lo is not None and lo <= 0 <= hi
@@ -500,8 +515,6 @@ def study_tokens_per_s(
     """``{arm: {seed: tokens/s}}`` of the finished runs in a sweep's ``results.csv`` (rows
     ``<arm>,seed=<k>``), for the arms and seeds of ``arms`` (:func:`read_arm_results`).
     Raises FileNotFoundError naming the file when it is missing."""
-    import csv
-
     if not os.path.isfile(results_csv):
         raise FileNotFoundError(f"no {results_csv} (the sweep's results.csv, for the tokens/s)")
     out: dict[str, dict[int, float]] = {}
