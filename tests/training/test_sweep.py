@@ -827,11 +827,17 @@ def test_ctrl_c_right_after_a_process_started_is_passed_on_waited_for_and_record
         finally:
             pressed.set()
 
+    first_call = threading.Lock()  # two slots' threads may start their processes at once
+
     def popen(argv, **kwargs):
         ours = argv[2:3] == ["train"] if child == "train" else argv[:2] == ["bash", "-c"]
-        if started or not ours:
+        with first_call:
+            if started or not ours:
+                ours = False
+            else:
+                started.append(_start_stops_on_ctrl_c(tmp_path / "ready", real_popen, **kwargs))
+        if not ours:
             return real_popen(argv, **kwargs)
-        started.append(_start_stops_on_ctrl_c(tmp_path / "ready", real_popen, **kwargs))
         if devices is None:
             ctrl_c()
         else:  # in the first slot's thread: the main thread sends it
@@ -845,10 +851,20 @@ def test_ctrl_c_right_after_a_process_started_is_passed_on_waited_for_and_record
         """A thread as the sweep starts it: from the main thread, the first slot's start waits
         for the stand-in to run and sends the Ctrl-C (the threads a slot starts go on as ever)."""
 
+        def __init__(self, *args, target=None, **kwargs):
+            super().__init__(*args, target=target, **kwargs)
+            # threading.Thread is patched for every module while this runs (pytest's and the
+            # standard library's threads too): a slot is a thread running the sweep's worker.
+            self.is_slot = getattr(target, "__module__", None) == sweep.__name__ and (
+                target.__name__ == "worker"
+            )
+
         def start(self):
-            slots.append(self)
+            if self.is_slot:
+                slots.append(self)
             super().start()
-            if threading.current_thread() is threading.main_thread() and len(slots) == 1:
+            if self.is_slot and len(slots) == 1:
+                assert threading.current_thread() is threading.main_thread()
                 assert running.wait(60)
                 ctrl_c()
 
