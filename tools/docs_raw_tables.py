@@ -848,6 +848,61 @@ def _depth_table(tasks: dict) -> str:
     return table(["task", "needle depth", *(f"{n:,} tokens" for n in lengths)], rows)
 
 
+QUALITY = DOCS / "quality"
+ONE_GPU_SPEED = QUALITY / "one-gpu-speed-16k"
+# The speed runs' settings (attention.dense_layers.pattern) and the seeded studies' point names.
+SPEED_SETTINGS = (("D", "dense"), ("SSSD", "hybrid-SSSD"), ("S", "all-s2"))
+# The seeded 16k studies on the four-GPU host whose tokens/s the speed runs are set beside.
+STUDIES_16K = ("code-125m-16k-seeds", "code-125m-16k-seeds-100m")
+# Steps left out of a speed run's median: the first holds compilation and allocator warm-up.
+SPEED_WARMUP_STEPS = 10
+
+
+def speed_run_tokens_per_s(pattern: str) -> float:
+    """Median tokens/s of one speed run's training steps after :data:`SPEED_WARMUP_STEPS`
+    (its ``metrics.jsonl``; a step is 8 x 16,384 tokens)."""
+    with open(ONE_GPU_SPEED / pattern / "metrics.jsonl") as f:
+        steps = [json.loads(line) for line in f]
+    rates = sorted(
+        r["tokens_per_s"]
+        for r in steps
+        if r.get("kind") == "train" and r["iteration"] > SPEED_WARMUP_STEPS
+    )
+    if not rates:
+        raise ValueError(f"{pattern}: no training step after step {SPEED_WARMUP_STEPS}")
+    mid = len(rates) // 2
+    return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+
+
+def _study_mean_tokens_per_s(study: str, setting: str) -> tuple[float, bool]:
+    """Mean tokens/s over a seeded study's finished seeds of one setting (its results.csv), and
+    whether they finished: where none did, the mean of its stopped runs (False)."""
+    rows = read_csv(QUALITY / study / "results.csv").values()
+    rows = [r for r in rows if r["setting"] == setting]
+    finished = [r for r in rows if r["status"] == "finished"]
+    rates = [float(r["tokens_per_s"]) for r in (finished or rows)]
+    return sum(rates) / len(rates), bool(finished)
+
+
+def quality_one_gpu_speed() -> str:
+    """docs/quality.md: tokens/s at 16k of dense, SSSD and all-S2 trained alone on one H200
+    (one call, 50 steps each) beside the seeded studies' means on the four-GPU host."""
+    alone = {p: speed_run_tokens_per_s(p) for p, _ in SPEED_SETTINGS}
+    rows = []
+    for pattern, setting in SPEED_SETTINGS:
+        speed = alone[pattern]
+        row = [f"{setting} ({pattern})", thousands(speed), ratio(speed, alone["D"])]
+        means = [_study_mean_tokens_per_s(study, setting) for study in STUDIES_16K]
+        row += [thousands(m) + ("" if done else " (stopped runs)") for m, done in means]
+        row += [rel(speed, m) for m, _ in means]
+        rows.append(row)
+    header = [
+        "setting", "one H200 alone, tokens/s", "vs dense", "4x host, 48M study",
+        "4x host, 100M study", "alone vs 48M", "alone vs 100M",
+    ]  # fmt: skip
+    return table(header, rows)
+
+
 @dataclass(frozen=True)
 class Table:
     """A doc table: where it is, what raw outputs it is computed from, and how."""
@@ -870,6 +925,15 @@ TABLES: dict[str, Table] = {
         "docs/quality.md",
         ("docs/quality/code-125m-loss-by-position.json",),
         quality_loss_by_position,
+    ),
+    "quality-one-gpu-speed": Table(
+        "docs/quality.md",
+        (
+            *(f"docs/quality/one-gpu-speed-16k/{p}/metrics.jsonl" for p, _ in SPEED_SETTINGS),
+            "docs/quality/code-125m-16k-seeds/results.csv",
+            "docs/quality/code-125m-16k-seeds-100m/results.csv",
+        ),
+        quality_one_gpu_speed,
     ),
     "quality-stride-window": Table(
         "docs/quality.md",
