@@ -20,7 +20,10 @@
 # default --skip-retrieval: loss by position only), SWEEP_ARGS (options of megatron-s2-sweep run,
 # e.g. "--devices 0,1" for two points at a time; each point's evaluation runs on its GPUs),
 # EVAL_DEVICES (e.g. 0,1: the catch-up evaluations one per GPU at a time, their output in each
-# run's long_context_eval.log; default one after another, on the console). Extra arguments go to
+# run's long_context_eval.log; default one after another, on the console), ADOPT_FROM (a study
+# YAML: before the sweep, `megatron-s2-sweep adopt --from ADOPT_FROM` takes its finished runs that
+# trained exactly what a point asks, so that a shared arm trains once; docs/sweeps.md) and
+# ADOPT_RUNS (where those runs are, e.g. a committed copy; default its output_dir). Extra arguments go to
 # tools/build_code_corpus.py. Exit status: non-zero if a step failed, an evaluation during the
 # sweep included (the sweep's own exit code 3), even where the catch-up then redid it.
 #
@@ -67,6 +70,12 @@ echo "== corpus overrides: ${OVERRIDES[*]}"
 
 echo "== study $STUDY"
 status=0
+if [[ -n "${ADOPT_FROM:-}" ]]; then
+    adopt_args=(--from "$ADOPT_FROM")
+    [[ -n "${ADOPT_RUNS:-}" ]] && adopt_args+=(--from-runs "$ADOPT_RUNS")
+    "$PYTHON" -m megatron_s2.training.sweep adopt "$STUDY" "${OVERRIDES[@]}" "${adopt_args[@]}" \
+        || status=$?
+fi
 read -r -a sweep_args <<< "${SWEEP_ARGS:-}"
 # Each point evaluated as soon as it has trained (this script again, as --evaluate-run).
 after="bash $(printf %q "$SELF") --evaluate-run {run}"

@@ -61,6 +61,7 @@ import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,7 @@ from .run_config import (
     ConfigError,
     DuplicateKeyError,
     RunConfig,
+    SettingChange,
     format_changes,
     load_config,
     resume_changes,
@@ -93,6 +95,8 @@ __all__ = [
     "expand_points",
     "point_state",
     "stale_settings",
+    "adoption_changes",
+    "adopt_runs",
     "point_command",
     "run_local",
     "check_after",
@@ -138,6 +142,11 @@ SESSIONS = "sweep_sessions.jsonl"
 # run's iteration) in the point's run directory; the record lets a rerun skip what succeeded.
 AFTER_LOG = "after.log"
 AFTER_RECORD = "after.json"
+# ``adopt``: where an adopted run came from, in the run directory it was copied to.
+ADOPTED = "adopted.json"
+# What may differ between an adopted run and the point it stands for: where its output went and
+# how it was logged and fed, not what it computed.
+ADOPT_IGNORED = ("logging", "train.num_workers")
 AFTER_FIELDS = {"run": "the run directory", "point": "the point's name"}
 # A field is {word} not preceded by "$" (${VAR} is the shell's; {a,b}, {1..3} and {} are not
 # words); {{word}} is a literal {word}, for a command that needs one (awk '{{print}}').
@@ -658,6 +667,149 @@ def refuse_stale(study: Study) -> bool:
                 flush=True,
             )
     return found
+
+
+# ---- adopting another study's runs ------------------------------------------------------------
+def adoption_changes(source: dict, point: Point) -> list:
+    """The settings in which a finished run's config ``source`` (a run config mapping: the
+    trainer's ``config.yaml``, or its study point's resolved config) differs from what
+    ``point`` asks, where they decide what the run computed: everything
+    :func:`stale_settings` compares, plus how it executed (parallel layout, micro-batch size,
+    precision, recomputation: other numerics) and the initialisation scale. Only
+    :data:`ADOPT_IGNORED` (logging, data workers) and where the run lives may differ. ``[]``:
+    the run is the point's, trained."""
+    changes = resume_changes(source, point.config, own=True)
+    other = [c for c in changes.other if not _under(c.key, ADOPT_IGNORED)]
+    # resume_changes leaves the initialisation scale out (no effect on a resume); a new run's
+    # weights start from it.
+    model = source.get("model") or {}
+    if (
+        "init_method_std" in model
+        and model["init_method_std"] != point.config.model.init_method_std
+    ):
+        other.append(
+            SettingChange(
+                "model.init_method_std",
+                model["init_method_std"],
+                point.config.model.init_method_std,
+            )
+        )
+    return changes.refused + changes.plan + other
+
+
+def _under(key: str, sections: Sequence[str]) -> bool:
+    """``key`` is one of ``sections`` or inside one (``logging.plot`` is under ``logging``)."""
+    return any(key == s or key.startswith(s + ".") for s in sections)
+
+
+def _copy_run(source_dir: str, target_dir: str) -> None:
+    """Copy a run folder; its checkpoints are hard-linked where the filesystem allows (a
+    checkpoint is never rewritten in place), every other file is copied (a target resumed later
+    appends to its own metrics, not the source's)."""
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source_dir, target_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    checkpoints = os.path.join(source_dir, "checkpoints")
+    if os.path.isdir(checkpoints):
+        shutil.copytree(
+            checkpoints, os.path.join(target_dir, "checkpoints"), copy_function=link_or_copy
+        )
+
+
+def _finished_runs(source: Study, runs_dir: Optional[str]) -> list:
+    """``source``'s finished runs as (point with its run folder, config mapping, compared with
+    what): the run's own ``config.yaml`` where readable, else the point as resolved now."""
+    found = []
+    for sp in source.points:
+        if not sp.valid:
+            continue
+        run = dataclasses.replace(
+            sp, run_dir=os.path.join(runs_dir, sp.name) if runs_dir else sp.run_dir
+        )
+        if point_state(run) != "finished":
+            continue
+        stored = None
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            with open(os.path.join(run.run_dir, "config.yaml")) as f:
+                stored = yaml.safe_load(f)
+        if isinstance(stored, dict):
+            found.append((run, stored, "its config.yaml"))
+        else:
+            found.append((run, sp.config.to_dict(), "its study point as resolved now"))
+    return found
+
+
+def adopt_runs(
+    study: Study, source: Study, runs_dir: Optional[str] = None, dry_run: bool = False
+) -> int:
+    """Take ``source``'s finished runs as ``study``'s points where they trained exactly what a
+    point asks (:func:`adoption_changes` empty), so that an arm two studies share (the dense
+    reference, a grid's default point) trains once. Each point of ``study`` not started yet
+    gets a copy of the first such run in its run directory, with :data:`ADOPTED` saying where
+    it came from and what it was compared with; ``run`` then skips it as finished and
+    ``collect`` reports it. A source run is compared with its own ``config.yaml`` where it has
+    one (what it trained with), else with ``source``'s point as the study file resolves it now.
+    ``runs_dir``: where ``source``'s run folders are (default: its ``output_dir/runs``; e.g. a
+    committed copy of them). Prints one line per adopted point; returns the exit code."""
+    candidates = _finished_runs(source, runs_dir)
+    if not candidates:
+        where = runs_dir or os.path.join(source.output_dir, "runs")
+        print(f"{PROG}: no finished run of {source.name} in {where}", file=sys.stderr, flush=True)
+        return EXIT_STUDY_ERROR
+    adopted, taken, blocked = 0, set(), False
+    for point in study.points:
+        if not point.valid or point_state(point) != "new":
+            continue
+        match = next(
+            (
+                c
+                for c in candidates
+                if c[0].run_dir not in taken and not adoption_changes(c[1], point)
+            ),
+            None,
+        )
+        if match is None:
+            continue
+        run, _, how = match
+        if os.path.isdir(point.run_dir) and os.listdir(point.run_dir):
+            print(
+                f"{PROG}: point {point.name}: its run folder {point.run_dir} holds files of no "
+                f"finished run: move it aside to adopt {run.run_dir} there",
+                file=sys.stderr,
+                flush=True,
+            )
+            blocked = True
+            continue
+        verb = "would adopt" if dry_run else "adopted"
+        _say(f"point {point.name}: {verb} {run.run_dir} ({source.name}'s {run.name}: the same "
+             f"settings, compared with {how})")  # fmt: skip
+        taken.add(run.run_dir)
+        adopted += 1
+        if dry_run:
+            continue
+        if os.path.isdir(point.run_dir):
+            os.rmdir(point.run_dir)  # empty
+        _copy_run(run.run_dir, point.run_dir)
+        record = {
+            "from": os.path.abspath(run.run_dir),
+            "study": os.path.abspath(source.path),
+            "point": run.name,
+            "compared_with": how,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        with open(os.path.join(point.run_dir, ADOPTED), "w") as f:
+            json.dump(record, f, indent=1)
+    left = sum(1 for p in study.points if p.valid and point_state(p) != "finished") - (
+        adopted if dry_run else 0
+    )
+    _say(f"{adopted} point(s) {'would be ' if dry_run else ''}adopted from {source.name}; "
+         f"{left} of {study.name}'s {len(study.points)} points left to train")  # fmt: skip
+    return EXIT_STUDY_ERROR if blocked else EXIT_OK
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -1507,7 +1659,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run (or submit) the points that have not finished")
     collect_p = sub.add_parser("collect", help="write the table and plots only")
     list_p = sub.add_parser("list", help="the points, their state and config errors")
-    for q in (run, collect_p, list_p):
+    adopt = sub.add_parser(
+        "adopt",
+        help="copy another study's finished runs that trained exactly what a point asks into "
+        "the point's run folder (a reference arm shared by two studies trains once)",
+    )
+    for q in (run, collect_p, list_p, adopt):
         q.add_argument("study", help="study YAML")
         q.add_argument("--output-dir", default=None, help="default: the study's output_dir")
         q.add_argument(
@@ -1561,12 +1718,34 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "(a rerun skips what succeeded)",
     )
     run.add_argument("--sbatch-script", default=str(SBATCH), help=argparse.SUPPRESS)
+    adopt.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="STUDY",
+        help="the other study's YAML (its points resolved with the same overrides)",
+    )
+    adopt.add_argument(
+        "--from-runs",
+        default=None,
+        metavar="DIR",
+        help="where the other study's run folders are (default: its output_dir/runs), e.g. a "
+        "committed copy",
+    )
+    adopt.add_argument("--dry-run", action="store_true", help="say what would be adopted")
     return p
 
 
 def main(argv: Optional[list] = None) -> int:
     """Console entry point; returns the exit code (130 after Ctrl-C)."""
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow the options (`run STUDY --devices 0,1 data.blend=...`, as the
+    # study files' comments write them): argparse takes the positionals in one block.
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     try:
         return _main(args)
     except KeyboardInterrupt:
@@ -1605,8 +1784,19 @@ def _main(args: argparse.Namespace) -> int:
             state = point_state(p)
             if state == "finished" and stale_settings(p):
                 state = "stale"  # finished with other settings: `run` refuses it
-            print(f"{p.index:3d}  {state:11s}  {p.name}" + (f"  ({p.error})" if p.error else ""))
+            note = f"  ({p.error})" if p.error else ""
+            adopted = _read_json(os.path.join(p.run_dir, ADOPTED)) if p.valid else None
+            if adopted:
+                note = f"  (adopted: {adopted.get('from')})"
+            print(f"{p.index:3d}  {state:11s}  {p.name}{note}")
         return EXIT_OK
+    if args.command == "adopt":
+        try:
+            source = load_study(args.source, extra_overrides=args.overrides)
+        except StudyError as e:
+            print(f"{PROG}: study error (--from): {e}", file=sys.stderr, flush=True)
+            return EXIT_STUDY_ERROR
+        return adopt_runs(study, source, args.from_runs, dry_run=args.dry_run)
     if args.command == "collect":
         collect_and_write(study)
         return EXIT_OK

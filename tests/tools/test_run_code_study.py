@@ -38,7 +38,7 @@ FAKE = textwrap.dedent(
     with open(log, "a") as f:
         f.write(json.dumps({{"args": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
                             "start": time.time()}}) + "\\n")
-    if args[:2] == ["-m", "megatron_s2.training.sweep"]:
+    if args[:3] == ["-m", "megatron_s2.training.sweep", "run"]:
         from megatron_s2.training.sweep import load_study
         from tests.helpers.study_scripts import run_after
         overrides = [a for a in args[4:args.index("--after")]]
@@ -135,7 +135,7 @@ def test_study_script_evaluates_every_finished_point(tmp_path, eval_devices):
         env["EVAL_DEVICES"] = eval_devices
     r, calls = _run_script(study, env)
     assert r.returncode == 0, r.stdout + r.stderr
-    (sweep,) = [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
+    (sweep,) = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
     assert sweep["args"][2:] == [
         "run",
         str(study),
@@ -238,3 +238,44 @@ def test_a_finished_run_without_checkpoints_is_not_evaluated(tmp_path, through_a
         else "== not evaluated: seed=3 has no checkpoint here (trained elsewhere, or saved none)"
     )
     assert said in r.stdout, r.stdout
+
+
+def test_adopt_from_takes_another_studys_matching_runs_before_the_sweep(tmp_path):
+    """ADOPT_FROM / ADOPT_RUNS: before the sweep, the real `megatron-s2-sweep adopt` (with the
+    corpus's overrides) copies the other study's finished run that trained what seed=3 asks into
+    its folder; the sweep then finds it finished and its evaluation runs like any other's."""
+    study, out, env = _study(tmp_path)
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        yaml.safe_dump(
+            {
+                "name": "other",
+                "base": str(REPO / "configs" / "demo.yaml"),
+                "points": [{"train.seed": 3}, {"train.seed": 4}],
+                "output_dir": str(tmp_path / "nowhere"),
+            }
+        )
+    )
+    from megatron_s2.training.sweep import load_study
+
+    # Overrides a real config accepts (the other tests' corpus has no data.blend: invalid points).
+    corpus = {"overrides": "logging.plot=false"}
+    (tmp_path / "corpus" / "corpus.json").write_text(json.dumps(corpus))
+    runs = tmp_path / "committed"
+    source = load_study(other, extra_overrides=["logging.plot=false"])
+    assert all(p.valid for p in source.points), [p.error for p in source.points]
+    for point in source.points:
+        run = runs / point.name
+        (run / "checkpoints" / "iter_0000009").mkdir(parents=True)
+        iters = point.config.train.train_iters
+        (run / "summary.json").write_text(json.dumps({"iteration": iters}))
+    env.update(ADOPT_FROM=str(other), ADOPT_RUNS=str(runs))
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (adopt,) = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "adopt"]]
+    assert adopt["args"][3:] == [str(study), "logging.plot=false", "--from", str(other),
+                                 "--from-runs", str(runs)]  # fmt: skip
+    assert "point seed=3: adopted" in r.stdout, r.stdout
+    record = json.loads((out / "runs" / "seed=3" / "adopted.json").read_text())
+    assert record["from"] == str(runs / "seed=3")
+    assert sorted(_evaluated(calls)) == ["seed=1", "seed=2", "seed=3"]

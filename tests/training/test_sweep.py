@@ -969,3 +969,145 @@ def test_a_point_finished_with_other_settings_is_refused_not_skipped(fake_sweep,
                       "seed=4": "finished"}  # fmt: skip
     # Another selection that leaves the stale point out runs as before.
     assert sweep.main(["run", str(path), "--settings", "seed=1,seed=3"]) == sweep.EXIT_OK
+
+
+# ---- adopt: another study's finished runs as this study's points --------------------------------
+def _adopt_studies(tmp_path):
+    """A source study (dense and the default hybrid, seeds 1-2) and a target grid over
+    vert_stride with the dense reference, seeds 1-2: the grid's vert_stride=2 (the base's) and
+    dense points train exactly what the source's points did."""
+    common = {"overrides": [*TINY, "train.train_iters=6"], "seeds": [1, 2]}
+    src_dir, dst_dir = tmp_path / "src", tmp_path / "dst"
+    src_dir.mkdir(), dst_dir.mkdir()
+    source = write_study(
+        src_dir, name="seeds", output_dir=str(tmp_path / "sweeps" / "seeds"), **common,
+        points=[{"name": "dense", "attention.dense_layers.pattern": "D"},
+                {"name": "hybrid", "attention.dense_layers.pattern": "DS"}],
+    )  # fmt: skip
+    target = write_study(
+        dst_dir, name="grid", output_dir=str(tmp_path / "sweeps" / "grid"), **common,
+        grid={"attention.s2.vert_stride": [2, 4]},
+        points=[{"name": "dense", "attention.dense_layers.pattern": "D"}],
+    )  # fmt: skip
+    return source, target
+
+
+def _fake_finished(point, run_dir=None, config=None):
+    """A finished run folder of ``point``: summary at its last step, metrics, a checkpoint."""
+    run = Path(run_dir or point.run_dir)
+    (run / "checkpoints" / "iter_0000006").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000006" / "weights.pt").write_bytes(os.urandom(64))
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "iteration": 6}) + "\n")
+    iters = point.config.train.train_iters
+    (run / "summary.json").write_text(json.dumps({"name": point.name, "iteration": iters}))
+    if config is not None:
+        (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return run
+
+
+def test_adopt_copies_the_runs_that_trained_what_a_point_asks(tmp_path, capsys):
+    """`adopt --from OTHER` gives each not-started point a copy of another study's finished run
+    that trained exactly its settings (here the grid's base stride and its dense reference,
+    found by settings, not by name), with adopted.json saying where from; checkpoints are
+    hard-linked, the rest copied; `list` shows them finished and adopted; --dry-run copies
+    nothing; a second adopt finds nothing left to adopt."""
+    source_path, target_path = _adopt_studies(tmp_path)
+    source, target = load_study(source_path), load_study(target_path)
+    for p in source.points:
+        _fake_finished(p)
+    unfinished = source.points[-1]  # hybrid seed 2: stopped before its last step
+    (Path(unfinished.run_dir) / "summary.json").write_text(json.dumps({"iteration": 3}))
+
+    argv = ["adopt", str(target_path), "--from", str(source_path)]
+    assert sweep.main([*argv, "--dry-run"]) == sweep.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.count("would adopt") == 3 and "3 point(s) would be adopted" in out, out
+    assert not (tmp_path / "sweeps" / "grid").exists()
+
+    assert sweep.main(argv) == sweep.EXIT_OK
+    out = capsys.readouterr().out
+    by_name = {p.name: p for p in target.points}
+    src = {p.name: p for p in source.points}
+    expected = {"vert_stride=2,seed=1": "hybrid,seed=1", "dense,seed=1": "dense,seed=1",
+                "dense,seed=2": "dense,seed=2"}  # fmt: skip
+    for name, p in by_name.items():
+        if name not in expected:
+            assert sweep.point_state(p) == "new", name
+            continue
+        assert sweep.point_state(p) == "finished", name
+        origin = src[expected[name]]
+        record = json.loads((Path(p.run_dir) / sweep.ADOPTED).read_text())
+        assert record["from"] == os.path.abspath(origin.run_dir) and record["point"] == origin.name
+        assert record["compared_with"] == "its study point as resolved now"
+        weights = "checkpoints/iter_0000006/weights.pt"
+        a, b = Path(origin.run_dir), Path(p.run_dir)
+        assert (a / weights).read_bytes() == (b / weights).read_bytes()
+        assert os.path.samefile(a / weights, b / weights)  # hard link: no second copy
+        assert not os.path.samefile(a / "metrics.jsonl", b / "metrics.jsonl")
+    assert "3 point(s) adopted from seeds; 3 of grid's 6 points left to train" in out, out
+    assert sweep.main(["list", str(target_path)]) == sweep.EXIT_OK
+    listed = capsys.readouterr().out
+    assert listed.count("finished") == 3 and listed.count("(adopted: ") == 3, listed
+    assert sweep.main(argv) == sweep.EXIT_OK
+    assert "0 point(s) adopted" in capsys.readouterr().out
+
+
+def test_adopt_takes_no_run_that_trained_otherwise(tmp_path, capsys):
+    """A source run whose own config.yaml records other settings than the point asks is not
+    adopted, also where they only change the numerics (micro-batch size) or the initialisation
+    scale, nor where they are the study's (the seed); only logging and data workers may differ.
+    A not-empty target folder is refused, naming it; no finished source run is an error."""
+    source_path, target_path = _adopt_studies(tmp_path)
+    source, target = load_study(source_path), load_study(target_path)
+    argv = ["adopt", str(target_path), "--from", str(source_path)]
+    assert sweep.main(argv) == sweep.EXIT_STUDY_ERROR
+    assert "no finished run of seeds in" in capsys.readouterr().err
+
+    src = {p.name: p for p in source.points}
+    dense_point = {p.name: p for p in target.points}["dense,seed=1"]
+    assert sweep.adoption_changes(src["dense,seed=1"].config.to_dict(), dense_point) == []
+    assert sweep.adoption_changes(src["dense,seed=2"].config.to_dict(), dense_point)  # seed
+
+    def edited(name, edit):
+        cfg = src[name].config.to_dict()
+        edit(cfg)
+        return cfg
+
+    _fake_finished(src["dense,seed=1"], config=edited("dense,seed=1", lambda c: c["train"].update(
+        micro_batch_size=1)))  # fmt: skip
+    _fake_finished(src["dense,seed=2"], config=edited("dense,seed=2", lambda c: c["model"].update(
+        init_method_std=0.5)))  # fmt: skip
+    _fake_finished(src["hybrid,seed=1"], config=edited("hybrid,seed=1", lambda c: (
+        c["train"].update(num_workers=9), c["logging"].update(plot=False))))  # fmt: skip
+    _fake_finished(src["hybrid,seed=2"], config=edited("hybrid,seed=2", lambda c: c["optimizer"]
+        .update(lr=0.5)))  # fmt: skip
+    changes = sweep.adoption_changes(
+        yaml.safe_load((Path(src["dense,seed=2"].run_dir) / "config.yaml").read_text()),
+        {p.name: p for p in target.points}["dense,seed=2"],
+    )
+    assert [c.key for c in changes] == ["model.init_method_std"]
+    blocked = {p.name: p for p in target.points}["vert_stride=2,seed=1"]
+    Path(blocked.run_dir).mkdir(parents=True)
+    (Path(blocked.run_dir) / "notes.txt").write_text("mine")
+    assert sweep.main(argv) == sweep.EXIT_STUDY_ERROR
+    out, err = capsys.readouterr()
+    assert f"its run folder {blocked.run_dir} holds files of no finished run" in err, err
+    assert "0 point(s) adopted" in out, out  # micro-batch, init scale, lr: none matches
+    (Path(blocked.run_dir) / "notes.txt").unlink()
+    assert sweep.main(argv) == sweep.EXIT_OK
+    out = capsys.readouterr().out
+    assert "1 point(s) adopted" in out and "compared with its config.yaml" in out, out
+    assert sweep.point_state(blocked) == "finished"
+
+
+def test_overrides_may_follow_the_options(tmp_path, capsys):
+    """`run STUDY --devices 0,1 key=value ...` as the study files write it: the overrides after
+    the options count as overrides; anything else after them is still refused."""
+    path = write_study(tmp_path, name="o", overrides=[*TINY, "train.train_iters=6"],
+                       points=[{"train.seed": 1}], output_dir=str(tmp_path / "out"))  # fmt: skip
+    assert sweep.main(["list", str(path), "--output-dir", str(tmp_path / "x"),
+                       "model.num_layers=0"]) == sweep.EXIT_OK  # fmt: skip
+    assert "model.num_layers" in capsys.readouterr().out  # the override reached the point
+    with pytest.raises(SystemExit):
+        sweep.main(["list", str(path), "--output-dir", str(tmp_path / "x"), "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err
