@@ -703,22 +703,23 @@ def _under(key: str, sections: Sequence[str]) -> bool:
 
 
 def _copy_run(source_dir: str, target_dir: str) -> None:
-    """Copy a run folder; its checkpoints are hard-linked where the filesystem allows (a
-    checkpoint is never rewritten in place), every other file is copied (a target resumed later
-    appends to its own metrics, not the source's)."""
+    """Copy a run folder. The files of its saved steps (``checkpoints/iter_*/``: written once,
+    never rewritten in place) are hard-linked where the filesystem allows; every other file is
+    copied, since a resumed target rewrites or appends to them (the checkpoints' tracker file,
+    its metrics), and through a link it would change the source's."""
+    checkpoints = os.path.join(source_dir, "checkpoints")
 
     def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
+        rel = os.path.relpath(src, checkpoints)
+        if not rel.startswith(os.pardir) and os.path.dirname(rel).startswith("iter_"):
+            try:
+                os.link(src, dst)
+                return
+            except OSError:
+                pass
+        shutil.copy2(src, dst)
 
-    shutil.copytree(source_dir, target_dir, ignore=shutil.ignore_patterns("checkpoints"))
-    checkpoints = os.path.join(source_dir, "checkpoints")
-    if os.path.isdir(checkpoints):
-        shutil.copytree(
-            checkpoints, os.path.join(target_dir, "checkpoints"), copy_function=link_or_copy
-        )
+    shutil.copytree(source_dir, target_dir, copy_function=link_or_copy)
 
 
 def _finished_runs(source: Study, runs_dir: Optional[str]) -> list:

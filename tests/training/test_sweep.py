@@ -997,6 +997,7 @@ def _fake_finished(point, run_dir=None, config=None):
     run = Path(run_dir or point.run_dir)
     (run / "checkpoints" / "iter_0000006").mkdir(parents=True)
     (run / "checkpoints" / "iter_0000006" / "weights.pt").write_bytes(os.urandom(64))
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("6")
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "iteration": 6}) + "\n")
     iters = point.config.train.train_iters
     (run / "summary.json").write_text(json.dumps({"name": point.name, "iteration": iters}))
@@ -1043,7 +1044,10 @@ def test_adopt_copies_the_runs_that_trained_what_a_point_asks(tmp_path, capsys):
         a, b = Path(origin.run_dir), Path(p.run_dir)
         assert (a / weights).read_bytes() == (b / weights).read_bytes()
         assert os.path.samefile(a / weights, b / weights)  # hard link: no second copy
-        assert not os.path.samefile(a / "metrics.jsonl", b / "metrics.jsonl")
+        # Files a resumed target rewrites or appends to are its own copies.
+        for own in ("metrics.jsonl", "checkpoints/latest_checkpointed_iteration.txt"):
+            assert (a / own).read_text() == (b / own).read_text()
+            assert not os.path.samefile(a / own, b / own), own
     assert "3 point(s) adopted from seeds; 3 of grid's 6 points left to train" in out, out
     assert sweep.main(["list", str(target_path)]) == sweep.EXIT_OK
     listed = capsys.readouterr().out
