@@ -146,7 +146,15 @@ AFTER_RECORD = "after.json"
 ADOPTED = "adopted.json"
 # What may differ between an adopted run and the point it stands for: where its output went and
 # how it was logged and fed, not what it computed.
-ADOPT_IGNORED = ("logging", "train.num_workers")
+ADOPT_IGNORED = (
+    "logging",
+    "train.num_workers",
+    "checkpoint.save_interval",
+    "checkpoint.save_at_end",
+    "checkpoint.keep_last",
+)
+# ... except the logging interval: the learning-curve and speed records the table reads.
+ADOPT_COMPARED = ("logging.log_interval",)
 AFTER_FIELDS = {"run": "the run directory", "point": "the point's name"}
 # A field is {word} not preceded by "$" (${VAR} is the shell's; {a,b}, {1..3} and {} are not
 # words); {{word}} is a literal {word}, for a command that needs one (awk '{{print}}').
@@ -670,31 +678,45 @@ def refuse_stale(study: Study) -> bool:
 
 
 # ---- adopting another study's runs ------------------------------------------------------------
+def _with_defaults(stored: dict) -> dict:
+    """``stored`` (a ``config.yaml``) over the run config's defaults: a key that a config written
+    by another version does not hold counts as its default, so that it is compared too."""
+
+    def merge(base: Any, over: Any) -> Any:
+        if not (isinstance(base, dict) and isinstance(over, dict)):
+            return over
+        return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
+
+    return merge(RunConfig().to_dict(), stored)
+
+
+def _adopt_ignored(key: str) -> bool:
+    """A setting that may differ between an adopted run and its point (:data:`ADOPT_IGNORED`)."""
+    return _under(key, ADOPT_IGNORED) and key not in ADOPT_COMPARED
+
+
 def adoption_changes(source: dict, point: Point) -> list:
     """The settings in which a finished run's config ``source`` (a run config mapping: the
-    trainer's ``config.yaml``, or its study point's resolved config) differs from what
-    ``point`` asks, where they decide what the run computed: everything
-    :func:`stale_settings` compares, plus how it executed (parallel layout, micro-batch size,
-    precision, recomputation: other numerics) and the initialisation scale. Only
-    :data:`ADOPT_IGNORED` (logging, data workers) and where the run lives may differ. ``[]``:
-    the run is the point's, trained."""
+    trainer's ``config.yaml``, keys it lacks taken as their defaults, or its study point's
+    resolved config) differs from what ``point`` asks, where they decide what the run computed:
+    everything :func:`stale_settings` compares, plus how it executed (parallel layout,
+    micro-batch size, precision, recomputation: other numerics), the initialisation scale and
+    the weights it started from (``checkpoint.load_dir``, ``checkpoint.reset_iteration``). Only
+    :data:`ADOPT_IGNORED` (logging outputs, data workers, when checkpoints were saved) and where
+    the run lives may differ. ``[]``: the run is the point's, trained."""
+    source = _with_defaults(source)
     changes = resume_changes(source, point.config, own=True)
-    other = [c for c in changes.other if not _under(c.key, ADOPT_IGNORED)]
-    # resume_changes leaves the initialisation scale out (no effect on a resume); a new run's
-    # weights start from it.
-    model = source.get("model") or {}
-    if (
-        "init_method_std" in model
-        and model["init_method_std"] != point.config.model.init_method_std
-    ):
-        other.append(
-            SettingChange(
-                "model.init_method_std",
-                model["init_method_std"],
-                point.config.model.init_method_std,
-            )
-        )
-    return changes.refused + changes.plan + other
+    found = [c for c in changes.refused + changes.plan + changes.other if not _adopt_ignored(c.key)]
+    # resume_changes leaves these out (no effect on a resume); a new run starts from them.
+    asked = point.config.to_dict()
+    for key in ("model.init_method_std", "checkpoint.load_dir", "checkpoint.reset_iteration"):
+        section, name = key.split(".")
+        old, new = source[section].get(name), asked[section].get(name)
+        if key == "checkpoint.load_dir" and old and new:
+            old, new = os.path.normpath(old), os.path.normpath(new)
+        if old != new:
+            found.append(SettingChange(key, old, new))
+    return found
 
 
 def _under(key: str, sections: Sequence[str]) -> bool:
@@ -724,78 +746,47 @@ def _copy_run(source_dir: str, target_dir: str) -> None:
 
 def _finished_runs(source: Study, runs_dir: Optional[str]) -> list:
     """``source``'s finished runs as (point with its run folder, config mapping, compared with
-    what): the run's own ``config.yaml`` where readable, else the point as resolved now."""
+    what, the step its summary is at): the config is the run's own ``config.yaml`` where
+    readable, else the point as resolved now."""
     found = []
     for sp in source.points:
         if not sp.valid:
             continue
-        run = dataclasses.replace(
-            sp, run_dir=os.path.join(runs_dir, sp.name) if runs_dir else sp.run_dir
-        )
+        run_dir = os.path.join(runs_dir, sp.name) if runs_dir else sp.run_dir
+        run = dataclasses.replace(sp, run_dir=run_dir)
         if point_state(run) != "finished":
             continue
+        step = (_read_json(os.path.join(run_dir, "summary.json")) or {}).get("iteration") or 0
         stored = None
         with contextlib.suppress(OSError, yaml.YAMLError):
-            with open(os.path.join(run.run_dir, "config.yaml")) as f:
+            with open(os.path.join(run_dir, "config.yaml")) as f:
                 stored = yaml.safe_load(f)
         if isinstance(stored, dict):
-            found.append((run, stored, "its config.yaml"))
+            found.append((run, stored, "its config.yaml", step))
         else:
-            found.append((run, sp.config.to_dict(), "its study point as resolved now"))
+            found.append((run, sp.config.to_dict(), "its study point as resolved now", step))
     return found
 
 
-def adopt_runs(
-    study: Study, source: Study, runs_dir: Optional[str] = None, dry_run: bool = False
-) -> int:
-    """Take ``source``'s finished runs as ``study``'s points where they trained exactly what a
-    point asks (:func:`adoption_changes` empty), so that an arm two studies share (the dense
-    reference, a grid's default point) trains once. Each point of ``study`` not started yet
-    gets a copy of the first such run in its run directory, with :data:`ADOPTED` saying where
-    it came from and what it was compared with; ``run`` then skips it as finished and
-    ``collect`` reports it. A source run is compared with its own ``config.yaml`` where it has
-    one (what it trained with), else with ``source``'s point as the study file resolves it now.
-    ``runs_dir``: where ``source``'s run folders are (default: its ``output_dir/runs``; e.g. a
-    committed copy of them). Prints one line per adopted point; returns the exit code."""
-    candidates = _finished_runs(source, runs_dir)
-    if not candidates:
-        where = runs_dir or os.path.join(source.output_dir, "runs")
-        print(f"{PROG}: no finished run of {source.name} in {where}", file=sys.stderr, flush=True)
-        return EXIT_STUDY_ERROR
-    adopted, taken, blocked = 0, set(), False
+def _adopted_sources(study: Study) -> set:
+    """The source runs (absolute folders) that points of ``study`` adopted already."""
+    taken = set()
     for point in study.points:
-        if not point.valid or point_state(point) != "new":
-            continue
-        match = next(
-            (
-                c
-                for c in candidates
-                if c[0].run_dir not in taken and not adoption_changes(c[1], point)
-            ),
-            None,
-        )
-        if match is None:
-            continue
-        run, _, how = match
-        if os.path.isdir(point.run_dir) and os.listdir(point.run_dir):
-            print(
-                f"{PROG}: point {point.name}: its run folder {point.run_dir} holds files of no "
-                f"finished run: move it aside to adopt {run.run_dir} there",
-                file=sys.stderr,
-                flush=True,
-            )
-            blocked = True
-            continue
-        verb = "would adopt" if dry_run else "adopted"
-        _say(f"point {point.name}: {verb} {run.run_dir} ({source.name}'s {run.name}: the same "
-             f"settings, compared with {how})")  # fmt: skip
-        taken.add(run.run_dir)
-        adopted += 1
-        if dry_run:
-            continue
-        if os.path.isdir(point.run_dir):
-            os.rmdir(point.run_dir)  # empty
-        _copy_run(run.run_dir, point.run_dir)
+        record = _read_json(os.path.join(point.run_dir, ADOPTED)) if point.valid else None
+        if record and record.get("from"):
+            taken.add(record["from"])
+    return taken
+
+
+def _adopt_one(run: Point, point: Point, source: Study, how: str) -> None:
+    """Copy ``run`` into ``point``'s run folder with its :data:`ADOPTED` record, whole or not
+    at all: into a folder beside it first, renamed into place once complete (a copy that
+    failed midway must not leave the point looking finished)."""
+    partial = point.run_dir.rstrip(os.sep) + ".adopting"
+    if os.path.lexists(partial):
+        shutil.rmtree(partial)  # a previous adopt that failed midway: ours
+    try:
+        _copy_run(run.run_dir, partial)
         record = {
             "from": os.path.abspath(run.run_dir),
             "study": os.path.abspath(source.path),
@@ -803,14 +794,94 @@ def adopt_runs(
             "compared_with": how,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        with open(os.path.join(point.run_dir, ADOPTED), "w") as f:
+        with open(os.path.join(partial, ADOPTED), "w") as f:
             json.dump(record, f, indent=1)
-    left = sum(1 for p in study.points if p.valid and point_state(p) != "finished") - (
-        adopted if dry_run else 0
-    )
+        if os.path.isdir(point.run_dir):
+            os.rmdir(point.run_dir)  # empty (adopt_runs refuses a folder with files)
+        os.rename(partial, point.run_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def adopt_runs(
+    study: Study, source: Study, runs_dir: Optional[str] = None, dry_run: bool = False
+) -> int:
+    """Take ``source``'s finished runs as ``study``'s points where they trained exactly what a
+    point asks (:func:`adoption_changes` empty, on as many processes, to the point's last
+    step), so that an arm two studies share (the dense reference, a grid's default point)
+    trains once. Each point of ``study`` not started yet gets a copy of the first such run not
+    adopted already in its run directory, with :data:`ADOPTED` saying where it came from and
+    what it was compared with; ``run`` then skips it as finished and ``collect`` reports it. A
+    source run is compared with its own ``config.yaml`` where it has one (what it trained
+    with), else with ``source``'s point as the study file resolves it now. ``runs_dir``: where
+    ``source``'s run folders are (default: its ``output_dir/runs``; e.g. a committed copy of
+    them). The machine a run trained on is not compared. Prints one line per adopted point;
+    returns the exit code (2: nothing to adopt from, or a point's folder in the way, or a copy
+    failed; the other points are adopted all the same)."""
+    if (source.nproc_per_node or 1) != (study.nproc_per_node or 1):
+        print(
+            f"{PROG}: study error: {source.name} runs {source.nproc_per_node or 1} process(es) a "
+            f"point, {study.name} {study.nproc_per_node or 1} (nproc_per_node): its runs "
+            "computed otherwise and at another speed, none is adopted",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_STUDY_ERROR
+    candidates = _finished_runs(source, runs_dir)
+    if not candidates:
+        where = runs_dir or os.path.join(source.output_dir, "runs")
+        print(f"{PROG}: no finished run of {source.name} in {where}", file=sys.stderr, flush=True)
+        return EXIT_STUDY_ERROR
+    taken = _adopted_sources(study)
+    adopted, failed = 0, False
+    for point in study.points:
+        if not point.valid or point_state(point) != "new":
+            continue
+        match = next(
+            (
+                (run, how)
+                for run, cfg, how, step in candidates
+                if os.path.abspath(run.run_dir) not in taken
+                and step >= point.config.train.train_iters
+                and not adoption_changes(cfg, point)
+            ),
+            None,
+        )
+        if match is None:
+            continue
+        run, how = match
+        if os.path.isdir(point.run_dir) and os.listdir(point.run_dir):
+            print(
+                f"{PROG}: point {point.name}: its run folder {point.run_dir} holds files of no "
+                f"finished run: move it aside to adopt {run.run_dir} there",
+                file=sys.stderr,
+                flush=True,
+            )
+            failed = True
+            continue
+        taken.add(os.path.abspath(run.run_dir))
+        if not dry_run:
+            try:
+                _adopt_one(run, point, source, how)
+            except (OSError, shutil.Error) as e:
+                print(
+                    f"{PROG}: point {point.name}: copying {run.run_dir} failed ({e}); the point "
+                    "is left as it was",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                failed = True
+                continue
+        adopted += 1
+        verb = "would adopt" if dry_run else "adopted"
+        _say(f"point {point.name}: {verb} {run.run_dir} ({source.name}'s {run.name}: the same "
+             f"settings, compared with {how})")  # fmt: skip
+    valid = [p for p in study.points if p.valid]
+    left = sum(1 for p in valid if point_state(p) != "finished") - (adopted if dry_run else 0)
     _say(f"{adopted} point(s) {'would be ' if dry_run else ''}adopted from {source.name}; "
-         f"{left} of {study.name}'s {len(study.points)} points left to train")  # fmt: skip
-    return EXIT_STUDY_ERROR if blocked else EXIT_OK
+         f"{left} of {study.name}'s {len(valid)} valid points left to train")  # fmt: skip
+    return EXIT_STUDY_ERROR if failed else EXIT_OK
 
 
 # ---- running -------------------------------------------------------------------------------

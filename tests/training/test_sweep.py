@@ -1048,7 +1048,7 @@ def test_adopt_copies_the_runs_that_trained_what_a_point_asks(tmp_path, capsys):
         for own in ("metrics.jsonl", "checkpoints/latest_checkpointed_iteration.txt"):
             assert (a / own).read_text() == (b / own).read_text()
             assert not os.path.samefile(a / own, b / own), own
-    assert "3 point(s) adopted from seeds; 3 of grid's 6 points left to train" in out, out
+    assert "3 point(s) adopted from seeds; 3 of grid's 6 valid points left to train" in out, out
     assert sweep.main(["list", str(target_path)]) == sweep.EXIT_OK
     listed = capsys.readouterr().out
     assert listed.count("finished") == 3 and listed.count("(adopted: ") == 3, listed
@@ -1115,3 +1115,112 @@ def test_overrides_may_follow_the_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["list", str(path), "--output-dir", str(tmp_path / "x"), "stray"])
     assert "unrecognized arguments: stray" in capsys.readouterr().err
+
+
+def test_adopt_compares_what_a_resume_does_not(tmp_path, capsys):
+    """What decides a new run's result but not a resume's: the weights it started from
+    (checkpoint.load_dir, reset_iteration) and the initialisation scale; a key an older
+    config.yaml lacks counts as its default (so a point asking otherwise does not match); the
+    logging interval counts, when checkpoints were saved does not."""
+    source_path, target_path = _adopt_studies(tmp_path)
+    source, target = load_study(source_path), load_study(target_path)
+    cfg = {p.name: p for p in source.points}["dense,seed=1"].config.to_dict()
+    point = {p.name: p for p in target.points}["dense,seed=1"]
+
+    def keys(edit):
+        c = json.loads(json.dumps(cfg))
+        edit(c)
+        return [x.key for x in sweep.adoption_changes(c, point)]
+
+    assert keys(lambda c: None) == []
+    assert keys(lambda c: c["checkpoint"].update(load_dir="/base/checkpoints")) == [
+        "checkpoint.load_dir"
+    ]
+    assert keys(lambda c: c["checkpoint"].update(reset_iteration=True)) == [
+        "checkpoint.reset_iteration"
+    ]
+    assert keys(lambda c: c["checkpoint"].update(save_interval=3, keep_last=1)) == []
+    assert keys(lambda c: c["logging"].update(log_interval=5)) == ["logging.log_interval"]
+    assert keys(lambda c: c["train"].update(precision="fp32")) == ["train.precision"]
+    # An older config.yaml without train.eod_mask_loss: its default (False) against True.
+    older = json.loads(json.dumps(cfg))
+    del older["train"]["eod_mask_loss"]
+    assert sweep.adoption_changes(older, point) == []
+    point.config.train.eod_mask_loss = True
+    assert [c.key for c in sweep.adoption_changes(older, point)] == ["train.eod_mask_loss"]
+
+
+def test_adopt_takes_only_whole_runs_each_once(tmp_path, capsys, monkeypatch):
+    """A source run whose summary stops short of the point's last step is not adopted, even
+    where its own study now asks fewer steps; a source run another point adopted in an earlier
+    call is not adopted again; studies on other numbers of processes adopt nothing; a copy that
+    fails midway leaves the point as it was (not finished) and the others are adopted."""
+    source_path, target_path = _adopt_studies(tmp_path)
+    target = load_study(target_path)
+    short = load_study(source_path, extra_overrides=["train.train_iters=3"])
+    # Its study asks 3 steps now, the run reached 3; the grid asks 6.
+    for p in short.points:
+        _fake_finished(p)
+    argv = ["adopt", str(target_path), "--from", str(source_path), "train.train_iters=3"]
+    # (the same override for the target: its points ask 3 steps too, and do match)
+    assert sweep.main([*argv, "--dry-run"]) == sweep.EXIT_OK
+    assert "4 point(s) would be adopted" in capsys.readouterr().out
+    full = ["adopt", str(target_path), "--from", str(source_path)]
+    assert all(p.config.train.train_iters == 6 for p in target.points)
+    monkeypatch.setattr(sweep, "adoption_changes", lambda cfg, point: [])  # settings aside
+    assert sweep.adopt_runs(target, short) == sweep.EXIT_OK
+    assert "0 point(s) adopted" in capsys.readouterr().out
+    monkeypatch.undo()
+
+    # Whole runs of 6 steps: a failing copy for one point, the others adopted.
+    for p in load_study(source_path).points:
+        (Path(p.run_dir) / "summary.json").write_text(json.dumps({"iteration": 6}))
+    real = sweep._copy_run
+    failing = {p.name: p for p in target.points}["dense,seed=1"]
+
+    def copy(src, dst):
+        if dst.startswith(failing.run_dir):
+            real(src, dst)
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(sweep, "_copy_run", copy)
+    assert sweep.main(full) == sweep.EXIT_STUDY_ERROR
+    out, err = capsys.readouterr()
+    assert "point dense,seed=1: copying" in err and "No space left" in err, err
+    assert "3 point(s) adopted" in out, out
+    assert sweep.point_state(failing) == "new"
+    assert not os.path.exists(failing.run_dir + ".adopting")
+    monkeypatch.setattr(sweep, "_copy_run", real)
+    assert sweep.main(full) == sweep.EXIT_OK  # again: the one left, no run taken twice
+    assert "1 point(s) adopted" in capsys.readouterr().out
+    froms = [json.loads((Path(p.run_dir) / sweep.ADOPTED).read_text())["from"]
+             for p in target.points if (Path(p.run_dir) / sweep.ADOPTED).exists()]  # fmt: skip
+    assert len(froms) == len(set(froms)) == 4
+
+    other = write_study(tmp_path, name="wide", output_dir=str(tmp_path / "sweeps" / "wide"),
+                        nproc_per_node=2, overrides=[*TINY, "train.train_iters=6"],
+                        points=[{"train.seed": 1}])  # fmt: skip
+    assert sweep.main(["adopt", str(other), "--from", str(source_path)]) == sweep.EXIT_STUDY_ERROR
+    assert "nproc_per_node" in capsys.readouterr().err
+
+
+def test_adopt_gives_one_run_to_one_point_over_calls(tmp_path, capsys):
+    """Two points that differ only in what adopt ignores (data workers) both match one source
+    run: the first takes it, the second gets nothing, in this call or a later one."""
+    source = write_study(
+        tmp_path, name="one", output_dir=str(tmp_path / "one"),
+        overrides=[*TINY, "train.train_iters=6"], points=[{"train.seed": 1}],
+    )  # fmt: skip
+    (tmp_path / "t").mkdir()
+    target = write_study(tmp_path / "t", name="two", output_dir=str(tmp_path / "two"),
+                         overrides=[*TINY, "train.train_iters=6", "train.seed=1"],
+                         points=[{"name": "a", "train.num_workers": 1},
+                                 {"name": "b", "train.num_workers": 2}])  # fmt: skip
+    _fake_finished(load_study(source).points[0])
+    argv = ["adopt", str(target), "--from", str(source)]
+    for _ in range(2):
+        assert sweep.main(argv) == sweep.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.count("adopted /") == 1 and "point a: adopted" in out, out
+    assert [sweep.point_state(p) for p in load_study(target).points] == ["finished", "new"]
