@@ -359,11 +359,18 @@ SUMMARY_COLUMNS = ("attention.dense_layers.pattern", "model.seq_length")
 
 
 def write_summary(
-    rows: Sequence[dict], out_dir: str, reference: Optional[str] = None, title: str = ""
+    rows: Sequence[dict],
+    out_dir: str,
+    reference: Optional[str] = None,
+    title: str = "",
+    axes: Sequence[str] = (),
 ) -> list[str]:
     """Write ``summary.csv``, ``summary.md`` and ``frontier.png`` into ``out_dir`` from the
-    sweep's rows; returns the paths written (none without a finished run)."""
-    columns = [c for c in SUMMARY_COLUMNS if any(r.get(c) not in (None, "") for r in rows)]
+    sweep's rows; returns the paths written (none without a finished run). ``axes``: the
+    study's keys that its points vary (a grid's), shown after :data:`SUMMARY_COLUMNS` (the
+    seed aside: it is what the summary averages over)."""
+    wanted = [*SUMMARY_COLUMNS, *(a for a in axes if a not in SUMMARY_COLUMNS and a != SEED_KEY)]
+    columns = [c for c in wanted if any(r.get(c) not in (None, "") for r in rows)]
     try:
         summaries = summarize(rows, reference, columns)
     except ValueError:

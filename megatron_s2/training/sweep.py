@@ -86,6 +86,7 @@ from .run_config import (
     resume_changes,
     yaml_load,
 )
+from .run_dir import LOCK_FILE
 
 __all__ = [
     "StudyError",
@@ -593,7 +594,7 @@ def _locked(run_dir: str) -> bool:
     """Is a live trainer holding the run directory's lock?"""
     import fcntl
 
-    path = os.path.join(run_dir, ".lock")
+    path = os.path.join(run_dir, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -741,7 +742,13 @@ def _copy_run(source_dir: str, target_dir: str) -> None:
                 pass
         shutil.copy2(src, dst)
 
-    shutil.copytree(source_dir, target_dir, copy_function=link_or_copy)
+    # The trainer's lock names the source run's process: not the copy's.
+    shutil.copytree(
+        source_dir,
+        target_dir,
+        copy_function=link_or_copy,
+        ignore=shutil.ignore_patterns(LOCK_FILE, ADOPTED),
+    )
 
 
 def _finished_runs(source: Study, runs_dir: Optional[str]) -> list:
@@ -879,8 +886,10 @@ def adopt_runs(
              f"settings, compared with {how})")  # fmt: skip
     valid = [p for p in study.points if p.valid]
     left = sum(1 for p in valid if point_state(p) != "finished") - (adopted if dry_run else 0)
-    _say(f"{adopted} point(s) {'would be ' if dry_run else ''}adopted from {source.name}; "
-         f"{left} of {study.name}'s {len(valid)} valid points left to train")  # fmt: skip
+    before = len(_adopted_sources(study)) - (0 if dry_run else adopted)
+    _say(f"{adopted} point(s) {'would be ' if dry_run else ''}adopted from {source.name}"
+         + (f" ({before} adopted before)" if before else "")
+         + f"; {left} of {study.name}'s {len(valid)} valid points left to train")  # fmt: skip
     return EXIT_STUDY_ERROR if failed else EXIT_OK
 
 
@@ -1212,7 +1221,9 @@ def _start_state(point: Point) -> Optional[bool]:
     state = point_state(point)
     if state in ("invalid", "finished", "running"):
         if state == "finished":
-            _say(f"point {point.name}: finished, not rerun ({point.run_dir})")
+            adopted = _read_json(os.path.join(point.run_dir, ADOPTED))
+            how = f"adopted from {adopted.get('from')}" if adopted else "finished"
+            _say(f"point {point.name}: {how}, not rerun ({point.run_dir})")
         elif state == "running":
             _say(f"point {point.name}: a live run holds {point.run_dir}; skipped")
         return None
@@ -1559,6 +1570,9 @@ def collect(study: Study) -> list[dict]:
             row["final_valid_loss"] = valid[-1]["loss"]
             row["final_valid_iteration"] = valid[-1]["iteration"]
         row["wall_time_s"] = _wall_time(point.run_dir) if point.valid else None
+        adopted = _read_json(os.path.join(point.run_dir, ADOPTED)) if point.valid else None
+        if adopted:
+            row["adopted_from"] = adopted.get("from", "")
         rows.append(row)
     equal = study.equal_tokens or (min(finals) if finals else None)
     for point, row in zip(study.points, rows):
@@ -1592,6 +1606,11 @@ def write_tables(study: Study, rows: list) -> tuple[str, str]:
         *recorded_columns(study),
         *COLUMNS[2:],
     ]
+    adopted = [r for r in rows if r.get("adopted_from")]
+    if (
+        adopted
+    ):  # (a column only then: the tables of studies without adopted runs stay as they were)
+        columns.insert(columns.index("run_dir"), "adopted_from")
     csv_path = os.path.join(study.output_dir, "results.csv")
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
@@ -1624,6 +1643,13 @@ def write_tables(study: Study, rows: list) -> tuple[str, str]:
     ]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row.get(k), k) for k, _ in md_cols) + " |")
+    if adopted:
+        lines += ["", "Adopted (trained by another study, copied here by `megatron-s2-sweep "
+                  "adopt`: its speed and wall time are that run's):", ""]  # fmt: skip
+        lines += [f"- `{r['point']}` from `{r['adopted_from']}`" for r in adopted]
+    if any(r.get("memory") == "cpu rss" for r in rows):
+        lines += ["", "Trained in CPU mode: tokens/s, TFLOP/s and wall times measure the CPU "
+                  "reference paths, not the GPU kernels; do not compare speeds."]  # fmt: skip
     errors = [r for r in rows if r.get("error")]
     if errors:
         lines += ["", "Skipped (config errors):", ""]
@@ -1716,7 +1742,9 @@ def collect_and_write(study: Study) -> list:
     if study.seeds is not None:
         from .seed_stats import write_summary
 
-        written = write_summary(rows, study.output_dir, reference=study.reference, title=study.name)
+        written = write_summary(
+            rows, study.output_dir, reference=study.reference, title=study.name, axes=study.axes
+        )
         _say("seed summary " + ", ".join(written))
     return rows
 

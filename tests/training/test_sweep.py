@@ -283,6 +283,8 @@ def test_tiny_study_end_to_end(tmp_path, demo_data):
     md = (out_dir / "results.md").read_text()
     assert all(f"| {n} |" in md for n in names)
     assert "Skipped (config errors)" in md
+    assert "Trained in CPU mode: tokens/s" in md  # the speeds are not the GPU kernels'
+    assert "Adopted" not in md and "adopted_from" not in rows[names[0]]
 
     # Every value as the runs' metrics say, computed here independently.
     tokens_per_iter = 4 * 128
@@ -1224,3 +1226,45 @@ def test_adopt_gives_one_run_to_one_point_over_calls(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("adopted /") == 1 and "point a: adopted" in out, out
     assert [sweep.point_state(p) for p in load_study(target).points] == ["finished", "new"]
+
+
+def test_tables_name_adopted_runs_and_the_summary_shows_the_grid(tmp_path, capsys):
+    """After `adopt`, `run` says where each adopted point came from; results.csv gets an
+    adopted_from column and results.md a list of them (their speed and wall time are the
+    source's); the seed summary shows the grid's axis (vert_stride) beside the pattern."""
+    source_path, target_path = _adopt_studies(tmp_path)
+    source, target = load_study(source_path), load_study(target_path)
+
+    def metrics(point, loss):
+        recs = [{"kind": "train", "iteration": i, "loss": loss + 1, "tokens_per_s": 100.0,
+                 "step_time_s": 1.0, "consumed_samples": 4 * i} for i in range(1, 7)]  # fmt: skip
+        recs.append({"kind": "valid", "iteration": 6, "loss": loss})
+        run = Path(point.run_dir)
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (run / "summary.json").write_text(json.dumps({"iteration": 6}))
+
+    for i, p in enumerate(source.points):
+        metrics(p, 3.0 + i / 10)
+    assert sweep.main(["adopt", str(target_path), "--from", str(source_path)]) == sweep.EXIT_OK
+    for p in target.points:
+        if sweep.point_state(p) == "new":
+            metrics(p, 2.5)
+    capsys.readouterr()
+    assert sweep.main(["run", str(target_path)]) == sweep.EXIT_OK  # nothing left to train
+    out = capsys.readouterr().out
+    src = {p.name: p for p in source.points}
+    assert f"point dense,seed=1: adopted from {src['dense,seed=1'].run_dir}, not rerun" in out
+    assert "point vert_stride=4,seed=1: finished, not rerun" in out
+    out_dir = Path(target.output_dir)
+    with open(out_dir / "results.csv") as f:
+        rows = {r["point"]: r for r in csv.DictReader(f)}
+    assert rows["dense,seed=2"]["adopted_from"] == src["dense,seed=2"].run_dir
+    assert rows["vert_stride=2,seed=1"]["adopted_from"] == src["hybrid,seed=1"].run_dir
+    assert rows["vert_stride=4,seed=1"]["adopted_from"] == ""
+    md = (out_dir / "results.md").read_text()
+    assert f"- `dense,seed=1` from `{src['dense,seed=1'].run_dir}`" in md
+    assert md.count("` from `") == 4
+    summary = (out_dir / "summary.md").read_text()
+    header = next(line for line in summary.splitlines() if line.startswith("| setting"))
+    assert "attention.s2.vert_stride" in header and "train.seed" not in header, header
