@@ -2,6 +2,7 @@
 """Two evaluations of the same retrieval trials, trial by trial (markdown on stdout).
 
     python tools/compare_trials.py RESULT.json REFERENCE.json [--depths 0] [--tasks passkey]
+    python tools/compare_trials.py RESULT.json REFERENCE.json --tasks passkey,multikey --decide 0
 
 RESULT and REFERENCE are ``retrieval.json`` files of ``megatron-s2-eval-long-context`` with the
 same evaluator seed (two checkpoints, e.g. a recipe change against the recipe it changes, or one
@@ -11,6 +12,12 @@ Newcombe's paired 95% interval over the same trials (only the trials at ``--dept
 e.g. ``--depths 0`` for the needle in the context's first tokens). The interval is the
 evaluation's noise only (which trials a checkpoint happens to get right), not the spread between
 training seeds. See ``megatron_s2/training/evaluation/retrieval_stats.py`` (``paired_counts``).
+
+``--decide DEPTHS`` applies the rule a recipe lever is adopted by (docs/long_context_eval.md,
+"Next leases"): on every task, pooled over the lengths, RESULT's paired interval at DEPTHS lies
+above 0 (better where the lever aims) and at the other depths holds 0 or lies above (not worse
+elsewhere). It prints both pooled rows per task and the verdict, ``adopt: yes`` or ``adopt: no``
+with the reason. One evaluation per arm, so it picks the next runs; it is not itself a result.
 Exit code 2 on bad input (files that do not hold the same trials, a task or depth not in them).
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -58,12 +66,50 @@ def compare_markdown(result: dict, reference: dict, tasks, depths=None) -> str:
     return "\n".join(lines)
 
 
+def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
+    """The lever rule of the module docstring: (adopt?, markdown with each task's pooled rows
+    at ``depths`` and at the other depths, and the verdict)."""
+    lines = [
+        "| task | depths | result (%) | reference (%) "
+        "| result - reference (points, 95%) | trials |",
+        "|---|---|---|---|---|---|",
+    ]
+    reasons = []
+    for task in tasks:
+        aimed = paired_counts(result, reference, task, depths)
+        if not aimed:
+            raise ValueError(f"--decide {depths}: no trial of {task!r} at those depths")
+        trials = result["tasks"][task]["trials"]
+        at = {float(t["depth"]) for t in trials}
+        others = sorted(d for d in at if not any(math.isclose(d, x) for x in depths))
+        rest = paired_counts(result, reference, task, others) if others else {}
+        named = ", ".join(f"{d:g}" for d in depths)
+        for label, counts in ((named, aimed), ("the others", rest)):
+            if counts:
+                lines.append(_row(f"{task} | {label}", pool_counts(counts)))
+        _, lo, _, _ = counts_difference(pool_counts(aimed))
+        if lo <= 0:
+            reasons.append(f"{task}: at depths {named} the interval does not lie above 0")
+        if rest:
+            _, _, hi, _ = counts_difference(pool_counts(rest))
+            if hi < 0:
+                reasons.append(f"{task}: at the other depths the interval lies below 0")
+    adopt = not reasons
+    verdict = "adopt: yes" if adopt else "adopt: no (" + "; ".join(reasons) + ")"
+    return adopt, "\n".join([*lines, "", verdict])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="compare_trials", description=__doc__.split("\n\n")[0])
     p.add_argument("result", help="retrieval.json of the evaluation compared")
     p.add_argument("reference", help="retrieval.json of the reference evaluation")
     p.add_argument("--tasks", help="comma list (default: every task both files hold)")
     p.add_argument("--depths", help="comma list of needle depths, e.g. 0 (default: all)")
+    p.add_argument(
+        "--decide",
+        metavar="DEPTHS",
+        help="comma list of needle depths the lever aims at: print the adoption verdict",
+    )
     args = p.parse_args(argv)
     try:
         runs = []
@@ -81,7 +127,18 @@ def main(argv=None) -> int:
             raise ValueError(
                 f"--depths takes numbers separated by commas, got {args.depths!r}"
             ) from None
-        text = compare_markdown(runs[0], runs[1], tasks, depths)
+        if args.decide:
+            if depths is not None:
+                raise ValueError("--decide compares every depth: give it without --depths")
+            try:
+                aimed = [float(x) for x in args.decide.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"--decide takes numbers separated by commas, got {args.decide!r}"
+                ) from None
+            text = decide(runs[0], runs[1], tasks, aimed)[1]
+        else:
+            text = compare_markdown(runs[0], runs[1], tasks, depths)
     except (OSError, ValueError, KeyError) as exc:
         print(f"compare_trials: error: {exc}", file=sys.stderr)
         return 2

@@ -91,6 +91,50 @@ def test_bad_input_is_refused(tmp_path):
         (("--tasks", "needle"), a, "--tasks: ['needle'] not in both files; allowed: passkey"),
         (("--depths", "x"), a, "--depths takes numbers separated by commas"),
         (("--depths", "0.5"), a, "no trial of 'passkey' at those depths"),
+        (("--decide", "0.5"), a, "no trial of 'passkey' at those depths"),
+        (("--decide", "0", "--depths", "0"), a, "--decide compares every depth"),
+        (("--decide", "first"), a, "--decide takes numbers separated by commas"),
     ]:
         done = _run(tmp_path, a, b, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_decide_applies_the_lever_rule(tmp_path):
+    """--decide 0: adopted only when, pooled over the lengths, the result's interval at depth 0
+    lies above 0 and at the other depths does not lie below 0; each way it fails is named."""
+    keys = [(n, d, i) for n in (1024, 2048) for d in (0.0, 0.5, 1.0) for i in range(40)]
+    reference = _evaluation({k: k[1] > 0 and k[2] % 10 > 0 for k in keys})  # 90% beyond 0
+    # Better at depth 0 (30 of 80 more right), the same elsewhere: adopted.
+    better = _evaluation({k: (k[2] < 15) if k[1] == 0 else (k[2] % 10 > 0) for k in keys})
+    done = _run(tmp_path, better, reference, "--decide", "0")
+    assert done.returncode == 0, done.stderr
+    assert "| passkey | 0 | 37.5 | 0.0 | +37.5 [" in done.stdout, done.stdout
+    assert "| passkey | the others | 90.0 | 90.0 | +0.0 [" in done.stdout, done.stdout
+    assert done.stdout.rstrip().endswith("adopt: yes")
+    # As much better at depth 0 but 28 of 160 fewer right elsewhere: not adopted, and why.
+    worse = _evaluation({k: (k[2] < 15) if k[1] == 0 else (k[2] % 10 > 0 and k[2] >= 8)
+                         for k in keys})  # fmt: skip
+    done = _run(tmp_path, worse, reference, "--decide", "0")
+    assert done.stdout.rstrip().endswith(
+        "adopt: no (passkey: at the other depths the interval lies below 0)"
+    ), done.stdout
+    # No better at depth 0: not adopted.
+    done = _run(tmp_path, reference, reference, "--decide", "0")
+    assert "adopt: no (passkey: at depths 0 the interval does not lie above 0)" in done.stdout
+
+
+def test_decide_on_the_committed_eod_comparison():
+    """EOD-first against plain, the extended hybrid: multikey better at depth 0, passkey not:
+    not adopted (docs/long_context_eval.md: position 0 is at most a minor cause)."""
+    base = os.path.join(REPO, "docs", "long_context", "results")
+    eod = os.path.join(
+        base, "retrieval-125m-extend-32k-eod", "hybrid-DS", "seed1", "retrieval.json"
+    )
+    plain = os.path.join(base, "retrieval-125m-extend-32k", "hybrid-DS", "seed1", "retrieval.json")
+    args = [eod, plain, "--tasks", "passkey,multikey", "--decide", "0"]
+    done = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "| multikey | 0 | 43.8 | 35.0 | +8.8 [+2.1, +15.3] | 80 |" in done.stdout
+    assert done.stdout.rstrip().endswith(
+        "adopt: no (passkey: at depths 0 the interval does not lie above 0)"
+    ), done.stdout
