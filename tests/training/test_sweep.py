@@ -420,7 +420,7 @@ def test_example_study_loads():
         ("code-125m-4k-seeds", 12),
         ("retrieval-125m-4k-probe", 4),
         ("retrieval-125m-4k-base", 18),
-        ("retrieval-125m-extend-32k", 21),
+        ("retrieval-125m-extend-32k", 27),
     ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
@@ -444,15 +444,19 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
     assert len(tokens) == (2 if name.endswith("remedies") else 1)
     assert {p.config.data.split for p in study.points} == {"100,3,0"}
     if name == "retrieval-125m-extend-32k":
-        # each extension loads the base run of its own arm and seed; dense-to-hybrid-DS the
-        # dense one of its seed, extended as the DS hybrid
+        # each extension loads the base run of its own arm and seed; the dense-to-* arms the
+        # dense one of their seed, extended as the hybrid they name
         for p in study.points:
-            base = p.name.replace("dense-to-hybrid-DS", "dense")
+            seed = p.name.rsplit(",", 1)[1]
+            base = "dense" if p.name.startswith("dense-to-") else p.setting
             assert p.config.checkpoint.load_dir == (
-                f"sweeps/retrieval-125m-4k-base/runs/{base}/checkpoints"
+                f"sweeps/retrieval-125m-4k-base/runs/{base},{seed}/checkpoints"
             )
-            if p.name.startswith("dense-to-hybrid-DS"):
-                assert p.config.attention["dense_layers"]["pattern"] == "DS"
+            if p.name.startswith("dense-to-hybrid-"):
+                pattern = p.setting.split("-")[3]
+                assert p.config.attention["dense_layers"]["pattern"] == pattern
+        rope = {p.setting: p.config.schedule() for p in study.points}["dense-to-hybrid-DS-rope8m"]
+        assert rope.dense_rotary_base == 8000000
 
 
 # ---- --after: a command after each finished point, with a stand-in trainer --------------------
