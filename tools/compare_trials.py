@@ -94,6 +94,8 @@ def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
             _, _, hi, _ = counts_difference(pool_counts(rest))
             if hi < 0:
                 reasons.append(f"{task}: at the other depths the interval lies below 0")
+        else:
+            lines.append(f"| {task} | the others | (no other depths: not checked) | | | |")
     adopt = not reasons
     verdict = "adopt: yes" if adopt else "adopt: no (" + "; ".join(reasons) + ")"
     return adopt, "\n".join([*lines, "", verdict])
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
             raise ValueError(
                 f"--depths takes numbers separated by commas, got {args.depths!r}"
             ) from None
-        if args.decide:
+        if args.decide is not None:
             if depths is not None:
                 raise ValueError("--decide compares every depth: give it without --depths")
             try:

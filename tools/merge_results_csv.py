@@ -11,7 +11,9 @@ writes a whole ``results.csv`` in which the points run elsewhere are ``not run``
 file over the committed one would lose the earlier leases' rows; this keeps them.
 
 Refused, with exit code 2 and nothing written: a file that is not a sweep table, tables with
-different columns (another sweep version or study), and a point finished in both with
+different columns (another sweep version or study; only ``adopted_from``, which a sweep writes
+when a point was adopted from another study, may be in one table alone: the merged table has
+it, empty where a row had none), and a point finished in both with
 different values (two runs of the same point: say which one stands with ``--replace``). Rows
 are matched by the ``point`` column; points new to the committed table are appended in NEW's
 order.
@@ -26,6 +28,8 @@ import sys
 import tempfile
 
 FINISHED = "finished"
+# Columns a sweep writes only when they apply (megatron-s2-sweep adopt).
+OPTIONAL = ("adopted_from",)
 
 
 def read_table(path: str) -> tuple[list[str], list[dict[str, str]]]:
@@ -98,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"merge_results_csv: error: {exc}", file=sys.stderr)
         return 2
-    if new_columns != columns:
+
+    def required(cols: list) -> list:
+        return [c for c in cols if c not in OPTIONAL]
+
+    if required(new_columns) == required(columns):
+        # The table with the optional columns gives the order (a sweep puts each in its place).
+        columns = max(columns, new_columns, key=len)
+    if new_columns != columns and required(new_columns) != required(columns):
         only_old = [c for c in columns if c not in new_columns]
         only_new = [c for c in new_columns if c not in columns]
         print(
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = os.path.dirname(os.path.abspath(args.committed))
     fd, tmp = tempfile.mkstemp(prefix=".results-", suffix=".csv", dir=folder)
     with os.fdopen(fd, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, args.committed)

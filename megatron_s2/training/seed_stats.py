@@ -369,7 +369,9 @@ def write_summary(
     sweep's rows; returns the paths written (none without a finished run). ``axes``: the
     study's keys that its points vary (a grid's), shown after :data:`SUMMARY_COLUMNS` (the
     seed aside: it is what the summary averages over)."""
-    wanted = [*SUMMARY_COLUMNS, *(a for a in axes if a not in SUMMARY_COLUMNS and a != SEED_KEY)]
+    # (the seed is what the summary averages over; checkpoint.* says where a run loaded from)
+    extra = [a for a in axes if a not in SUMMARY_COLUMNS and a != SEED_KEY]
+    wanted = [*SUMMARY_COLUMNS, *(a for a in extra if not a.startswith("checkpoint."))]
     columns = [c for c in wanted if any(r.get(c) not in (None, "") for r in rows)]
     try:
         summaries = summarize(rows, reference, columns)

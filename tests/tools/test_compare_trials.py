@@ -94,6 +94,7 @@ def test_bad_input_is_refused(tmp_path):
         (("--decide", "0.5"), a, "no trial of 'passkey' at those depths"),
         (("--decide", "0", "--depths", "0"), a, "--decide compares every depth"),
         (("--decide", "first"), a, "--decide takes numbers separated by commas"),
+        (("--decide", ""), a, "--decide takes numbers separated by commas"),
     ]:
         done = _run(tmp_path, a, b, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
@@ -118,6 +119,9 @@ def test_decide_applies_the_lever_rule(tmp_path):
     assert done.stdout.rstrip().endswith(
         "adopt: no (passkey: at the other depths the interval lies below 0)"
     ), done.stdout
+    # Every depth aimed at: the second condition has nothing to check, and says so.
+    done = _run(tmp_path, better, reference, "--decide", "0,0.5,1")
+    assert "| passkey | the others | (no other depths: not checked) |" in done.stdout
     # No better at depth 0: not adopted.
     done = _run(tmp_path, reference, reference, "--decide", "0")
     assert "adopt: no (passkey: at depths 0 the interval does not lie above 0)" in done.stdout

@@ -95,3 +95,36 @@ def test_merge_keeps_the_committed_recipe_table():
     columns, rows = mod.read_table(path)
     merged, changes = mod.merge(rows, rows)
     assert merged == rows and all(c.endswith("unchanged") for c in changes) and changes
+
+
+@pytest.mark.parametrize("adopted_in", ["new", "committed"])
+def test_the_adopted_from_column_may_be_in_one_table_only(tmp_path, adopted_in):
+    """A sweep writes adopted_from only when a point was adopted: a table with it merges with
+    one without it; the merged table has the column in the sweep's place, empty where a row
+    had none. Any other column in one table only is still refused."""
+    committed, new = tmp_path / "results.csv", tmp_path / "lease.csv"
+    with_col = [*COLUMNS[:-1], "adopted_from", COLUMNS[-1]]
+    old_rows = [_row("dense,seed=1", "finished", "1.20"), _row("dense,seed=2", "not run")]
+    new_rows = [_row("dense,seed=1", "not run"), _row("dense,seed=2", "finished", "1.22", "2")]
+    if adopted_in == "new":
+        new_rows[1]["adopted_from"] = "/other/dense,seed=2"
+        _write(committed, old_rows)
+        _write(new, new_rows, with_col)
+    else:
+        old_rows[0]["adopted_from"] = "/other/dense,seed=1"
+        _write(committed, old_rows, with_col)
+        _write(new, new_rows)
+    done = _run(committed, new)
+    assert done.returncode == 0, done.stderr
+    with open(committed, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == with_col
+        rows = {r["point"]: r for r in reader}
+    assert rows["dense,seed=2"]["final_valid_loss"] == "1.22"
+    adopted = {p: r["adopted_from"] for p, r in rows.items()}
+    assert adopted == ({"dense,seed=1": "", "dense,seed=2": "/other/dense,seed=2"}
+                       if adopted_in == "new" else
+                       {"dense,seed=1": "/other/dense,seed=1", "dense,seed=2": ""})  # fmt: skip
+    _write(new, [_row("dense,seed=1", "finished", "1.20")], [*COLUMNS, "other"])
+    done = _run(committed, new)
+    assert done.returncode == 2 and "the tables' columns differ" in done.stderr

@@ -459,6 +459,21 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
         assert rope.dense_rotary_base == 8000000
 
 
+@pytest.mark.parametrize("name", ["retrieval-125m-4k-base", "retrieval-125m-extend-32k"])
+def test_a_studys_table_keeps_the_committed_tables_columns(tmp_path, name):
+    """A lease's results.csv merges into the committed one (tools/merge_results_csv.py) only
+    with the same columns in the same order, and the axes follow the points' order: a point
+    added to a study must not reorder them."""
+    committed = REPO / "docs" / "long_context" / "results" / name / "results.csv"
+    corpus = ["data.demo=false", f"data.blend=[{tmp_path}/train_valid]", "data.split=100,3,0",
+              f"data.tokenizer={tmp_path}/tokenizer"]  # fmt: skip
+    study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", str(tmp_path / "out"),
+                       extra_overrides=corpus)  # fmt: skip
+    csv_path, _ = sweep.write_tables(study, sweep.collect(study))
+    with open(csv_path) as f, open(committed) as g:
+        assert next(csv.reader(f)) == next(csv.reader(g))
+
+
 # ---- --after: a command after each finished point, with a stand-in trainer --------------------
 # Plays the trainer (``train RUN_DIR ITERS``: a summary at ITERS, or exit 1 for the points named
 # in FAKE_FAIL) and the --after command (``hook RUN_DIR POINT``: exit FAKE_HOOK_EXIT for the
@@ -1272,3 +1287,24 @@ def test_tables_name_adopted_runs_and_the_summary_shows_the_grid(tmp_path, capsy
     summary = (out_dir / "summary.md").read_text()
     header = next(line for line in summary.splitlines() if line.startswith("| setting"))
     assert "attention.s2.vert_stride" in header and "train.seed" not in header, header
+
+
+def test_the_seed_summary_leaves_out_where_runs_loaded_from(tmp_path):
+    """A study's axes include checkpoint.load_dir where its points load other runs (an
+    extension study): the summary shows the settings, not that path."""
+    from megatron_s2.training.seed_stats import write_summary
+
+    rows = [{"point": f"{s},seed={k}", "setting": s, "status": "finished", "train.seed": str(k),
+             "attention.dense_layers.pattern": p, "checkpoint.load_dir": f"base/{s},seed={{seed}}",
+             "attention.dense_layers.rotary_base": r, "final_valid_loss": 2.0 + k / 100,
+             "tokens_per_s": 100.0}
+            for s, p, r in (("dense", "D", ""), ("rope", "DS", "8000000"))
+            for k in (1, 2)]  # fmt: skip
+    axes = ["attention.dense_layers.pattern", "checkpoint.load_dir",
+            "attention.dense_layers.rotary_base", "train.seed"]  # fmt: skip
+    write_summary(rows, str(tmp_path), reference="dense", axes=axes)
+    with open(tmp_path / "summary.csv") as f:
+        header = next(csv.reader(f))
+    assert header[:3] == ["setting", "attention.dense_layers.pattern",
+                          "attention.dense_layers.rotary_base"], header  # fmt: skip
+    assert "checkpoint.load_dir" not in header and "train.seed" not in header
