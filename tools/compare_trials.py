@@ -84,14 +84,15 @@ def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
         others = sorted(d for d in at if not any(math.isclose(d, x) for x in depths))
         rest = paired_counts(result, reference, task, others) if others else {}
         named = ", ".join(f"{d:g}" for d in depths)
-        for label, counts in ((named, aimed), ("the others", rest)):
-            if counts:
-                lines.append(_row(f"{task} | {label}", pool_counts(counts)))
-        _, lo, _, _ = counts_difference(pool_counts(aimed))
+        pooled = pool_counts(aimed)
+        lines.append(_row(f"{task} | {named}", pooled))
+        _, lo, _, _ = counts_difference(pooled)
         if lo <= 0:
             reasons.append(f"{task}: at depths {named} the interval does not lie above 0")
         if rest:
-            _, _, hi, _ = counts_difference(pool_counts(rest))
+            pooled = pool_counts(rest)
+            lines.append(_row(f"{task} | the others", pooled))
+            _, _, hi, _ = counts_difference(pooled)
             if hi < 0:
                 reasons.append(f"{task}: at the other depths the interval lies below 0")
         else:
@@ -99,6 +100,14 @@ def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
     adopt = not reasons
     verdict = "adopt: yes" if adopt else "adopt: no (" + "; ".join(reasons) + ")"
     return adopt, "\n".join([*lines, "", verdict])
+
+
+def _numbers(option: str, raw: str) -> list[float]:
+    """An option's comma list of numbers (needle depths); ValueError naming the option."""
+    try:
+        return [float(x) for x in raw.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} takes numbers separated by commas, got {raw!r}") from None
 
 
 def main(argv=None) -> int:
@@ -123,22 +132,11 @@ def main(argv=None) -> int:
         unknown = [t for t in tasks if t not in known]
         if unknown:
             raise ValueError(f"--tasks: {unknown} not in both files; allowed: {', '.join(known)}")
-        try:
-            depths = [float(x) for x in args.depths.split(",")] if args.depths else None
-        except ValueError:
-            raise ValueError(
-                f"--depths takes numbers separated by commas, got {args.depths!r}"
-            ) from None
+        depths = _numbers("--depths", args.depths) if args.depths else None
         if args.decide is not None:
             if depths is not None:
                 raise ValueError("--decide compares every depth: give it without --depths")
-            try:
-                aimed = [float(x) for x in args.decide.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"--decide takes numbers separated by commas, got {args.decide!r}"
-                ) from None
-            text = decide(runs[0], runs[1], tasks, aimed)[1]
+            text = decide(runs[0], runs[1], tasks, _numbers("--decide", args.decide))[1]
         else:
             text = compare_markdown(runs[0], runs[1], tasks, depths)
     except (OSError, ValueError, KeyError) as exc:

@@ -81,6 +81,7 @@ from .run_config import (
     DuplicateKeyError,
     RunConfig,
     SettingChange,
+    _in,
     format_changes,
     load_config,
     resume_changes,
@@ -646,15 +647,27 @@ def stale_settings(point: Point) -> list:
     readable ``config.yaml`` (a run folder carried without it) to compare with."""
     if not point.valid or point_state(point) != "finished":
         return []
-    try:
-        with open(os.path.join(point.run_dir, "config.yaml")) as f:
-            stored = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return []
-    if not isinstance(stored, dict):
+    stored = _stored_config(point.run_dir)
+    if stored is None:
         return []
     changes = resume_changes(stored, point.config, own=True)
     return changes.refused + changes.plan
+
+
+def _stored_config(run_dir: str) -> Optional[dict]:
+    """The run config the trainer wrote into ``run_dir`` (``config.yaml``), or None where there
+    is no readable one (a run folder carried without it)."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            stored = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def _adopted_record(point: Point) -> Optional[dict]:
+    """The point's :data:`ADOPTED` record (where its run was copied from), or None."""
+    return _read_json(os.path.join(point.run_dir, ADOPTED)) if point.valid else None
 
 
 def refuse_stale(study: Study) -> bool:
@@ -693,7 +706,7 @@ def _with_defaults(stored: dict) -> dict:
 
 def _adopt_ignored(key: str) -> bool:
     """A setting that may differ between an adopted run and its point (:data:`ADOPT_IGNORED`)."""
-    return _under(key, ADOPT_IGNORED) and key not in ADOPT_COMPARED
+    return _in(key, ADOPT_IGNORED) and key not in ADOPT_COMPARED
 
 
 def adoption_changes(source: dict, point: Point) -> list:
@@ -718,11 +731,6 @@ def adoption_changes(source: dict, point: Point) -> list:
         if old != new:
             found.append(SettingChange(key, old, new))
     return found
-
-
-def _under(key: str, sections: Sequence[str]) -> bool:
-    """``key`` is one of ``sections`` or inside one (``logging.plot`` is under ``logging``)."""
-    return any(key == s or key.startswith(s + ".") for s in sections)
 
 
 def _copy_run(source_dir: str, target_dir: str) -> None:
@@ -764,11 +772,8 @@ def _finished_runs(source: Study, runs_dir: Optional[str]) -> list:
         if point_state(run) != "finished":
             continue
         step = (_read_json(os.path.join(run_dir, "summary.json")) or {}).get("iteration") or 0
-        stored = None
-        with contextlib.suppress(OSError, yaml.YAMLError):
-            with open(os.path.join(run_dir, "config.yaml")) as f:
-                stored = yaml.safe_load(f)
-        if isinstance(stored, dict):
+        stored = _stored_config(run_dir)
+        if stored is not None:
             found.append((run, stored, "its config.yaml", step))
         else:
             found.append((run, sp.config.to_dict(), "its study point as resolved now", step))
@@ -779,7 +784,7 @@ def _adopted_sources(study: Study) -> set:
     """The source runs (absolute folders) that points of ``study`` adopted already."""
     taken = set()
     for point in study.points:
-        record = _read_json(os.path.join(point.run_dir, ADOPTED)) if point.valid else None
+        record = _adopted_record(point)
         if record and record.get("from"):
             taken.add(record["from"])
     return taken
@@ -1221,7 +1226,7 @@ def _start_state(point: Point) -> Optional[bool]:
     state = point_state(point)
     if state in ("invalid", "finished", "running"):
         if state == "finished":
-            adopted = _read_json(os.path.join(point.run_dir, ADOPTED))
+            adopted = _adopted_record(point)
             how = f"adopted from {adopted.get('from')}" if adopted else "finished"
             _say(f"point {point.name}: {how}, not rerun ({point.run_dir})")
         elif state == "running":
@@ -1570,7 +1575,7 @@ def collect(study: Study) -> list[dict]:
             row["final_valid_loss"] = valid[-1]["loss"]
             row["final_valid_iteration"] = valid[-1]["iteration"]
         row["wall_time_s"] = _wall_time(point.run_dir) if point.valid else None
-        adopted = _read_json(os.path.join(point.run_dir, ADOPTED)) if point.valid else None
+        adopted = _adopted_record(point)
         if adopted:
             row["adopted_from"] = adopted.get("from", "")
         rows.append(row)
@@ -1607,9 +1612,8 @@ def write_tables(study: Study, rows: list) -> tuple[str, str]:
         *COLUMNS[2:],
     ]
     adopted = [r for r in rows if r.get("adopted_from")]
-    if (
-        adopted
-    ):  # (a column only then: the tables of studies without adopted runs stay as they were)
+    # A column only then: the tables of studies without adopted runs keep their columns.
+    if adopted:
         columns.insert(columns.index("run_dir"), "adopted_from")
     csv_path = os.path.join(study.output_dir, "results.csv")
     with open(csv_path, "w", newline="") as f:
@@ -1885,7 +1889,7 @@ def _main(args: argparse.Namespace) -> int:
             if state == "finished" and stale_settings(p):
                 state = "stale"  # finished with other settings: `run` refuses it
             note = f"  ({p.error})" if p.error else ""
-            adopted = _read_json(os.path.join(p.run_dir, ADOPTED)) if p.valid else None
+            adopted = _adopted_record(p)
             if adopted:
                 note = f"  (adopted: {adopted.get('from')})"
             print(f"{p.index:3d}  {state:11s}  {p.name}{note}")

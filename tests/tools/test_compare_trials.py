@@ -15,6 +15,12 @@ from megatron_s2.training.evaluation import retrieval_stats as S
 pytestmark = pytest.mark.version_independent
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "compare_trials.py")
+# The extended hybrid's committed evaluations, EOD first and plain (the docs' depth-0 table).
+_RESULTS = os.path.join(REPO, "docs", "long_context", "results")
+COMMITTED_EOD_AND_PLAIN = [
+    os.path.join(_RESULTS, study, "hybrid-DS", "seed1", "retrieval.json")
+    for study in ("retrieval-125m-extend-32k-eod", "retrieval-125m-extend-32k")
+]
 
 
 def _evaluation(exact, answer=lambda k: f" {k[0]}{k[2]}"):
@@ -69,12 +75,7 @@ def test_rows_per_length_and_pooled_are_the_paired_counts(tmp_path):
 def test_the_committed_eod_comparison_reproduces_the_docs_pooled_numbers(tmp_path):
     """The docs' depth-0 table: EOD-first minus plain for the extended hybrid, pooled over the
     four lengths: passkey +0.0 [-8.7, +8.7], multikey +8.8 [+2.1, +15.3]."""
-    base = os.path.join(REPO, "docs", "long_context", "results")
-    eod = os.path.join(
-        base, "retrieval-125m-extend-32k-eod", "hybrid-DS", "seed1", "retrieval.json"
-    )
-    plain = os.path.join(base, "retrieval-125m-extend-32k", "hybrid-DS", "seed1", "retrieval.json")
-    args = [eod, plain, "--depths", "0", "--tasks", "passkey,multikey"]
+    args = [*COMMITTED_EOD_AND_PLAIN, "--depths", "0", "--tasks", "passkey,multikey"]
     done = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     pooled = [line for line in done.stdout.splitlines() if line.startswith("| all lengths")]
@@ -130,12 +131,7 @@ def test_decide_applies_the_lever_rule(tmp_path):
 def test_decide_on_the_committed_eod_comparison():
     """EOD-first against plain, the extended hybrid: multikey better at depth 0, passkey not:
     not adopted (docs/long_context_eval.md: position 0 is at most a minor cause)."""
-    base = os.path.join(REPO, "docs", "long_context", "results")
-    eod = os.path.join(
-        base, "retrieval-125m-extend-32k-eod", "hybrid-DS", "seed1", "retrieval.json"
-    )
-    plain = os.path.join(base, "retrieval-125m-extend-32k", "hybrid-DS", "seed1", "retrieval.json")
-    args = [eod, plain, "--tasks", "passkey,multikey", "--decide", "0"]
+    args = [*COMMITTED_EOD_AND_PLAIN, "--tasks", "passkey,multikey", "--decide", "0"]
     done = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "| multikey | 0 | 43.8 | 35.0 | +8.8 [+2.1, +15.3] | 80 |" in done.stdout
