@@ -2,6 +2,7 @@
 """Two evaluations of the same retrieval trials, trial by trial (markdown on stdout).
 
     python tools/compare_trials.py RESULT.json REFERENCE.json [--depths 0] [--tasks passkey]
+        [--lengths 4096]
     python tools/compare_trials.py RESULT.json REFERENCE.json --tasks passkey,multikey --decide 0
 
 RESULT and REFERENCE are ``retrieval.json`` files of ``megatron-s2-eval-long-context`` with the
@@ -9,7 +10,9 @@ same evaluator seed (two checkpoints, e.g. a recipe change against the recipe it
 checkpoint with and without ``--prefix-eod``), holding per-trial records. Per task: each file's
 exact match per length and pooled over the lengths, and RESULT minus REFERENCE in points with
 Newcombe's paired 95% interval over the same trials (only the trials at ``--depths`` when given,
-e.g. ``--depths 0`` for the needle in the context's first tokens). The interval is the
+e.g. ``--depths 0`` for the needle in the context's first tokens; only the context lengths in
+``--lengths`` when given, e.g. a base evaluated at 4k only against one evaluated at 4k-32k). The
+interval is the
 evaluation's noise only (which trials a checkpoint happens to get right), not the spread between
 training seeds. See ``megatron_s2/training/evaluation/retrieval_stats.py`` (``paired_counts``).
 
@@ -47,12 +50,12 @@ def _row(label: str, counts: tuple[int, int, int, int]) -> str:
     return f"| {label} | {a:.1f} | {b:.1f} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] | {n} |"
 
 
-def compare_markdown(result: dict, reference: dict, tasks, depths=None) -> str:
+def compare_markdown(result: dict, reference: dict, tasks, depths=None, lengths=None) -> str:
     """The tables for ``tasks``: per length and pooled over the lengths (see the module
     docstring); ValueError from :func:`paired_counts` when the trials do not match."""
     lines = []
     for task in tasks:
-        counts = paired_counts(result, reference, task, depths)
+        counts = paired_counts(result, reference, task, depths, lengths)
         if not counts:
             raise ValueError(f"--depths {depths}: no trial of {task!r} at those depths")
         lines += [
@@ -66,9 +69,9 @@ def compare_markdown(result: dict, reference: dict, tasks, depths=None) -> str:
     return "\n".join(lines)
 
 
-def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
+def decide(result: dict, reference: dict, tasks, depths, lengths=None) -> tuple[bool, str]:
     """The lever rule of the module docstring: (adopt?, markdown with each task's pooled rows
-    at ``depths`` and at the other depths, and the verdict)."""
+    at ``depths`` and at the other depths, and the verdict); over ``lengths`` only when given."""
     lines = [
         "| task | depths | result (%) | reference (%) "
         "| result - reference (points, 95%) | trials |",
@@ -76,13 +79,13 @@ def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
     ]
     reasons = []
     for task in tasks:
-        aimed = paired_counts(result, reference, task, depths)
+        aimed = paired_counts(result, reference, task, depths, lengths)
         if not aimed:
             raise ValueError(f"--decide {depths}: no trial of {task!r} at those depths")
         trials = result["tasks"][task]["trials"]
         at = {float(t["depth"]) for t in trials}
         others = sorted(d for d in at if not any(math.isclose(d, x) for x in depths))
-        rest = paired_counts(result, reference, task, others) if others else {}
+        rest = paired_counts(result, reference, task, others, lengths) if others else {}
         named = ", ".join(f"{d:g}" for d in depths)
         pooled = pool_counts(aimed)
         lines.append(_row(f"{task} | {named}", pooled))
@@ -103,7 +106,7 @@ def decide(result: dict, reference: dict, tasks, depths) -> tuple[bool, str]:
 
 
 def _numbers(option: str, raw: str) -> list[float]:
-    """An option's comma list of numbers (needle depths); ValueError naming the option."""
+    """An option's comma list of numbers (needle depths, lengths); ValueError naming it."""
     try:
         return [float(x) for x in raw.split(",")]
     except ValueError:
@@ -116,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("reference", help="retrieval.json of the reference evaluation")
     p.add_argument("--tasks", help="comma list (default: every task both files hold)")
     p.add_argument("--depths", help="comma list of needle depths, e.g. 0 (default: all)")
+    p.add_argument("--lengths", help="comma list of context lengths in tokens (default: all)")
     p.add_argument(
         "--decide",
         metavar="DEPTHS",
@@ -133,12 +137,17 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"--tasks: {unknown} not in both files; allowed: {', '.join(known)}")
         depths = _numbers("--depths", args.depths) if args.depths else None
+        lengths = None
+        if args.lengths:
+            lengths = [int(n) for n in _numbers("--lengths", args.lengths)]
+            if any(n <= 0 or n != float(x) for n, x in zip(lengths, args.lengths.split(","))):
+                raise ValueError(f"--lengths takes whole token counts > 0, got {args.lengths!r}")
         if args.decide is not None:
             if depths is not None:
                 raise ValueError("--decide compares every depth: give it without --depths")
-            text = decide(runs[0], runs[1], tasks, _numbers("--decide", args.decide))[1]
+            text = decide(runs[0], runs[1], tasks, _numbers("--decide", args.decide), lengths)[1]
         else:
-            text = compare_markdown(runs[0], runs[1], tasks, depths)
+            text = compare_markdown(runs[0], runs[1], tasks, depths, lengths)
     except (OSError, ValueError, KeyError) as exc:
         print(f"compare_trials: error: {exc}", file=sys.stderr)
         return 2

@@ -848,6 +848,108 @@ def _depth_table(tasks: dict) -> str:
     return table(["task", "needle depth", *(f"{n:,} tokens" for n in lengths)], rows)
 
 
+ARCSINE_BASE = RECIPE / "retrieval-125m-4k-base-arcsine"
+ARCSINE_EXTEND = RECIPE / "retrieval-125m-extend-32k-arcsine"
+# The depths other than 0, as the evaluator places needles (fractions of the context).
+OTHER_DEPTHS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _pooled_paired(stats, result: dict, reference: dict, task: str, depths, lengths=None) -> str:
+    """RESULT minus REFERENCE over the same trials at ``depths`` pooled over the lengths (and
+    only ``lengths`` when given): points with Newcombe's paired 95% interval, and the trials."""
+    counts = stats.paired_counts(result, reference, task, depths, lengths)
+    d, lo, hi, n = stats.counts_difference(stats.pool_counts(counts))
+    return f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}] ({n})"
+
+
+def retrieval_arcsine_decision() -> str:
+    """docs/long_context_eval.md: the arcsine depth draw's dense twin (seed 1) against the
+    uniform recipe's (seed 1) over the same trials, pooled over the lengths: the 4k base at 4k
+    (the arcsine base was evaluated there only) and the 32k extension at 4k-32k; at depth 0
+    (the cell the lever aims at) and at the other depths; points, paired 95% intervals."""
+    stats = _stats()
+    pairs = {
+        "4k base (at 4k)": (
+            read_json(ARCSINE_BASE / "dense" / "seed1" / "retrieval.json"),
+            read_json(RECIPE / "retrieval-125m-4k-base" / "dense" / "seed1" / "retrieval.json"),
+            [4096],
+        ),
+        "after the 32k extension (4k-32k)": (
+            read_json(ARCSINE_EXTEND / "dense" / "seed1" / "retrieval.json"),
+            read_json(RECIPE / "retrieval-125m-extend-32k" / "dense" / "seed1" / "retrieval.json"),
+            None,
+        ),
+    }
+    rows = []
+    for stage, (arcsine, uniform, lengths) in pairs.items():
+        for task in ("passkey", "multikey"):
+            rows.append([
+                stage if task == "passkey" else "", task,
+                _pooled_paired(stats, arcsine, uniform, task, [0.0], lengths),
+                _pooled_paired(stats, arcsine, uniform, task, OTHER_DEPTHS, lengths),
+            ])  # fmt: skip
+    header = ["dense twin, arcsine - uniform", "task", "depth 0 (trials)", "depths 0.25-1 (trials)"]
+    return table(header, rows)
+
+
+def retrieval_arcsine_conversion() -> str:
+    """docs/long_context_eval.md: the arcsine dense base (seed 1) extended to 32k as the dense
+    twin and as dense-to-hybrid-DS: each arm's exact match per task and length (all depths,
+    Wilson 95% intervals), and the hybrid minus the twin over the same trials at depth 0 and at
+    the other depths (points, Newcombe's paired 95% interval; 20 and 80 trials a length)."""
+    stats = _stats()
+    dense = read_json(ARCSINE_EXTEND / "dense" / "seed1" / "retrieval.json")
+    hybrid = read_json(ARCSINE_EXTEND / "dense-to-hybrid-DS" / "seed1" / "retrieval.json")
+    rows, lengths = [], None
+    for task in ("passkey", "multikey"):
+        for label, res in (("dense twin", dense), ("dense-to-hybrid-DS", hybrid)):
+            by_len = {b["length"]: b for b in res["tasks"][task]["by_length"]}
+            lengths = lengths or sorted(by_len)
+            rows.append([task if label == "dense twin" else "", label,
+                         *(_ci(by_len[n]) for n in lengths)])  # fmt: skip
+        for label, depths in (("depth 0", [0.0]), ("depths 0.25-1", OTHER_DEPTHS)):
+            diff = stats.paired_trial_difference(hybrid, dense, task, depths=depths)
+            rows.append(["", f"hybrid - twin, {label} (points)",
+                         *(_paired(diff[n]) for n in lengths)])  # fmt: skip
+    return table(["task", "seed 1", *(f"{n:,} tokens" for n in lengths)], rows)
+
+
+def retrieval_arcsine_runs() -> str:
+    """docs/long_context_eval.md: the arcsine lease's runs (seed 1) from the studies'
+    results.csv: valid loss (each stage on its own validation blend) and training tokens/s,
+    the hybrid's against the twin's."""
+    rows = []
+    for study, label, arms in (
+        (ARCSINE_BASE, "4k base", ("dense",)),
+        (ARCSINE_EXTEND, "32k extension", ("dense", "dense-to-hybrid-DS")),
+    ):
+        runs = read_csv(study / "results.csv")
+        twin = float(runs["dense,seed=1"]["tokens_per_s"])
+        for arm in arms:
+            run = runs[f"{arm},seed=1"]
+            speed = float(run["tokens_per_s"])
+            rows.append([label if arm == "dense" else "", arm, f4(float(run["final_valid_loss"])),
+                         thousands(speed), ratio(speed, twin)])  # fmt: skip
+    return table(["stage", "arm, seed 1", "valid loss", "tokens/s", "vs dense"], rows)
+
+
+def retrieval_arcsine_probe() -> str:
+    """docs/long_context_eval.md: the attention probe at 32k of the arcsine base extended as
+    the dense twin and as dense-to-hybrid-DS: per layer and needle depth, the share of its
+    attention the top head puts on the needle's tokens, twin / hybrid."""
+    probes = [
+        read_json(ARCSINE_EXTEND / arm / "seed1" / "attention_probe.json")
+        for arm in ("dense", "dense-to-hybrid-DS")
+    ]
+    rows = []
+    for twin, hybrid in zip(probes[0]["layers"], probes[1]["layers"]):
+        shares = zip(twin["top_head"], hybrid["top_head"])
+        kinds = f"{twin['kind']} / {hybrid['kind']}"
+        rows.append([str(twin["layer"]), kinds, *(f"{a:.2f} / {b:.2f}" for a, b in shares)])
+    depths = [f"depth {d:g}" for d in probes[0]["depths"]]
+    return table(["layer", "attention, twin / hybrid", *depths], rows)
+
+
 QUALITY = DOCS / "quality"
 ONE_GPU_SPEED = QUALITY / "one-gpu-speed-16k"
 # The speed runs' settings (attention.dense_layers.pattern) and the seeded studies' point names.
@@ -1033,6 +1135,43 @@ TABLES: dict[str, Table] = {
         "docs/long_context_eval.md",
         ("docs/long_context/results/retrieval-125m-extend-32k/dense/seed1/retrieval.json",),
         retrieval_recipe_depths,
+    ),
+    "retrieval-arcsine-decision": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-base-arcsine/dense/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-4k-base/dense/seed1/retrieval.json",
+            "docs/long_context/results/retrieval-125m-extend-32k-arcsine/dense/seed1/"
+            "retrieval.json",
+            "docs/long_context/results/retrieval-125m-extend-32k/dense/seed1/retrieval.json",
+        ),
+        retrieval_arcsine_decision,
+    ),
+    "retrieval-arcsine-conversion": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k-arcsine/{arm}/seed1/"
+            "retrieval.json"
+            for arm in ("dense", "dense-to-hybrid-DS")
+        ),
+        retrieval_arcsine_conversion,
+    ),
+    "retrieval-arcsine-runs": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-base-arcsine/results.csv",
+            "docs/long_context/results/retrieval-125m-extend-32k-arcsine/results.csv",
+        ),
+        retrieval_arcsine_runs,
+    ),
+    "retrieval-arcsine-probe": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k-arcsine/{arm}/seed1/"
+            "attention_probe.json"
+            for arm in ("dense", "dense-to-hybrid-DS")
+        ),
+        retrieval_arcsine_probe,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training

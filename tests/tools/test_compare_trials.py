@@ -96,6 +96,9 @@ def test_bad_input_is_refused(tmp_path):
         (("--decide", "0", "--depths", "0"), a, "--decide compares every depth"),
         (("--decide", "first"), a, "--decide takes numbers separated by commas"),
         (("--decide", ""), a, "--decide takes numbers separated by commas"),
+        (("--lengths", "2048"), a, "lengths [2048] are not in the first file's 'passkey' trials"),
+        (("--lengths", "1024.5"), a, "--lengths takes whole token counts > 0"),
+        (("--lengths", "0"), a, "--lengths takes whole token counts > 0"),
     ]:
         done = _run(tmp_path, a, b, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
@@ -138,3 +141,24 @@ def test_decide_on_the_committed_eod_comparison():
     assert done.stdout.rstrip().endswith(
         "adopt: no (passkey: at depths 0 the interval does not lie above 0)"
     ), done.stdout
+
+
+def test_lengths_pairs_a_file_evaluated_at_fewer_lengths(tmp_path):
+    """--lengths 1024: a base evaluated at 1k only against a run evaluated at 1k and 2k pairs
+    the 1k trials (without it the files are refused as different trials); --decide too."""
+    rng = np.random.default_rng(5)
+    both = [(n, d, i) for n in (1024, 2048) for d in (0.0, 0.5) for i in range(20)]
+    a = {k: bool(rng.random() < 0.6) for k in both if k[0] == 1024}
+    b = {k: bool(rng.random() < 0.6) for k in both}
+    assert _run(tmp_path, _evaluation(a), _evaluation(b)).returncode == 2
+    done = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024")
+    assert done.returncode == 0, done.stderr
+    sel = [k for k in both if k[0] == 1024]
+    pa = 100 * sum(a[k] for k in sel) / len(sel)
+    pb = 100 * sum(b[k] for k in sel) / len(sel)
+    pooled = [x for x in done.stdout.splitlines() if x.startswith("| all lengths")]
+    assert pooled and pooled[0].startswith(f"| all lengths | {pa:.1f} | {pb:.1f} |"), done.stdout
+    assert pooled[0].endswith("| 40 |") and "| 2,048 |" not in done.stdout
+    done = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024", "--decide", "0")
+    assert done.returncode == 0, done.stderr
+    assert "| passkey | 0 |" in done.stdout and "| 20 |" in done.stdout

@@ -420,7 +420,7 @@ def test_example_study_loads():
         ("code-125m-4k-seeds", 12),
         ("retrieval-125m-4k-probe", 4),
         ("retrieval-125m-4k-base", 18),
-        ("retrieval-125m-extend-32k", 27),
+        ("retrieval-125m-extend-32k", 30),
     ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
@@ -455,8 +455,11 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
             if p.name.startswith("dense-to-hybrid-"):
                 pattern = p.setting.split("-")[3]
                 assert p.config.attention["dense_layers"]["pattern"] == pattern
-        rope = {p.setting: p.config.schedule() for p in study.points}["dense-to-hybrid-DS-rope8m"]
-        assert rope.dense_rotary_base == 8000000
+        schedules = {p.setting: p.config.schedule() for p in study.points}
+        assert schedules["dense-to-hybrid-DS-rope8m"].dense_rotary_base == 8000000
+        # the switch that keeps the dense twin's retrieval layers (10, 11) dense: 6 of 12
+        late = schedules["dense-to-hybrid-DSDSDSDSSSDD"].dense_layer_indices(12)
+        assert sorted(late) == [0, 2, 4, 6, 10, 11]
 
 
 @pytest.mark.parametrize("name", ["retrieval-125m-4k-base", "retrieval-125m-extend-32k"])

@@ -130,13 +130,19 @@ def paired_difference_interval(
 
 
 def paired_counts(
-    result: Mapping, reference: Mapping, task: str, depths: Optional[Sequence[float]] = None
+    result: Mapping,
+    reference: Mapping,
+    task: str,
+    depths: Optional[Sequence[float]] = None,
+    lengths: Optional[Sequence[int]] = None,
 ) -> dict[int, tuple[int, int, int, int]]:
     """``{length: (both, only_result, only_reference, neither)}``: how many of the length's
     trials (of ``depths`` only when given) each of two evaluations got exactly right, trial by
     trial. Trials are matched by (length, depth, trial index) and must ask the same answers
     (two evaluations with the evaluator's same seed, e.g. two arms of a study, or one run with
-    and without ``--prefix-eod``). Raises ValueError when a file has no per-trial records, or
+    and without ``--prefix-eod``). ``lengths`` (context lengths in tokens) keeps only those
+    lengths' trials, e.g. to pair a base evaluated at 4k only with one evaluated at 4k-32k;
+    each must be in both files. Raises ValueError when a file has no per-trial records, or
     when the trials do not match (naming the first that differs)."""
 
     def trials(r: Mapping, which: str) -> dict[tuple, Mapping]:
@@ -149,6 +155,17 @@ def paired_counts(
         return {(int(t["length"]), float(t["depth"]), int(t["trial"])): t for t in records}
 
     mine, ref = trials(result, "first"), trials(reference, "reference")
+    if lengths is not None:
+        for which, records in (("first", mine), ("reference", ref)):
+            held = sorted({k[0] for k in records})
+            missing = [n for n in lengths if n not in held]
+            if missing:
+                raise ValueError(
+                    f"paired_counts: lengths {missing} are not in the {which} file's {task!r} "
+                    f"trials; it holds {held}"
+                )
+        mine = {k: t for k, t in mine.items() if k[0] in lengths}
+        ref = {k: t for k, t in ref.items() if k[0] in lengths}
     if set(mine) != set(ref):
         raise ValueError(
             f"paired_counts: the two files hold different trials for {task!r} ({len(mine)} "
