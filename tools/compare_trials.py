@@ -11,17 +11,18 @@ checkpoint with and without ``--prefix-eod``), holding per-trial records. Per ta
 exact match per length and pooled over the lengths, and RESULT minus REFERENCE in points with
 Newcombe's paired 95% interval over the same trials (only the trials at ``--depths`` when given,
 e.g. ``--depths 0`` for the needle in the context's first tokens; only the context lengths in
-``--lengths`` when given, e.g. a base evaluated at 4k only against one evaluated at 4k-32k). The
-interval is the
-evaluation's noise only (which trials a checkpoint happens to get right), not the spread between
-training seeds. See ``megatron_s2/training/evaluation/retrieval_stats.py`` (``paired_counts``).
+``--lengths`` when given, e.g. a base evaluated at 4k only against one evaluated at 4k-32k).
+The interval is the evaluation's noise only (which trials a checkpoint happens to get right),
+not the spread between training seeds. See ``paired_counts`` in
+``megatron_s2/training/evaluation/retrieval_stats.py``.
 
 ``--decide DEPTHS`` applies the rule a recipe lever is adopted by (docs/long_context_eval.md,
 "Next leases"): on every task, pooled over the lengths, RESULT's paired interval at DEPTHS lies
 above 0 (better where the lever aims) and at the other depths holds 0 or lies above (not worse
 elsewhere). It prints both pooled rows per task and the verdict, ``adopt: yes`` or ``adopt: no``
 with the reason. One evaluation per arm, so it picks the next runs; it is not itself a result.
-Exit code 2 on bad input (files that do not hold the same trials, a task or depth not in them).
+Exit code 2 on bad input (files that do not hold the same trials, a task, depth or length not
+in them, a malformed list).
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def _numbers(option: str, raw: str) -> list[float]:
         raise ValueError(f"{option} takes numbers separated by commas, got {raw!r}") from None
 
 
+def _lengths(raw: str) -> list[int]:
+    """``--lengths``: whole token counts > 0 separated by commas (as the files' ``length``
+    fields, e.g. ``4096,8192``); ValueError naming the option otherwise."""
+    bad = ValueError(f"--lengths takes whole token counts > 0 separated by commas (e.g. "
+                     f"4096,8192), got {raw!r}")  # fmt: skip
+    try:
+        values = _numbers("--lengths", raw)
+    except ValueError:
+        raise bad from None
+    if not all(math.isfinite(x) and x.is_integer() and x > 0 for x in values):
+        raise bad
+    return [int(x) for x in values]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="compare_trials", description=__doc__.split("\n\n")[0])
     p.add_argument("result", help="retrieval.json of the evaluation compared")
@@ -137,11 +152,7 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"--tasks: {unknown} not in both files; allowed: {', '.join(known)}")
         depths = _numbers("--depths", args.depths) if args.depths else None
-        lengths = None
-        if args.lengths:
-            lengths = [int(n) for n in _numbers("--lengths", args.lengths)]
-            if any(n <= 0 or n != float(x) for n, x in zip(lengths, args.lengths.split(","))):
-                raise ValueError(f"--lengths takes whole token counts > 0, got {args.lengths!r}")
+        lengths = None if args.lengths is None else _lengths(args.lengths)
         if args.decide is not None:
             if depths is not None:
                 raise ValueError("--decide compares every depth: give it without --depths")

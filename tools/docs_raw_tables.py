@@ -850,8 +850,11 @@ def _depth_table(tasks: dict) -> str:
 
 ARCSINE_BASE = RECIPE / "retrieval-125m-4k-base-arcsine"
 ARCSINE_EXTEND = RECIPE / "retrieval-125m-extend-32k-arcsine"
-# The depths other than 0, as the evaluator places needles (fractions of the context).
-OTHER_DEPTHS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _other_depths(evaluation: dict) -> list[float]:
+    """The needle depths of a retrieval.json other than 0 (fractions of the context)."""
+    return [float(d) for d in evaluation["depths"] if float(d) != 0.0]
 
 
 def _pooled_paired(stats, result: dict, reference: dict, task: str, depths, lengths=None) -> str:
@@ -886,7 +889,7 @@ def retrieval_arcsine_decision() -> str:
             rows.append([
                 stage if task == "passkey" else "", task,
                 _pooled_paired(stats, arcsine, uniform, task, [0.0], lengths),
-                _pooled_paired(stats, arcsine, uniform, task, OTHER_DEPTHS, lengths),
+                _pooled_paired(stats, arcsine, uniform, task, _other_depths(arcsine), lengths),
             ])  # fmt: skip
     header = ["dense twin, arcsine - uniform", "task", "depth 0 (trials)", "depths 0.25-1 (trials)"]
     return table(header, rows)
@@ -895,8 +898,9 @@ def retrieval_arcsine_decision() -> str:
 def retrieval_arcsine_conversion() -> str:
     """docs/long_context_eval.md: the arcsine dense base (seed 1) extended to 32k as the dense
     twin and as dense-to-hybrid-DS: each arm's exact match per task and length (all depths,
-    Wilson 95% intervals), and the hybrid minus the twin over the same trials at depth 0 and at
-    the other depths (points, Newcombe's paired 95% interval; 20 and 80 trials a length)."""
+    Wilson 95% intervals), then the hybrid minus the twin over the same trials at each needle
+    depth, per length (20 trials) and pooled over the lengths (80), and over every depth (100
+    a length, 400 pooled); points, Newcombe's paired 95% interval."""
     stats = _stats()
     dense = read_json(ARCSINE_EXTEND / "dense" / "seed1" / "retrieval.json")
     hybrid = read_json(ARCSINE_EXTEND / "dense-to-hybrid-DS" / "seed1" / "retrieval.json")
@@ -905,13 +909,20 @@ def retrieval_arcsine_conversion() -> str:
         for label, res in (("dense twin", dense), ("dense-to-hybrid-DS", hybrid)):
             by_len = {b["length"]: b for b in res["tasks"][task]["by_length"]}
             lengths = lengths or sorted(by_len)
+            k = sum(by_len[n]["correct"] for n in lengths)
+            trials = sum(by_len[n]["trials"] for n in lengths)
+            lo, hi = stats.wilson_interval(k, trials)
+            pooled = {"accuracy": k / trials, "ci_low": lo, "ci_high": hi}
             rows.append([task if label == "dense twin" else "", label,
-                         *(_ci(by_len[n]) for n in lengths)])  # fmt: skip
-        for label, depths in (("depth 0", [0.0]), ("depths 0.25-1", OTHER_DEPTHS)):
-            diff = stats.paired_trial_difference(hybrid, dense, task, depths=depths)
-            rows.append(["", f"hybrid - twin, {label} (points)",
-                         *(_paired(diff[n]) for n in lengths)])  # fmt: skip
-    return table(["task", "seed 1", *(f"{n:,} tokens" for n in lengths)], rows)
+                         *(_ci(by_len[n]) for n in lengths), _ci(pooled)])  # fmt: skip
+        every = [(f"depth {d:g}", [float(d)]) for d in dense["depths"]] + [("every depth", None)]
+        for label, depths in every:
+            counts = stats.paired_counts(hybrid, dense, task, depths)
+            cells = [_paired(stats.counts_difference(counts[n])) for n in lengths]
+            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
+            rows.append(["", f"hybrid - twin, {label} (points)", *cells, pooled])
+    header = ["task", "seed 1", *(f"{n:,} tokens" for n in lengths), "all four"]
+    return table(header, rows)
 
 
 def retrieval_arcsine_runs() -> str:

@@ -96,9 +96,16 @@ def test_bad_input_is_refused(tmp_path):
         (("--decide", "0", "--depths", "0"), a, "--decide compares every depth"),
         (("--decide", "first"), a, "--decide takes numbers separated by commas"),
         (("--decide", ""), a, "--decide takes numbers separated by commas"),
-        (("--lengths", "2048"), a, "lengths [2048] are not in the first file's 'passkey' trials"),
+        (
+            ("--lengths", "2048"),
+            a,
+            "lengths [2048] are not in both files' 'passkey' trials; both hold [1024]",
+        ),
         (("--lengths", "1024.5"), a, "--lengths takes whole token counts > 0"),
         (("--lengths", "0"), a, "--lengths takes whole token counts > 0"),
+        (("--lengths", "inf"), a, "--lengths takes whole token counts > 0"),
+        (("--lengths", "nan"), a, "--lengths takes whole token counts > 0"),
+        (("--lengths", ""), a, "--lengths takes whole token counts > 0"),
     ]:
         done = _run(tmp_path, a, b, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
@@ -145,20 +152,44 @@ def test_decide_on_the_committed_eod_comparison():
 
 def test_lengths_pairs_a_file_evaluated_at_fewer_lengths(tmp_path):
     """--lengths 1024: a base evaluated at 1k only against a run evaluated at 1k and 2k pairs
-    the 1k trials (without it the files are refused as different trials); --decide too."""
+    the 1k trials (without it the files are refused, naming the common lengths and the
+    option); with --depths and --decide too; a length in one file only is refused either way."""
     rng = np.random.default_rng(5)
     both = [(n, d, i) for n in (1024, 2048) for d in (0.0, 0.5) for i in range(20)]
     a = {k: bool(rng.random() < 0.6) for k in both if k[0] == 1024}
     b = {k: bool(rng.random() < 0.6) for k in both}
-    assert _run(tmp_path, _evaluation(a), _evaluation(b)).returncode == 2
+    refused = _run(tmp_path, _evaluation(a), _evaluation(b))
+    assert refused.returncode == 2
+    assert "evaluated at different lengths, both at [1024]" in refused.stderr
+    assert "--lengths" in refused.stderr
+
+    def row(label, sel):
+        c = (sum(a[k] and b[k] for k in sel), sum(a[k] and not b[k] for k in sel),
+             sum(b[k] and not a[k] for k in sel), sum(not (a[k] or b[k]) for k in sel))  # fmt: skip
+        d, lo, hi = S.paired_difference_interval(*c)
+        pa, pb = 100 * (c[0] + c[1]) / len(sel), 100 * (c[0] + c[2]) / len(sel)
+        return (f"| {label} | {pa:.1f} | {pb:.1f} | {100 * d:+.1f} [{100 * lo:+.1f}, "
+                f"{100 * hi:+.1f}] | {len(sel)} |")  # fmt: skip
+
+    short = [k for k in both if k[0] == 1024]
     done = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024")
     assert done.returncode == 0, done.stderr
-    sel = [k for k in both if k[0] == 1024]
-    pa = 100 * sum(a[k] for k in sel) / len(sel)
-    pb = 100 * sum(b[k] for k in sel) / len(sel)
-    pooled = [x for x in done.stdout.splitlines() if x.startswith("| all lengths")]
-    assert pooled and pooled[0].startswith(f"| all lengths | {pa:.1f} | {pb:.1f} |"), done.stdout
-    assert pooled[0].endswith("| 40 |") and "| 2,048 |" not in done.stdout
+    assert row("all lengths", short) in done.stdout.splitlines(), done.stdout
+    assert "| 2,048 |" not in done.stdout
+    # A length given twice is the same selection.
+    again = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024,1024")
+    assert again.stdout == done.stdout
+    zero = [k for k in short if k[1] == 0.0]
+    done = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024", "--depths", "0")
+    assert row("all lengths", zero) in done.stdout.splitlines(), done.stdout
     done = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024", "--decide", "0")
     assert done.returncode == 0, done.stderr
-    assert "| passkey | 0 |" in done.stdout and "| 20 |" in done.stdout
+    lines = done.stdout.splitlines()
+    assert row("passkey | 0", zero) in lines, done.stdout
+    assert row("passkey | the others", [k for k in short if k[1] == 0.5]) in lines, done.stdout
+    # A length the reference holds but the result does not is refused, naming the common ones.
+    done = _run(tmp_path, _evaluation(a), _evaluation(b), "--lengths", "1024,2048")
+    assert done.returncode == 2
+    assert "lengths [2048] are not in both files' 'passkey' trials; both hold [1024]" in (
+        done.stderr
+    )

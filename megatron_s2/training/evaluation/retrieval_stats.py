@@ -142,8 +142,10 @@ def paired_counts(
     (two evaluations with the evaluator's same seed, e.g. two arms of a study, or one run with
     and without ``--prefix-eod``). ``lengths`` (context lengths in tokens) keeps only those
     lengths' trials, e.g. to pair a base evaluated at 4k only with one evaluated at 4k-32k;
-    each must be in both files. Raises ValueError when a file has no per-trial records, or
-    when the trials do not match (naming the first that differs)."""
+    each must be in both files. Raises ValueError when a file has no per-trial records, when a
+    length of ``lengths`` is not in both files (naming those that are), or when the trials do
+    not match (naming the first that differs, and the lengths both hold when the files were
+    evaluated at different lengths)."""
 
     def trials(r: Mapping, which: str) -> dict[tuple, Mapping]:
         records = r["tasks"][task].get("trials") or []
@@ -155,21 +157,25 @@ def paired_counts(
         return {(int(t["length"]), float(t["depth"]), int(t["trial"])): t for t in records}
 
     mine, ref = trials(result, "first"), trials(reference, "reference")
+    common = sorted({k[0] for k in mine} & {k[0] for k in ref})
     if lengths is not None:
-        for which, records in (("first", mine), ("reference", ref)):
-            held = sorted({k[0] for k in records})
-            missing = [n for n in lengths if n not in held]
-            if missing:
-                raise ValueError(
-                    f"paired_counts: lengths {missing} are not in the {which} file's {task!r} "
-                    f"trials; it holds {held}"
-                )
+        missing = sorted(set(lengths) - set(common))
+        if missing:
+            raise ValueError(
+                f"paired_counts: lengths {missing} are not in both files' {task!r} trials; "
+                f"both hold {common}"
+            )
         mine = {k: t for k, t in mine.items() if k[0] in lengths}
         ref = {k: t for k, t in ref.items() if k[0] in lengths}
     if set(mine) != set(ref):
+        hint = ""
+        if {k[0] for k in mine} != {k[0] for k in ref} and common:
+            # e.g. a base evaluated at 4k only against a run evaluated at 4k-32k
+            hint = (f"; the files were evaluated at different lengths, both at {common}: pair "
+                    f"those alone (lengths=, compare_trials.py --lengths)")  # fmt: skip
         raise ValueError(
             f"paired_counts: the two files hold different trials for {task!r} ({len(mine)} "
-            f"and {len(ref)}; e.g. {sorted(set(mine) ^ set(ref))[0]} in one only)"
+            f"and {len(ref)}; e.g. {sorted(set(mine) ^ set(ref))[0]} in one only){hint}"
         )
     counts: dict[int, list[int]] = {}
     for key in sorted(mine):
