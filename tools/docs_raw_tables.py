@@ -925,6 +925,31 @@ def retrieval_arcsine_conversion() -> str:
     return table(header, rows)
 
 
+def retrieval_heldout_loglik() -> str:
+    """docs/long_context_eval.md: the held-out code-value task, where exact match is 0 in every
+    run, by the right answer's log-likelihood (nats, summed over its tokens, mean over a
+    length's 100 trials): each twin's, and each hybrid's minus its twin's over the same trials
+    with the paired t 95% interval (seed 1 each; the evaluation's noise only)."""
+    stats = _stats()
+    pairs = (
+        ("uniform recipe", RECIPE / "retrieval-125m-extend-32k", "hybrid-DS"),
+        ("arcsine base", ARCSINE_EXTEND, "dense-to-hybrid-DS"),
+    )
+    rows, lengths = [], None
+    for label, study, arm in pairs:
+        twin = read_json(study / "dense" / "seed1" / "retrieval.json")
+        hybrid = read_json(study / arm / "seed1" / "retrieval.json")
+        means = stats.answer_loglik_means(twin, "code-value")
+        lengths = lengths or sorted(means)
+        diff = stats.paired_loglik_difference(hybrid, twin, "code-value")
+        rows.append([label, "dense twin", *(f"{means[n]:.2f}" for n in lengths)])
+        rows.append(["", f"{arm} - twin",
+                     *(f"{diff[n][0]:+.2f} [{diff[n][1]:+.2f}, {diff[n][2]:+.2f}]"
+                       for n in lengths)])  # fmt: skip
+    header = ["extension, seed 1", "code-value answer log-likelihood (nats)"]
+    return table(header + [f"{n:,} tokens" for n in lengths], rows)
+
+
 def retrieval_arcsine_runs() -> str:
     """docs/long_context_eval.md: the arcsine lease's runs (seed 1) from the studies'
     results.csv: valid loss (each stage on its own validation blend) and training tokens/s,
@@ -1166,6 +1191,19 @@ TABLES: dict[str, Table] = {
             for arm in ("dense", "dense-to-hybrid-DS")
         ),
         retrieval_arcsine_conversion,
+    ),
+    "retrieval-heldout-loglik": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/{arm}/seed1/retrieval.json"
+            for study, arm in (
+                ("retrieval-125m-extend-32k", "dense"),
+                ("retrieval-125m-extend-32k", "hybrid-DS"),
+                ("retrieval-125m-extend-32k-arcsine", "dense"),
+                ("retrieval-125m-extend-32k-arcsine", "dense-to-hybrid-DS"),
+            )
+        ),
+        retrieval_heldout_loglik,
     ),
     "retrieval-arcsine-runs": Table(
         "docs/long_context_eval.md",

@@ -504,3 +504,92 @@ def test_goal_table_from_the_committed_study(tmp_path):
     proc = subprocess.run([sys.executable, tool, str(bare), "--goal"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "no " in proc.stderr and "results.csv" in proc.stderr
+
+
+def _ll_result(logliks, exact=lambda k: False, answer=lambda k: f" {k[2]:05d}"):
+    """A retrieval.json whose task code-value holds per-trial records ``logliks[(length,
+    depth, trial)]`` (nats) and an exact-match cell per (length, depth)."""
+    trials = [{"length": n, "depth": d, "trial": i, "answer": answer((n, d, i)), "key": "K",
+               "log_likelihood": ll, "exact": bool(exact((n, d, i)))}
+              for (n, d, i), ll in logliks.items()]  # fmt: skip
+    cells = {}
+    for t in trials:
+        c = cells.setdefault(
+            (t["length"], t["depth"]), {"length": t["length"], "depth": t["depth"], "n": 0, "k": 0}
+        )
+        c["n"] += 1
+        c["k"] += t["exact"]
+    cells = [{"length": c["length"], "depth": c["depth"], "trials": c["n"], "correct": c["k"],
+              "accuracy": c["k"] / c["n"]} for c in cells.values()]  # fmt: skip
+    return {"tasks": {"code-value": {"cells": cells, "trials": trials}}}
+
+
+def test_answer_loglik_difference_is_the_paired_t_interval_over_trials():
+    """paired_loglik_difference against scipy's paired t-test interval on fresh random
+    log-likelihoods, per length; answer_loglik_means is each length's plain mean."""
+    rng = np.random.default_rng(3)
+    keys = [(n, d, i) for n in (1024, 4096, 8192) for d in (0.0, 0.5, 1.0) for i in range(17)]
+    a = {k: float(rng.normal(-18, 3)) for k in keys}
+    b = {k: a[k] + float(rng.normal(-0.7 if k[0] == 4096 else 0.3, 1.5)) for k in keys}
+    ra, rb = _ll_result(a), _ll_result(b)
+    means = S.answer_loglik_means(ra, "code-value")
+    diff = S.paired_loglik_difference(rb, ra, "code-value")
+    assert sorted(means) == sorted(diff) == [1024, 4096, 8192]
+    for n in (1024, 4096, 8192):
+        sel = [k for k in keys if k[0] == n]
+        assert means[n] == pytest.approx(np.mean([a[k] for k in sel]))
+        ci = stats.ttest_rel([b[k] for k in sel], [a[k] for k in sel]).confidence_interval(0.95)
+        d, lo, hi, trials = diff[n]
+        assert trials == len(sel) == 51
+        assert d == pytest.approx(np.mean([b[k] - a[k] for k in sel]))
+        assert (lo, hi) == (pytest.approx(ci.low), pytest.approx(ci.high))
+    # Other trials, or files without log-likelihoods, are refused.
+    other = _ll_result(a, answer=lambda k: " 99999")
+    with pytest.raises(ValueError, match="different 'code-value' trials"):
+        S.paired_loglik_difference(other, ra, "code-value")
+    bare = json.loads(json.dumps(ra))
+    for t in bare["tasks"]["code-value"]["trials"]:
+        del t["log_likelihood"]
+    with pytest.raises(ValueError, match="no per-trial answer log-likelihoods"):
+        S.answer_loglik_means(bare, "code-value")
+
+
+def test_goal_judges_the_held_out_task_by_its_answer_log_likelihood_too():
+    """Exact match at 0 in both arms cannot show "worse"; the right answer's log-likelihood on
+    the same trials can: over three seeds, paired by seed; with one common seed, over its trials
+    (marked); a file without log-likelihoods says so and is judged on exact match alone."""
+    keys = [(n, d, i) for n in GOAL_LENGTHS for d in (0.0, 1.0) for i in range(10)]
+
+    def arm(shift_by_seed):
+        out = {}
+        for seed, shift in shift_by_seed.items():
+            base = {k: -18.0 + 0.1 * seed + 0.01 * k[2] for k in keys}
+            out[seed] = _ll_result({k: v + shift for k, v in base.items()})
+            # passkey and multikey as dense's, so that only code-value can miss
+            for task in ("passkey", "multikey"):
+                out[seed]["tasks"][task] = _goal_arm({1: {task: 9}})[1]["tasks"][task]
+        return out
+
+    dense = arm({1: 0.0, 2: 0.0, 3: 0.0})
+    same = arm({1: 0.1, 2: -0.1, 3: 0.05})
+    lower = arm({1: -1.0, 2: -1.2, 3: -0.9})
+    one = arm({1: -1.0})
+    arms = {"dense": dense, "same": same, "lower": lower, "one": one}
+    speed = {a: {s: 140.0 for s in arms[a]} for a in arms}
+    speed["dense"] = {s: 100.0 for s in (1, 2, 3)}
+    rows = {line.split(" | ")[0][2:]: line for line in S.goal_markdown(arms, speed).splitlines()
+            if line.startswith("| ")}  # fmt: skip
+    assert rows["same"].endswith("| +0.0 | +0.02 | 1.40x | met |"), rows["same"]
+    assert (
+        "| +0.0 | -1.03 (worse) | 1.40x | not met: code-value answer log-likelihood worse "
+        "(-1.03 nats) |" in rows["lower"]
+    ), rows["lower"]
+    assert "| -1.00 (trials) (worse) |" in rows["one"], rows["one"]
+    # Without per-trial log-likelihoods: "not recorded", exact match alone decides.
+    for seeds in (dense, lower):
+        for r in seeds.values():
+            for t in r["tasks"]["code-value"]["trials"]:
+                del t["log_likelihood"]
+    rows = {line.split(" | ")[0][2:]: line for line in S.goal_markdown(arms, speed).splitlines()
+            if line.startswith("| ")}  # fmt: skip
+    assert rows["lower"].endswith("| +0.0 | not recorded | 1.40x | met |"), rows["lower"]

@@ -38,6 +38,8 @@ __all__ = [
     "counts_difference",
     "pool_counts",
     "length_means",
+    "answer_loglik_means",
+    "paired_loglik_difference",
     "seed_summary",
     "difference_to_reference",
     "read_arm_results",
@@ -238,6 +240,89 @@ def length_means(result: Mapping, task: str) -> dict[int, float]:
     for c in tasks[task]["cells"]:
         by_length.setdefault(int(c["length"]), []).append(float(c["accuracy"]))
     return {n: sum(v) / len(v) for n, v in sorted(by_length.items())}
+
+
+def _trial_logliks(result: Mapping, task: str) -> dict[tuple, tuple[str, float]]:
+    """``{(length, depth, trial): (answer, log-likelihood)}`` of one evaluation's ``task``;
+    ValueError when it has no per-trial records or a record lacks ``log_likelihood``."""
+    records = result["tasks"][task].get("trials") or []
+    if not records or any("log_likelihood" not in t for t in records):
+        raise ValueError(f"{task!r}: no per-trial answer log-likelihoods in this retrieval.json")
+    return {
+        (int(t["length"]), float(t["depth"]), int(t["trial"])): (
+            t.get("answer"),
+            float(t["log_likelihood"]),
+        )
+        for t in records
+    }
+
+
+def answer_loglik_means(result: Mapping, task: str) -> dict[int, float]:
+    """One evaluation's mean log-likelihood of the right answer (nats, summed over the answer's
+    tokens, averaged over a length's trials) per length: a graded measure of the same trials
+    where exact match sits at 0 (the held-out ``code-value`` task). ValueError as
+    :func:`_trial_logliks`."""
+    by_length: dict[int, list[float]] = {}
+    for key, (_, ll) in _trial_logliks(result, task).items():
+        by_length.setdefault(key[0], []).append(ll)
+    return {n: sum(v) / len(v) for n, v in sorted(by_length.items())}
+
+
+def paired_loglik_difference(
+    result: Mapping, reference: Mapping, task: str, level: float = CONFIDENCE
+) -> dict[int, tuple[float, float, float, int]]:
+    """``{length: (difference, low, high, trials)}``: ``result``'s answer log-likelihood minus
+    ``reference``'s in nats, the mean over the length's trials with the paired Student-t
+    ``level`` interval over those trials (the same trials, matched as :func:`paired_counts`
+    does). The evaluation's noise only, like :func:`paired_trial_difference`. ValueError when
+    the files hold different trials or lack the log-likelihoods."""
+    mine, ref = _trial_logliks(result, task), _trial_logliks(reference, task)
+    if set(mine) != set(ref) or any(mine[k][0] != ref[k][0] for k in mine):
+        raise ValueError(f"paired_loglik_difference: the two files hold different {task!r} trials")
+    diffs: dict[int, list[float]] = {}
+    for key in sorted(mine):
+        diffs.setdefault(key[0], []).append(mine[key][1] - ref[key][1])
+    out = {}
+    for n, d in diffs.items():
+        est = mean_interval(d, level)
+        if est.half_width is None:
+            raise ValueError(f"paired_loglik_difference: one trial at {n} tokens, no interval")
+        out[n] = (est.mean, est.low, est.high, len(d))
+    return out
+
+
+def _loglik_differences(
+    arm: Mapping[int, Mapping], ref: Mapping[int, Mapping], task: str, level: float
+) -> dict[int, tuple[float, Optional[float], Optional[float], str]]:
+    """As :func:`_differences`, for the answer log-likelihood in nats: ``{length: (mean, low,
+    high, how)}``, over seeds (paired or Welch) where two or more can be compared, else over
+    the one common seed's trials ("trials"), else the mean alone ("one seed"). Empty when a
+    file lacks per-trial log-likelihoods."""
+    try:
+        mine = {s: answer_loglik_means(r, task) for s, r in arm.items()}
+        theirs = {s: answer_loglik_means(r, task) for s, r in ref.items()}
+    except ValueError:
+        return {}
+    common = sorted(set(arm) & set(ref))
+    trials: dict = {}
+    if len(common) == 1:
+        try:
+            trials = paired_loglik_difference(arm[common[0]], ref[common[0]], task, level)
+        except ValueError:
+            pass
+    lengths = {n for v in mine.values() for n in v} & {n for v in theirs.values() for n in v}
+    out = {}
+    for n in sorted(lengths):
+        a = {s: v[n] for s, v in mine.items() if n in v}
+        b = {s: v[n] for s, v in theirs.items() if n in v}
+        est, how = difference_interval(a, b, level, relative=False)
+        if est is not None and est.half_width is not None:
+            out[n] = (est.mean, est.low, est.high, how)
+        elif n in trials:
+            out[n] = (*trials[n][:3], "trials")
+        else:
+            out[n] = (sum(a.values()) / len(a) - sum(b.values()) / len(b), None, None, "one seed")
+    return out
 
 
 def seed_summary(
@@ -456,18 +541,26 @@ def goal_markdown(
     """Issue 50's goal per arm, as a markdown table: its exact-match difference to ``reference``
     (points, mean over depths and seeds, with the 95% interval over seeds, or over the one
     common seed's trials, marked) at each of ``lengths`` for ``tasks``; on the ``heldout`` task
-    the mean difference over every length evaluated; its training tokens/s over the
+    the mean difference over every length evaluated, of exact match and of the right answer's
+    log-likelihood (nats; :func:`answer_loglik_means`, graded where exact match sits at 0);
+    its training tokens/s over the
     reference's (``tokens_per_s``: ``{arm: {seed: tokens/s}}``, means over seeds); and a
     verdict: with fewer than ``min_seeds`` seeds of either arm *pending* (naming what the means
     so far miss); else *met* when every mean difference is at least ``-points``, the held-out
     task is no worse (mean difference >= 0, or every length's interval holding 0) and the
-    speed-up is at least ``speedup``, *not met* naming what fails otherwise. Raises ValueError
-    naming the reference when it is not among the arms."""
+    speed-up is at least ``speedup`` (the held-out task's log-likelihood, where the files
+    record it, by the same rule as its exact match), *not met* naming what fails otherwise.
+    Raises ValueError naming the reference when it is not among the arms."""
     if reference not in arms:
         raise ValueError(f"reference arm {reference!r} not among the arms: {', '.join(arms)}")
     ref = arms[reference]
     header = ["arm", "seeds", *(f"{t} {n:,}" for t in tasks for n in lengths)]
-    header += [f"{heldout} (mean over lengths)", f"tokens/s vs {reference}", "goal"]
+    header += [
+        f"{heldout} (mean over lengths)",
+        f"{heldout} answer log-likelihood (nats, mean over lengths)",
+        f"tokens/s vs {reference}",
+        "goal",
+    ]
     rows = []
     for name, arm in arms.items():
         if name == reference:
@@ -499,6 +592,18 @@ def goal_markdown(
         else:
             cells.append("not run")
             misses.append(f"{heldout} not run")
+        # Exact match on the held-out task can sit at 0 for both arms, where it cannot show
+        # "worse"; the right answer's log-likelihood on the same trials still can.
+        lls = list(_loglik_differences(arm, ref, heldout, level).values()) if has_heldout else []
+        if lls:
+            mean_ll = sum(h[0] for h in lls) / len(lls)
+            ll_ok = mean_ll >= 0 or all(lo is not None and lo <= 0 <= hi for _, lo, hi, _ in lls)
+            how = " (trials)" if all(h[3] == "trials" for h in lls) else ""
+            cells.append(f"{mean_ll:+.2f}{how}" + ("" if ll_ok else " (worse)"))
+            if not ll_ok:
+                misses.append(f"{heldout} answer log-likelihood worse ({mean_ll:+.2f} nats)")
+        else:
+            cells.append("not recorded" if held else "not run")
         mine = [v for v in tokens_per_s.get(name, {}).values()]
         theirs = [v for v in tokens_per_s.get(reference, {}).values()]
         if mine and theirs:
@@ -526,8 +631,11 @@ def goal_markdown(
         "",
         f"Differences to {reference} in points (exact match, mean over depths and seeds) with "
         f"their {100 * level:g}% interval over seeds, or over the one common seed's trials where "
-        f"marked (the evaluation's noise only). Goal: every mean at least -{points:g} points, "
-        f"{heldout} no worse, >= {speedup:g}x tokens/s, >= {min_seeds} seeds per arm.",
+        f"marked (the evaluation's noise only). {heldout}: exact match in points and the right "
+        f"answer's log-likelihood in nats, each the mean over lengths of the differences; no "
+        f"worse when that mean is >= 0 or every length's interval holds 0. Goal: every mean "
+        f"at least -{points:g} points, {heldout} no worse on both, >= {speedup:g}x tokens/s, "
+        f">= {min_seeds} seeds per arm.",
     ]
     return "\n".join(lines)
 
