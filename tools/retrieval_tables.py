@@ -15,7 +15,8 @@ by seed where both arms ran two or more of the same seeds (Welch's interval othe
     python tools/retrieval_tables.py docs/long_context/results/retrieval-125m-extend-32k --goal
 
 ``--goal``: instead, issue 50's goal per arm (each arm within 5 points of the reference at 16k
-and 32k on passkey and multikey, no worse on code-value, >= 1.3x its tokens/s, 3 seeds), the
+and 32k on passkey and multikey, no worse on code-value by exact match and by the right
+answer's log-likelihood in nats, >= 1.3x its tokens/s, 3 seeds), the
 tokens/s from the study's ``results.csv`` beside the arms (the sweep's, rows ``<arm>,seed=<k>``).
 """
 
