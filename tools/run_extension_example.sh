@@ -72,7 +72,9 @@
 # 4096 alone where lengths beyond the base's are known to score nothing), TASKS
 # (kv-filler,passkey,needle), TRIALS (10), POSITION_SEQUENCES (64), PROBE_LENGTH (unset; one
 # of LENGTHS: every evaluation whose lengths include it also runs --attention-probe at it,
-# which layers look at the needle), PREFIX_EOD (unset; also: each evaluation is followed by a
+# which layers look at the needle), PROBE_TASKS (unset: the first of TASKS; with PROBE_LENGTH,
+# a comma list of TASKS to probe, e.g. passkey,multikey: --probe-tasks, each task after the
+# first into attention_probe_<task>.json), PREFIX_EOD (unset; also: each evaluation is followed by a
 # retrieval-only one of the same grid with every prompt behind the EOD token, --prefix-eod, into
 # <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/). Progress, one line per step, in
 # STATUS (example_status.log). Measured
@@ -143,6 +145,7 @@ evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by p
         --tasks "${TASKS:-kv-filler,passkey,needle}" --trials "${TRIALS:-10}" "$@") probe=()
     # The probe where its length is evaluated: not on a base evaluated at 4k alone.
     [[ -n ${PROBE_LENGTH:-} && ,$lengths, == *,$PROBE_LENGTH,* ]] && probe=(--attention-probe "$PROBE_LENGTH")
+    [[ ${#probe[@]} -gt 0 && -n ${PROBE_TASKS:-} ]] && probe+=(--probe-tasks "$PROBE_TASKS")
     if [[ ! -f "$run/long_context_eval/loss_by_position.json" ]]; then
         "${evaluator[@]}" --position-sequences "${POSITION_SEQUENCES:-64}" "${probe[@]}" \
             "data.blend=[$CODE]" > "$run/long_context_eval.log" 2>&1
@@ -205,6 +208,20 @@ if [[ -n ${PROBE_LENGTH:-} && ,$LENGTHS, != *,$PROBE_LENGTH,* ]]; then
     # Probed only where evaluated (the base with BASE_LENGTHS may skip it; the extension not).
     note "PROBE_LENGTH must be one of LENGTHS ($LENGTHS), got '$PROBE_LENGTH'"
     exit 2
+fi
+if [[ -n ${PROBE_TASKS:-} ]]; then
+    # Checked here, before any training: the evaluator would refuse it only after the runs.
+    if [[ -z ${PROBE_LENGTH:-} ]]; then
+        note "PROBE_TASKS needs PROBE_LENGTH (the probe's length, one of LENGTHS)"
+        exit 2
+    fi
+    IFS=, read -r -a probe_list <<< "$PROBE_TASKS"
+    for t in "${probe_list[@]}"; do
+        if [[ ,${TASKS:-kv-filler,passkey,needle}, != *,$t,* ]]; then
+            note "PROBE_TASKS: '$t' is not one of TASKS (${TASKS:-kv-filler,passkey,needle})"
+            exit 2
+        fi
+    done
 fi
 if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
     note "PREFIX_EOD must be empty or also, got '$PREFIX_EOD'"

@@ -34,7 +34,7 @@ SCRIPT_KNOBS = {
     "EXTEND_STUDIES", "EXTEND_MIN_ACCURACY", "DEVICES", "LENGTHS", "TASKS", "TRIALS",
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
-    "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS", "RETRIEVAL_DEPTH_DISTRIBUTION",
+    "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS", "RETRIEVAL_DEPTH_DISTRIBUTION", "PROBE_TASKS",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -501,6 +501,20 @@ def test_example_script_probes_attention_when_asked(tmp_path):
     for c in evals:
         at = c["args"].index("--attention-probe")
         assert c["args"][at + 1] == "8192"
+        assert "--probe-tasks" not in c["args"]  # the evaluator's default: the first task
+    # PROBE_TASKS: passed on with the probe, wherever the probe runs (a fresh checkout: the
+    # first one's evaluations are done and would be skipped).
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _write_fake(fresh)
+    calls = _run(fresh, fresh / "calls.jsonl", PROBE_LENGTH="8192", TASKS="passkey,multikey",
+                 PROBE_TASKS="passkey,multikey")  # fmt: skip
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    assert evals
+    for c in evals:
+        at = c["args"].index("--probe-tasks")
+        assert c["args"][at + 1] == "passkey,multikey"
+        assert "--attention-probe" in c["args"]
 
 
 def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tmp_path):
@@ -615,6 +629,11 @@ def test_prefix_eod_also_evaluates_every_run_behind_the_eod_token_once(tmp_path)
         (
             {"LENGTHS": "4096,8192", "PROBE_LENGTH": "16384"},
             "PROBE_LENGTH must be one of LENGTHS (4096,8192), got '16384'",
+        ),
+        ({"PROBE_TASKS": "passkey"}, "PROBE_TASKS needs PROBE_LENGTH"),
+        (
+            {"PROBE_LENGTH": "8192", "TASKS": "passkey,multikey", "PROBE_TASKS": "passkey,kv"},
+            "PROBE_TASKS: 'kv' is not one of TASKS (passkey,multikey)",
         ),
     ],
 )

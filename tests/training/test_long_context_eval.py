@@ -402,6 +402,49 @@ def test_prefix_eod_on_the_tiny_run(run_dir, evaluated):
     assert all(r["answer"].strip().isdigit() for r in records), records
 
 
+def test_attention_probe_on_several_tasks(run_dir):
+    """--probe-tasks passkey,multikey: the first task's probe as attention_probe.json (its
+    layout unchanged), the multi-needle task's as attention_probe_multikey.json with the mass
+    on its other needles; a head's masses on the asked and the other needles sum to at most 1,
+    and the weights still reproduce every layer's output."""
+    out = run_dir / "eval-probe-tasks"
+    # 256 tokens (past the run's 128, as GRID): two multikey needles need the room.
+    args = ["--lengths", "256", "--allow-extrapolation", "--depths", "0,1", "--trials", "2",
+            "--tasks", "passkey,multikey", "--multikey-needles", "2", "--skip-position",
+            "--attention-probe", "256", "--probe-tasks", "passkey,multikey"]  # fmt: skip
+    stdout = _eval_cli(run_dir, out, *args)
+    first = json.loads((out / "attention_probe.json").read_text())
+    multi = json.loads((out / "attention_probe_multikey.json").read_text())
+    assert first["task"] == "passkey" and multi["task"] == "multikey"
+    assert "others_top_head" not in first["layers"][0]
+    for found in (first, multi):
+        assert found["max_output_error"] < 1e-4, found["max_output_error"]
+        assert found["depths"] == [0.0, 1.0] and found["trials"] == 2
+    for layer in multi["layers"]:
+        for top, mean, otop, omean in zip(layer["top_head"], layer["mean_head"],
+                                          layer["others_top_head"],
+                                          layer["others_mean_head"]):  # fmt: skip
+            assert 0.0 <= mean <= top <= 1.0 + 1e-9 and 0.0 <= omean <= 1.0 + 1e-9, layer
+            assert 0.0 <= otop and top + otop <= 1.0 + 1e-9, layer  # the same head's attention
+            assert mean + omean <= 1.0 + 1e-9, layer
+    assert (out / "attention_probe_multikey.md").is_file()
+    assert "## multikey at 256 tokens: attention on the needle" in stdout
+
+
+def test_probe_tasks_are_checked_first(run_dir, capsys):
+    ckpt = ["--checkpoint", str(run_dir / "checkpoints"), "--lengths", "128", "--tasks",
+            "passkey,multikey"]  # fmt: skip
+    err = _fails(capsys, *ckpt, "--probe-tasks", "passkey")
+    assert "--probe-tasks needs --attention-probe LENGTH" in err
+    err = _fails(capsys, *ckpt, "--attention-probe", "128", "--probe-tasks", "passkey,kv")
+    assert (
+        "--probe-tasks: 'passkey,kv' must name distinct tasks of this evaluation's --tasks "
+        "(passkey, multikey)" in err
+    )
+    err = _fails(capsys, *ckpt, "--attention-probe", "128", "--probe-tasks", "passkey,passkey")
+    assert "must name distinct tasks" in err
+
+
 def test_attention_probe_needs_one_process(run_dir, capsys):
     ckpt = ["--checkpoint", str(run_dir / "checkpoints"), "--lengths", "128"]
     err = _fails(capsys, *ckpt, "--attention-probe", "128", "parallel.context_parallel_size=2")

@@ -243,3 +243,26 @@ def test_needles_in_bpe_code_sit_at_their_depth(bpe, name):
         assert trial.needle_at == 0 or not before[before.rindex("\n") + 1 :].strip(" \t")
     errors = np.asarray(errors)
     assert errors.mean() < 0.03 and (errors > 0.1).mean() < 0.02, (errors.mean(), errors.max())
+
+
+@pytest.mark.parametrize("name", ["passkey", "multikey"])
+def test_probe_needle_spans_are_the_needles_tokens(bpe, name):
+    """The attention probe's spans: the asked needle's tokens and each other needle's, exactly
+    (decoded back to their needle text), in both tokenizers; none for one-needle tasks."""
+    from megatron_s2.training.evaluation.attention_probe import needle_spans
+
+    task = T.get_task(name, 3 if name == "multikey" else None)
+    for _, tok in _tokenizers(bpe):
+        stream = T.haystack_stream(task, tok, _code_docs(tok), 5000)
+        for i, depth in enumerate((0.0, 0.5, 1.0)):
+            trial = T.make_trial(task, tok, stream, 1500, depth, i, seed=11)
+            span, others = needle_spans(task, tok, trial)
+            asked = task.needle.format(key=trial.key, value=trial.value)
+            assert tok.decode(trial.tokens[span].tolist()) == asked
+            assert len(others) == task.needles - 1
+            for (key, value, _), o in zip(trial.others, others):
+                assert tok.decode(trial.tokens[o].tolist()) == task.needle.format(
+                    key=key, value=value
+                )
+            taken = [set(range(s.start, s.stop)) for s in [span, *others]]
+            assert sum(map(len, taken)) == len(set().union(*taken))  # no overlap

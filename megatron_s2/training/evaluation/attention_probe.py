@@ -25,7 +25,7 @@ import torch
 from ..run_config import ConfigError
 from .model import EvalModel
 from .scoring import score_sequences
-from .tasks import TASKS, haystack_stream, heldout_documents, make_trial
+from .tasks import get_task, haystack_stream, heldout_documents, make_trial
 
 PROBE = "--attention-probe"
 
@@ -84,11 +84,13 @@ def needle_weights(
 
 class _Capture:
     """The probe's hooks on every core attention for one forward pass of one sequence: query
-    row ``row``'s attention mass on the key positions ``span``, per layer and head."""
+    row ``row``'s attention mass on the key positions ``span`` (the asked needle), and on the
+    ``others`` spans together (a multi-needle task's other needles), per layer and head."""
 
-    def __init__(self, layers: list, row: int, span: slice):
-        self.layers, self.row, self.span = layers, row, span
+    def __init__(self, layers: list, row: int, span: slice, others: Sequence[slice] = ()):
+        self.layers, self.row, self.span, self.others = layers, row, span, list(others)
         self.mass = {}  # layer -> [np] needle mass
+        self.others_mass = {}  # layer -> [np] mass on the other needles
         self.output_error = 0.0
         self.handles = []
 
@@ -116,6 +118,8 @@ class _Capture:
             scale = getattr(module, "softmax_scale", None) or q.shape[-1] ** -0.5
             w = needle_weights(q, k, self.row, scale, getattr(module, "pattern", None))
             self.mass[index] = w[:, self.span].sum(-1).cpu()
+            if self.others:
+                self.others_mass[index] = sum(w[:, o].sum(-1) for o in self.others).cpu()
             # The weights must reproduce what the layer computed at this row.
             rep = q.shape[1] // k.shape[1]
             vv = v[: self.row + 1].double().repeat_interleave(rep, dim=1)  # [row + 1, np, hn]
@@ -128,6 +132,16 @@ class _Capture:
         return hook
 
 
+def needle_spans(task, tokenizer, trial) -> tuple[slice, list[slice]]:
+    """The token positions of a trial's asked needle and of its other needles (a multi-needle
+    task's; none otherwise): ``(span, [span, ...])`` into ``trial.tokens``."""
+
+    def span(key: str, value: str, at: int) -> slice:
+        return slice(at, at + len(tokenizer.encode(task.needle.format(key=key, value=value))))
+
+    return span(trial.key, trial.value, trial.needle_at), [span(*o) for o in trial.others]
+
+
 def probe_needle_attention(
     em: EvalModel,
     task_name: str,
@@ -137,20 +151,25 @@ def probe_needle_attention(
     *,
     seed: int = 0,
     documents: Optional[list] = None,
+    multikey_needles: Optional[int] = None,
 ) -> dict:
     """Per layer and depth, the needle's share of attention at the position that predicts the
     answer's first token, over ``trials`` prompts of ``task_name`` at ``length`` tokens (the
-    retrieval evaluation's own prompts). ``em``: a one-process
-    :class:`~.model.EvalModel`.
+    retrieval evaluation's own prompts, ``multikey_needles`` as its option). ``em``: a
+    one-process :class:`~.model.EvalModel`.
 
     Returns ``{"layers": [{"layer", "kind", "mean_head", "top_head"}], ...}`` where
     ``mean_head[d]`` is the mass averaged over heads and trials at depth ``depths[d]`` and
     ``top_head[d]`` the strongest head's mass averaged over trials (a retrieval head: near 1);
     ``max_output_error`` is the largest relative error of the weights' output against the
-    layers' own.
+    layers' own. For a task with several needles (``multikey``) each layer also has
+    ``others_mean_head`` and ``others_top_head``: the same on the other needles' tokens
+    together (the distractors; ``others_top_head`` is the mass on them of the head that puts
+    the most on the asked needle, so that a head which finds *a* needle but not the asked one
+    shows), fractions of the head's attention.
     """
     check_probe_layout(em.cfg)
-    task = TASKS[task_name]
+    task = get_task(task_name, multikey_needles)
     if task.filler == "corpus" and documents is None:
         documents = heldout_documents(em.cfg)
     tok = em.tokenizer
@@ -158,20 +177,39 @@ def probe_needle_attention(
     layers = core_attention_layers(em.model[0])
     mean = np.zeros((len(layers), len(depths)))
     top = np.zeros((len(layers), len(depths)))
+    others_mean = np.zeros((len(layers), len(depths)))
+    others_top = np.zeros((len(layers), len(depths)))
     error = 0.0
+
     for di, depth in enumerate(depths):
         for i in range(trials):
             trial = make_trial(task, tok, stream, length, depth, i, seed=seed)
-            fill = {"key": trial.key, "value": trial.value}
-            needle = len(tok.encode(task.needle.format(**fill)))
-            span = slice(trial.needle_at, trial.needle_at + needle)
-            with _Capture(layers, trial.answer_at - 1, span) as cap:
+            span, others = needle_spans(task, tok, trial)
+            with _Capture(layers, trial.answer_at - 1, span, others) as cap:
                 score_sequences(em, trial.tokens[None])
             for li, (index, _) in enumerate(layers):
                 mass = cap.mass[index]
                 mean[li, di] += float(mass.mean()) / trials
                 top[li, di] += float(mass.max()) / trials
+                if others:
+                    other = cap.others_mass[index]
+                    others_mean[li, di] += float(other.mean()) / trials
+                    others_top[li, di] += float(other[int(mass.argmax())]) / trials
             error = max(error, cap.output_error)
+    several = task.needles > 1
+
+    def layer_entry(li: int, index: int, module) -> dict:
+        entry = {
+            "layer": index,
+            "kind": "S2" if getattr(module, "pattern", None) is not None else "dense",
+            "mean_head": mean[li].tolist(),
+            "top_head": top[li].tolist(),
+        }
+        if several:
+            entry.update(others_mean_head=others_mean[li].tolist(),
+                         others_top_head=others_top[li].tolist())  # fmt: skip
+        return entry
+
     return {
         "task": task_name,
         "length": length,
@@ -179,15 +217,7 @@ def probe_needle_attention(
         "trials": trials,
         "seed": seed,
         "max_output_error": error,
-        "layers": [
-            {
-                "layer": index,
-                "kind": "S2" if getattr(module, "pattern", None) is not None else "dense",
-                "mean_head": mean[li].tolist(),
-                "top_head": top[li].tolist(),
-            }
-            for li, (index, module) in enumerate(layers)
-        ],
+        "layers": [layer_entry(li, index, module) for li, (index, module) in enumerate(layers)],
     }
 
 

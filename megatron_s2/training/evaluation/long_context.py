@@ -97,12 +97,38 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="also measure, per layer and head, the attention on the needle of the first task's "
         "prompts at LENGTH tokens (one process; docs/long_context_eval.md)",
     )
+    p.add_argument(
+        "--probe-tasks",
+        metavar="TASKS",
+        help="with --attention-probe: the tasks whose prompts it probes, a comma list of the "
+        "evaluation's --tasks (default: the first); the first's result is attention_probe.json, "
+        "each other's attention_probe_<task>.json (a multi-needle task's also gives the "
+        "attention on its other needles)",
+    )
     p.add_argument("--skip-retrieval", action="store_true")
     p.add_argument("--skip-position", action="store_true")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--output-dir", help="default: <run dir>/long_context_eval")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="run config overrides")
     return p
+
+
+def _probe_tasks(raw: Optional[str], tasks: list, probing: bool) -> list:
+    """``--probe-tasks`` checked against the evaluation's tasks: the tasks to probe, in order
+    (default: the first task when probing, none otherwise). Raises :class:`ConfigError`
+    naming the option and the allowed values."""
+    if raw is None:
+        return tasks[:1] if probing else []
+    if not probing:
+        raise ConfigError("--probe-tasks needs --attention-probe LENGTH (the probe's length)")
+    chosen = [t.strip() for t in raw.split(",") if t.strip()]
+    unknown = [t for t in chosen if t not in tasks]
+    if not chosen or unknown or len(set(chosen)) != len(chosen):
+        raise ConfigError(
+            f"--probe-tasks: {raw!r} must name distinct tasks of this evaluation's --tasks "
+            f"({', '.join(tasks)})"
+        )
+    return chosen
 
 
 def _config_from_args(args) -> RunConfig:
@@ -132,6 +158,7 @@ def run(args) -> dict:
     else:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     probe = [args.attention_probe] if args.attention_probe is not None else []
+    probe_tasks = _probe_tasks(args.probe_tasks, tasks, bool(probe))
     if args.prefix_eod and (args.skip_retrieval or probe):
         # It changes the retrieval prompts alone: where it would be ignored, say so first.
         raise ConfigError(
@@ -211,19 +238,24 @@ def run(args) -> dict:
             say(text, flush=True)
             files += [write(out_dir, "retrieval.md", text)]
             files += [write(out_dir, "retrieval.json", retrieval)]
-    if probe:
+    for n, task in enumerate(probe_tasks):
         found = probe_needle_attention(
-            em, tasks[0], probe[0], depths, args.trials, seed=args.seed, documents=documents
-        )
+            em, task, probe[0], depths, args.trials, seed=args.seed, documents=documents,
+            multikey_needles=args.multikey_needles,
+        )  # fmt: skip
         found.update(checkpoint=em.checkpoint, iteration=em.iteration)
-        result["attention_probe"] = found
+        if n == 0:
+            result["attention_probe"] = found
+        result.setdefault("attention_probes", {})[task] = found
         text = (
-            f"## {tasks[0]} at {probe[0]} tokens: attention on the needle from the position "
+            f"## {task} at {probe[0]} tokens: attention on the needle from the position "
             "predicting the answer, strongest head (mean over heads)\n\n" + probe_table(found)
         )
         say(text, flush=True)
-        files += [write(out_dir, "attention_probe.md", text)]
-        files += [write(out_dir, "attention_probe.json", found)]
+        # The first task's files keep the names they had before --probe-tasks existed.
+        stem = "attention_probe" if n == 0 else f"attention_probe_{task}"
+        files += [write(out_dir, f"{stem}.md", text)]
+        files += [write(out_dir, f"{stem}.json", found)]
     if not args.skip_position:
         position = evaluate_loss_by_position(
             em,
