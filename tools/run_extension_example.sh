@@ -383,8 +383,13 @@ if [[ -n "${RESULTS_DIR:-}" ]]; then
         for run in sweeps/"$study"/runs/*/; do
             copy_results "$study" "$run" || status=$?
         done
+        # The sweep's table beside the arms, so that `tools/retrieval_tables.py
+        # RESULTS_DIR/<study> --goal` finds its tokens/s (this lease's runs only).
+        if [[ -f sweeps/$study/results.csv && -d $RESULTS_DIR/$study ]]; then
+            cp "sweeps/$study/results.csv" "$RESULTS_DIR/$study/" || status=$?
+        fi
     done
-    note "evaluator outputs copied to $RESULTS_DIR"
+    note "evaluator outputs and the studies' results.csv copied to $RESULTS_DIR"
 fi
 note "all done (exit $status): sweeps/$BASE_NAME $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")"
 exit "$status"

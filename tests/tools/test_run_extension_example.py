@@ -94,6 +94,9 @@ FAKE = textwrap.dedent(
         for run in runs:
             os.makedirs(f"{{run}}/checkpoints", exist_ok=True)
             open(f"{{run}}/summary.json", "w").write("{{}}")
+        # The sweep's table (its points and status), as `run` writes it.
+        open(f"sweeps/{{name}}/results.csv", "w").write(
+            "point,status\\n" + "".join(f"{{p}},finished\\n" for p in points[name]))
         code = run_after(args, runs)
         if cut:
             os.kill(os.getppid(), signal.SIGKILL)
@@ -550,6 +553,10 @@ def test_example_script_runs_given_seeds_of_a_base_study_and_collects_results(tm
         for arm in ("dense", "hybrid-DS"):
             got = tmp_path / "results" / study / arm / "seed2" / "retrieval.json"
             assert json.loads(got.read_text())["tasks"]["passkey"]["cells"]
+        # The sweep's table beside the arms, for retrieval_tables.py --goal's tokens/s.
+        table = (tmp_path / "results" / study / "results.csv").read_text()
+        assert table == (tmp_path / "sweeps" / study / "results.csv").read_text()
+        assert "dense,seed=2,finished" in table
 
 
 def test_example_script_keeps_each_evaluation_when_cut_off(tmp_path):
