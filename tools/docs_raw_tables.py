@@ -626,6 +626,15 @@ def _ci(entry: dict) -> str:
     return f"{entry['accuracy']:.2f} [{entry['ci_low']:.2f}, {entry['ci_high']:.2f}]"
 
 
+def _pooled_ci(stats, entries: list[dict]) -> str:
+    """Retrieval.json cells or lengths (``correct`` of ``trials``) pooled into one exact match
+    with its Wilson 95% interval, as :func:`_ci` prints it."""
+    k = sum(e["correct"] for e in entries)
+    n = sum(e["trials"] for e in entries)
+    lo, hi = stats.wilson_interval(k, n)
+    return _ci({"accuracy": k / n, "ci_low": lo, "ci_high": hi})
+
+
 def retrieval_probe2_4k() -> str:
     """docs/long_context_eval.md, "the second 4k probe": exact match per task and length."""
     runs = read_csv(PROBE2 / "results.csv")
@@ -791,12 +800,9 @@ def retrieval_recipe_depth0() -> str:
         for label, res in runs.items():
             cells = {c["length"]: c for c in res["tasks"][name]["cells"] if c["depth"] == 0}
             lengths = lengths or sorted(cells)
-            k = sum(cells[n]["correct"] for n in lengths)
-            trials = sum(cells[n]["trials"] for n in lengths)
-            lo, hi = stats.wilson_interval(k, trials)
-            pooled = {"accuracy": k / trials, "ci_low": lo, "ci_high": hi}
+            pooled = _pooled_ci(stats, [cells[n] for n in lengths])
             rows.append([name if label == "dense, plain" else "", label,
-                         *(_ci(cells[n]) for n in lengths), _ci(pooled)])  # fmt: skip
+                         *(_ci(cells[n]) for n in lengths), pooled])  # fmt: skip
         counts = stats.paired_counts(
             runs["hybrid-DS, EOD first"], runs["hybrid-DS, plain"], name, depths=[0.0]
         )
@@ -909,12 +915,9 @@ def retrieval_arcsine_conversion() -> str:
         for label, res in (("dense twin", dense), ("dense-to-hybrid-DS", hybrid)):
             by_len = {b["length"]: b for b in res["tasks"][task]["by_length"]}
             lengths = lengths or sorted(by_len)
-            k = sum(by_len[n]["correct"] for n in lengths)
-            trials = sum(by_len[n]["trials"] for n in lengths)
-            lo, hi = stats.wilson_interval(k, trials)
-            pooled = {"accuracy": k / trials, "ci_low": lo, "ci_high": hi}
+            pooled = _pooled_ci(stats, [by_len[n] for n in lengths])
             rows.append([task if label == "dense twin" else "", label,
-                         *(_ci(by_len[n]) for n in lengths), _ci(pooled)])  # fmt: skip
+                         *(_ci(by_len[n]) for n in lengths), pooled])  # fmt: skip
         every = [(f"depth {d:g}", [float(d)]) for d in dense["depths"]] + [("every depth", None)]
         for label, depths in every:
             counts = stats.paired_counts(hybrid, dense, task, depths)

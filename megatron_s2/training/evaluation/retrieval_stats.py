@@ -303,13 +303,34 @@ def _loglik_differences(
         theirs = {s: answer_loglik_means(r, task) for s, r in ref.items()}
     except ValueError:
         return {}
+    trials = _one_seed_trials(arm, ref, lambda a, b: paired_loglik_difference(a, b, task, level))
+    return _arm_differences(mine, theirs, trials, level)
+
+
+def _one_seed_trials(arm: Mapping[int, Mapping], ref: Mapping[int, Mapping], pair) -> dict:
+    """Where the two arms share exactly one seed, ``pair(arm's file, ref's file)`` over that
+    seed's trials (``{length: (difference, low, high, trials)}``); else, or where the files do
+    not hold the same trials (ValueError), empty."""
     common = sorted(set(arm) & set(ref))
-    trials: dict = {}
-    if len(common) == 1:
-        try:
-            trials = paired_loglik_difference(arm[common[0]], ref[common[0]], task, level)
-        except ValueError:
-            pass
+    if len(common) != 1:
+        return {}
+    try:
+        return pair(arm[common[0]], ref[common[0]])
+    except ValueError:
+        return {}
+
+
+def _arm_differences(
+    mine: Mapping[int, Mapping[int, float]],
+    theirs: Mapping[int, Mapping[int, float]],
+    trials: Mapping[int, tuple],
+    level: float,
+) -> dict[int, tuple[float, Optional[float], Optional[float], str]]:
+    """``{length: (mean, low, high, how)}`` of per-seed values (``{seed: {length: value}}``,
+    an arm's and the reference's) at each length both have: the difference with its interval
+    over seeds where :func:`difference_interval` gives one ("paired" or "Welch"), else
+    ``trials``' interval over the one common seed's trials ("trials"), else the difference of
+    the means alone ("one seed")."""
     lengths = {n for v in mine.values() for n in v} & {n for v in theirs.values() for n in v}
     out = {}
     for n in sorted(lengths):
@@ -504,26 +525,9 @@ def _differences(
     compared (``how`` "paired" or "Welch"), else over the one common seed's trials (``how``
     "trials", when the files hold per-trial records of the same trials), else the mean alone
     (``how`` "one seed", no interval)."""
-    by_seed = difference_to_reference(arm, ref, task, level)
-    common = sorted(set(arm) & set(ref))
-    trials: dict = {}
-    if len(common) == 1:
-        try:
-            trials = paired_trial_difference(arm[common[0]], ref[common[0]], task, level)
-        except ValueError:
-            pass
-    mine, theirs = seed_summary(arm, task, level), seed_summary(ref, task, level)
-    out = {}
-    for n in sorted(set(mine) & set(theirs)):
-        est, how = by_seed.get(n, (None, ""))
-        if est is not None and est.half_width is not None:
-            out[n] = (est.mean, est.low, est.high, how)
-        elif n in trials:
-            out[n] = (*trials[n][:3], "trials")
-        else:
-            mean = est.mean if est is not None else mine[n].mean - theirs[n].mean
-            out[n] = (mean, None, None, "one seed")
-    return out
+    trials = _one_seed_trials(arm, ref, lambda a, b: paired_trial_difference(a, b, task, level))
+    mine, theirs = _per_seed_points(arm, task), _per_seed_points(ref, task)
+    return _arm_differences(mine, theirs, trials, level)
 
 
 def goal_markdown(
