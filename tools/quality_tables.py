@@ -121,6 +121,18 @@ def main(argv=None) -> int:
                     f"quality_tables: no loss_by_position.json under {args.positions}",
                     file=sys.stderr,
                 )
+            elif args.reference and not any(r["setting"] == args.reference for r in pos):
+                # Runs carried in from an earlier GPU lease have no checkpoint to evaluate, so a
+                # study can hold curves for some settings only; without the reference's there
+                # is no difference to compute, but the other tables still stand.
+                have = sorted({r["setting"] for r in pos})
+                print(
+                    f"quality_tables: the position tables are left out: reference "
+                    f"{args.reference!r} has no loss_by_position.json under {args.positions} "
+                    f"(settings with one: {', '.join(have)})",
+                    file=sys.stderr,
+                )
+                pos = []
             for key, name in (
                 ()
                 if not pos

@@ -341,6 +341,54 @@ def test_quality_tables_tool_recomputes_the_summary(tmp_path):
     assert bad.returncode == 2 and "reference 'none'" in bad.stderr
 
 
+def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(tmp_path):
+    """Runs carried in from an earlier lease have no loss_by_position.json: with the reference's
+    missing the position tables are left out (naming the settings that have one) and the
+    validation-loss table is still printed; with the reference's present they are computed."""
+    rows = _rows(
+        {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
+        {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
+    )
+    path = tmp_path / "results.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    runs = tmp_path / "runs"
+
+    def curve(point: str, loss: float) -> None:
+        folder = runs / point / "long_context_eval"
+        folder.mkdir(parents=True)
+        bins = [
+            {"start": 0, "end": 1024, "loss": loss + 0.5, "tokens": 100},
+            {"start": 1024, "end": 2048, "loss": loss, "tokens": 100},
+        ]
+        (folder / "loss_by_position.json").write_text(json.dumps({"bins": bins}))
+
+    for seed, loss in enumerate([2.99, 3.12, 2.95], start=1):
+        curve(f"hybrid,seed={seed}", loss)
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "quality_tables.py"),
+        str(path),
+        "--reference",
+        "dense",
+        "--positions",
+        str(runs),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert (
+        "position tables are left out" in res.stderr and "(settings with one: hybrid)" in res.stderr
+    )
+    assert res.stdout.count("| setting") == 1 and "valid loss (95% CI)" in res.stdout
+    for seed, loss in enumerate([3.00, 3.10, 2.95], start=1):
+        curve(f"dense,seed={seed}", loss)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert "left out" not in res.stderr
+    assert res.stdout.count("| setting") == 3
+    assert "loss at positions >= 1024" in res.stdout
+
+
 def test_collect_writes_seed_columns_and_summary(tmp_path):
     """collect on runs that finished (their metrics written here, no training): the table has
     the setting, the seed and the length of every row, and the summary groups the seeds."""
@@ -442,3 +490,24 @@ def test_quality_doc_100m_tables_are_the_tools_output():
     for table in tables:
         assert table.strip() in doc, table.splitlines()[0]
     assert "| 763 | 100.0 |" in tables[1]
+
+
+def test_quality_doc_16k_grid_table_is_the_tools_output():
+    """docs/quality.md's table of the 16k stride x window grid (in progress) is what
+    tools/quality_tables.py computes from the grid's committed results.csv."""
+    study = REPO / "docs" / "quality" / "code-125m-16k-stride-window"
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "quality_tables.py"),
+            str(study / "results.csv"),
+            "--reference",
+            "dense",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    table = res.stdout.split("\n\n")[0].strip()
+    assert table.startswith("| setting") and "vert_stride=12,local_blocks=8" in table
+    assert table in (REPO / "docs" / "quality.md").read_text()
