@@ -85,9 +85,15 @@ class Runtime:
             enable_cpu_mode()
         parallel.init_process_group(self.env, gpu=self.gpu)
 
-    def start(self, parallel_section: ParallelConfig, *, seed: int) -> None:
+    def start(
+        self, parallel_section: ParallelConfig, *, seed: int, deterministic: bool = False
+    ) -> None:
         """:meth:`start_process`, then Megatron's TP/PP/CP/DP groups for ``parallel_section``
-        and the seeds of every RNG (collective)."""
+        and the seeds of every RNG (collective). ``deterministic`` (``train.deterministic``):
+        the libraries' deterministic algorithms first
+        (:func:`.parallel.use_deterministic_algorithms`), before the first GPU work."""
+        if deterministic:
+            parallel.use_deterministic_algorithms()
         self.start_process()
         parallel.init_model_parallel(parallel_section, seed=seed)
 
@@ -141,6 +147,7 @@ def build_run(
     train_iters: int = 0,
     backend: str = "auto",
     init_weights: Optional[Callable[[list], None]] = None,
+    deterministic: bool = False,
 ) -> RunParts:
     """Build this rank's model (and, with ``optimizer``, what trains it) after
     :meth:`Runtime.start` (collective).
@@ -156,12 +163,14 @@ def build_run(
         backend: ``s2attn.s2_attention`` backend of the S2 layers.
         init_weights: called with the unwrapped chunks before they are wrapped, e.g. to load
             other initial weights (the parallel check's reference weights).
+        deterministic: Megatron's ``deterministic_mode`` in the model config
+            (``train.deterministic``; :meth:`Runtime.start` sets the rest of the process).
     """
     from megatron.core import parallel_state as ps
 
     bf16 = runtime.bf16
     config = parallel.transformer_config(
-        model, parallel_section, schedule, bf16=bf16, backend=backend
+        model, parallel_section, schedule, bf16=bf16, backend=backend, deterministic=deterministic
     )
     chunks = parallel.build_model_chunks(model, config, vocab_size, gpu=runtime.gpu)
     if init_weights is not None:

@@ -122,8 +122,33 @@ def use_bf16(precision: str, *, gpu: bool) -> bool:
     return gpu and precision in ("auto", "bf16")
 
 
+def use_deterministic_algorithms() -> None:
+    """Ask every library this process uses for its deterministic algorithms, before any GPU
+    work (``train.deterministic``): PyTorch's strict mode (an operation without a deterministic
+    implementation raises, naming itself; SDPA's flash backward takes its deterministic path),
+    cuBLAS's fixed workspace that mode needs, cuDNN's deterministic choice and Transformer
+    Engine's (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, which Megatron's ``deterministic_mode``
+    requires of TE attention). Megatron's ``deterministic_mode`` itself (FA4's deterministic
+    backward, the embedding's) goes into the model config: :func:`transformer_config`."""
+    import os
+
+    # The workspace must be fixed before the first cuBLAS handle exists; an explicit choice of
+    # the user's (":16:8" is the other allowed one) stays.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, schedule, *, bf16: bool, backend: str = "auto"
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    schedule,
+    *,
+    bf16: bool,
+    backend: str = "auto",
+    deterministic: bool = False,
 ):
     """The run's model config: an :class:`megatron_s2.config.S2TransformerConfig`, or its
     ``HybridModel`` twin's :class:`megatron_s2.hybrid.S2HybridTransformerConfig`
@@ -134,6 +159,8 @@ def transformer_config(
         schedule: the attention schedule (``AttentionSchedule``, its mapping or a YAML path).
         bf16: bf16 parameters and pipeline communication (else fp32).
         backend: ``s2attn.s2_attention`` backend of the S2 layers.
+        deterministic: Megatron's ``deterministic_mode`` (``train.deterministic``; with
+            :func:`use_deterministic_algorithms` for the rest of the process).
     """
     import torch.nn.functional as F
 
@@ -195,6 +222,7 @@ def transformer_config(
         s2_seq_length=model.seq_length,
         s2_backend=backend,
         dense_backend=model.dense_attention,
+        deterministic_mode=deterministic,
         **recompute,
         **fp8_kwargs(model),
     )

@@ -269,6 +269,10 @@ class TrainConfig:
     # default concatenation).
     pack_documents: bool = False
     num_workers: int = 0
+    # Bitwise reproducible reruns (Megatron's deterministic_mode, FA4's deterministic backward,
+    # PyTorch's deterministic algorithms): the dense layers' attention backward otherwise sums
+    # dQ in an order that varies from run to run (docs/quality.md, "The noise band").
+    deterministic: bool = False
 
     def validate(self) -> None:
         """Check the train section's own values (``pack_documents`` and what it needs:

@@ -145,7 +145,7 @@ class Trainer:
         self.gpu, self.bf16 = self.runtime.gpu, self.runtime.bf16
         self.schedule = cfg.schedule()
         self.runtime.check(cfg.model)
-        self.runtime.start(cfg.parallel, seed=cfg.train.seed)
+        self.runtime.start(cfg.parallel, seed=cfg.train.seed, deterministic=cfg.train.deterministic)
         self.world_size = torch.distributed.get_world_size()
         self.rank0 = _rank0()
         self.device = self.runtime.device
@@ -219,6 +219,7 @@ class Trainer:
             self.runtime,
             optimizer=cfg.optimizer,
             train_iters=cfg.train.train_iters,
+            deterministic=cfg.train.deterministic,
         )
         self.model_config, self.model = parts.config, parts.model
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
@@ -435,6 +436,9 @@ class Trainer:
                 else "PyTorch reference attention"
             )
             mode = f"CPU mode: {self.world_size} process(es), gloo, fp32, {attention}"
+        if self.cfg.train.deterministic:
+            # Reruns are compared bit for bit only when the log says they were asked to be.
+            mode += ", deterministic algorithms (train.deterministic)"
         self._print(f"{PREFIX} {mode}")
 
     def _write_run_config(self) -> None:

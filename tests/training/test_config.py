@@ -440,6 +440,33 @@ def test_fp8_may_change_on_resume():
     assert not resume_changes(old, new, own=True).refused
 
 
+def test_deterministic_maps_to_megatrons_deterministic_mode_and_may_change_on_resume():
+    """train.deterministic becomes Megatron's deterministic_mode (what --deterministic-mode
+    sets: FA4's deterministic backward, the embedding's); off by default. Like Megatron-LM's
+    flag it is how a run executes, so a resume may switch it (the change is printed) and a
+    checkpoint written before the key existed is not refused."""
+    from megatron_s2.training import parallel
+    from megatron_s2.training.run_config import resume_changes
+
+    plain = load_config()
+    assert plain.train.deterministic is False
+    tc = parallel.transformer_config(plain.model, plain.parallel, plain.attention, bf16=False)
+    assert tc.deterministic_mode is False
+    det = load_config(None, ["train.deterministic=true"])
+    tc = parallel.transformer_config(
+        det.model, det.parallel, det.attention, bf16=False, deterministic=det.train.deterministic
+    )
+    assert tc.deterministic_mode is True
+    old = plain.to_dict()
+    changes = resume_changes(old, det, own=True)
+    assert not changes.refused and not changes.plan
+    assert [c.key for c in changes.other] == ["train.deterministic"]
+    del old["train"]["deterministic"]
+    assert not resume_changes(old, det, own=True).refused
+    with pytest.raises(ConfigError, match="train.deterministic"):
+        load_config(None, ["train.deterministic=sometimes"])
+
+
 @pytest.mark.parametrize(
     "comm, expect", [("auto", None), ("all_gather", "all_gather"), ("a2a", "a2a")]
 )

@@ -192,6 +192,24 @@ def test_activation_recompute_keeps_losses(tmp_path, demo_dir):
             assert recs[i]["loss"] == pytest.approx(base[i]["loss"], abs=1e-5), (mode, i)
 
 
+def test_deterministic_runs_repeat_bit_for_bit(tmp_path, demo_dir):
+    """train.deterministic: the run says so, PyTorch's strict deterministic mode accepts every
+    operation of a training step on the CPU (strict mode raises on any it has no deterministic
+    algorithm for), and a rerun repeats every step's loss and gradient norm exactly."""
+    runs = [
+        run_trainer(tmp_path, demo_dir, "train.train_iters=4", "train.deterministic=true", name=n)
+        for n in ("a", "b")
+    ]
+    for proc, _ in runs:
+        assert "deterministic algorithms (train.deterministic)" in proc.stdout
+    (_, a), (_, b) = runs
+    assert sorted(a) == [1, 2, 3, 4]
+    for i in a:
+        assert a[i]["loss"] == b[i]["loss"] and a[i]["grad_norm"] == b[i]["grad_norm"], i
+    proc, _ = run_trainer(tmp_path, demo_dir, "train.train_iters=3", name="plain")
+    assert "deterministic algorithms" not in proc.stdout
+
+
 @pytest.mark.slow
 def test_real_sigterm_saves_and_stops(tmp_path, demo_dir):
     """SIGTERM to the whole process group, as Slurm signals a job step: data-loader workers
