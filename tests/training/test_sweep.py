@@ -421,6 +421,8 @@ def test_example_study_loads():
         ("retrieval-125m-4k-probe", 4),
         ("retrieval-125m-4k-base", 18),
         ("retrieval-125m-extend-32k", 30),
+        ("retrieval-125m-4k-base-long", 6),
+        ("retrieval-125m-extend-32k-longbase", 9),
     ],
 )
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
@@ -460,6 +462,45 @@ def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, poin
         # the switch that keeps the dense twin's retrieval layers (10, 11) dense: 6 of 12
         late = schedules["dense-to-hybrid-DSDSDSDSSSDD"].dense_layer_indices(12)
         assert sorted(late) == [0, 2, 4, 6, 10, 11]
+
+
+def test_the_long_base_doubles_the_recipes_base_and_extends_it_the_same_way(tmp_path):
+    """The dense bar's lever (docs/long_context_eval.md, "Next leases"): the long base is the
+    recipe's 4k base with twice the steps over two data-parallel processes (the same tokens a
+    step, batch, LR and 8% warm-up), and its extension study is the recipe's extension, point
+    for point, only loading the long base of the same arm and seed."""
+    corpus = ["data.demo=false", f"data.blend=[{tmp_path}/train_valid]", "data.split=100,3,0",
+              f"data.tokenizer={tmp_path}/tokenizer"]  # fmt: skip
+
+    def load(name):
+        return load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
+
+    base, long = load("retrieval-125m-4k-base"), load("retrieval-125m-4k-base-long")
+    assert (base.nproc_per_node or 1) == 1 and long.nproc_per_node == 2
+    b = {p.name: p.config for p in base.points}
+    for p in long.points:
+        c, ref = p.config, b[p.name]
+        assert c.train.train_iters == 2 * ref.train.train_iters
+        assert c.train.global_batch_size == ref.train.global_batch_size
+        assert c.train.micro_batch_size * long.nproc_per_node == c.train.global_batch_size
+        assert c.optimizer.lr == ref.optimizer.lr
+        assert c.optimizer.lr_warmup_iters == 2 * ref.optimizer.lr_warmup_iters
+        assert c.model == ref.model and c.attention == ref.attention
+    ext, ext_long = load("retrieval-125m-extend-32k"), load("retrieval-125m-extend-32k-longbase")
+    e = {p.name: p.config.to_dict() for p in ext.points}
+    for p in ext_long.points:
+        seed = p.name.rsplit(",", 1)[1]
+        arm = "dense" if p.name.startswith("dense-to-") else p.setting
+        got = p.config.to_dict()
+        assert got["checkpoint"].pop("load_dir") == (
+            f"sweeps/retrieval-125m-4k-base-long/runs/{arm},{seed}/checkpoints"
+        )
+        want = e[p.name]
+        want["checkpoint"].pop("load_dir")
+        for d in (got, want):
+            d.pop("name")
+            d["logging"].pop("run_dir")
+        assert got == want, p.name
 
 
 @pytest.mark.parametrize("name", ["retrieval-125m-4k-base", "retrieval-125m-extend-32k"])
