@@ -76,7 +76,11 @@
 # a comma list of TASKS to probe, e.g. passkey,multikey: --probe-tasks, each task after the
 # first into attention_probe_<task>.json), PREFIX_EOD (unset; also: each evaluation is followed by a
 # retrieval-only one of the same grid with every prompt behind the EOD token, --prefix-eod, into
-# <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/). Progress, one line per step, in
+# <run>/long_context_eval_eod/ and RESULTS_DIR/<study>-eod/), ZONE_DEPTHS (unset; e.g.
+# 0,0.002,0.01,0.05: each extension-study run of an arm in ZONE_ARMS (dense) is evaluated once
+# more, retrieval only, at these needle depths, at ZONE_LENGTHS (unset: LENGTHS; each one of
+# LENGTHS) on ZONE_TASKS (unset: TASKS), into <run>/long_context_eval_zone/ and
+# RESULTS_DIR/<study>-zone/: where near the context's start retrieval fails). Progress, one line per step, in
 # STATUS (example_status.log). Measured
 # on one H200: 18 minutes in all (corpora 2, base 8, extension 7, evaluations 2).
 #
@@ -100,6 +104,8 @@ RETRIEVAL_QUERIES=${RETRIEVAL_QUERIES:-1}
 RETRIEVAL_NEEDLES=${RETRIEVAL_NEEDLES:-}
 RETRIEVAL_HAYSTACK=${RETRIEVAL_HAYSTACK:-code}
 PREFIX_EOD=${PREFIX_EOD:-}
+ZONE_DEPTHS=${ZONE_DEPTHS:-}
+ZONE_ARMS=${ZONE_ARMS:-dense}
 LENGTHS=${LENGTHS:-4096,8192,16384}
 RETRIEVAL_DEPTH_DISTRIBUTION=${RETRIEVAL_DEPTH_DISTRIBUTION:-}
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
@@ -136,7 +142,7 @@ read_corpus() {  # OVERRIDES: the code corpus's own overrides; CODE: the corpus 
     CODE=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^data.blend=\[\(.*\)\]$/\1/p')
 }
 evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by position.
-    local run=$1 lengths=$LENGTHS rc=0
+    local run=$1 study=$2 lengths=$LENGTHS rc=0
     [[ $2 == "$BASE_NAME" && -n ${BASE_LENGTHS:-} ]] && lengths=$BASE_LENGTHS
     shift 2
     # Both protocols' evaluations: the run's checkpoint, the grid, the options given.
@@ -159,6 +165,20 @@ evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by p
         rc=$?
         note "evaluated $run with --prefix-eod (exit $rc; output in $run/long_context_eval_eod.log)"
     fi
+    local point arm
+    point=$(basename "$run")
+    arm=${point%%,seed=*}
+    if ((rc == 0)) && [[ -n $ZONE_DEPTHS && $study != "$BASE_NAME" && ,$ZONE_ARMS, == *,$arm,* &&
+        ! -f "$run/long_context_eval_zone/retrieval.json" ]]; then
+        # The first tokens' zone: the same run, retrieval only, at the depths near 0.
+        "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
+            --lengths "${ZONE_LENGTHS:-$lengths}" --depths "$ZONE_DEPTHS" \
+            --tasks "${ZONE_TASKS:-${TASKS:-kv-filler,passkey,needle}}" --trials "${TRIALS:-10}" \
+            --skip-position --output-dir "$run/long_context_eval_zone" "$@" \
+            "data.blend=[$CODE]" > "$run/long_context_eval_zone.log" 2>&1
+        rc=$?
+        note "evaluated $run at depths $ZONE_DEPTHS (exit $rc; output in $run/long_context_eval_zone.log)"
+    fi
     return $rc
 }
 copy_results() {  # STUDY RUN: with RESULTS_DIR, RUN's evaluator JSON to RESULTS_DIR/<study>/<arm>/seed<k>/
@@ -171,9 +191,15 @@ copy_results() {  # STUDY RUN: with RESULTS_DIR, RUN's evaluator JSON to RESULTS
     mkdir -p "$RESULTS_DIR/$study/$arm/$seed" &&
         cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/" || return
     # The EOD-prefixed evaluation is a study directory of its own: tables never mix protocols.
-    [[ -f "$run/long_context_eval_eod/retrieval.json" ]] || return 0
-    mkdir -p "$RESULTS_DIR/$study-eod/$arm/$seed" &&
-        cp "$run"/long_context_eval_eod/retrieval.json "$RESULTS_DIR/$study-eod/$arm/$seed/"
+    if [[ -f "$run/long_context_eval_eod/retrieval.json" ]]; then
+        mkdir -p "$RESULTS_DIR/$study-eod/$arm/$seed" &&
+            cp "$run"/long_context_eval_eod/retrieval.json "$RESULTS_DIR/$study-eod/$arm/$seed/" ||
+            return
+    fi
+    # Likewise the zone near the start (ZONE_DEPTHS): its own depths, its own study directory.
+    [[ -f "$run/long_context_eval_zone/retrieval.json" ]] || return 0
+    mkdir -p "$RESULTS_DIR/$study-zone/$arm/$seed" &&
+        cp "$run"/long_context_eval_zone/retrieval.json "$RESULTS_DIR/$study-zone/$arm/$seed/"
 }
 if [[ ${1:-} == --evaluate-run ]]; then
     # The sweeps' --after (below): the run just trained, on the GPU its point had; its results
@@ -225,6 +251,33 @@ if [[ -n ${PROBE_TASKS:-} ]]; then
 fi
 if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
     note "PREFIX_EOD must be empty or also, got '$PREFIX_EOD'"
+    exit 2
+fi
+if [[ -n $ZONE_DEPTHS ]]; then
+    IFS=, read -r -a zone_list <<< "$ZONE_DEPTHS"
+    for d in "${zone_list[@]}"; do
+        # A decimal in [0, 1] (0, 0.002, .5, 1, 1.0), checked in the shell: before any work.
+        if ! [[ $d =~ ^(0|0?\.[0-9]+|1|1\.0*)$ ]]; then
+            note "ZONE_DEPTHS: '$d' is not a needle depth in [0, 1] (e.g. ZONE_DEPTHS=0,0.002,0.01,0.05)"
+            exit 2
+        fi
+    done
+    IFS=, read -r -a zone_lengths <<< "${ZONE_LENGTHS:-$LENGTHS}"
+    for n in "${zone_lengths[@]}"; do
+        if [[ ,$LENGTHS, != *,$n,* ]]; then
+            note "ZONE_LENGTHS: '$n' is not one of LENGTHS ($LENGTHS)"
+            exit 2
+        fi
+    done
+    IFS=, read -r -a zone_tasks <<< "${ZONE_TASKS:-${TASKS:-kv-filler,passkey,needle}}"
+    for t in "${zone_tasks[@]}"; do
+        if [[ ,${TASKS:-kv-filler,passkey,needle}, != *,$t,* ]]; then
+            note "ZONE_TASKS: '$t' is not one of TASKS (${TASKS:-kv-filler,passkey,needle})"
+            exit 2
+        fi
+    done
+elif [[ -n ${ZONE_LENGTHS:-}${ZONE_TASKS:-} ]]; then
+    note "ZONE_LENGTHS and ZONE_TASKS need ZONE_DEPTHS (the needle depths to evaluate, e.g. 0,0.002,0.01)"
     exit 2
 fi
 (( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }

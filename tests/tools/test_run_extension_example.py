@@ -35,6 +35,7 @@ SCRIPT_KNOBS = {
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
     "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS", "RETRIEVAL_DEPTH_DISTRIBUTION", "PROBE_TASKS",
+    "ZONE_DEPTHS", "ZONE_ARMS", "ZONE_LENGTHS", "ZONE_TASKS",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -629,6 +630,50 @@ def test_prefix_eod_also_evaluates_every_run_behind_the_eod_token_once(tmp_path)
     assert not [c for c in again if c["args"][:2] == EVAL_MODULE]
 
 
+@pytest.mark.parametrize("arms", [None, "dense,hybrid-DS"])
+def test_zone_depths_evaluate_the_extensions_chosen_arms_near_the_start_once(tmp_path, arms):
+    """ZONE_DEPTHS: after its own evaluation, each extension-study run of an arm in ZONE_ARMS
+    (default dense; never a base run) is evaluated once more, retrieval only, at those depths,
+    ZONE_LENGTHS and ZONE_TASKS, into <run>/long_context_eval_zone/, copied to
+    RESULTS_DIR/<study>-zone/; a second run of the script redoes nothing."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    env = dict(ZONE_DEPTHS="0,0.002,0.01", ZONE_LENGTHS="4096", ZONE_TASKS="passkey",
+               TASKS="passkey,multikey", LENGTHS="4096,8192", RESULTS_DIR="r")  # fmt: skip
+    if arms:
+        env["ZONE_ARMS"] = arms
+    calls = _run(tmp_path, log, **env)
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    zone = [c for c in evals if "--depths" in c["args"]]
+    chosen = (arms or "dense").split(",")
+    study = "code-125m-extend-16k"
+    assert sorted(str(_run_dir(tmp_path, c)) for c in zone) == sorted(
+        f"sweeps/{study}/runs/{p}" for p in chosen
+    )
+    for c in zone:
+        args, run = c["args"], tmp_path / _run_dir(tmp_path, c)
+        assert args[args.index("--depths") + 1] == "0,0.002,0.01"
+        assert args[args.index("--lengths") + 1] == "4096"
+        assert args[args.index("--tasks") + 1] == "passkey"
+        assert "--skip-position" in args and "--attention-probe" not in args
+        assert (
+            Path(args[args.index("--output-dir") + 1]).resolve()
+            == (run / "long_context_eval_zone").resolve()
+        )
+        first = next(
+            p for p in evals if p is not c and _run_dir(tmp_path, p) == _run_dir(tmp_path, c)
+        )
+        assert first["end"] <= c["start"]
+    for arm in POINTS[study]:
+        copied = tmp_path / "r" / f"{study}-zone" / arm / "seed0" / "retrieval.json"
+        assert copied.exists() == (arm in chosen), arm
+        assert (tmp_path / "r" / study / arm / "seed0" / "retrieval.json").exists()
+    assert not (tmp_path / "r" / "code-125m-4k-base-zone").exists()
+    log.write_text("")
+    again = _run(tmp_path, log, **env)
+    assert not [c for c in again if c["args"][:2] == EVAL_MODULE]
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -638,6 +683,16 @@ def test_prefix_eod_also_evaluates_every_run_behind_the_eod_token_once(tmp_path)
             "PROBE_LENGTH must be one of LENGTHS (4096,8192), got '16384'",
         ),
         ({"PROBE_TASKS": "passkey"}, "PROBE_TASKS needs PROBE_LENGTH"),
+        ({"ZONE_DEPTHS": "0,1.5"}, "ZONE_DEPTHS: '1.5' is not a needle depth in [0, 1]"),
+        (
+            {"ZONE_DEPTHS": "0", "LENGTHS": "4096,8192", "ZONE_LENGTHS": "4096,16384"},
+            "ZONE_LENGTHS: '16384' is not one of LENGTHS (4096,8192)",
+        ),
+        (
+            {"ZONE_DEPTHS": "0", "TASKS": "passkey", "ZONE_TASKS": "multikey"},
+            "ZONE_TASKS: 'multikey' is not one of TASKS (passkey)",
+        ),
+        ({"ZONE_TASKS": "passkey"}, "ZONE_LENGTHS and ZONE_TASKS need ZONE_DEPTHS"),
         (
             {"PROBE_LENGTH": "8192", "TASKS": "passkey,multikey", "PROBE_TASKS": "passkey,kv"},
             "PROBE_TASKS: 'kv' is not one of TASKS (passkey,multikey)",
