@@ -14,8 +14,9 @@ on that architecture, no attention dropout), the ``auto`` backend takes it, beca
 ``model.dense_attention`` in the trainer (``S2TransformerConfig.dense_backend``) picks it:
 "auto" (default), "sdpa" (never FA4) or "fa4" (required: a clear error where it cannot run).
 FA4's backward accumulates dQ (and, under GQA, dK/dV over a group's heads) with atomics:
-run-to-run differences at rounding level, unlike cuDNN's, unless Megatron's
-``deterministic_mode`` is set, which asks for its deterministic backward.
+run-to-run differences at rounding level (as SDPA's dQ:
+:func:`megatron_s2.context_parallel.dense_rank_chunks`), unless Megatron's ``deterministic_mode``
+is set, which asks for its deterministic backward (``train.deterministic`` in the trainer).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the same points' rows of COMMITTED (in place), every other row stays as it is.
         docs/long_context/results/retrieval-125m-extend-32k/results.csv \
         sweeps/retrieval-125m-extend-32k/results.csv
 
-Why: a study spread over one-GPU leases trains a few points per lease, and each lease's sweep
+Why: a study spread over several GPU leases trains a few points per lease, and each lease's sweep
 writes a whole ``results.csv`` in which the points run elsewhere are ``not run``. Copying that
 file over the committed one would lose the earlier leases' rows; this keeps them.
 
