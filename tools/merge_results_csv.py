@@ -10,6 +10,10 @@ Why: a study spread over several GPU leases trains a few points per lease, and e
 writes a whole ``results.csv`` in which the points run elsewhere are ``not run``. Copying that
 file over the committed one would lose the earlier leases' rows; this keeps them.
 
+A point finished in both whose NEW row differs only by cells NEW leaves empty (a run carried
+into a later lease, whose sweep could not recompute e.g. ``wall_time_s`` from the files carried)
+keeps its committed row.
+
 Refused, with exit code 2 and nothing written: a file that is not a sweep table, tables with
 different columns (another sweep version or study; only ``adopted_from``, which a sweep writes
 when a point was adopted from another study, may be in one table alone: the merged table has
@@ -70,6 +74,17 @@ def merge(
         old = out[where[name]]
         if old == row:
             changes.append(f"{name}: unchanged")
+            continue
+        blank = sorted(k for k in row if old.get(k) != row[k] and row[k] == "" and old.get(k))
+        if (
+            old["status"] == FINISHED
+            and blank
+            and all(old.get(k) == row[k] for k in row if k not in blank)
+        ):
+            # The same run carried into a later lease: its sweep recomputes every column from
+            # the run's files, and one those files do not hold (wall_time_s, from the sessions
+            # log that older committed runs lack) comes out empty; the committed value stays.
+            changes.append(f"{name}: unchanged (kept the committed {', '.join(blank)})")
             continue
         if old["status"] == FINISHED and not replace:
             differ = sorted(k for k in row if old.get(k) != row[k])

@@ -59,6 +59,24 @@ def test_finished_rows_replace_their_points_and_the_rest_stays(tmp_path):
     assert committed.read_bytes() == before
 
 
+def test_a_carried_run_keeps_the_committed_cells_the_lease_left_empty(tmp_path):
+    """A run carried into a later lease comes back finished with the cells its files cannot
+    give (here tokens_per_s) empty: the committed row stays whole; a value that differs (two
+    runs of the point) is still refused."""
+    committed, new = tmp_path / "results.csv", tmp_path / "lease.csv"
+    full = _row("dense,seed=1", "finished", "1.20")
+    _write(committed, [full])
+    _write(new, [{**full, "tokens_per_s": ""}])
+    done = _run(committed, new)
+    assert done.returncode == 0, done.stderr
+    assert "dense,seed=1: unchanged (kept the committed tokens_per_s)" in done.stdout
+    with open(committed, newline="") as f:
+        assert list(csv.DictReader(f)) == [full]
+    _write(new, [{**full, "tokens_per_s": "", "final_valid_loss": "1.30"}])
+    clash = _run(committed, new)
+    assert clash.returncode == 2 and "finished in both tables" in clash.stderr
+
+
 def test_conflicts_and_other_tables_are_refused_and_nothing_is_written(tmp_path):
     committed, new = tmp_path / "results.csv", tmp_path / "lease.csv"
     _write(committed, [_row("dense,seed=1", "finished", "1.20")])
