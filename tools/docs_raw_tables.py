@@ -1045,6 +1045,65 @@ def quality_one_gpu_speed() -> str:
     return table(header, rows)
 
 
+RERUN_POINTS = ("all-s2,seed=1", "all-s2,seed=2", "all-s2,seed=3", "hybrid-DS,seed=3")
+
+
+def _metrics(path: Path) -> tuple[dict, dict]:
+    """({iteration: record} of the training steps, {iteration: loss} of the validations) of a
+    run's metrics.jsonl."""
+    train, valid = {}, {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line) if line.strip() else {}
+            if rec.get("kind") == "train":
+                train[rec["iteration"]] = rec
+            elif rec.get("kind") == "valid" and "loss" in rec:
+                valid[rec["iteration"]] = rec["loss"]
+    return train, valid
+
+
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def quality_rerun_noise() -> str:
+    """docs/quality.md, "The noise band": the 100M study's four runs that the first lease (four
+    GPUs) stopped and the second (two GPUs) trained again from step 0, the same seed and
+    batches, step by step over the steps both reached: whether the losses repeat, and each
+    host's median tokens/s over the logged steps after step 20 (the first window holds
+    compilation)."""
+    root = QUALITY / "code-125m-16k-seeds-100m"
+    rows = []
+    for point in RERUN_POINTS:
+        first_t, first_v = _metrics(root / "first-lease-stopped" / point / "metrics.jsonl")
+        again_t, again_v = _metrics(root / "runs" / point / "metrics.jsonl")
+        steps = sorted(set(first_t) & set(again_t))
+        differ = [i for i in steps if first_t[i]["loss"] != again_t[i]["loss"]]
+        vsteps = sorted(set(first_v) & set(again_v))
+        worst = max(abs(again_v[i] / first_v[i] - 1) * 100 for i in vsteps)
+        fast = [i for i in steps if i > 20]
+        a = _median([first_t[i]["tokens_per_s"] for i in fast])
+        b = _median([again_t[i]["tokens_per_s"] for i in fast])
+        rows.append([
+            point,
+            f"{len(steps) - len(differ)} of {len(steps)} ({steps[0]}-{steps[-1]})",
+            str(differ[0]) if differ else "none",
+            f"{vsteps[0]}-{vsteps[-1]} ({len(vsteps)})",
+            f"{worst:.2f}%" if worst else "none (equal)",
+            thousands(a),
+            thousands(b),
+            rel(b, a),
+        ])  # fmt: skip
+    header = [
+        "run", "training losses equal (logged steps)", "first step that differs",
+        "validation steps compared", "largest validation difference",
+        "tokens/s, first lease (4x host)", "tokens/s, rerun (2x host)", "rerun vs first",
+    ]  # fmt: skip
+    return table(header, rows)
+
+
 @dataclass(frozen=True)
 class Table:
     """A doc table: where it is, what raw outputs it is computed from, and how."""
@@ -1076,6 +1135,15 @@ TABLES: dict[str, Table] = {
             "docs/quality/code-125m-16k-seeds-100m/results.csv",
         ),
         quality_one_gpu_speed,
+    ),
+    "quality-rerun-noise": Table(
+        "docs/quality.md",
+        tuple(
+            f"docs/quality/code-125m-16k-seeds-100m/{d}/{p}/metrics.jsonl"
+            for p in RERUN_POINTS
+            for d in ("first-lease-stopped", "runs")
+        ),
+        quality_rerun_noise,
     ),
     "quality-stride-window": Table(
         "docs/quality.md",
