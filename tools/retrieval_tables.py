@@ -18,6 +18,11 @@ by seed where both arms ran two or more of the same seeds (Welch's interval othe
 and 32k on passkey and multikey, no worse on code-value by exact match and by the right
 answer's log-likelihood in nats, >= 1.3x its tokens/s, 3 seeds), the
 tokens/s from the study's ``results.csv`` beside the arms (the sweep's, rows ``<arm>,seed=<k>``).
+
+    python tools/retrieval_tables.py docs/long_context/results/<study>-zone --by-depth
+
+``--by-depth``: instead, each arm's exact match per depth and length, trials pooled over its
+seeds, with Wilson intervals (where in the context an arm fails; needs no reference arm).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
+    depth_markdown,
     goal_markdown,
     read_arm_results,
     study_markdown,
@@ -49,7 +55,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="print issue 50's goal table instead (needs <study>/results.csv for tokens/s)",
     )
+    p.add_argument(
+        "--by-depth",
+        action="store_true",
+        help="print each arm's exact match by depth and length instead (trials pooled over "
+        "seeds, Wilson intervals; no reference needed)",
+    )
     args = p.parse_args(argv)
+    if args.goal and args.by_depth:
+        print("retrieval_tables: error: --goal and --by-depth are two views: give one",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         arms = read_arm_results(args.study)
         known = tasks_of([r for seeds in arms.values() for r in seeds.values()])
@@ -57,12 +73,14 @@ def main(argv=None) -> int:
         unknown = [t for t in tasks if t not in known]
         if unknown:
             raise ValueError(f"--tasks: {unknown} not in every file; allowed: {', '.join(known)}")
-        if args.reference not in arms:
+        if args.by_depth:
+            text = depth_markdown(arms, tasks)
+        elif args.reference not in arms:
             raise ValueError(
                 f"--reference: {args.reference!r} is not an arm of {args.study}; arms: "
                 + ", ".join(arms)
             )
-        if args.goal:
+        elif args.goal:
             speed = study_tokens_per_s(os.path.join(args.study, "results.csv"), arms)
             text = goal_markdown(arms, speed, reference=args.reference)
         else:

@@ -284,6 +284,46 @@ def _write_study(root, arms):
             (d / "retrieval.json").write_text(json.dumps(res))
 
 
+def _wilson_by_hand(k, n, level=0.95):
+    """Wilson's score interval written out from its formula (the test's own reference)."""
+    z = stats.norm.ppf(0.5 + level / 2)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def test_retrieval_tables_by_depth_pools_each_arms_seeds(tmp_path):
+    """--by-depth (the zone evaluation's view): per task and arm, a row per depth and a column
+    per length, the cell's trials pooled over the arm's seeds with Wilson's interval; no
+    reference arm needed (a zone study holds the dense twin alone); refused beside --goal."""
+    depths = (0.0, 0.002, 0.01)
+
+    def seed_result(seed):
+        return _result(lambda t, n, d: {0.0: 2 + seed, 0.002: 6, 0.01: 9}[d] - (n == 2048),
+                       depths=depths)  # fmt: skip
+
+    study = tmp_path / "zone"
+    _write_study(study, {"dense": {1: seed_result(1), 2: seed_result(2)}})
+    tool = os.path.join(REPO, "tools", "retrieval_tables.py")
+    proc = subprocess.run([sys.executable, tool, str(study), "--by-depth"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("### passkey, dense (seeds 1, 2): exact match by needle depth")
+    assert "| depth | 1,024 tokens | 2,048 tokens |" in lines
+    # depth 0 at 1,024 tokens: 3 + 4 of 20 pooled; at 2,048: 2 + 3 of 20
+    for d, (k1, k2) in {0.0: (7, 5), 0.002: (12, 10), 0.01: (18, 16)}.items():
+        cells = []
+        for k in (k1, k2):
+            lo, hi = _wilson_by_hand(k, 20)
+            cells.append(f"{k / 20:.2f} [{lo:.2f}, {hi:.2f}] (20)")
+        assert f"| {d:g} | {cells[0]} | {cells[1]} |" in lines, d
+    both = subprocess.run([sys.executable, tool, str(study), "--by-depth", "--goal"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert both.returncode == 2 and "two views" in both.stderr
+
+
 def test_retrieval_tables_script_recomputes_the_table(tmp_path):
     study = tmp_path / "study"
     _write_study(study, {"dense": _arm(DENSE), "hybrid-DS": _arm(HYBRID)})

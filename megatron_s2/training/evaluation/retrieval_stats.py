@@ -517,6 +517,54 @@ def study_markdown(
     return "\n".join(lines)
 
 
+def depth_markdown(
+    arms: Mapping[str, Mapping[int, Mapping]],
+    tasks: Optional[Sequence[str]] = None,
+    level: float = CONFIDENCE,
+) -> str:
+    """Markdown tables of a study by needle depth (``arms`` as :func:`read_arm_results`
+    returns): per task and arm, a row per depth and a column per length, each cell the share
+    of trials exactly right, pooled over the arm's seeds (correct / trials), with Wilson's
+    interval at ``level``. Pooling treats every trial as independent, so with several seeds the
+    interval leaves the seeds' own spread out (said in the heading); it is for reading where in
+    the context an arm fails (e.g. a ``ZONE_DEPTHS`` evaluation near depth 0), not for
+    comparing arms (:func:`study_markdown` does that)."""
+    if tasks is None:
+        tasks = tasks_of([r for seeds in arms.values() for r in seeds.values()])
+    pct = f"{100 * level:g}%"
+    lines: list[str] = []
+    for task in tasks:
+        for arm, seeds in arms.items():
+            counts: dict[tuple[float, int], list[int]] = {}
+            for result in seeds.values():
+                for cell in result["tasks"][task]["cells"]:
+                    k, n = cell_counts(cell)
+                    c = counts.setdefault((float(cell["depth"]), int(cell["length"])), [0, 0])
+                    c[0] += k
+                    c[1] += n
+            depths = sorted({d for d, _ in counts})
+            lengths = sorted({n for _, n in counts})
+            lines += [
+                f"### {task}, {arm} (seeds {', '.join(str(k) for k in sorted(seeds))}): exact "
+                f"match by needle depth (trials pooled over seeds, Wilson {pct} interval)",
+                "",
+                "| depth | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |",
+                "|---|" + "---|" * len(lengths),
+            ]
+            for d in depths:
+                cells = []
+                for n in lengths:
+                    if (d, n) not in counts:
+                        cells.append("not run")
+                        continue
+                    k, t = counts[(d, n)]
+                    lo, hi = wilson_interval(k, t, level)
+                    cells.append(f"{k / t:.2f} [{lo:.2f}, {hi:.2f}] ({t})")
+                lines.append(f"| {d:g} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def _differences(
     arm: Mapping[int, Mapping], ref: Mapping[int, Mapping], task: str, level: float
 ) -> dict[int, tuple[float, Optional[float], Optional[float], str]]:
