@@ -165,10 +165,7 @@ evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by p
         rc=$?
         note "evaluated $run with --prefix-eod (exit $rc; output in $run/long_context_eval_eod.log)"
     fi
-    local point arm
-    point=$(basename "$run")
-    arm=${point%%,seed=*}
-    if ((rc == 0)) && [[ -n $ZONE_DEPTHS && $study != "$BASE_NAME" && ,$ZONE_ARMS, == *,$arm,* &&
+    if ((rc == 0)) && [[ -n $ZONE_DEPTHS && $study != "$BASE_NAME" && ,$ZONE_ARMS, == *,$(arm_of "$run"),* &&
         ! -f "$run/long_context_eval_zone/retrieval.json" ]]; then
         # The first tokens' zone: the same run, retrieval only, at the depths near 0.
         "$PYTHON" -m megatron_s2.training.evaluation.long_context --checkpoint "$run/checkpoints" \
@@ -181,25 +178,28 @@ evaluate() {  # RUN STUDY [extra options]: held-out code only, for the loss by p
     fi
     return $rc
 }
+arm_of() {  # RUN: the arm of a sweep's run directory (its point name without ",seed=<k>")
+    local point
+    point=$(basename "${1%/}")
+    echo "${point%%,seed=*}"
+}
 copy_results() {  # STUDY RUN: with RESULTS_DIR, RUN's evaluator JSON to RESULTS_DIR/<study>/<arm>/seed<k>/
-    local study=$1 run=${2%/} point arm seed
+    local study=$1 run=${2%/} point arm seed extra
     [[ -n "${RESULTS_DIR:-}" && -f "$run/long_context_eval/retrieval.json" ]] || return 0
     point=$(basename "$run")
-    arm=${point%%,seed=*}
+    arm=$(arm_of "$run")
     seed=seed0  # a run without a seed
     [[ $point == *,seed=* ]] && seed=seed${point##*,seed=}
     mkdir -p "$RESULTS_DIR/$study/$arm/$seed" &&
         cp "$run"/long_context_eval/*.json "$RESULTS_DIR/$study/$arm/$seed/" || return
-    # The EOD-prefixed evaluation is a study directory of its own: tables never mix protocols.
-    if [[ -f "$run/long_context_eval_eod/retrieval.json" ]]; then
-        mkdir -p "$RESULTS_DIR/$study-eod/$arm/$seed" &&
-            cp "$run"/long_context_eval_eod/retrieval.json "$RESULTS_DIR/$study-eod/$arm/$seed/" ||
+    # The EOD-prefixed evaluation and the zone near the start (ZONE_DEPTHS, its own depths) are
+    # study directories of their own: tables never mix protocols or depth grids.
+    for extra in eod zone; do
+        [[ -f "$run/long_context_eval_$extra/retrieval.json" ]] || continue
+        mkdir -p "$RESULTS_DIR/$study-$extra/$arm/$seed" &&
+            cp "$run/long_context_eval_$extra/retrieval.json" "$RESULTS_DIR/$study-$extra/$arm/$seed/" ||
             return
-    fi
-    # Likewise the zone near the start (ZONE_DEPTHS): its own depths, its own study directory.
-    [[ -f "$run/long_context_eval_zone/retrieval.json" ]] || return 0
-    mkdir -p "$RESULTS_DIR/$study-zone/$arm/$seed" &&
-        cp "$run"/long_context_eval_zone/retrieval.json "$RESULTS_DIR/$study-zone/$arm/$seed/"
+    done
 }
 if [[ ${1:-} == --evaluate-run ]]; then
     # The sweeps' --after (below): the run just trained, on the GPU its point had; its results
@@ -235,19 +235,23 @@ if [[ -n ${PROBE_LENGTH:-} && ,$LENGTHS, != *,$PROBE_LENGTH,* ]]; then
     note "PROBE_LENGTH must be one of LENGTHS ($LENGTHS), got '$PROBE_LENGTH'"
     exit 2
 fi
+each_one_of() {  # NAME LIST ALLOWED_NAME ALLOWED: every item of the comma list LIST is one of ALLOWED, else exit 2
+    local item items
+    IFS=, read -r -a items <<< "$2"
+    for item in "${items[@]}"; do
+        if [[ ,$4, != *,$item,* ]]; then
+            note "$1: '$item' is not one of $3 ($4)"
+            exit 2
+        fi
+    done
+}
 if [[ -n ${PROBE_TASKS:-} ]]; then
     # Checked here, before any training: the evaluator would refuse it only after the runs.
     if [[ -z ${PROBE_LENGTH:-} ]]; then
         note "PROBE_TASKS needs PROBE_LENGTH (the probe's length, one of LENGTHS)"
         exit 2
     fi
-    IFS=, read -r -a probe_list <<< "$PROBE_TASKS"
-    for t in "${probe_list[@]}"; do
-        if [[ ,${TASKS:-kv-filler,passkey,needle}, != *,$t,* ]]; then
-            note "PROBE_TASKS: '$t' is not one of TASKS (${TASKS:-kv-filler,passkey,needle})"
-            exit 2
-        fi
-    done
+    each_one_of PROBE_TASKS "$PROBE_TASKS" TASKS "${TASKS:-kv-filler,passkey,needle}"
 fi
 if [[ -n $PREFIX_EOD && $PREFIX_EOD != also ]]; then
     note "PREFIX_EOD must be empty or also, got '$PREFIX_EOD'"
@@ -262,20 +266,9 @@ if [[ -n $ZONE_DEPTHS ]]; then
             exit 2
         fi
     done
-    IFS=, read -r -a zone_lengths <<< "${ZONE_LENGTHS:-$LENGTHS}"
-    for n in "${zone_lengths[@]}"; do
-        if [[ ,$LENGTHS, != *,$n,* ]]; then
-            note "ZONE_LENGTHS: '$n' is not one of LENGTHS ($LENGTHS)"
-            exit 2
-        fi
-    done
-    IFS=, read -r -a zone_tasks <<< "${ZONE_TASKS:-${TASKS:-kv-filler,passkey,needle}}"
-    for t in "${zone_tasks[@]}"; do
-        if [[ ,${TASKS:-kv-filler,passkey,needle}, != *,$t,* ]]; then
-            note "ZONE_TASKS: '$t' is not one of TASKS (${TASKS:-kv-filler,passkey,needle})"
-            exit 2
-        fi
-    done
+    each_one_of ZONE_LENGTHS "${ZONE_LENGTHS:-$LENGTHS}" LENGTHS "$LENGTHS"
+    each_one_of ZONE_TASKS "${ZONE_TASKS:-${TASKS:-kv-filler,passkey,needle}}" TASKS \
+        "${TASKS:-kv-filler,passkey,needle}"
 elif [[ -n ${ZONE_LENGTHS:-}${ZONE_TASKS:-} ]]; then
     note "ZONE_LENGTHS and ZONE_TASKS need ZONE_DEPTHS (the needle depths to evaluate, e.g. 0,0.002,0.01)"
     exit 2
