@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -1002,17 +1003,11 @@ SPEED_WARMUP_STEPS = 10
 def speed_run_tokens_per_s(pattern: str) -> float:
     """Median tokens/s of one speed run's training steps after :data:`SPEED_WARMUP_STEPS`
     (its ``metrics.jsonl``; a step is 8 x 16,384 tokens)."""
-    with open(ONE_GPU_SPEED / pattern / "metrics.jsonl") as f:
-        steps = [json.loads(line) for line in f]
-    rates = sorted(
-        r["tokens_per_s"]
-        for r in steps
-        if r.get("kind") == "train" and r["iteration"] > SPEED_WARMUP_STEPS
-    )
+    train, _ = _metrics(ONE_GPU_SPEED / pattern / "metrics.jsonl")
+    rates = [r["tokens_per_s"] for i, r in train.items() if i > SPEED_WARMUP_STEPS]
     if not rates:
         raise ValueError(f"{pattern}: no training step after step {SPEED_WARMUP_STEPS}")
-    mid = len(rates) // 2
-    return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+    return statistics.median(rates)
 
 
 def _study_mean_tokens_per_s(study: str, setting: str) -> tuple[float, bool]:
@@ -1062,12 +1057,6 @@ def _metrics(path: Path) -> tuple[dict, dict]:
     return train, valid
 
 
-def _median(xs: list) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def quality_rerun_noise() -> str:
     """docs/quality.md, "The noise band": the 100M study's four runs that the first lease (four
     GPUs) stopped and the second (two GPUs) trained again from step 0, the same seed and
@@ -1084,8 +1073,8 @@ def quality_rerun_noise() -> str:
         vsteps = sorted(set(first_v) & set(again_v))
         worst = max(abs(again_v[i] / first_v[i] - 1) * 100 for i in vsteps)
         fast = [i for i in steps if i > 20]
-        a = _median([first_t[i]["tokens_per_s"] for i in fast])
-        b = _median([again_t[i]["tokens_per_s"] for i in fast])
+        a = statistics.median(first_t[i]["tokens_per_s"] for i in fast)
+        b = statistics.median(again_t[i]["tokens_per_s"] for i in fast)
         rows.append([
             point,
             f"{len(steps) - len(differ)} of {len(steps)} ({steps[0]}-{steps[-1]})",

@@ -269,6 +269,15 @@ def _rows(losses: dict, speeds: dict):
     return rows
 
 
+def _write_results(path, rows):
+    """``rows`` written as a sweep's results.csv at ``path`` (returned)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
 def test_summary_table_and_files(tmp_path):
     rows = _rows(
         {"dense": [3.00, 3.10, 2.95], "hybrid": [3.01, 3.11, 2.96]},
@@ -299,11 +308,7 @@ def test_quality_tables_tool_recomputes_the_summary(tmp_path):
         {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
         {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
     )
-    path = tmp_path / "results.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    path = _write_results(tmp_path / "results.csv", rows)
     res = subprocess.run(
         [
             sys.executable,
@@ -349,11 +354,7 @@ def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(t
         {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
         {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
     )
-    path = tmp_path / "results.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    path = _write_results(tmp_path / "results.csv", rows)
     runs = tmp_path / "runs"
 
     def curve(point: str, loss: float) -> None:

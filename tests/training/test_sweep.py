@@ -407,6 +407,17 @@ def test_example_study_loads():
     assert {p.config.model.seq_length for p in study.points} == {8192}
 
 
+def _corpus_overrides(tmp_path) -> list:
+    """The code corpus's overrides as tools/run_code_study.sh passes them (split 100,3,0; the
+    corpus need not exist to validate a study's configs)."""
+    return [
+        "data.demo=false",
+        f"data.blend=[{tmp_path}/train_valid]",
+        "data.split=100,3,0",
+        f"data.tokenizer={tmp_path}/tokenizer",
+    ]
+
+
 @pytest.mark.parametrize(
     "name, points",
     [
@@ -428,12 +439,7 @@ def test_example_study_loads():
 def test_code_corpus_studies_load_with_the_corpus_overrides(tmp_path, name, points):
     """The studies of docs/quality.md take the corpus from the command line, as
     tools/run_code_study.sh passes it (the corpus need not exist to validate the configs)."""
-    corpus = [
-        "data.demo=false",
-        f"data.blend=[{tmp_path}/train_valid]",
-        "data.split=100,3,0",
-        f"data.tokenizer={tmp_path}/tokenizer",
-    ]
+    corpus = _corpus_overrides(tmp_path)
     study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
     assert len(study.points) == points and all(p.valid for p in study.points), [
         p.error for p in study.points if not p.valid
@@ -469,8 +475,7 @@ def test_the_long_base_doubles_the_recipes_base_and_extends_it_the_same_way(tmp_
     recipe's 4k base with twice the steps over two data-parallel processes (the same tokens a
     step, batch, LR and 8% warm-up), and its extension study is the recipe's extension, point
     for point, only loading the long base of the same arm and seed."""
-    corpus = ["data.demo=false", f"data.blend=[{tmp_path}/train_valid]", "data.split=100,3,0",
-              f"data.tokenizer={tmp_path}/tokenizer"]  # fmt: skip
+    corpus = _corpus_overrides(tmp_path)
 
     def load(name):
         return load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
@@ -509,8 +514,7 @@ def test_a_studys_table_keeps_the_committed_tables_columns(tmp_path, name):
     with the same columns in the same order, and the axes follow the points' order: a point
     added to a study must not reorder them."""
     committed = REPO / "docs" / "long_context" / "results" / name / "results.csv"
-    corpus = ["data.demo=false", f"data.blend=[{tmp_path}/train_valid]", "data.split=100,3,0",
-              f"data.tokenizer={tmp_path}/tokenizer"]  # fmt: skip
+    corpus = _corpus_overrides(tmp_path)
     study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", str(tmp_path / "out"),
                        extra_overrides=corpus)  # fmt: skip
     csv_path, _ = sweep.write_tables(study, sweep.collect(study))
