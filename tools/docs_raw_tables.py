@@ -902,18 +902,18 @@ def retrieval_arcsine_decision() -> str:
     return table(header, rows)
 
 
-def retrieval_arcsine_conversion() -> str:
-    """docs/long_context_eval.md: the arcsine dense base (seed 1) extended to 32k as the dense
-    twin and as dense-to-hybrid-DS: each arm's exact match per task and length (all depths,
-    Wilson 95% intervals), then the hybrid minus the twin over the same trials at each needle
-    depth, per length (20 trials) and pooled over the lengths (80), and over every depth (100
-    a length, 400 pooled); points, Newcombe's paired 95% interval."""
+def _conversion_table(study: Path, arm: str, seed: int) -> str:
+    """A dense base extended as the dense twin and as ``arm`` (a ``dense-to-*`` switch) in
+    ``study``, seed ``seed``: each arm's exact match per task and length (all depths, Wilson 95%
+    intervals), then the switch minus the twin over the same trials at each needle depth, per
+    length (20 trials) and pooled over the lengths (80), and over every depth (100 a length,
+    400 pooled); points, Newcombe's paired 95% interval."""
     stats = _stats()
-    dense = read_json(ARCSINE_EXTEND / "dense" / "seed1" / "retrieval.json")
-    hybrid = read_json(ARCSINE_EXTEND / "dense-to-hybrid-DS" / "seed1" / "retrieval.json")
+    dense = read_json(study / "dense" / f"seed{seed}" / "retrieval.json")
+    hybrid = read_json(study / arm / f"seed{seed}" / "retrieval.json")
     rows, lengths = [], None
     for task in ("passkey", "multikey"):
-        for label, res in (("dense twin", dense), ("dense-to-hybrid-DS", hybrid)):
+        for label, res in (("dense twin", dense), (arm, hybrid)):
             by_len = {b["length"]: b for b in res["tasks"][task]["by_length"]}
             lengths = lengths or sorted(by_len)
             pooled = _pooled_ci(stats, [by_len[n] for n in lengths])
@@ -925,8 +925,14 @@ def retrieval_arcsine_conversion() -> str:
             cells = [_paired(stats.counts_difference(counts[n])) for n in lengths]
             pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
             rows.append(["", f"hybrid - twin, {label} (points)", *cells, pooled])
-    header = ["task", "seed 1", *(f"{n:,} tokens" for n in lengths), "all four"]
+    header = ["task", f"seed {seed}", *(f"{n:,} tokens" for n in lengths), "all four"]
     return table(header, rows)
+
+
+def retrieval_arcsine_conversion() -> str:
+    """docs/long_context_eval.md: the arcsine dense base (seed 1) extended to 32k as the dense
+    twin and as dense-to-hybrid-DS (:func:`_conversion_table`)."""
+    return _conversion_table(ARCSINE_EXTEND, "dense-to-hybrid-DS", 1)
 
 
 def retrieval_heldout_loglik() -> str:
@@ -973,13 +979,12 @@ def retrieval_arcsine_runs() -> str:
     return table(["stage", "arm, seed 1", "valid loss", "tokens/s", "vs dense"], rows)
 
 
-def retrieval_arcsine_probe() -> str:
-    """docs/long_context_eval.md: the attention probe at 32k of the arcsine base extended as
-    the dense twin and as dense-to-hybrid-DS: per layer and needle depth, the share of its
-    attention the top head puts on the needle's tokens, twin / hybrid."""
+def _probe_pair_table(study: Path, arm: str, seed: int) -> str:
+    """The attention probe at 32k of a dense base extended as the dense twin and as ``arm``
+    in ``study``, seed ``seed``: per layer and needle depth, the share of its attention the top
+    head puts on the needle's tokens, twin / hybrid."""
     probes = [
-        read_json(ARCSINE_EXTEND / arm / "seed1" / "attention_probe.json")
-        for arm in ("dense", "dense-to-hybrid-DS")
+        read_json(study / name / f"seed{seed}" / "attention_probe.json") for name in ("dense", arm)
     ]
     rows = []
     for twin, hybrid in zip(probes[0]["layers"], probes[1]["layers"]):
@@ -988,6 +993,139 @@ def retrieval_arcsine_probe() -> str:
         rows.append([str(twin["layer"]), kinds, *(f"{a:.2f} / {b:.2f}" for a, b in shares)])
     depths = [f"depth {d:g}" for d in probes[0]["depths"]]
     return table(["layer", "attention, twin / hybrid", *depths], rows)
+
+
+def retrieval_arcsine_probe() -> str:
+    """docs/long_context_eval.md: the attention probe at 32k of the arcsine base extended as
+    the dense twin and as dense-to-hybrid-DS (:func:`_probe_pair_table`)."""
+    return _probe_pair_table(ARCSINE_EXTEND, "dense-to-hybrid-DS", 1)
+
+
+UNIFORM_EXTEND = RECIPE / "retrieval-125m-extend-32k"
+UNIFORM_BASE = RECIPE / "retrieval-125m-4k-base"
+# The switch that keeps the twin's lookup layers (10 and 11) dense, run on seed 2's base.
+KEEP_LOOKUP = "dense-to-hybrid-DSDSDSDSSSDD"
+
+
+def retrieval_seed2_runs() -> str:
+    """docs/long_context_eval.md: the uniform recipe's dense runs of seeds 1 and 2 and the
+    switch of seed 2's base, from the studies' results.csv: valid loss (each stage on its own
+    validation blend) and training tokens/s against the same seed's twin."""
+    rows = []
+    for study, label, arms in (
+        (UNIFORM_BASE, "4k base", (("dense", 1), ("dense", 2))),
+        (UNIFORM_EXTEND, "32k extension", (("dense", 1), ("dense", 2), (KEEP_LOOKUP, 2))),
+    ):
+        runs = read_csv(study / "results.csv")
+        for i, (arm, seed) in enumerate(arms):
+            run = runs[f"{arm},seed={seed}"]
+            speed = float(run["tokens_per_s"])
+            twin = float(runs[f"dense,seed={seed}"]["tokens_per_s"])
+            loss = f4(float(run["final_valid_loss"]))
+            rows.append([label if i == 0 else "", arm, str(seed), loss, thousands(speed),
+                         ratio(speed, twin)])  # fmt: skip
+    return table(["stage", "arm", "seed", "valid loss", "tokens/s", "vs the seed's twin"], rows)
+
+
+def retrieval_twin_seeds() -> str:
+    """docs/long_context_eval.md: the uniform recipe's dense twin, seeds 1 and 2, on the same
+    trials (the evaluator's seed is fixed): each seed's exact match per task and length (Wilson
+    95% intervals) and seed 2 minus seed 1 (points, Newcombe's paired 95% interval over the
+    length's 100 trials; pooled over the lengths both seeds were evaluated at), for the 4k base
+    (seed 2's at 4k only) and after the 32k extension. The spread one training seed makes, not
+    a recipe's difference; a length a seed was not evaluated at is ``not run``."""
+    stats = _stats()
+    rows = []
+    extended = read_json(UNIFORM_EXTEND / "dense" / "seed1" / "retrieval.json")
+    columns = sorted(b["length"] for b in extended["tasks"]["passkey"]["by_length"])
+    for study, stage, lengths in (
+        (UNIFORM_BASE, "4k base", [4096]),
+        (UNIFORM_EXTEND, "after the 32k extension", None),
+    ):
+        seeds = {k: read_json(study / "dense" / f"seed{k}" / "retrieval.json") for k in (1, 2)}
+        for task in ("passkey", "multikey"):
+            counts = stats.paired_counts(seeds[2], seeds[1], task, lengths=lengths)
+            for k in (1, 2):
+                by_len = {b["length"]: b for b in seeds[k]["tasks"][task]["by_length"]}
+                cells = [_ci(by_len[n]) if n in by_len else "not run" for n in columns]
+                pooled = _pooled_ci(stats, [by_len[n] for n in sorted(counts)])
+                first = task == "passkey" and k == 1
+                rows.append([stage if first else "", task if k == 1 else "", f"seed {k}",
+                             *cells, pooled])  # fmt: skip
+            diff = [
+                _paired(stats.counts_difference(counts[n])) if n in counts else "not run"
+                for n in columns
+            ]
+            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
+            rows.append(["", "", "seed 2 - seed 1 (points)", *diff, pooled])
+    header = [
+        "stage",
+        "task",
+        "dense twin",
+        *(f"{n:,} tokens" for n in columns),
+        "lengths both ran",
+    ]
+    return table(header, rows)
+
+
+def retrieval_seed2_conversion() -> str:
+    """docs/long_context_eval.md: seed 2's dense base extended as the twin and as the switch
+    that keeps layers 10 and 11 dense (:func:`_conversion_table`)."""
+    return _conversion_table(UNIFORM_EXTEND, KEEP_LOOKUP, 2)
+
+
+def retrieval_seed2_probe() -> str:
+    """docs/long_context_eval.md: the passkey attention probe at 32k of seed 2's twin and
+    switch (:func:`_probe_pair_table`)."""
+    return _probe_pair_table(UNIFORM_EXTEND, KEEP_LOOKUP, 2)
+
+
+def retrieval_seed2_probe_multikey() -> str:
+    """docs/long_context_eval.md: the multi-key attention probe at 32k of seed 2's twin and
+    switch: per layer and depth of the asked needle, the twin's top head's share of attention
+    on the asked needle and that head's share on the three others together, then the switch's
+    top head's share on the asked needle."""
+    probes = [
+        read_json(UNIFORM_EXTEND / name / "seed2" / "attention_probe_multikey.json")
+        for name in ("dense", KEEP_LOOKUP)
+    ]
+    rows = []
+    for twin, hybrid in zip(probes[0]["layers"], probes[1]["layers"]):
+        cells = zip(twin["top_head"], twin["others_top_head"], hybrid["top_head"])
+        kinds = f"{twin['kind']} / {hybrid['kind']}"
+        rows.append([str(twin["layer"]), kinds,
+                     *(f"{a:.2f} / {o:.2f} / {h:.2f}" for a, o, h in cells)])  # fmt: skip
+    depths = [f"depth {d:g}" for d in probes[0]["depths"]]
+    header = ["layer", "attention, twin / hybrid", *depths]
+    return table(header, rows)
+
+
+ZONE = RECIPE / "retrieval-125m-extend-32k-zone"
+
+
+def retrieval_zone() -> str:
+    """docs/long_context_eval.md: seed 2's dense twin by needle depth near the context's start
+    (the zone evaluation: depths 0-0.05) and at the main evaluation's other depths (0.25-1), at
+    4k and 32k: correct of 20 trials with Wilson 95% intervals, and where the needle's first
+    token sits (depth x the context, tokens)."""
+    zone = read_json(ZONE / "dense" / "seed2" / "retrieval.json")["tasks"]
+    main = read_json(UNIFORM_EXTEND / "dense" / "seed2" / "retrieval.json")["tasks"]
+    lengths = sorted({c["length"] for c in zone["passkey"]["cells"]})
+    cells: dict[tuple[str, float, int], dict] = {}
+    for source in (main, zone):  # the zone's depth 0 repeats the main evaluation's trials
+        for task in ("passkey", "multikey"):
+            for c in source[task]["cells"]:
+                if c["length"] in lengths:
+                    cells[(task, float(c["depth"]), int(c["length"]))] = c
+    depths = sorted({d for _, d, _ in cells})
+    rows = []
+    for d in depths:
+        where = " / ".join(f"{round(d * n):,}" for n in lengths)
+        rows.append([f"{d:g}", where, *(_ci(cells[(t, d, n)]) for t in ("passkey", "multikey")
+                                         for n in lengths)])  # fmt: skip
+    header = ["needle depth", "position (tokens, " + " / ".join(f"{n // 1024}k" for n in lengths)
+              + ")", *(f"{t} {n:,}" for t in ("passkey", "multikey") for n in lengths)]  # fmt: skip
+    return table(header, rows)
 
 
 QUALITY = DOCS / "quality"
@@ -1202,8 +1340,8 @@ TABLES: dict[str, Table] = {
         (
             "docs/long_context/results/retrieval-125m-extend-32k/results.csv",
             *(
-                f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed1/retrieval.json"
-                for arm in RECIPE_ARMS
+                f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed{k}/retrieval.json"
+                for arm, k in (("dense", 1), ("dense", 2), ("hybrid-DS", 1), (KEEP_LOOKUP, 2))
             ),
         ),
         retrieval_recipe_goal,
@@ -1282,6 +1420,56 @@ TABLES: dict[str, Table] = {
             for arm in ("dense", "dense-to-hybrid-DS")
         ),
         retrieval_arcsine_probe,
+    ),
+    "retrieval-seed2-runs": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-base/results.csv",
+            "docs/long_context/results/retrieval-125m-extend-32k/results.csv",
+        ),
+        retrieval_seed2_runs,
+    ),
+    "retrieval-twin-seeds": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/dense/seed{k}/retrieval.json"
+            for study in ("retrieval-125m-4k-base", "retrieval-125m-extend-32k")
+            for k in (1, 2)
+        ),
+        retrieval_twin_seeds,
+    ),
+    "retrieval-seed2-conversion": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed2/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_seed2_conversion,
+    ),
+    "retrieval-seed2-probe": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed2/attention_probe.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_seed2_probe,
+    ),
+    "retrieval-seed2-probe-multikey": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k/{arm}/seed2/"
+            "attention_probe_multikey.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_seed2_probe_multikey,
+    ),
+    "retrieval-zone": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k-zone/dense/seed2/retrieval.json",
+            "docs/long_context/results/retrieval-125m-extend-32k/dense/seed2/retrieval.json",
+        ),
+        retrieval_zone,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
