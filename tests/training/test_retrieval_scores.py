@@ -495,8 +495,9 @@ def _goal_arm(successes):
 
 def test_goal_table_verdicts():
     """Issue 50's goal per arm: met within 5 points on every task and length with 3 seeds and
-    the speed-up; not met naming the miss (a mean below -5, a worse held-out task, too slow);
-    pending with fewer seeds, naming what the means miss so far."""
+    the speed-up; met by the means only where an interval reaches below -5 (the cells named);
+    not met naming the miss (a mean below -5, a worse held-out task, too slow); pending with
+    fewer seeds, naming what the means miss so far."""
     dense = _goal_arm({s: {"passkey": 9, "multikey": 8, "code-value": 2} for s in (1, 2, 3)})
     close = _goal_arm({1: {"passkey": 9, "multikey": 8, "code-value": 2},
                        2: {"passkey": 8, "multikey": 8, "code-value": 2},
@@ -505,17 +506,28 @@ def test_goal_table_verdicts():
     far[3] = _goal_arm({3: {"passkey": 7, "multikey": 8, "code-value": 2}})[3]  # passkey -13.3
     worse = _goal_arm({s: {"passkey": 9, "multikey": 8, "code-value": 0} for s in (1, 2, 3)})
     young = _goal_arm({1: {"passkey": 8, "multikey": 8, "code-value": 2}})
-    arms = {"dense": dense, "close": close, "far": far, "worse": worse, "young": young}
+    tight = _goal_arm({1: {"passkey": 9, "multikey": 8, "code-value": 2},
+                       2: {"passkey": 9, "multikey": 8, "code-value": 2},
+                       3: {"passkey": 9, "multikey": 8, "code-value": 2}})  # fmt: skip
+    arms = {"dense": dense, "close": close, "far": far, "worse": worse, "young": young,
+            "tight": tight}  # fmt: skip
     speed = {a: {s: 100.0 for s in arms[a]} for a in arms}
     speed["dense"] = {s: 70.0 for s in (1, 2, 3)}
     slow = dict(speed, close={s: 80.0 for s in (1, 2, 3)})
     text = S.goal_markdown(arms, speed)
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
-    assert rows["close"].endswith("| 1.43x | met |"), rows["close"]
-    # close's passkey: -0, -10, -0 points by seed -> mean -3.3 with the t-interval over seeds.
+    # close's passkey: -0, -10, -0 points by seed -> mean -3.3 with the t-interval over seeds,
+    # which reaches below -5: met by the means only, the cells named with their lower ends.
     d = [0.0, -10.0, 0.0]
     hw = stats.t.ppf(0.975, 2) * np.std(d, ddof=1) / math.sqrt(3)
     assert f"| -3.3 [{-10 / 3 - hw:+.1f}, {-10 / 3 + hw:+.1f}] |" in rows["close"]
+    assert rows["close"].endswith(
+        f"| 1.43x | met by the means; intervals reach below -5: passkey at 16,384 to "
+        f"{-10 / 3 - hw:+.1f}; passkey at 32,768 to {-10 / 3 - hw:+.1f}; multikey at 16,384 to "
+        f"{-10 / 3 - hw:+.1f}; multikey at 32,768 to {-10 / 3 - hw:+.1f} |"
+    ), rows["close"]
+    # tight: the reference's own counts at every seed -> every interval [0, 0], above -5: met.
+    assert rows["tight"].endswith("| 1.43x | met |"), rows["tight"]
     assert "not met: passkey at 16,384 -13.3 points; passkey at 32,768 -13.3 points" in rows["far"]
     assert "not met: code-value worse (-20.0 points)" in rows["worse"]
     assert rows["young"].endswith("| pending: 1 of 3 seeds; so far missed: passkey at 16,384 "
