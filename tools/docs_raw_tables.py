@@ -1096,7 +1096,11 @@ def retrieval_seed2_probe_multikey() -> str:
         rows.append([str(twin["layer"]), kinds,
                      *(f"{a:.2f} / {o:.2f} / {h:.2f}" for a, o, h in cells)])  # fmt: skip
     depths = [f"depth {d:g}" for d in probes[0]["depths"]]
-    header = ["layer", "attention, twin / hybrid", *depths]
+    header = [
+        "layer",
+        "attention, twin / switch (cells: twin asked / others, switch asked)",
+        *depths,
+    ]
     return table(header, rows)
 
 
