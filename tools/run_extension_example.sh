@@ -59,9 +59,12 @@
 # written is kept: give another RETRIEVAL_PREFIX when changing them), WORKERS
 # (processes writing trials: nproc), BASE_OVERRIDES and EXTEND_OVERRIDES (extra key=value
 # overrides for every point of the base / extension study, space-separated, e.g.
-# BASE_OVERRIDES=train.train_iters=1000), EXTEND_STUDIES (the extension studies, names in
+# BASE_OVERRIDES=train.train_iters=1000), BASE_NPROC (unset: the base study's nproc_per_node;
+# e.g. 1 to train a two-process base on one GPU, the same global batch with its micro-batches
+# accumulated: the sweep's --nproc-per-node), EXTEND_STUDIES (the extension studies, names in
 # configs/studies/, space-separated, run one after another; default code-125m-extend-16k;
-# code-125m-extend-16k-remedies tries what closes the hybrid's retrieval gap), EXTEND_MIN_ACCURACY
+# code-125m-extend-16k-remedies tries what closes the hybrid's retrieval gap; none: the base
+# study alone, e.g. a base judged at its own length first), EXTEND_MIN_ACCURACY
 # (unset: always extend; else extend
 # only if a 4k model's passkey exact-match accuracy, mean over its cells up to 4096 tokens,
 # reaches it: an extension of models that do not retrieve at their own length cannot answer the
@@ -133,8 +136,12 @@ BASE_SETTINGS=${BASE_SETTINGS:-${SETTINGS:-}}
 # The retrieval corpus (a RETRIEVAL_SPECS tag) blended into the extension studies.
 EXTEND_TAG=${EXTEND_TAG:-16k}
 BASE_TAG=${BASE_TAG:-4k}
-# Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models.
+# Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models;
+# none: the base study alone.
 read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
+[[ ${EXTEND_NAMES[*]-} == none ]] && EXTEND_NAMES=()
+BASE_NPROC_ARGS=()
+[[ -n "${BASE_NPROC:-}" ]] && BASE_NPROC_ARGS=(--nproc-per-node "$BASE_NPROC")
 status=0
 note() { echo "$(date +%T) $*" | tee -a "$STATUS"; }
 read_corpus() {  # OVERRIDES: the code corpus's own overrides; CODE: the corpus in them
@@ -273,7 +280,14 @@ elif [[ -n ${ZONE_LENGTHS:-}${ZONE_TASKS:-} ]]; then
     note "ZONE_LENGTHS and ZONE_TASKS need ZONE_DEPTHS (the needle depths to evaluate, e.g. 0,0.002,0.01)"
     exit 2
 fi
-(( ${#EXTEND_NAMES[@]} )) || { note "EXTEND_STUDIES names no study"; exit 2; }
+if [[ -n ${EXTEND_STUDIES+x} ]] && ! (( ${#EXTEND_NAMES[@]} )) && [[ $EXTEND_STUDIES != none ]]; then
+    note "EXTEND_STUDIES names no study (give study names, or none for the base study alone)"
+    exit 2
+fi
+if [[ -n "${BASE_NPROC:-}" && ! $BASE_NPROC =~ ^[1-9][0-9]*$ ]]; then
+    note "BASE_NPROC: '$BASE_NPROC' is not a number of processes >= 1 (e.g. BASE_NPROC=1)"
+    exit 2
+fi
 for study in "$BASE_NAME" "${EXTEND_NAMES[@]}"; do
     if [[ ! -f "$ROOT/configs/studies/$study.yaml" ]]; then
         note "EXTEND_STUDIES: no study $study (configs/studies/$study.yaml); there are:" \
@@ -362,7 +376,7 @@ blend() {  # TAGS: the study's data.blend override (TAGS: its retrieval corpora,
 # Lengths above the 4k the models were trained at: that is the "before extension" column.
 "$PYTHON" -m megatron_s2.training.sweep run "$BASE" "${OVERRIDES[@]}" "$(blend "$BASE_TAG")" "${BASE_EXTRA[@]}" \
     --after "$(after "$BASE_NAME" --allow-extrapolation)" "${SWEEP_DEVICES[@]}" "${BASE_SEED_ARGS[@]}" \
-    || status=$?
+    "${BASE_NPROC_ARGS[@]}" || status=$?
 note "base study done (exit $status)"
 evaluate_study() {  # STUDY [extra options]: the catch-up, side by side on the GPU(s)
     local study=$1 pids=() pid ids=() i=0
@@ -437,5 +451,5 @@ if [[ -n "${RESULTS_DIR:-}" ]]; then
     done
     note "evaluator outputs and the studies' results.csv copied to $RESULTS_DIR"
 fi
-note "all done (exit $status): sweeps/$BASE_NAME $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")"
+note "all done (exit $status): sweeps/$BASE_NAME${EXTEND_NAMES[*]:+ $(printf 'sweeps/%s ' "${EXTEND_NAMES[@]}")}"
 exit "$status"

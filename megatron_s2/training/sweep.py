@@ -435,6 +435,7 @@ def load_study(
     output_dir: Optional[str] = None,
     world_size: Optional[int] = None,
     extra_overrides: Sequence[str] = (),
+    nproc_per_node: Optional[int] = None,
 ) -> Study:
     """Parse ``path``, expand and validate its points. Raises :class:`StudyError`.
 
@@ -442,7 +443,10 @@ def load_study(
     (for the data-parallel checks); default the study's ``nproc_per_node`` when set.
     ``extra_overrides``: ``key=value`` strings from the command line, applied to every point
     after the study's ``overrides`` and before the point's own values (machine-specific settings
-    such as a corpus built on this machine, kept out of the study file)."""
+    such as a corpus built on this machine, kept out of the study file). ``nproc_per_node``
+    (``run --nproc-per-node``) replaces the study's own: a two-process study on a one-GPU
+    machine trains the same global batch in one process, its micro-batches accumulated (the
+    points' configs are checked at that size)."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory, not a study YAML" if path.is_dir() else "does not exist"
@@ -475,6 +479,14 @@ def load_study(
     nproc = d.get("nproc_per_node")
     if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
         raise StudyError(f"nproc_per_node must be an integer >= 1, got {nproc!r}")
+    if nproc_per_node is not None:
+        if (
+            not isinstance(nproc_per_node, int)
+            or isinstance(nproc_per_node, bool)
+            or nproc_per_node < 1
+        ):
+            raise StudyError(f"--nproc-per-node must be an integer >= 1, got {nproc_per_node!r}")
+        nproc = nproc_per_node
     equal = d.get("equal_tokens")
     if equal is not None and (
         not isinstance(equal, (int, float)) or isinstance(equal, bool) or equal <= 0
@@ -1772,6 +1784,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
         q.add_argument("study", help="study YAML")
         q.add_argument("--output-dir", default=None, help="default: the study's output_dir")
         q.add_argument(
+            "--nproc-per-node",
+            type=int,
+            default=None,
+            metavar="N",
+            help="trainer processes a point, instead of the study's nproc_per_node (e.g. 1 for a "
+            "two-process study on one GPU: the same global batch, micro-batches accumulated)",
+        )
+        q.add_argument(
             "overrides",
             nargs="*",
             metavar="key.sub=value",
@@ -1879,7 +1899,12 @@ def _main(args: argparse.Namespace) -> int:
             print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
             return EXIT_STUDY_ERROR
     try:
-        study = load_study(args.study, args.output_dir, extra_overrides=args.overrides)
+        study = load_study(
+            args.study,
+            args.output_dir,
+            extra_overrides=args.overrides,
+            nproc_per_node=args.nproc_per_node,
+        )
     except StudyError as e:
         print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
         return EXIT_STUDY_ERROR

@@ -35,7 +35,7 @@ SCRIPT_KNOBS = {
     "POSITION_SEQUENCES", "STATUS", "PROBE_LENGTH", "BASE_STUDY", "SEEDS", "EXTEND_TAG",
     "RESULTS_DIR", "SETTINGS", "RETRIEVAL_QUERIES", "RETRIEVAL_NEEDLES", "RETRIEVAL_HAYSTACK",
     "BASE_TAG", "PREFIX_EOD", "BASE_LENGTHS", "RETRIEVAL_DEPTH_DISTRIBUTION", "PROBE_TASKS",
-    "ZONE_DEPTHS", "ZONE_ARMS", "ZONE_LENGTHS", "ZONE_TASKS",
+    "ZONE_DEPTHS", "ZONE_ARMS", "ZONE_LENGTHS", "ZONE_TASKS", "BASE_NPROC",
 }  # fmt: skip
 POINTS = {
     "code-125m-4k-base": ["dense", "hybrid-DS"],
@@ -354,6 +354,52 @@ def test_example_script_runs_the_extension_studies_it_is_given(tmp_path):
     assert sorted(c["args"][c["args"].index("--out") + 1] for c in plots) == sorted(
         f"sweeps/{s}/loss_by_position.png" for s in ["code-125m-4k-base", *studies]
     )
+
+
+def test_extend_studies_none_runs_the_base_study_alone_at_the_given_process_count(tmp_path):
+    """EXTEND_STUDIES=none with BASE_NPROC=1: a base judged at its own length before any
+    extension (a two-process base on one GPU): the base sweep alone, with --nproc-per-node 1,
+    each of its runs evaluated once, its results copied, no extension and its corpus unbuilt."""
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    base_only = {"EXTEND_STUDIES": "none", "RETRIEVAL_SPECS": "4k:256:4096:80"}
+    calls = _run(tmp_path, log, BASE_NPROC="1", RESULTS_DIR="results", **base_only)
+    sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert [Path(c["args"][3]).stem for c in sweeps] == ["code-125m-4k-base"]
+    args = sweeps[0]["args"]
+    assert args[args.index("--nproc-per-node") + 1] == "1"
+    evals = [c for c in calls if c["args"][:2] == EVAL_MODULE]
+    assert sorted(str(_run_dir(tmp_path, c)) for c in evals) == [
+        f"sweeps/code-125m-4k-base/runs/{p}" for p in POINTS["code-125m-4k-base"]
+    ]
+    assert sorted(_writers_by_tag(calls)) == ["4k"]
+    for arm in POINTS["code-125m-4k-base"]:
+        assert (
+            tmp_path / "results" / "code-125m-4k-base" / arm / "seed0" / "retrieval.json"
+        ).is_file()
+    status = (tmp_path / "example_status.log").read_text().splitlines()
+    assert status[-1].endswith("all done (exit 0): sweeps/code-125m-4k-base")
+    # Without BASE_NPROC the sweep keeps the study's own process count (no option).
+    calls = _run(tmp_path, tmp_path / "again.jsonl", **base_only)
+    (sweep,) = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
+    assert "--nproc-per-node" not in sweep["args"]
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"BASE_NPROC": "0"}, "BASE_NPROC: '0' is not a number of processes >= 1"),
+        ({"BASE_NPROC": "two"}, "BASE_NPROC: 'two' is not a number of processes >= 1"),
+        ({"EXTEND_STUDIES": " "}, "EXTEND_STUDIES names no study (give study names, or none"),
+    ],
+)
+def test_example_script_refuses_bad_process_counts_and_study_lists_first(tmp_path, env, message):
+    _write_fake(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    _run(tmp_path, log, returncode=2, **env)
+    assert log.read_text() == ""
+    assert message in (tmp_path / "example_status.log").read_text()
 
 
 def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_path):

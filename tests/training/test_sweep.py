@@ -508,6 +508,38 @@ def test_the_long_base_doubles_the_recipes_base_and_extends_it_the_same_way(tmp_
         assert got == want, p.name
 
 
+def test_nproc_per_node_on_the_command_line_runs_a_two_process_study_in_one(tmp_path, capsys):
+    """`run --nproc-per-node 1`: the long base (two data-parallel processes a point) on a
+    one-GPU machine, the same global batch with its micro-batches accumulated: one trainer
+    process a point on one GPU id, the configs checked at that size; without it one id is
+    refused; a value below 1 is refused naming the option; a size the batch does not divide
+    is refused by the configs' own check."""
+    corpus = _corpus_overrides(tmp_path)
+    path = REPO / "configs" / "studies" / "retrieval-125m-4k-base-long.yaml"
+    two = load_study(path, extra_overrides=corpus)
+    one = load_study(path, extra_overrides=corpus, nproc_per_node=1)
+    assert two.nproc_per_node == 2 and one.nproc_per_node == 1
+    assert all(p.valid for p in one.points) and [p.name for p in one.points] == [
+        p.name for p in two.points
+    ]
+    argv, env = sweep.point_command(one, one.points[0], devices=["0"])
+    assert argv[:3] == [sys.executable, "-m", "megatron_s2.training"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "NPROC_PER_NODE" not in env
+    assert sweep.device_groups(one, ["0"]) == [["0"]]
+    with pytest.raises(StudyError, match="a multiple of the study's nproc_per_node \\(2\\)"):
+        sweep.device_groups(two, ["0"])
+    with pytest.raises(StudyError, match="--nproc-per-node must be an integer >= 1, got 0"):
+        load_study(path, extra_overrides=corpus, nproc_per_node=0)
+    # 3 processes: a global batch of 16 is not a multiple of 3 x the micro-batch of 8.
+    three = load_study(path, extra_overrides=corpus, nproc_per_node=3)
+    assert not any(p.valid for p in three.points)
+    # The command line: list shows the points valid at one process a point.
+    code = sweep.main(["list", str(path), "--nproc-per-node", "1", "--output-dir",
+                       str(tmp_path / "out"), *corpus])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "dense,seed=1" in out and "error" not in out.lower()
+
+
 @pytest.mark.parametrize("name", ["retrieval-125m-4k-base", "retrieval-125m-extend-32k"])
 def test_a_studys_table_keeps_the_committed_tables_columns(tmp_path, name):
     """A lease's results.csv merges into the committed one (tools/merge_results_csv.py) only
