@@ -1072,7 +1072,9 @@ def _run_one(
         try:
             _follow(proc, log, echo, ctrl_c)
         finally:
-            _record_session(point.run_dir, start, time.time(), proc.poll(), "local")
+            _record_session(
+                point.run_dir, start, time.time(), proc.poll(), "local", study.nproc_per_node or 1
+            )
     sys.stdout.flush()
     return proc.returncode
 
@@ -1120,12 +1122,17 @@ def _wait_through_ctrl_c(proc: subprocess.Popen, ctrl_c: _CtrlC) -> None:
             passed_on += 1
 
 
-def _record_session(run_dir: str, start: float, end: float, code, how: str) -> None:
+def _record_session(
+    run_dir: str, start: float, end: float, code, how: str, processes: int = 1
+) -> None:
+    """Append one training session of a point to its run's sessions file: wall-clock start
+    and end (Unix seconds), the exit code, how it ran and on how many trainer processes (a
+    study's ``nproc_per_node``, or ``--nproc-per-node``: a run's tokens/s is of that many)."""
     try:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, SESSIONS), "a") as f:
             record = {"start": round(start, 3), "end": round(end, 3), "exit_code": code}
-            f.write(json.dumps(record | {"how": how}) + "\n")
+            f.write(json.dumps(record | {"how": how, "processes": processes}) + "\n")
     except OSError:
         pass
 

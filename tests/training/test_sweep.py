@@ -379,6 +379,7 @@ def test_devices_run_points_at_once_each_on_its_gpus(tmp_path, demo_data):
         assert log.startswith(f"CUDA_VISIBLE_DEVICES={gpu}\n")
         (session,) = [json.loads(x) for x in open(Path(point.run_dir) / sweep.SESSIONS)]
         spans.append((session["start"], session["end"]))
+        assert session["how"] == "local" and session["processes"] == 1
     assert "[megatron-s2] " not in r.stdout  # trainers' output goes to their logs only
     # Both trainers ran at the same time.
     assert max(s for s, _ in spans) < min(e for _, e in spans)
