@@ -139,7 +139,8 @@ BASE_TAG=${BASE_TAG:-4k}
 # Extension studies (configs/studies/NAME.yaml), run one after another from the same 4k models;
 # none: the base study alone.
 read -r -a EXTEND_NAMES <<< "${EXTEND_STUDIES:-code-125m-extend-16k}"
-[[ ${EXTEND_NAMES[*]-} == none ]] && EXTEND_NAMES=()
+BASE_ONLY=0
+[[ ${EXTEND_NAMES[*]-} == none ]] && { EXTEND_NAMES=(); BASE_ONLY=1; }
 BASE_NPROC_ARGS=()
 [[ -n "${BASE_NPROC:-}" ]] && BASE_NPROC_ARGS=(--nproc-per-node "$BASE_NPROC")
 status=0
@@ -280,7 +281,7 @@ elif [[ -n ${ZONE_LENGTHS:-}${ZONE_TASKS:-} ]]; then
     note "ZONE_LENGTHS and ZONE_TASKS need ZONE_DEPTHS (the needle depths to evaluate, e.g. 0,0.002,0.01)"
     exit 2
 fi
-if [[ -n ${EXTEND_STUDIES+x} ]] && ! (( ${#EXTEND_NAMES[@]} )) && [[ $EXTEND_STUDIES != none ]]; then
+if ! (( ${#EXTEND_NAMES[@]} || BASE_ONLY )); then
     note "EXTEND_STUDIES names no study (give study names, or none for the base study alone)"
     exit 2
 fi
