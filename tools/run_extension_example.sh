@@ -64,7 +64,8 @@
 # accumulated: the sweep's --nproc-per-node), EXTEND_STUDIES (the extension studies, names in
 # configs/studies/, space-separated, run one after another; default code-125m-extend-16k;
 # code-125m-extend-16k-remedies tries what closes the hybrid's retrieval gap; none: the base
-# study alone, e.g. a base judged at its own length first), EXTEND_MIN_ACCURACY
+# study alone, e.g. a base judged at its own length first, with only BASE_TAG's corpora
+# written), EXTEND_MIN_ACCURACY
 # (unset: always extend; else extend
 # only if a 4k model's passkey exact-match accuracy, mean over its cells up to 4096 tokens,
 # reaches it: an extension of models that do not retrieve at their own length cannot answer the
@@ -285,6 +286,11 @@ if ! (( ${#EXTEND_NAMES[@]} || BASE_ONLY )); then
     note "EXTEND_STUDIES names no study (give study names, or none for the base study alone)"
     exit 2
 fi
+if (( BASE_ONLY )) && [[ -n ${ZONE_DEPTHS}${EXTEND_MIN_ACCURACY:-} ]]; then
+    note "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies; EXTEND_STUDIES=none" \
+        "runs none: leave them unset"
+    exit 2
+fi
 if [[ -n "${BASE_NPROC:-}" && ! $BASE_NPROC =~ ^[1-9][0-9]*$ ]]; then
     note "BASE_NPROC: '$BASE_NPROC' is not a number of processes >= 1 (e.g. BASE_NPROC=1)"
     exit 2
@@ -325,6 +331,10 @@ if [[ $with_retrieval == 1 ]]; then
         # Optional fifth and sixth fields: this corpus's own queries and needles (a short-trial
         # corpus cannot hold the many needles of a one-sample one in the same study).
         IFS=: read -r tag min_tokens max_tokens num_docs queries needles pack <<< "$spec"
+        # A base-only run (EXTEND_STUDIES=none) writes the base study's corpora alone.
+        if (( BASE_ONLY )) && [[ ,$BASE_TAG, != *,$tag,* ]]; then
+            continue
+        fi
         queries=${queries:-$RETRIEVAL_QUERIES}
         needles=${needles:-$RETRIEVAL_NEEDLES}
         # A corpus written before (cached by RETRIEVAL_PREFIX) is kept only if it was written
@@ -400,7 +410,7 @@ evaluate_study() {  # STUDY [extra options]: the catch-up, side by side on the G
 # Before the extension, not beside it: the extension's tokens/s (S2 vs dense) is a result, and an
 # evaluation sharing the GPU would distort it.
 evaluate_study "$BASE_NAME" --allow-extrapolation
-if [[ -n "${EXTEND_MIN_ACCURACY:-}" ]]; then
+if [[ -n "${EXTEND_MIN_ACCURACY:-}" ]] && ! (( BASE_ONLY )); then
     # Prints the best 4k model's passkey accuracy up to 4096 tokens; fails below the threshold.
     if ! best=$("$PYTHON" -c '
 import json, sys

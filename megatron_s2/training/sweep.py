@@ -444,7 +444,8 @@ def load_study(
     ``extra_overrides``: ``key=value`` strings from the command line, applied to every point
     after the study's ``overrides`` and before the point's own values (machine-specific settings
     such as a corpus built on this machine, kept out of the study file). ``nproc_per_node``
-    (``run --nproc-per-node``) replaces the study's own: a two-process study on a one-GPU
+    (``--nproc-per-node`` of run, collect, list and adopt; adopt's ``--from`` study keeps its
+    own) replaces the study's own: a two-process study on a one-GPU
     machine trains the same global batch in one process, its micro-batches accumulated (the
     points' configs are checked at that size)."""
     path = Path(path)
@@ -1035,7 +1036,8 @@ def device_groups(study: Study, devices: Sequence[str]) -> list[list[str]]:
     if not devices or len(set(devices)) != len(devices) or len(devices) % nproc:
         raise StudyError(
             f"--devices {','.join(devices) or '(empty)'}: give distinct GPU ids, a multiple of "
-            f"the study's nproc_per_node ({nproc}) of them"
+            f"the processes a point, nproc_per_node ({nproc}) from the study or "
+            f"--nproc-per-node, of them"
         )
     return [devices[i : i + nproc] for i in range(0, len(devices), nproc)]
 

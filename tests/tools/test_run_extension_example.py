@@ -362,7 +362,8 @@ def test_extend_studies_none_runs_the_base_study_alone_at_the_given_process_coun
     each of its runs evaluated once, its results copied, no extension and its corpus unbuilt."""
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
-    base_only = {"EXTEND_STUDIES": "none", "RETRIEVAL_SPECS": "4k:256:4096:80"}
+    # The default RETRIEVAL_SPECS hold a 4k and a 16k corpus: only the base's (BASE_TAG 4k).
+    base_only = {"EXTEND_STUDIES": "none"}
     calls = _run(tmp_path, log, BASE_NPROC="1", RESULTS_DIR="results", **base_only)
     sweeps = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"]]
     assert [Path(c["args"][3]).stem for c in sweeps] == ["code-125m-4k-base"]
@@ -391,6 +392,14 @@ def test_extend_studies_none_runs_the_base_study_alone_at_the_given_process_coun
         ({"BASE_NPROC": "0"}, "BASE_NPROC: '0' is not a number of processes >= 1"),
         ({"BASE_NPROC": "two"}, "BASE_NPROC: 'two' is not a number of processes >= 1"),
         ({"EXTEND_STUDIES": " "}, "EXTEND_STUDIES names no study (give study names, or none"),
+        (
+            {"EXTEND_STUDIES": "none", "ZONE_DEPTHS": "0"},
+            "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies",
+        ),
+        (
+            {"EXTEND_STUDIES": "none", "EXTEND_MIN_ACCURACY": "0.5"},
+            "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies",
+        ),
     ],
 )
 def test_example_script_refuses_bad_process_counts_and_study_lists_first(tmp_path, env, message):

@@ -68,7 +68,6 @@ def test_small_model_passes_the_load_checks(tmp_path):
                        "--print-config")  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "deterministic" in proc.stdout
 
 
 def _losses(tmp_path, name: str, *overrides: str) -> dict:

@@ -527,7 +527,9 @@ def test_nproc_per_node_on_the_command_line_runs_a_two_process_study_in_one(tmp_
     assert argv[:3] == [sys.executable, "-m", "megatron_s2.training"]
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and "NPROC_PER_NODE" not in env
     assert sweep.device_groups(one, ["0"]) == [["0"]]
-    with pytest.raises(StudyError, match="a multiple of the study's nproc_per_node \\(2\\)"):
+    with pytest.raises(
+        StudyError, match="a multiple of the processes a point, nproc_per_node \\(2"
+    ):
         sweep.device_groups(two, ["0"])
     with pytest.raises(StudyError, match="--nproc-per-node must be an integer >= 1, got 0"):
         load_study(path, extra_overrides=corpus, nproc_per_node=0)
