@@ -477,16 +477,14 @@ def load_study(
             raise StudyError(f"base: run config {str(base_path)!r} does not exist")
     else:
         raise StudyError(f"base must be the path of a run config, got {base!r}")
+    # The study's own process count, then the command line's in its place.
     nproc = d.get("nproc_per_node")
-    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
-        raise StudyError(f"nproc_per_node must be an integer >= 1, got {nproc!r}")
-    if nproc_per_node is not None:
-        if (
-            not isinstance(nproc_per_node, int)
-            or isinstance(nproc_per_node, bool)
-            or nproc_per_node < 1
+    for value, where in ((nproc, "nproc_per_node"), (nproc_per_node, "--nproc-per-node")):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
-            raise StudyError(f"--nproc-per-node must be an integer >= 1, got {nproc_per_node!r}")
+            raise StudyError(f"{where} must be an integer >= 1, got {value!r}")
+    if nproc_per_node is not None:
         nproc = nproc_per_node
     equal = d.get("equal_tokens")
     if equal is not None and (

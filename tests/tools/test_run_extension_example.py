@@ -386,31 +386,6 @@ def test_extend_studies_none_runs_the_base_study_alone_at_the_given_process_coun
     assert "--nproc-per-node" not in sweep["args"]
 
 
-@pytest.mark.parametrize(
-    "env, message",
-    [
-        ({"BASE_NPROC": "0"}, "BASE_NPROC: '0' is not a number of processes >= 1"),
-        ({"BASE_NPROC": "two"}, "BASE_NPROC: 'two' is not a number of processes >= 1"),
-        ({"EXTEND_STUDIES": " "}, "EXTEND_STUDIES names no study (give study names, or none"),
-        (
-            {"EXTEND_STUDIES": "none", "ZONE_DEPTHS": "0"},
-            "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies",
-        ),
-        (
-            {"EXTEND_STUDIES": "none", "EXTEND_MIN_ACCURACY": "0.5"},
-            "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies",
-        ),
-    ],
-)
-def test_example_script_refuses_bad_process_counts_and_study_lists_first(tmp_path, env, message):
-    _write_fake(tmp_path)
-    log = tmp_path / "calls.jsonl"
-    log.write_text("")
-    _run(tmp_path, log, returncode=2, **env)
-    assert log.read_text() == ""
-    assert message in (tmp_path / "example_status.log").read_text()
-
-
 def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_path):
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
@@ -752,9 +727,21 @@ def test_zone_depths_evaluate_the_extensions_chosen_arms_near_the_start_once(tmp
             {"PROBE_LENGTH": "8192", "TASKS": "passkey,multikey", "PROBE_TASKS": "passkey,kv"},
             "PROBE_TASKS: 'kv' is not one of TASKS (passkey,multikey)",
         ),
+        ({"BASE_NPROC": "0"}, "BASE_NPROC: '0' is not a number of processes >= 1"),
+        ({"BASE_NPROC": "two"}, "BASE_NPROC: 'two' is not a number of processes >= 1"),
+        ({"EXTEND_STUDIES": " "}, "EXTEND_STUDIES names no study (give study names, or none"),
+        (
+            {"EXTEND_STUDIES": "none", "ZONE_DEPTHS": "0"},
+            "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies",
+        ),
+        (
+            {"EXTEND_STUDIES": "none", "EXTEND_MIN_ACCURACY": "0.5"},
+            "ZONE_DEPTHS and EXTEND_MIN_ACCURACY act on the extension studies",
+        ),
     ],
 )
-def test_example_script_refuses_bad_evaluation_settings_before_any_work(tmp_path, env, message):
+def test_example_script_refuses_bad_settings_before_any_work(tmp_path, env, message):
+    """Evaluation settings, process counts and study lists are checked before anything runs."""
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     log.write_text("")
