@@ -446,27 +446,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+_PORT_TRIES = 3
+
+
+def _errors(workdir: str) -> list[str]:
+    return [
+        open(os.path.join(workdir, f)).read() for f in sorted(os.listdir(workdir)) if ".error." in f
+    ]
+
+
 def run_layouts(cc: CheckConfig, layouts: list[Layout], workdir: str) -> None:
     """Run layouts of one world size in one set of spawned processes (one per device), one after
-    the other; raise with the ranks' tracebacks on failure."""
+    the other; raise with the ranks' tracebacks on failure.
+
+    The port is found free here and bound by rank 0's store only after the ranks start, so
+    another process (a parallel test's gloo sockets take ports from the same range) can take it
+    in between; that launch fails at start-up with EADDRINUSE and is retried on a new port, up
+    to three launches. Any other failure is raised at once."""
     import torch.multiprocessing as mp
 
     world = layouts[0].world
     if any(layout.world != world for layout in layouts):
         raise ValueError("run_layouts: all layouts must use the same number of processes")
-    try:
-        mp.spawn(
-            _run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world, join=True
-        )
-    except Exception as e:
-        errs = [
-            open(os.path.join(workdir, f)).read()
-            for f in sorted(os.listdir(workdir))
-            if ".error." in f
-        ]
-        raise RuntimeError(
-            f"layouts {[layout.name for layout in layouts]} failed:\n" + "\n".join(errs or [str(e)])
-        ) from e
+    for attempt in range(1, _PORT_TRIES + 1):
+        for f in os.listdir(workdir):
+            if ".error." in f:  # an earlier launch's, not this one's
+                os.remove(os.path.join(workdir, f))
+        try:
+            mp.spawn(
+                _run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world, join=True
+            )
+            return
+        except Exception as e:
+            errs = _errors(workdir)
+            text = "\n".join(errs or [str(e)])
+            if attempt < _PORT_TRIES and any(m in text for m in _PORT_TAKEN):
+                print(f"run_layouts: port taken at start-up (launch {attempt}); retrying")
+                continue
+            raise RuntimeError(
+                f"layouts {[layout.name for layout in layouts]} failed:\n" + text
+            ) from e
 
 
 def run_layout(cc: CheckConfig, layout: Layout, workdir: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 
@@ -18,7 +19,27 @@ TINY_SCHEDULE = {
 }
 
 
+# Ports for the tests' process groups: below Linux's ephemeral range (32768-60999 by default),
+# in a slice of their own per pytest-xdist worker. A port found by binding to 0 comes from the
+# ephemeral range and is closed before rank 0's store binds it; in between, the other worker's
+# gloo and store connections (which take ephemeral ports) can take it, and the test fails with
+# EADDRINUSE (seen in CI). Within one worker the tests run one at a time.
+_PORT_BASE, _PORT_SLICE = 12000, 2000
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, from this xdist worker's slice (gw0: 12000-13999, gw1:
+    14000-15999, ...; no xdist: gw0's); falls back to one the kernel picks if the slice is full."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = _PORT_BASE + (index % 10) * _PORT_SLICE
+    for port in random.sample(range(low, low + _PORT_SLICE), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -77,9 +98,15 @@ def tiny_s2_config(schedule, **kw):
 
 
 def import_tool(name: str = "gpu_parallel_check"):
+    """Import tools/<name>.py. gpu_parallel_check's launches take their port from free_port
+    (this worker's slice) instead of the kernel's ephemeral range; the tool still retries a
+    launch whose port was taken."""
     if TOOLS not in sys.path:
         sys.path.insert(0, TOOLS)
-    return __import__(name)
+    module = __import__(name)
+    if name == "gpu_parallel_check":
+        module._free_port = free_port
+    return module
 
 
 class _Group:
