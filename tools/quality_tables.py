@@ -10,6 +10,12 @@ differences-within-noise rule), and with ``--positions`` the same for the mean l
 inside the S2 window (positions < ``--window``) and beyond it, from every run's
 ``loss_by_position.json``. ``--write DIR`` also writes summary.csv, summary.md and
 frontier.png there (what ``megatron-s2-sweep collect`` writes for a study with seeds).
+
+``--speed-model`` prints instead the speed model (``seed_stats.SpeedModel``: seconds per token
+linear in the model's attention density, fitted to the file's finished settings) and every
+setting's measured tokens/s against its prediction, the settings not run yet included;
+``--speed-fit OTHER.csv`` fits it to another study's runs (one host, the same length) and
+predicts this file's settings with it.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import sys
 from megatron_s2.training.seed_stats import (
     SPEED,
     SUMMARY_COLUMNS,
+    fit_speed_model,
     position_rows,
     read_results,
+    speed_model_markdown,
+    speed_rows,
     summarize,
     summary_markdown,
     write_summary,
@@ -102,8 +111,34 @@ def main(argv=None) -> int:
         "instead of one table per step (TOKENS_PER_STEP: global batch x sequence length)",
     )
     ap.add_argument("--write", default=None, metavar="DIR", help="also write the summary files")
+    ap.add_argument(
+        "--speed-model",
+        action="store_true",
+        help="print the speed model (seconds per token linear in attention density) fitted to "
+        "this file's finished settings, and every setting's measured tokens/s against it",
+    )
+    ap.add_argument(
+        "--speed-fit",
+        default=None,
+        metavar="RESULTS_CSV",
+        help="with --speed-model: fit it to this other study's results.csv instead (runs of one "
+        "host at the same sequence length) and predict the first file's settings",
+    )
     args = ap.parse_args(argv)
     rows = read_results(args.results)
+    if args.speed_fit and not args.speed_model:
+        print("quality_tables: --speed-fit goes with --speed-model", file=sys.stderr)
+        return 2
+    if args.speed_model:
+        fit_on = args.speed_fit or args.results
+        try:
+            model = fit_speed_model(read_results(fit_on))
+            table = speed_rows(rows, model)
+        except (ValueError, OSError) as e:
+            print(f"quality_tables: {e}", file=sys.stderr)
+            return 2
+        sys.stdout.write(speed_model_markdown(table, model, fit_on))
+        return 0
     columns = [c for c in SUMMARY_COLUMNS if any(r.get(c) for r in rows)]
     try:
         tables = [("valid loss", summarize(rows, args.reference, columns), "valid loss")]

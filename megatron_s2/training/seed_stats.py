@@ -34,12 +34,18 @@ __all__ = [
     "position_rows",
     "summary_markdown",
     "write_summary",
+    "SpeedModel",
+    "fit_speed_model",
+    "speed_rows",
+    "speed_model_markdown",
 ]
 
 CONFIDENCE = 0.95
 SEED_KEY = "train.seed"
 LOSS = "final_valid_loss"
 SPEED = "tokens_per_s"
+DENSITY = "attention_density"
+LENGTH = "model.seq_length"
 
 
 @dataclass(frozen=True)
@@ -427,3 +433,152 @@ def write_summary(
         f.write(summary_markdown(summaries, reference, columns))
     plot = write_frontier_plot(summaries, os.path.join(out_dir, "frontier.png"), title)
     return [csv_path, md_path, plot]
+
+
+# ---- speed model -----------------------------------------------------------------------------
+# At one sequence length and model shape, a training step's time per token is the attention's,
+# which scales with the pairs attended (the model's attention density: attended pairs over the
+# dense causal pairs, all layers), plus everything else (projections, MLP, norms, optimizer,
+# communication), which no attention setting changes. So seconds per token is linear in the
+# density; two settings on one host fix the line, and it predicts every other setting's
+# tokens/s on that host before it is run. It holds as far as the S2 kernels run the pairs they
+# attend at the dense kernel's rate; a setting far off the line says where they do not.
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    """Seconds per training token as ``base + attention * density``.
+
+    ``base``: seconds per token of everything but attention; ``attention``: of dense attention
+    in every layer (density 1); both fitted by least squares to per-setting means of
+    ``1 / tokens_per_s`` (``settings`` of them, at ``seq_length`` tokens)."""
+
+    base: float
+    attention: float
+    settings: int
+    seq_length: Optional[int] = None
+
+    def tokens_per_s(self, density: float) -> float:
+        """Predicted training tokens/s at ``density`` (0-1, the model's attention density)."""
+        return 1.0 / (self.base + self.attention * density)
+
+    @property
+    def attention_share(self) -> float:
+        """The share of a dense model's step time that is attention (density 1)."""
+        return self.attention / (self.base + self.attention)
+
+
+@dataclass
+class SpeedRow:
+    """One setting: its density, measured tokens/s over its finished seeds (None if none), and
+    the model's prediction."""
+
+    setting: str
+    density: float
+    measured: Optional[Estimate]
+    predicted: float
+
+    @property
+    def residual(self) -> Optional[float]:
+        """Measured over predicted tokens/s, in %, or None without a measurement."""
+        if self.measured is None:
+            return None
+        return 100.0 * (self.measured.mean / self.predicted - 1.0)
+
+
+def _density_groups(rows: Iterable[dict], finished_only: bool) -> dict:
+    """setting -> (density, [tokens/s of its finished runs], seq_length) in the rows' order.
+    Raises ValueError if one setting has two densities or the rows mix sequence lengths."""
+    groups: dict = {}
+    lengths = set()
+    for row in rows:
+        density = _number(row.get(DENSITY))
+        speed = _number(row.get(SPEED))
+        finished = row.get("status", "finished") == "finished"
+        if density is None or (finished_only and (speed is None or not finished)):
+            continue
+        length = _number(row.get(LENGTH))
+        if length is not None:
+            lengths.add(int(length))
+        setting = _setting_of(row)
+        d, speeds, _ = groups.setdefault(setting, (density, [], None))
+        if abs(d - density) > 1e-9:
+            raise ValueError(f"setting {setting!r} has two attention densities: {d} and {density}")
+        if speed is not None and finished:
+            speeds.append(speed)
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the rows mix sequence lengths ({', '.join(map(str, sorted(lengths)))}); the speed "
+            f"model holds at one length: give one study's rows"
+        )
+    length = lengths.pop() if lengths else None
+    return {k: (d, v, length) for k, (d, v, _) in groups.items()}
+
+
+def fit_speed_model(rows: Iterable[dict]) -> SpeedModel:
+    """Fit :class:`SpeedModel` to a sweep's rows (``attention_density``, ``tokens_per_s``,
+    finished runs): one point per setting, the mean over its seeds of seconds per token.
+
+    Raises ValueError with fewer than two distinct densities among the finished settings."""
+    groups = {k: g for k, g in _density_groups(rows, True).items() if g[1]}
+    points = [(d, sum(1.0 / v for v in speeds) / len(speeds)) for d, speeds, _ in groups.values()]
+    if len({round(d, 9) for d, _ in points}) < 2:
+        raise ValueError(
+            f"the speed model needs finished runs (with tokens_per_s and attention_density) of "
+            f"at least two settings of different attention density; found "
+            f"{', '.join(groups) or 'none'}"
+        )
+    n = len(points)
+    mx = sum(d for d, _ in points) / n
+    my = sum(t for _, t in points) / n
+    slope = sum((d - mx) * (t - my) for d, t in points) / sum((d - mx) ** 2 for d, _ in points)
+    length = next(iter(groups.values()))[2]
+    return SpeedModel(base=my - slope * mx, attention=slope, settings=n, seq_length=length)
+
+
+def speed_rows(rows: Iterable[dict], model: SpeedModel) -> list[SpeedRow]:
+    """Every setting of ``rows`` with an attention density (run or not) against ``model``.
+
+    Raises ValueError if the rows are at another sequence length than the model was fitted."""
+    groups = _density_groups(rows, False)
+    lengths = {g[2] for g in groups.values()} - {None}
+    if model.seq_length is not None and lengths and lengths != {model.seq_length}:
+        raise ValueError(
+            f"the speed model was fitted at {model.seq_length} tokens, these rows are at "
+            f"{', '.join(map(str, sorted(lengths)))}"
+        )
+    return [
+        SpeedRow(
+            setting=setting,
+            density=density,
+            measured=mean_interval(speeds) if speeds else None,
+            predicted=model.tokens_per_s(density),
+        )
+        for setting, (density, speeds, _) in groups.items()
+    ]
+
+
+def speed_model_markdown(table: Sequence[SpeedRow], model: SpeedModel, fitted_on: str) -> str:
+    """The model's line and a markdown table: setting, density, seeds, measured tokens/s (95%
+    interval), predicted, and measured against predicted in %."""
+    us = 1e6
+    lines = [
+        f"Speed model, fitted on {model.settings} settings of {fitted_on}: seconds per token = "
+        f"{model.base * us:.4f} us + {model.attention * us:.4f} us x attention density "
+        f"(attention {100 * model.attention_share:.1f}% of a dense step"
+        + (f" at {model.seq_length} tokens" if model.seq_length else "")
+        + ")",
+        "",
+        "| setting | attention density | seeds | tokens/s measured (95% CI) | tokens/s predicted "
+        "| measured vs predicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        measured = r.measured.text("{:,.0f}") if r.measured else "not run"
+        residual = f"{r.residual:+.1f}%" if r.residual is not None else ""
+        seeds = r.measured.n if r.measured else 0
+        lines.append(
+            f"| {r.setting} | {r.density:.3f} | {seeds} | {measured} | {r.predicted:,.0f} "
+            f"| {residual} |"
+        )
+    return "\n".join(lines) + "\n"

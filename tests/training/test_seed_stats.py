@@ -512,3 +512,152 @@ def test_quality_doc_16k_grid_table_is_the_tools_output():
     table = res.stdout.split("\n\n")[0].strip()
     assert table.startswith("| setting") and "vert_stride=12,local_blocks=8" in table
     assert table in (REPO / "docs" / "quality.md").read_text()
+
+
+# ---- the speed model ---------------------------------------------------------------------------
+def _speed_rows(densities: dict, base: float, attention: float, seeds=3, noise=0.0, rng=None):
+    """results.csv-like rows whose tokens/s follow ``1 / (base + attention * density)`` (times
+    a factor within ``noise`` of 1 per run), plus a setting not run and a failed run."""
+    rows = []
+    for setting, density in densities.items():
+        for seed in range(1, seeds + 1):
+            factor = 1.0 + (rng.uniform(-noise, noise) if noise else 0.0)
+            rows.append(
+                {
+                    "point": f"{setting},seed={seed}",
+                    "status": "finished",
+                    "setting": setting,
+                    "train.seed": str(seed),
+                    "model.seq_length": "16384",
+                    "attention_density": repr(density),
+                    "tokens_per_s": repr(factor / (base + attention * density)),
+                }
+            )
+    rows.append({**rows[0], "point": "later,seed=1", "setting": "later", "tokens_per_s": ""})
+    rows[-1].update(status="not run", attention_density="0.5")
+    rows.append({**rows[1], "status": "failed", "tokens_per_s": "1.0"})  # left out of the fit
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_speed_model_recovers_the_line_and_predicts_settings_not_run(seed):
+    rng = random.Random(seed)
+    base, attention = rng.uniform(2e-6, 5e-6), rng.uniform(0.5e-6, 3e-6)
+    densities = {f"s{i}": rng.uniform(0.1, 1.0) for i in range(rng.randint(2, 6))}
+    rows = _speed_rows(densities, base, attention)
+    model = seed_stats.fit_speed_model(rows)
+    assert model.base == pytest.approx(base, rel=1e-9)
+    assert model.attention == pytest.approx(attention, rel=1e-9)
+    assert model.settings == len(densities) and model.seq_length == 16384
+    assert model.attention_share == pytest.approx(attention / (base + attention))
+    table = seed_stats.speed_rows(rows, model)
+    assert [r.setting for r in table] == [*densities, "later"]
+    for r in table[:-1]:
+        assert r.measured.n == 3 and abs(r.residual) < 1e-6
+    assert table[-1].measured is None and table[-1].residual is None
+    assert table[-1].predicted == pytest.approx(1.0 / (base + attention * 0.5))
+
+
+def test_speed_model_is_least_squares_on_mean_seconds_per_token():
+    """With noisy runs the line is numpy's least-squares fit to each setting's mean of
+    1 / tokens/s."""
+    import numpy as np
+
+    rng = random.Random(7)
+    densities = {"d": 1.0, "a": 0.61, "b": 0.42, "c": 0.23}
+    rows = _speed_rows(densities, 3.6e-6, 2.0e-6, noise=0.03, rng=rng)
+    model = seed_stats.fit_speed_model(rows)
+    x = list(densities.values())
+    y = [
+        np.mean([1 / float(r["tokens_per_s"]) for r in rows[:12] if r["setting"] == s])
+        for s in densities
+    ]
+    slope, intercept = np.polyfit(x, y, 1)
+    assert model.attention == pytest.approx(slope, rel=1e-9)
+    assert model.base == pytest.approx(intercept, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("one-density", "at least two settings of different attention density"),
+        ("two-lengths", "mix sequence lengths"),
+        ("two-densities", "has two attention densities"),
+    ],
+)
+def test_speed_model_refusals(change, message):
+    rows = _speed_rows({"d": 1.0, "s": 0.3}, 3e-6, 2e-6)
+    if change == "one-density":
+        rows = [r for r in rows if r["setting"] != "s"]
+    elif change == "two-lengths":
+        rows[3]["model.seq_length"] = "4096"
+    else:
+        rows[4]["attention_density"] = "0.31"
+    with pytest.raises(ValueError, match=message):
+        seed_stats.fit_speed_model(rows)
+
+
+def test_speed_model_refuses_rows_at_another_length():
+    model = seed_stats.fit_speed_model(_speed_rows({"d": 1.0, "s": 0.3}, 3e-6, 2e-6))
+    other = _speed_rows({"d": 1.0}, 3e-6, 2e-6)
+    for r in other:
+        r["model.seq_length"] = "4096"
+    with pytest.raises(ValueError, match="fitted at 16384 tokens, these rows are at 4096"):
+        seed_stats.speed_rows(other, model)
+
+
+def _tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "quality_tables.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_quality_tables_speed_model_cli(tmp_path):
+    fit = _write_results(tmp_path / "fit.csv", _speed_rows({"d": 1.0, "s": 0.25}, 3e-6, 2e-6))
+    grid = _write_results(tmp_path / "grid.csv", _speed_rows({"g1": 0.6, "g2": 0.7}, 3e-6, 2e-6))
+    res = _tool(grid, "--speed-model", "--speed-fit", fit)
+    assert res.returncode == 0, res.stderr
+    model = seed_stats.fit_speed_model(seed_stats.read_results(fit))
+    expected = seed_stats.speed_model_markdown(
+        seed_stats.speed_rows(seed_stats.read_results(grid), model), model, str(fit)
+    )
+    assert res.stdout == expected
+    assert "| later | 0.500 | 0 | not run | 250,000 |  |" in res.stdout  # 1 / (3 + 1) us
+    assert "attention 40.0% of a dense step at 16384 tokens" in res.stdout
+    alone = _tool(grid, "--speed-fit", fit)
+    assert alone.returncode == 2 and "--speed-fit goes with --speed-model" in alone.stderr
+    short = _write_results(
+        tmp_path / "short.csv",
+        [{**r, "model.seq_length": "4096"} for r in _speed_rows({"a": 1.0, "b": 0.5}, 1, 1)],
+    )
+    mixed = _tool(short, "--speed-model", "--speed-fit", fit)
+    assert mixed.returncode == 2 and "fitted at 16384 tokens" in mixed.stderr
+
+
+def test_quality_doc_speed_model_tables_are_the_tools_output():
+    """docs/quality.md's speed-model tables (the 48M study's fit, the grid predicted from it)
+    are what tools/quality_tables.py --speed-model prints from the committed results.csv files,
+    and the line's numbers quoted in the text are the tool's."""
+    quality = REPO / "docs" / "quality"
+    fit = quality / "code-125m-16k-seeds" / "results.csv"
+    doc = (REPO / "docs" / "quality.md").read_text()
+    for args in (
+        (fit, "--speed-model"),
+        (
+            quality / "code-125m-16k-stride-window" / "results.csv",
+            "--speed-model",
+            "--speed-fit",
+            fit,
+        ),
+    ):
+        res = _tool(*args)
+        assert res.returncode == 0, res.stderr
+        line, table = res.stdout.split("\n\n", 1)
+        assert table.strip() in doc
+        assert "3.5845 us + 2.0486 us x attention density (attention 36.4%" in line
+    assert "3.5845 + 2.0486 x density" in doc and "attention is 36.4%" in doc
+    res = _tool(quality / "code-125m-16k-seeds-100m" / "results.csv", "--speed-model")
+    assert "3.7141 us + 1.9950 us x attention density (attention 34.9%" in res.stdout
+    assert "3.7141 + 1.9950 x density, attention 34.9%" in doc
