@@ -661,3 +661,29 @@ def test_quality_doc_speed_model_tables_are_the_tools_output():
     res = _tool(quality / "code-125m-16k-seeds-100m" / "results.csv", "--speed-model")
     assert "3.7141 us + 1.9950 us x attention density (attention 34.9%" in res.stdout
     assert "3.7141 + 1.9950 x density, attention 34.9%" in doc
+
+
+def test_long_context_speed_budget_is_the_tools_line():
+    """docs/long_context_eval.md's speed budget (the 32k extension runs' line and what it
+    predicts for k dense layers of 12) is what the speed model gives from the committed
+    results.csv."""
+    path = REPO / "docs" / "long_context" / "results" / "retrieval-125m-extend-32k" / "results.csv"
+    res = _tool(path, "--speed-model")
+    assert res.returncode == 0, res.stderr
+    assert "3.3884 us + 4.9251 us x attention density (attention 59.2%" in res.stdout
+    rows = seed_stats.read_results(path)
+    model = seed_stats.fit_speed_model(rows)
+    table = {r.setting: r for r in seed_stats.speed_rows(rows, model)}
+    assert max(abs(r.residual) for r in table.values() if r.residual is not None) < 0.6
+    s2 = 2 * table["hybrid-DS"].density - 1  # DS: six dense layers and six S2
+    doc = " ".join((REPO / "docs" / "long_context_eval.md").read_text().split())
+    assert "3.3884 + 4.9251 x density microseconds per token, attention 59.2%" in doc
+    assert f"attends {s2:.3f} of its causal pairs at 32k" in doc
+    dense = table["dense"].measured.mean
+    ratio = {k: model.tokens_per_s((k + (12 - k) * s2) / 12) / dense for k in (3, 5, 6, 7)}
+    assert (
+        f"{ratio[5]:.2f}x the twin's tokens/s at k = 5, {ratio[6]:.2f}x at 6 and "
+        f"{ratio[7]:.2f}x at 7" in doc
+    )
+    assert ratio[6] >= 1.3 > ratio[7]  # "at most six dense layers"
+    assert f"predicted at {ratio[3]:.2f}x" in doc
