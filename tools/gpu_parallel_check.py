@@ -446,14 +446,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+# How a rank's start-up failure reads when the port was taken (torch's store: "EADDRINUSE";
+# Python's socket: "[Errno 98] Address already in use"); compared case-insensitively.
+_PORT_TAKEN = ("eaddrinuse", "address already in use")
 _PORT_TRIES = 3
 
 
-def _errors(workdir: str) -> list[str]:
-    return [
-        open(os.path.join(workdir, f)).read() for f in sorted(os.listdir(workdir)) if ".error." in f
-    ]
+def _error_files(workdir: str, layouts: list[Layout]) -> list[str]:
+    """This launch's rank error files: ``init.error.<rank>`` (start-up) and
+    ``<layout>.error.<rank>`` for its layouts; other groups' files in ``workdir`` are theirs."""
+    names = ("init", *(layout.name for layout in layouts))
+    return sorted(
+        f for f in os.listdir(workdir) if f.split(".error.")[0] in names and ".error." in f
+    )
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def run_layouts(cc: CheckConfig, layouts: list[Layout], workdir: str) -> None:
@@ -462,30 +472,43 @@ def run_layouts(cc: CheckConfig, layouts: list[Layout], workdir: str) -> None:
 
     The port is found free here and bound by rank 0's store only after the ranks start, so
     another process (a parallel test's gloo sockets take ports from the same range) can take it
-    in between; that launch fails at start-up with EADDRINUSE and is retried on a new port, up
-    to three launches. Any other failure is raised at once."""
+    in between. A launch whose every failing rank failed at start-up (before any layout ran)
+    with the port taken is relaunched on a new port, up to three launches; any other failure is
+    raised at once."""
     import torch.multiprocessing as mp
 
     world = layouts[0].world
     if any(layout.world != world for layout in layouts):
         raise ValueError("run_layouts: all layouts must use the same number of processes")
     for attempt in range(1, _PORT_TRIES + 1):
-        for f in os.listdir(workdir):
-            if ".error." in f:  # an earlier launch's, not this one's
-                os.remove(os.path.join(workdir, f))
+        for f in _error_files(workdir, layouts):  # an earlier launch's, not this one's
+            os.remove(os.path.join(workdir, f))
         try:
             mp.spawn(
                 _run_rank, args=(world, _free_port(), cc, layouts, workdir), nprocs=world, join=True
             )
             return
         except Exception as e:
-            errs = _errors(workdir)
+            files = _error_files(workdir, layouts)
+            errs = [_read(os.path.join(workdir, f)) for f in files]
             text = "\n".join(errs or [str(e)])
-            if attempt < _PORT_TRIES and any(m in text for m in _PORT_TAKEN):
-                print(f"run_layouts: port taken at start-up (launch {attempt}); retrying")
+            port_taken = (
+                files
+                and all(f.startswith("init.error.") for f in files)
+                and all(any(m in err.lower() for m in _PORT_TAKEN) for err in errs)
+            )
+            if port_taken and attempt < _PORT_TRIES:
+                print(
+                    f"run_layouts: the port was taken at start-up (launch {attempt} of at most "
+                    f"{_PORT_TRIES}); relaunching on a new port",
+                    file=sys.stderr,
+                )
                 continue
+            launches = (
+                f" (launch {attempt}; the earlier ones' port was taken)" if attempt > 1 else ""
+            )
             raise RuntimeError(
-                f"layouts {[layout.name for layout in layouts]} failed:\n" + text
+                f"layouts {[layout.name for layout in layouts]} failed{launches}:\n" + text
             ) from e
 
 

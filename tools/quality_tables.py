@@ -125,20 +125,16 @@ def main(argv=None) -> int:
         "host at the same sequence length) and predict the first file's settings",
     )
     args = ap.parse_args(argv)
-    rows = read_results(args.results)
     if args.speed_fit and not args.speed_model:
         print("quality_tables: --speed-fit goes with --speed-model", file=sys.stderr)
         return 2
     if args.speed_model:
-        fit_on = args.speed_fit or args.results
-        try:
-            model = fit_speed_model(read_results(fit_on))
-            table = speed_rows(rows, model)
-        except (ValueError, OSError) as e:
-            print(f"quality_tables: {e}", file=sys.stderr)
-            return 2
-        sys.stdout.write(speed_model_markdown(table, model, fit_on))
-        return 0
+        return _speed_model(args)
+    try:
+        rows = read_results(args.results)
+    except OSError as e:
+        print(f"quality_tables: {e}", file=sys.stderr)
+        return 2
     columns = [c for c in SUMMARY_COLUMNS if any(r.get(c) for r in rows)]
     try:
         tables = [("valid loss", summarize(rows, args.reference, columns), "valid loss")]
@@ -198,6 +194,42 @@ def main(argv=None) -> int:
         sys.stdout.write(summary_markdown(summaries, args.reference, cols, loss_name=loss_name))
     if args.write:
         write_summary(rows, args.write, reference=args.reference)
+    return 0
+
+
+def _speed_model(args) -> int:
+    """--speed-model: the line fitted to --speed-fit's file (else the results file's) and the
+    results file's settings against it."""
+    others = [
+        option
+        for option, value in (
+            ("--reference", args.reference),
+            ("--positions", args.positions),
+            ("--curve", args.curve),
+            ("--curve-table", args.curve_table),
+            ("--write", args.write),
+        )
+        if value
+    ]
+    if others:
+        print(
+            f"quality_tables: --speed-model prints the speed model only; leave out "
+            f"{', '.join(others)} (the summary tables are a run without --speed-model)",
+            file=sys.stderr,
+        )
+        return 2
+    fit_on = args.speed_fit or args.results
+    try:
+        model = fit_speed_model(read_results(fit_on))
+    except (ValueError, OSError) as e:
+        print(f"quality_tables: {fit_on}: {e}", file=sys.stderr)
+        return 2
+    try:
+        table = speed_rows(read_results(args.results), model)
+    except (ValueError, OSError) as e:
+        print(f"quality_tables: {args.results}: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(speed_model_markdown(table, model, fit_on))
     return 0
 
 

@@ -470,13 +470,15 @@ class SpeedModel:
 
 @dataclass
 class SpeedRow:
-    """One setting: its density, measured tokens/s over its finished seeds (None if none), and
-    the model's prediction."""
+    """One setting: its density, measured tokens/s over its finished seeds (None if none), the
+    model's prediction, and ``status``: ``measured``, ``not run`` (no run started) or ``no
+    tokens/s`` (runs, but none finished with a throughput)."""
 
     setting: str
     density: float
     measured: Optional[Estimate]
     predicted: float
+    status: str = "measured"
 
     @property
     def residual(self) -> Optional[float]:
@@ -486,75 +488,108 @@ class SpeedRow:
         return 100.0 * (self.measured.mean / self.predicted - 1.0)
 
 
-def _density_groups(rows: Iterable[dict], finished_only: bool) -> dict:
-    """setting -> (density, [tokens/s of its finished runs], seq_length) in the rows' order.
-    Raises ValueError if one setting has two densities or the rows mix sequence lengths."""
+@dataclass
+class _DensityGroup:
+    density: float
+    speeds: list  # tokens/s of the setting's finished runs
+    statuses: set
+
+
+def _density_groups(rows: Sequence[dict]) -> tuple[dict, Optional[int]]:
+    """(setting -> :class:`_DensityGroup` in the rows' order, the rows' sequence length or None).
+
+    Raises ValueError if the rows have no ``attention_density`` column or value, one setting has
+    two densities, a finished run's tokens/s is not positive, or the rows mix lengths."""
+    if not any(_number(row.get(DENSITY)) is not None for row in rows):
+        raise ValueError(
+            f"no {DENSITY} in these rows: the speed model needs the sweep's {DENSITY} column "
+            f"(megatron-s2-sweep collect writes it for every point)"
+        )
     groups: dict = {}
     lengths = set()
     for row in rows:
         density = _number(row.get(DENSITY))
-        speed = _number(row.get(SPEED))
-        finished = row.get("status", "finished") == "finished"
-        if density is None or (finished_only and (speed is None or not finished)):
+        if density is None:
             continue
+        setting = _setting_of(row)
         length = _number(row.get(LENGTH))
         if length is not None:
             lengths.add(int(length))
-        setting = _setting_of(row)
-        d, speeds, _ = groups.setdefault(setting, (density, [], None))
-        if abs(d - density) > 1e-9:
-            raise ValueError(f"setting {setting!r} has two attention densities: {d} and {density}")
-        if speed is not None and finished:
-            speeds.append(speed)
+        group = groups.setdefault(setting, _DensityGroup(density, [], set()))
+        if abs(group.density - density) > 1e-9:
+            raise ValueError(
+                f"setting {setting!r} has two attention densities: {group.density} and {density}"
+            )
+        status = row.get("status", "finished")
+        group.statuses.add(status)
+        speed = _number(row.get(SPEED))
+        if speed is not None and status == "finished":
+            if speed <= 0:
+                raise ValueError(f"{row.get('point', setting)}: {SPEED} {speed} is not positive")
+            group.speeds.append(speed)
     if len(lengths) > 1:
         raise ValueError(
             f"the rows mix sequence lengths ({', '.join(map(str, sorted(lengths)))}); the speed "
             f"model holds at one length: give one study's rows"
         )
-    length = lengths.pop() if lengths else None
-    return {k: (d, v, length) for k, (d, v, _) in groups.items()}
+    return groups, (lengths.pop() if lengths else None)
 
 
 def fit_speed_model(rows: Iterable[dict]) -> SpeedModel:
     """Fit :class:`SpeedModel` to a sweep's rows (``attention_density``, ``tokens_per_s``,
     finished runs): one point per setting, the mean over its seeds of seconds per token.
 
-    Raises ValueError with fewer than two distinct densities among the finished settings."""
-    groups = {k: g for k, g in _density_groups(rows, True).items() if g[1]}
-    points = [(d, sum(1.0 / v for v in speeds) / len(speeds)) for d, speeds, _ in groups.values()]
+    Raises ValueError with fewer than two distinct densities among the finished settings, and
+    when the fitted line is not a speed model (attention or the rest not taking time: the runs
+    do not follow it, e.g. they ran on different hosts)."""
+    groups, length = _density_groups(list(rows))
+    measured = {k: g for k, g in groups.items() if g.speeds}
+    points = [
+        (g.density, sum(1.0 / v for v in g.speeds) / len(g.speeds)) for g in measured.values()
+    ]
     if len({round(d, 9) for d, _ in points}) < 2:
         raise ValueError(
-            f"the speed model needs finished runs (with tokens_per_s and attention_density) of "
-            f"at least two settings of different attention density; found "
-            f"{', '.join(groups) or 'none'}"
+            f"the speed model needs finished runs (with {SPEED} and {DENSITY}) of at least two "
+            f"settings of different attention density; found {', '.join(measured) or 'none'}"
         )
     n = len(points)
     mx = sum(d for d, _ in points) / n
     my = sum(t for _, t in points) / n
     slope = sum((d - mx) * (t - my) for d, t in points) / sum((d - mx) ** 2 for d, _ in points)
-    length = next(iter(groups.values()))[2]
-    return SpeedModel(base=my - slope * mx, attention=slope, settings=n, seq_length=length)
+    model = SpeedModel(base=my - slope * mx, attention=slope, settings=n, seq_length=length)
+    if model.attention <= 0 or model.base <= 0:
+        raise ValueError(
+            f"the fitted line is not a speed model ({model.base * 1e6:.4f} us + "
+            f"{model.attention * 1e6:.4f} us x density: denser settings must not be faster and "
+            f"the rest of a step must take time); these runs do not follow it (another host or "
+            f"length among them?)"
+        )
+    return model
 
 
 def speed_rows(rows: Iterable[dict], model: SpeedModel) -> list[SpeedRow]:
     """Every setting of ``rows`` with an attention density (run or not) against ``model``.
 
-    Raises ValueError if the rows are at another sequence length than the model was fitted."""
-    groups = _density_groups(rows, False)
-    lengths = {g[2] for g in groups.values()} - {None}
-    if model.seq_length is not None and lengths and lengths != {model.seq_length}:
+    Raises ValueError if the rows have no densities or are at another sequence length than the
+    model was fitted."""
+    groups, length = _density_groups(list(rows))
+    if model.seq_length is not None and length is not None and length != model.seq_length:
         raise ValueError(
-            f"the speed model was fitted at {model.seq_length} tokens, these rows are at "
-            f"{', '.join(map(str, sorted(lengths)))}"
+            f"the speed model was fitted at {model.seq_length} tokens, these rows are at {length}"
         )
     return [
         SpeedRow(
             setting=setting,
-            density=density,
-            measured=mean_interval(speeds) if speeds else None,
-            predicted=model.tokens_per_s(density),
+            density=g.density,
+            measured=mean_interval(g.speeds) if g.speeds else None,
+            predicted=model.tokens_per_s(g.density),
+            status=(
+                "measured"
+                if g.speeds
+                else ("not run" if g.statuses == {"not run"} else "no tokens/s")
+            ),
         )
-        for setting, (density, speeds, _) in groups.items()
+        for setting, g in groups.items()
     ]
 
 
@@ -574,8 +609,9 @@ def speed_model_markdown(table: Sequence[SpeedRow], model: SpeedModel, fitted_on
         "|---|---|---|---|---|---|",
     ]
     for r in table:
-        measured = r.measured.text("{:,.0f}") if r.measured else "not run"
-        residual = f"{r.residual:+.1f}%" if r.residual is not None else ""
+        measured = r.measured.text("{:,.0f}") if r.measured else r.status
+        # round(..) + 0.0: a residual that rounds to zero prints as +0.0, not -0.0.
+        residual = f"{round(r.residual, 1) + 0.0:+.1f}%" if r.residual is not None else ""
         seeds = r.measured.n if r.measured else 0
         lines.append(
             f"| {r.setting} | {r.density:.3f} | {seeds} | {measured} | {r.predicted:,.0f} "

@@ -23,17 +23,31 @@ TINY_SCHEDULE = {
 # in a slice of their own per pytest-xdist worker. A port found by binding to 0 comes from the
 # ephemeral range and is closed before rank 0's store binds it; in between, the other worker's
 # gloo and store connections (which take ephemeral ports) can take it, and the test fails with
-# EADDRINUSE (seen in CI). Within one worker the tests run one at a time.
-_PORT_BASE, _PORT_SLICE = 12000, 2000
+# EADDRINUSE (seen in CI). Within one worker the tests run one at a time. The range stays clear
+# of launch/slurm.sbatch's rendezvous ports (15000-30099), which the Slurm tests use.
+_PORT_LOW, _PORT_HIGH = 5000, 15000
+# Not the global random module: Megatron's set-up seeds it, which would make processes sharing a
+# slice try the same ports in the same order.
+_PORT_RNG = random.SystemRandom()
+
+
+def _port_slice() -> range:
+    """This xdist worker's ports: the range split evenly over PYTEST_XDIST_WORKER_COUNT workers
+    (gw0 the first part; without xdist the whole range)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker[2:].isdigit() and count.isdigit() and int(count) > 0):
+        return range(_PORT_LOW, _PORT_HIGH)
+    size = (_PORT_HIGH - _PORT_LOW) // int(count)
+    low = _PORT_LOW + int(worker[2:]) * size
+    return range(low, low + size)
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free now, from this xdist worker's slice (gw0: 12000-13999, gw1:
-    14000-15999, ...; no xdist: gw0's); falls back to one the kernel picks if the slice is full."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    low = _PORT_BASE + (index % 10) * _PORT_SLICE
-    for port in random.sample(range(low, low + _PORT_SLICE), 64):
+    """A TCP port on 127.0.0.1 that is free now, drawn at random from this xdist worker's slice
+    (:func:`_port_slice`); after 64 draws that were all in use, one the kernel picks."""
+    ports = _port_slice()
+    for port in _PORT_RNG.sample(ports, min(64, len(ports))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

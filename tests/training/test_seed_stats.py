@@ -658,6 +658,25 @@ def test_quality_doc_speed_model_tables_are_the_tools_output():
         assert table.strip() in doc
         assert "3.5845 us + 2.0486 us x attention density (attention 36.4%" in line
     assert "3.5845 + 2.0486 x density" in doc and "attention is 36.4%" in doc
+    # The grid's span, its corners against the default and against their predictions.
+    rows = seed_stats.read_results(quality / "code-125m-16k-stride-window" / "results.csv")
+    model = seed_stats.fit_speed_model(seed_stats.read_results(fit))
+    grid = {r.setting: r for r in seed_stats.speed_rows(rows, model)}
+    predicted = [r.predicted for r in grid.values() if r.setting != "dense"]
+    text = " ".join(doc.split())
+    assert (
+        f"spans {min(predicted) / 1e3:,.0f},000-{max(predicted) / 1e3:,.0f},000 predicted" in text
+    )
+    default = grid["vert_stride=8,local_blocks=16"].predicted
+    sparse, dense_corner = (
+        grid["vert_stride=12,local_blocks=8"],
+        grid["vert_stride=4,local_blocks=32"],
+    )
+    assert f"{sparse.predicted / default - 1:.0%} above the default" in text
+    assert f"about {1 - dense_corner.predicted / default:.0%} below it" in text
+    assert (
+        f"{-dense_corner.residual:.1f}% and {-sparse.residual:.1f}% below their predictions" in text
+    )
     res = _tool(quality / "code-125m-16k-seeds-100m" / "results.csv", "--speed-model")
     assert "3.7141 us + 1.9950 us x attention density (attention 34.9%" in res.stdout
     assert "3.7141 + 1.9950 x density, attention 34.9%" in doc
@@ -679,6 +698,11 @@ def test_long_context_speed_budget_is_the_tools_line():
     doc = " ".join((REPO / "docs" / "long_context_eval.md").read_text().split())
     assert "3.3884 + 4.9251 x density microseconds per token, attention 59.2%" in doc
     assert f"attends {s2:.3f} of its causal pairs at 32k" in doc
+    seeds = [
+        float(r["tokens_per_s"]) for r in rows if r["setting"] == "dense" and r["tokens_per_s"]
+    ]
+    assert len(seeds) == 2
+    assert f"the two dense seeds differ by {abs(seeds[0] / seeds[1] - 1):.1%}" in doc
     dense = table["dense"].measured.mean
     ratio = {k: model.tokens_per_s((k + (12 - k) * s2) / 12) / dense for k in (3, 5, 6, 7)}
     assert (
@@ -687,3 +711,46 @@ def test_long_context_speed_budget_is_the_tools_line():
     )
     assert ratio[6] >= 1.3 > ratio[7]  # "at most six dense layers"
     assert f"predicted at {ratio[3]:.2f}x" in doc
+
+
+def test_speed_model_refuses_what_is_not_a_speed_model(tmp_path):
+    rows = _speed_rows({"d": 1.0, "s": 0.3}, 3e-6, 2e-6)
+    zero = [dict(r) for r in rows]
+    zero[0]["tokens_per_s"] = "0"
+    with pytest.raises(ValueError, match="tokens_per_s 0.0 is not positive"):
+        seed_stats.fit_speed_model(zero)
+    faster_dense = _speed_rows({"d": 1.0, "s": 0.3}, 3e-6, -1e-6)  # denser runs faster
+    with pytest.raises(ValueError, match="not a speed model"):
+        seed_stats.fit_speed_model(faster_dense)
+    no_density = [{k: v for k, v in r.items() if k != "attention_density"} for r in rows]
+    with pytest.raises(ValueError, match="no attention_density in these rows"):
+        seed_stats.fit_speed_model(no_density)
+
+
+def test_speed_rows_say_why_a_setting_has_no_measurement():
+    rows = _speed_rows({"d": 1.0, "s": 0.3}, 3e-6, 2e-6)
+    # A setting whose run finished without a throughput, and one that stopped part-way.
+    rows.append({**rows[0], "setting": "quiet", "point": "quiet,seed=1", "tokens_per_s": ""})
+    rows.append({**rows[0], "setting": "cut", "point": "cut,seed=1", "status": "partial"})
+    model = seed_stats.fit_speed_model(rows)
+    table = {r.setting: r for r in seed_stats.speed_rows(rows, model)}
+    assert table["later"].status == "not run"
+    assert table["quiet"].status == table["cut"].status == "no tokens/s"
+    assert table["d"].status == "measured"
+    text = seed_stats.speed_model_markdown(list(table.values()), model, "x.csv")
+    assert "| quiet | 1.000 | 0 | no tokens/s |" in text
+    assert "| d | 1.000 | 3 | " in text and "| +0.0% |" in text and "-0.0%" not in text
+
+
+def test_quality_tables_speed_model_refuses_other_options_and_names_the_file(tmp_path):
+    path = _write_results(tmp_path / "r.csv", _speed_rows({"d": 1.0, "s": 0.3}, 3e-6, 2e-6))
+    res = _tool(path, "--speed-model", "--reference", "d", "--write", tmp_path / "out")
+    assert res.returncode == 2 and "leave out --reference, --write" in res.stderr
+    assert not (tmp_path / "out").exists()
+    missing = _tool(tmp_path / "none.csv", "--speed-model")
+    assert missing.returncode == 2 and "none.csv" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bare = _write_results(tmp_path / "bare.csv", [{"point": "a", "tokens_per_s": "1"}])
+    res = _tool(bare, "--speed-model", "--speed-fit", path)
+    assert res.returncode == 2 and "bare.csv: no attention_density" in res.stderr
+    assert _tool(tmp_path / "none.csv").returncode == 2  # the summary's own missing file
