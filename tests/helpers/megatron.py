@@ -24,7 +24,7 @@ TINY_SCHEDULE = {
 # ephemeral range and is closed before rank 0's store binds it; in between, the other worker's
 # gloo and store connections (which take ephemeral ports) can take it, and the test fails with
 # EADDRINUSE (seen in CI). Within one worker the tests run one at a time. The range stays clear
-# of launch/slurm.sbatch's rendezvous ports (15000-30099), which the Slurm tests use.
+# of launch/slurm.sbatch's rendezvous ports (15000-29999), which the Slurm tests use.
 _PORT_LOW, _PORT_HIGH = 5000, 15000
 # Not the global random module: Megatron's set-up seeds it, which would make processes sharing a
 # slice try the same ports in the same order.
