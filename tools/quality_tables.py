@@ -220,12 +220,15 @@ def _speed_model(args) -> int:
         return 2
     fit_on = args.speed_fit or args.results
     try:
-        model = fit_speed_model(read_results(fit_on))
+        rows = read_results(fit_on)
+        model = fit_speed_model(rows)
     except (ValueError, OSError) as e:
         print(f"quality_tables: {fit_on}: {e}", file=sys.stderr)
         return 2
     try:
-        table = speed_rows(read_results(args.results), model)
+        if args.speed_fit:  # else the rows just read
+            rows = read_results(args.results)
+        table = speed_rows(rows, model)
     except (ValueError, OSError) as e:
         print(f"quality_tables: {args.results}: {e}", file=sys.stderr)
         return 2

@@ -552,11 +552,15 @@ def fit_speed_model(rows: Iterable[dict]) -> SpeedModel:
             f"the speed model needs finished runs (with {SPEED} and {DENSITY}) of at least two "
             f"settings of different attention density; found {', '.join(measured) or 'none'}"
         )
-    n = len(points)
-    mx = sum(d for d, _ in points) / n
-    my = sum(t for _, t in points) / n
-    slope = sum((d - mx) * (t - my) for d, t in points) / sum((d - mx) ** 2 for d, _ in points)
-    model = SpeedModel(base=my - slope * mx, attention=slope, settings=n, seq_length=length)
+    from scipy import stats
+
+    fit = stats.linregress([d for d, _ in points], [t for _, t in points])
+    model = SpeedModel(
+        base=float(fit.intercept),
+        attention=float(fit.slope),
+        settings=len(points),
+        seq_length=length,
+    )
     if model.attention <= 0 or model.base <= 0:
         raise ValueError(
             f"the fitted line is not a speed model ({model.base * 1e6:.4f} us + "
