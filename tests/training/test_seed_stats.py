@@ -511,7 +511,24 @@ def test_quality_doc_16k_grid_table_is_the_tools_output():
     )
     table = res.stdout.split("\n\n")[0].strip()
     assert table.startswith("| setting") and "vert_stride=12,local_blocks=8" in table
-    assert table in (REPO / "docs" / "quality.md").read_text()
+    doc = (REPO / "docs" / "quality.md").read_text()
+    assert table in doc
+    # The grid against its default point, and the numbers the text quotes from it.
+    default = "vert_stride=8,local_blocks=16"
+    res = _tool(study / "results.csv", "--reference", default)
+    assert res.returncode == 0, res.stderr
+    table = res.stdout.split("\n\n")[0].strip()
+    assert f"loss vs {default} (95% CI)" in table and table in doc
+    rows = seed_stats.read_results(study / "results.csv")
+    summary = {s.setting: s for s in seed_stats.summarize(rows, reference=default)}
+    slower = sorted(1 - summary[f"vert_stride=4,local_blocks={w}"].speedup for w in (8, 16, 32))
+    text = " ".join(doc.split())
+    assert f"measured {slower[0] * 100:.0f}-{slower[-1]:.0%} slower than the default" in text
+    window8 = summary["vert_stride=8,local_blocks=8"].loss_diff
+    assert f"(+{window8.mean:.2f} ± {window8.half_width:.2f}%)" in text
+    corner = seed_stats.summarize(rows, reference="dense")[2]
+    assert corner.setting == "vert_stride=4,local_blocks=32" and corner.verdict.startswith("lower")
+    assert f"({corner.loss_diff.text('{:+.2f}')}%) excludes zero only because" in text
 
 
 # ---- the speed model ---------------------------------------------------------------------------
