@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The quality study on real text, end to end on one GPU machine (docs/quality.md):
 #   1. build the code corpus from this interpreter's own files (skipped if CORPUS/corpus.json
-#      exists: the build is deterministic, see docs/code_corpus.md),
+#      exists: the build is deterministic, see docs/code_corpus.md); the study's output folder
+#      keeps the corpus.json its runs trained on, and a corpus with another manifest_sha256 is
+#      refused there (exit 2) before anything trains,
 #   2. run a study with megatron-s2-sweep on it (resumable: run the script again), and
 #   3. megatron-s2-eval-long-context on each point as soon as its training finished, through the
 #      sweep's --after: in the point's own slot (its GPUs), before that slot's next point starts,
@@ -69,6 +71,35 @@ read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys
 echo "== corpus overrides: ${OVERRIDES[*]}"
 
 echo "== study $STUDY"
+OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
+import sys
+from megatron_s2.training.sweep import load_study
+print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
+PY
+)
+# The corpus is part of a study's result: seed k of every point must train on the same files
+# for the pairing by seed to hold, and the corpus is built from this machine's interpreter. So
+# the study's folder keeps the corpus.json its runs trained on (written by the first run here),
+# and a later run (another GPU lease or machine, the finished runs carried in with it) refuses a
+# corpus with another file list before anything trains.
+"$PYTHON" - "$CORPUS/corpus.json" "$OUT/corpus.json" <<'PY' || exit 2
+import json, os, shutil, sys
+built, recorded = sys.argv[1:]
+if not os.path.exists(recorded):
+    os.makedirs(os.path.dirname(recorded), exist_ok=True)
+    shutil.copyfile(built, recorded)
+    sys.exit(0)
+with open(built) as f, open(recorded) as g:
+    mine, theirs = json.load(f).get("manifest_sha256"), json.load(g).get("manifest_sha256")
+if mine != theirs:
+    sys.exit(
+        f"run_code_study: the corpus in {os.path.dirname(built)} (manifest_sha256 {mine}) is "
+        f"not the one this study's runs trained on ({recorded}: manifest_sha256 {theirs}); new "
+        "runs would not pair by seed with them. Build the corpus from the interpreter the "
+        "study used (docs/code_corpus.md, 'Checking a rebuild'), or start the study in a new "
+        "output_dir."
+    )
+PY
 status=0
 if [[ -n "${ADOPT_FROM:-}" ]]; then
     adopt_args=(--from "$ADOPT_FROM")
@@ -82,12 +113,6 @@ after="bash $(printf %q "$SELF") --evaluate-run {run}"
 "$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" --after "$after" \
     "${sweep_args[@]}" || status=$?
 
-OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
-import sys
-from megatron_s2.training.sweep import load_study
-print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
-PY
-)
 # The catch-up: the finished points still without their curve (trained before this script passed
 # --after, or their evaluation failed during the sweep), where their checkpoints are. One after
 # another, or with EVAL_DEVICES (GPU ids, e.g. 0,1) one per GPU at a time, each in the background

@@ -44,7 +44,10 @@ FAKE = textwrap.dedent(
         overrides = [a for a in args[4:args.index("--after")]]
         out = load_study(args[3], extra_overrides=overrides).output_dir
         finished = sorted(glob.glob(os.path.join(out, "runs", "*", "summary.json")))
-        sys.exit(run_after(args, [os.path.dirname(f) for f in finished]))
+        code = run_after(args, [os.path.dirname(f) for f in finished])
+        with open(log, "a") as f:  # where the sweep ended, for the order of the calls
+            f.write(json.dumps({{"args": ["<sweep ended>"]}}) + "\\n")
+        sys.exit(code)
     if args[:2] == ["-m", "megatron_s2.training.evaluation.long_context"]:
         run = os.path.dirname(args[args.index("--checkpoint") + 1])
         # long enough for concurrent evaluations to overlap, also on a busy CI machine
@@ -122,6 +125,11 @@ def _run_script(study, env):
     return r, calls
 
 
+def _sweep_end(calls):
+    """The index of the stand-in sweep's end in the log of calls."""
+    return next(i for i, c in enumerate(calls) if c["args"] == ["<sweep ended>"])
+
+
 def _evaluated(calls):
     return [
         Path(c["args"][c["args"].index("--checkpoint") + 1]).parent.name
@@ -187,8 +195,7 @@ def test_study_script_evaluates_each_point_as_the_sweep_finishes_it(tmp_path):
     env["EVAL_DEVICES"] = "0,1"
     r, calls = _run_script(study, env)
     assert r.returncode == 0, r.stdout + r.stderr
-    # the script's own Python after the sweep (its output directory): the sweep has ended there
-    after_sweep = next(i for i, c in enumerate(calls) if c["args"][:1] == ["-"])
+    after_sweep = _sweep_end(calls)
     evals = [(i, c) for i, c in enumerate(calls) if c["args"][:2] == EVAL_MODULE]
     assert sorted(_evaluated(calls)) == ["seed=1", "seed=2"]  # each finished point once
     assert all(i < after_sweep for i, _ in evals)  # inside the sweep, not after it
@@ -214,7 +221,7 @@ def test_an_evaluation_failed_in_the_sweep_is_redone_after_it(tmp_path):
     env["FAKE_EVAL_FAIL_ONCE"] = "seed=2"
     r, calls = _run_script(study, env)
     assert r.returncode == 3, r.stdout + r.stderr
-    after_sweep = next(i for i, c in enumerate(calls) if c["args"][:1] == ["-"])
+    after_sweep = _sweep_end(calls)
     evaluated = [
         (i > after_sweep, _evaluated([c])[0])
         for i, c in enumerate(calls)
@@ -287,3 +294,33 @@ def test_adopt_from_takes_another_studys_matching_runs_before_the_sweep(tmp_path
     record = json.loads((out / "runs" / "seed=3" / "adopted.json").read_text())
     assert record["from"] == str(runs / "seed=3")
     assert sorted(_evaluated(calls)) == ["seed=1", "seed=2", "seed=3"]
+
+
+def test_the_study_keeps_its_corpus_and_refuses_another(tmp_path):
+    """The first run records the corpus.json its runs train on in the study's folder; a later
+    run with the same corpus goes on, one whose corpus has another manifest_sha256 (rebuilt on
+    another machine's interpreter) is refused with exit 2, naming both hashes, before adopt or
+    the sweep run."""
+    study, out, env = _study(tmp_path)
+    corpus = Path(env["CORPUS"]) / "corpus.json"
+    corpus.write_text(json.dumps({"overrides": "data.demo=false", "manifest_sha256": "aaa"}))
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "corpus.json").read_text() == corpus.read_text()
+
+    Path(env["FAKE_LOG"]).write_text("")
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert any(c["args"][:3] == ["-m", "megatron_s2.training.sweep", "run"] for c in calls)
+
+    corpus.write_text(json.dumps({"overrides": "data.demo=false", "manifest_sha256": "bbb"}))
+    Path(env["FAKE_LOG"]).write_text("")
+    env["ADOPT_FROM"] = str(study)
+    r, calls = _run_script(study, env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (
+        f"the corpus in {corpus.parent} (manifest_sha256 bbb) is not the one this study's runs "
+        f"trained on ({out / 'corpus.json'}: manifest_sha256 aaa)"
+    ) in r.stderr
+    assert not [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
+    assert json.loads((out / "corpus.json").read_text())["manifest_sha256"] == "aaa"  # kept
