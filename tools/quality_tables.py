@@ -8,7 +8,8 @@ prints the summary table (per setting: seeds, mean validation loss and tokens/s 
 intervals, the loss difference to the reference paired by seed, and the verdict under the
 differences-within-noise rule), and with ``--positions`` the same for the mean loss per token
 inside the S2 window (positions < ``--window``) and beyond it, from every run's
-``loss_by_position.json``. ``--write DIR`` also writes summary.csv, summary.md and
+``loss_by_position.json`` (``--adopted-runs DIR``: where the points adopted from another study,
+results.csv's ``adopted_from``, keep theirs under that study's names). ``--write DIR`` also writes summary.csv, summary.md and
 frontier.png there (what ``megatron-s2-sweep collect`` writes for a study with seeds).
 
 ``--speed-model`` prints instead the speed model (``seed_stats.SpeedModel``: seconds per token
@@ -21,6 +22,7 @@ predicts this file's settings with it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_s2.training.seed_stats import (
@@ -96,6 +98,14 @@ def main(argv=None) -> int:
         metavar="RUNS_DIR",
         help="folder of the runs' loss_by_position.json (one sub-folder per point)",
     )
+    ap.add_argument(
+        "--adopted-runs",
+        default=None,
+        metavar="DIR",
+        help="with --positions: the folder of the runs that points adopted from another study "
+        "(results.csv's adopted_from) were copied from, e.g. that study's committed runs/; such "
+        "a point's curve is read from DIR/<its adopted run's folder name>",
+    )
     ap.add_argument("--window", type=int, default=1024, help="S2 local window in tokens")
     ap.add_argument(
         "--curve",
@@ -125,6 +135,9 @@ def main(argv=None) -> int:
         "host at the same sequence length) and predict the first file's settings",
     )
     args = ap.parse_args(argv)
+    if args.adopted_runs and not args.positions:
+        print("quality_tables: --adopted-runs goes with --positions", file=sys.stderr)
+        return 2
     if args.speed_fit and not args.speed_model:
         print("quality_tables: --speed-fit goes with --speed-model", file=sys.stderr)
         return 2
@@ -141,8 +154,15 @@ def main(argv=None) -> int:
         if args.positions:
             speed = {r["point"]: r.get(SPEED, "") for r in rows}
             order = {r["point"]: i for i, r in enumerate(rows)}
+            adopted = {
+                r["point"]: os.path.join(
+                    args.adopted_runs, os.path.basename(r["adopted_from"].rstrip("/"))
+                )
+                for r in rows
+                if args.adopted_runs and r.get("adopted_from")
+            }
             pos = sorted(
-                position_rows(args.positions, args.window),
+                position_rows(args.positions, args.window, adopted),
                 key=lambda r: order.get(r["point"], len(order)),
             )
             for r in pos:
@@ -205,6 +225,7 @@ def _speed_model(args) -> int:
         for option, value in (
             ("--reference", args.reference),
             ("--positions", args.positions),
+            ("--adopted-runs", args.adopted_runs),
             ("--curve", args.curve),
             ("--curve-table", args.curve_table),
             ("--write", args.write),

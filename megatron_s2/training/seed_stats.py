@@ -217,24 +217,34 @@ def summarize(
     return out
 
 
-def position_rows(runs_dir: str, window: int) -> list[dict]:
+def position_rows(runs_dir: str, window: int, adopted: Optional[dict] = None) -> list[dict]:
     """Rows (setting, ``train.seed``, ``loss_in_window``, ``loss_beyond_window``) of every run
     under ``runs_dir`` (a sweep's ``runs/`` folder, or a copy holding each run's
     ``loss_by_position.json`` directly or in ``long_context_eval/``): the mean loss per token
     (nats) of the positions before ``window`` tokens and of those at or after it, weighted by
-    the tokens in each bin. A bin that straddles ``window`` is left out of both."""
+    the tokens in each bin. A bin that straddles ``window`` is left out of both.
+
+    ``adopted``: {point name: run folder} for points whose run is kept elsewhere (adopted from
+    another study, whose folder has that study's name for it); read under the point's name
+    where ``runs_dir`` holds no curve for it."""
     import json
 
-    rows = []
-    for name in sorted(os.listdir(runs_dir)):
-        folder = os.path.join(runs_dir, name)
+    def curve_file(folder: str) -> Optional[str]:
         for path in (
             os.path.join(folder, "loss_by_position.json"),
             os.path.join(folder, "long_context_eval", "loss_by_position.json"),
         ):
             if os.path.isfile(path):
-                break
-        else:
+                return path
+        return None
+
+    adopted = adopted or {}
+    rows = []
+    for name in sorted(set(os.listdir(runs_dir)) | set(adopted)):
+        path = curve_file(os.path.join(runs_dir, name))
+        if path is None and name in adopted:
+            path = curve_file(adopted[name])
+        if path is None:
             continue
         with open(path) as f:
             bins = json.load(f)["bins"]

@@ -390,6 +390,60 @@ def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(t
     assert "loss at positions >= 1024" in res.stdout
 
 
+def test_quality_tables_reads_adopted_points_curves_where_they_were_adopted_from(tmp_path):
+    """A point adopted from another study (results.csv's adopted_from) has its curve in that
+    study's run folder, under that study's name for it: --adopted-runs reads it from there, under
+    the adopting study's point name; a point with a curve of its own keeps it; without the
+    option the adopted reference has no curve and the position tables are left out."""
+    rows = _rows(
+        {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
+        {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
+    )
+    for r in rows:
+        r["adopted_from"] = (
+            f"/elsewhere/other/runs/twin,seed={r['train.seed']}" if r["setting"] == "dense" else ""
+        )
+    path = _write_results(tmp_path / "results.csv", rows)
+
+    def curve(folder, inside: float, beyond: float) -> None:
+        folder.mkdir(parents=True)
+        bins = [
+            {"start": 0, "end": 1024, "loss": inside, "tokens": 100},
+            {"start": 1024, "end": 2048, "loss": beyond, "tokens": 300},
+        ]
+        (folder / "loss_by_position.json").write_text(json.dumps({"bins": bins}))
+
+    runs, other = tmp_path / "runs", tmp_path / "other"
+    beyond = {"dense": [3.0, 3.2, 3.1], "hybrid": [3.1, 3.3, 3.2]}
+    for seed in (1, 2, 3):
+        curve(runs / f"hybrid,seed={seed}", 4.0, beyond["hybrid"][seed - 1])
+        curve(other / f"twin,seed={seed}", 4.5, beyond["dense"][seed - 1])
+    # A decoy under the other study's name for a hybrid seed: not read (no adopted_from says so).
+    curve(other / "hybrid,seed=1", 9.0, 9.0)
+    args = [path, "--reference", "dense", "--positions", runs]
+    res = _tool(*args, "--adopted-runs", other)
+    assert res.returncode == 0, res.stderr
+    table = res.stdout.split("loss at positions >= 1024:")[1]
+    pos = seed_stats.position_rows(
+        str(runs), 1024, {f"dense,seed={k}": str(other / f"twin,seed={k}") for k in (1, 2, 3)}
+    )
+    assert sorted(r["point"] for r in pos) == sorted(
+        f"{s},seed={k}" for s in beyond for k in (1, 2, 3)
+    )
+    summary = {
+        s.setting: s for s in seed_stats.summarize(pos, "dense", loss_key="loss_beyond_window")
+    }
+    assert summary["dense"].loss.mean == pytest.approx(3.1)
+    assert summary["hybrid"].loss.mean == pytest.approx(3.2)
+    for setting in ("hybrid", "dense"):  # the name in bold where on the Pareto front
+        line = next(ln for ln in table.splitlines() if ln.strip("| *").startswith(setting))
+        assert f" | 1,2,3 | {summary[setting].loss.text()} |" in line, line
+    alone = _tool(*args)
+    assert alone.returncode == 0 and "position tables are left out" in alone.stderr
+    wrong = _tool(path, "--adopted-runs", other)
+    assert wrong.returncode == 2 and "--adopted-runs goes with --positions" in wrong.stderr
+
+
 def test_collect_writes_seed_columns_and_summary(tmp_path):
     """collect on runs that finished (their metrics written here, no training): the table has
     the setting, the seed and the length of every row, and the summary groups the seeds."""
@@ -526,6 +580,29 @@ def test_quality_doc_16k_grid_table_is_the_tools_output():
     assert f"measured {slower[0] * 100:.0f}-{slower[-1]:.0%} slower than the default" in text
     window8 = summary["vert_stride=8,local_blocks=8"].loss_diff
     assert f"(+{window8.mean:.2f} ± {window8.half_width:.2f}%)" in text
+    # Loss beyond every point's window against the default, the adopted runs' curves included.
+    res = _tool(
+        study / "results.csv",
+        "--reference",
+        default,
+        "--positions",
+        study / "runs",
+        "--adopted-runs",
+        REPO / "docs" / "quality" / "code-125m-16k-seeds" / "runs",
+        "--window",
+        2048,
+    )
+    assert res.returncode == 0, res.stderr
+    beyond = res.stdout.split("loss at positions >= 2048:")[1].split("\n\n")[1].strip()
+    assert "| dense | 1,2 |" in beyond and beyond in doc
+    # The text quotes stride 4's differences at windows 8 and 16 (the table's 6th column).
+    diff = {
+        w: next(ln for ln in beyond.splitlines() if ln.startswith(f"| vert_stride=4,{w} |"))
+        .split(" | ")[5]
+        .split("%")[0]
+        for w in ("local_blocks=8", "local_blocks=16")
+    }
+    assert f"by {diff['local_blocks=8']}% and {diff['local_blocks=16']}%: two seeds" in text
     corner = seed_stats.summarize(rows, reference="dense")[2]
     assert corner.setting == "vert_stride=4,local_blocks=32" and corner.verdict.startswith("lower")
     assert f"({corner.loss_diff.text('{:+.2f}')}%) excludes zero only because" in text
