@@ -9,8 +9,9 @@ intervals, the loss difference to the reference paired by seed, and the verdict 
 differences-within-noise rule), and with ``--positions`` the same for the mean loss per token
 inside the S2 window (positions < ``--window``) and beyond it, from every run's
 ``loss_by_position.json`` (``--adopted-runs DIR``: where the points adopted from another study,
-results.csv's ``adopted_from``, keep theirs under that study's names). ``--write DIR`` also writes summary.csv, summary.md and
-frontier.png there (what ``megatron-s2-sweep collect`` writes for a study with seeds).
+results.csv's ``adopted_from``, keep theirs under that study's names). ``--write DIR`` also
+writes summary.csv, summary.md and frontier.png there (what ``megatron-s2-sweep collect``
+writes for a study with seeds).
 
 ``--speed-model`` prints instead the speed model (``seed_stats.SpeedModel``: seconds per token
 linear in the model's attention density, fitted to the file's finished settings) and every
