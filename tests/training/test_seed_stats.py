@@ -771,6 +771,20 @@ def test_quality_doc_speed_model_tables_are_the_tools_output():
     assert (
         f"{-dense_corner.residual:.1f}% and {-sparse.residual:.1f}% below their predictions" in text
     )
+    others = sorted(  # the points run on the two-GPU kind besides the corners
+        -r.residual
+        for r in grid.values()
+        if r.residual is not None
+        and r.setting not in ("dense", "vert_stride=8,local_blocks=16", sparse.setting)
+        and r is not dense_corner
+    )
+    assert f"every other grid point run there {others[0]:.1f}-{others[-1]:.1f}% below" in text
+    fitted = _tool(quality / "code-125m-16k-stride-window" / "results.csv", "--speed-model")
+    own = seed_stats.fit_speed_model(rows)
+    worst = max(abs(r.residual) for r in seed_stats.speed_rows(rows, own) if r.residual is not None)
+    assert f"(attention {own.attention_share:.1%}" in fitted.stdout
+    assert f"give attention {own.attention_share:.1%} of a dense step" in text
+    assert f"every setting within {worst:.1f}% of that line" in text
     res = _tool(quality / "code-125m-16k-seeds-100m" / "results.csv", "--speed-model")
     assert "3.7141 us + 1.9950 us x attention density (attention 34.9%" in res.stdout
     assert "3.7141 + 1.9950 x density, attention 34.9%" in doc
