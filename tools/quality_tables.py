@@ -40,15 +40,18 @@ from megatron_s2.training.seed_stats import (
 )
 
 
-def curve_tables(runs_dir: str, rows: list, reference) -> list:
+def curve_tables(runs_dir: str, rows: list, reference, adopted: dict | None = None) -> list:
     """(step, summaries) for every validation step of the runs' ``metrics.jsonl`` under
-    ``runs_dir`` (one folder per point): the learning curve with intervals."""
+    ``runs_dir`` (one folder per point): the learning curve with intervals. ``adopted``: {point
+    name: run folder} for points kept elsewhere, as ``position_rows`` takes it."""
     import json
-    import os
 
+    adopted = adopted or {}
     by_step: dict = {}
     for row in rows:
         path = os.path.join(runs_dir, row["point"], "metrics.jsonl")
+        if not os.path.isfile(path) and row["point"] in adopted:
+            path = os.path.join(adopted[row["point"]], "metrics.jsonl")
         if not os.path.isfile(path):
             continue
         with open(path) as f:
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="with --positions: the folder of the runs that points adopted from another study "
         "(results.csv's adopted_from) were copied from, e.g. that study's committed runs/; such "
-        "a point's curve is read from DIR/<its adopted run's folder name>",
+        "a point's loss by position (and --curve's metrics.jsonl) is read from DIR/<its adopted "
+        "run's folder name>",
     )
     ap.add_argument("--window", type=int, default=1024, help="S2 local window in tokens")
     ap.add_argument(
@@ -150,18 +154,23 @@ def main(argv=None) -> int:
         print(f"quality_tables: {e}", file=sys.stderr)
         return 2
     columns = [c for c in SUMMARY_COLUMNS if any(r.get(c) for r in rows)]
+    # Points adopted from another study: their run folders, where --positions has none.
+    adopted = (
+        {
+            r["point"]: os.path.join(
+                args.adopted_runs, os.path.basename(r["adopted_from"].rstrip("/"))
+            )
+            for r in rows
+            if r.get("adopted_from")
+        }
+        if args.adopted_runs
+        else {}
+    )
     try:
         tables = [("valid loss", summarize(rows, args.reference, columns), "valid loss")]
         if args.positions:
             speed = {r["point"]: r.get(SPEED, "") for r in rows}
             order = {r["point"]: i for i, r in enumerate(rows)}
-            adopted = {
-                r["point"]: os.path.join(
-                    args.adopted_runs, os.path.basename(r["adopted_from"].rstrip("/"))
-                )
-                for r in rows
-                if args.adopted_runs and r.get("adopted_from")
-            }
             pos = sorted(
                 position_rows(args.positions, args.window, adopted),
                 key=lambda r: order.get(r["point"], len(order)),
@@ -195,7 +204,7 @@ def main(argv=None) -> int:
             ):
                 tables.append((name, summarize(pos, args.reference, (), loss_key=key), name))
         if args.curve and args.positions:
-            curves = curve_tables(args.positions, rows, args.reference)
+            curves = curve_tables(args.positions, rows, args.reference, adopted)
             if args.curve_table and args.reference:
                 tables.append(("learning curve", curves, None))
             else:

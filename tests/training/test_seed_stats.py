@@ -412,6 +412,8 @@ def test_quality_tables_reads_adopted_points_curves_where_they_were_adopted_from
             {"start": 1024, "end": 2048, "loss": beyond, "tokens": 300},
         ]
         (folder / "loss_by_position.json").write_text(json.dumps({"bins": bins}))
+        valid = {"kind": "valid", "iteration": 10, "loss": beyond + 1.0}
+        (folder / "metrics.jsonl").write_text(json.dumps(valid) + "\n")
 
     runs, other = tmp_path / "runs", tmp_path / "other"
     beyond = {"dense": [3.0, 3.2, 3.1], "hybrid": [3.1, 3.3, 3.2]}
@@ -438,6 +440,11 @@ def test_quality_tables_reads_adopted_points_curves_where_they_were_adopted_from
     for setting in ("hybrid", "dense"):  # the name in bold where on the Pareto front
         line = next(ln for ln in table.splitlines() if ln.strip("| *").startswith(setting))
         assert f" | 1,2,3 | {summary[setting].loss.text()} |" in line, line
+    # --curve reads the adopted runs' metrics.jsonl from the same folders.
+    curve_res = _tool(*args, "--adopted-runs", other, "--curve")
+    assert curve_res.returncode == 0, curve_res.stderr
+    step = curve_res.stdout.split("valid loss at step 10:")[1]
+    assert "| dense | 1,2,3 | 4.1000 ± " in step.replace("**", "")
     alone = _tool(*args)
     assert alone.returncode == 0 and "position tables are left out" in alone.stderr
     wrong = _tool(path, "--adopted-runs", other)
