@@ -944,6 +944,7 @@ def retrieval_heldout_loglik() -> str:
     pairs = (
         ("uniform recipe", RECIPE / "retrieval-125m-extend-32k", "hybrid-DS"),
         ("arcsine base", ARCSINE_EXTEND, "dense-to-hybrid-DS"),
+        ("long base", RECIPE / "retrieval-125m-extend-32k-longbase", KEEP_LOOKUP),
     )
     rows, lengths = [], None
     for label, study, arm in pairs:
@@ -1102,6 +1103,83 @@ def retrieval_seed2_probe_multikey() -> str:
         *depths,
     ]
     return table(header, rows)
+
+
+LONG_BASE = RECIPE / "retrieval-125m-4k-base-long"
+LONG_EXTEND = RECIPE / "retrieval-125m-extend-32k-longbase"
+
+
+def retrieval_longbase_decision() -> str:
+    """docs/long_context_eval.md: the long base's dense twin (4,000 base steps, seed 1) against
+    the 2,000-step twin's seed 1 over the same trials: per task, each one's exact match pooled
+    over the lengths (Wilson 95% intervals) and long minus 2,000-step (points, Newcombe's paired
+    95% interval), for the 4k base at 4k (100 trials) and after the 32k extension at 4k-32k
+    (400). The rule set before the run reads this table."""
+    stats = _stats()
+    rows = []
+    for stage, long_study, study, lengths in (
+        ("4k base (at 4k)", LONG_BASE, UNIFORM_BASE, [4096]),
+        ("after the 32k extension (4k-32k)", LONG_EXTEND, UNIFORM_EXTEND, None),
+    ):
+        long_run = read_json(long_study / "dense" / "seed1" / "retrieval.json")
+        short_run = read_json(study / "dense" / "seed1" / "retrieval.json")
+        for task in ("passkey", "multikey"):
+            counts = stats.paired_counts(long_run, short_run, task, lengths=lengths)
+            pooled = []
+            for run in (long_run, short_run):
+                by_len = {b["length"]: b for b in run["tasks"][task]["by_length"]}
+                pooled.append(_pooled_ci(stats, [by_len[n] for n in sorted(counts)]))
+            diff = _paired(stats.counts_difference(stats.pool_counts(counts)))
+            rows.append([stage if task == "passkey" else "", task, *pooled, diff])
+    header = ["dense twin, seed 1", "task", "4,000-step base", "2,000-step base",
+              "long - 2,000-step (points)"]  # fmt: skip
+    return table(header, rows)
+
+
+def retrieval_longbase_runs() -> str:
+    """docs/long_context_eval.md: the long base's runs (seed 1) from the studies' results.csv:
+    valid loss (each stage on its own validation blend) and training tokens/s (the base on two
+    GPUs, each extension on one), the switch's against the twin's."""
+    rows = []
+    for study, label, arms in (
+        (LONG_BASE, "4k base, 4,000 steps (two GPUs)", ("dense",)),
+        (LONG_EXTEND, "32k extension, 200 steps (one GPU each)", ("dense", KEEP_LOOKUP)),
+    ):
+        runs = read_csv(study / "results.csv")
+        twin = float(runs["dense,seed=1"]["tokens_per_s"])
+        for arm in arms:
+            run = runs[f"{arm},seed=1"]
+            speed = float(run["tokens_per_s"])
+            rows.append([label if arm == "dense" else "", arm, f4(float(run["final_valid_loss"])),
+                         thousands(speed), ratio(speed, twin)])  # fmt: skip
+    return table(["stage", "arm, seed 1", "valid loss", "tokens/s", "vs dense"], rows)
+
+
+def retrieval_longbase_conversion() -> str:
+    """docs/long_context_eval.md: the long base (seed 1) extended as the twin and as the switch
+    that keeps layers 10 and 11 dense (:func:`_conversion_table`)."""
+    return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 1)
+
+
+def retrieval_longbase_depths() -> str:
+    """docs/long_context_eval.md: the long base's extended dense twin (seed 1), passkey and
+    multikey exact match by needle depth and length, Wilson 95% intervals."""
+    return _depth_table(read_json(LONG_EXTEND / "dense" / "seed1" / "retrieval.json")["tasks"])
+
+
+def retrieval_longbase_probe() -> str:
+    """docs/long_context_eval.md: the passkey attention probe at 32k of the long base's twin
+    and switch, seed 1 (:func:`_probe_pair_table`)."""
+    return _probe_pair_table(LONG_EXTEND, KEEP_LOOKUP, 1)
+
+
+def retrieval_longbase_goal() -> str:
+    """docs/long_context_eval.md: issue 50's goal for the long base's switch, as
+    ``tools/retrieval_tables.py <study> --goal`` prints it (the table alone)."""
+    stats = _stats()
+    arms = stats.read_arm_results(LONG_EXTEND)
+    speed = stats.study_tokens_per_s(LONG_EXTEND / "results.csv", arms)
+    return stats.goal_markdown(arms, speed).split("\n\n")[0]
 
 
 ZONE = RECIPE / "retrieval-125m-extend-32k-zone"
@@ -1414,6 +1492,8 @@ TABLES: dict[str, Table] = {
                 ("retrieval-125m-extend-32k", "hybrid-DS"),
                 ("retrieval-125m-extend-32k-arcsine", "dense"),
                 ("retrieval-125m-extend-32k-arcsine", "dense-to-hybrid-DS"),
+                ("retrieval-125m-extend-32k-longbase", "dense"),
+                ("retrieval-125m-extend-32k-longbase", KEEP_LOOKUP),
             )
         ),
         retrieval_heldout_loglik,
@@ -1484,6 +1564,62 @@ TABLES: dict[str, Table] = {
             "docs/long_context/results/retrieval-125m-extend-32k/dense/seed2/retrieval.json",
         ),
         retrieval_zone,
+    ),
+    "retrieval-longbase-decision": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/dense/seed1/retrieval.json"
+            for study in (
+                "retrieval-125m-4k-base-long",
+                "retrieval-125m-4k-base",
+                "retrieval-125m-extend-32k-longbase",
+                "retrieval-125m-extend-32k",
+            )
+        ),
+        retrieval_longbase_decision,
+    ),
+    "retrieval-longbase-runs": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-base-long/results.csv",
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/results.csv",
+        ),
+        retrieval_longbase_runs,
+    ),
+    "retrieval-longbase-conversion": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed1/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_conversion,
+    ),
+    "retrieval-longbase-depths": Table(
+        "docs/long_context_eval.md",
+        ("docs/long_context/results/retrieval-125m-extend-32k-longbase/dense/seed1/retrieval.json",),
+        retrieval_longbase_depths,
+    ),
+    "retrieval-longbase-probe": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed1/attention_probe.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_probe,
+    ),
+    "retrieval-longbase-goal": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/results.csv",
+            *(
+                "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+                f"{arm}/seed1/retrieval.json"
+                for arm in ("dense", KEEP_LOOKUP)
+            ),
+        ),
+        retrieval_longbase_goal,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
