@@ -1597,7 +1597,9 @@ TABLES: dict[str, Table] = {
     ),
     "retrieval-longbase-depths": Table(
         "docs/long_context_eval.md",
-        ("docs/long_context/results/retrieval-125m-extend-32k-longbase/dense/seed1/retrieval.json",),
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/dense/seed1/retrieval.json",
+        ),
         retrieval_longbase_depths,
     ),
     "retrieval-longbase-probe": Table(
