@@ -962,14 +962,21 @@ def retrieval_heldout_loglik() -> str:
 
 
 def retrieval_arcsine_runs() -> str:
-    """docs/long_context_eval.md: the arcsine lease's runs (seed 1) from the studies'
-    results.csv: valid loss (each stage on its own validation blend) and training tokens/s,
-    the hybrid's against the twin's."""
+    """docs/long_context_eval.md: the arcsine lease's runs (:func:`_seed1_runs_table`)."""
+    return _seed1_runs_table(
+        (
+            (ARCSINE_BASE, "4k base", ("dense",)),
+            (ARCSINE_EXTEND, "32k extension", ("dense", "dense-to-hybrid-DS")),
+        )
+    )
+
+
+def _seed1_runs_table(stages) -> str:
+    """One lease's runs (seed 1) from its studies' results.csv; ``stages``: ``(study, label,
+    arms)`` each, the twin ``dense`` first: valid loss (each stage on its own validation blend)
+    and training tokens/s, each arm's against the stage's twin."""
     rows = []
-    for study, label, arms in (
-        (ARCSINE_BASE, "4k base", ("dense",)),
-        (ARCSINE_EXTEND, "32k extension", ("dense", "dense-to-hybrid-DS")),
-    ):
+    for study, label, arms in stages:
         runs = read_csv(study / "results.csv")
         twin = float(runs["dense,seed=1"]["tokens_per_s"])
         for arm in arms:
@@ -1137,22 +1144,14 @@ def retrieval_longbase_decision() -> str:
 
 
 def retrieval_longbase_runs() -> str:
-    """docs/long_context_eval.md: the long base's runs (seed 1) from the studies' results.csv:
-    valid loss (each stage on its own validation blend) and training tokens/s (the base on two
-    GPUs, each extension on one), the switch's against the twin's."""
-    rows = []
-    for study, label, arms in (
-        (LONG_BASE, "4k base, 4,000 steps (two GPUs)", ("dense",)),
-        (LONG_EXTEND, "32k extension, 200 steps (one GPU each)", ("dense", KEEP_LOOKUP)),
-    ):
-        runs = read_csv(study / "results.csv")
-        twin = float(runs["dense,seed=1"]["tokens_per_s"])
-        for arm in arms:
-            run = runs[f"{arm},seed=1"]
-            speed = float(run["tokens_per_s"])
-            rows.append([label if arm == "dense" else "", arm, f4(float(run["final_valid_loss"])),
-                         thousands(speed), ratio(speed, twin)])  # fmt: skip
-    return table(["stage", "arm, seed 1", "valid loss", "tokens/s", "vs dense"], rows)
+    """docs/long_context_eval.md: the long base's lease, the base on two GPUs and each
+    extension on one (:func:`_seed1_runs_table`)."""
+    return _seed1_runs_table(
+        (
+            (LONG_BASE, "4k base, 4,000 steps (two GPUs)", ("dense",)),
+            (LONG_EXTEND, "32k extension, 200 steps (one GPU each)", ("dense", KEEP_LOOKUP)),
+        )
+    )
 
 
 def retrieval_longbase_conversion() -> str:
