@@ -944,7 +944,7 @@ def retrieval_heldout_loglik() -> str:
     pairs = (
         ("uniform recipe", RECIPE / "retrieval-125m-extend-32k", "hybrid-DS"),
         ("arcsine base", ARCSINE_EXTEND, "dense-to-hybrid-DS"),
-        ("long base", RECIPE / "retrieval-125m-extend-32k-longbase", KEEP_LOOKUP),
+        ("long base", LONG_EXTEND, KEEP_LOOKUP),
     )
     rows, lengths = [], None
     for label, study, arm in pairs:
