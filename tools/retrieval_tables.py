@@ -23,6 +23,12 @@ tokens/s from the study's ``results.csv`` beside the arms (the sweep's, rows ``<
 
 ``--by-depth``: instead, each arm's exact match per depth and length, trials pooled over its
 seeds, with Wilson intervals (where in the context an arm fails; needs no reference arm).
+
+    python tools/retrieval_tables.py docs/long_context/results/<study> --seeds 2,3 --tasks needle
+
+``--seeds``: only these seeds of every arm (a task that later seeds added, such as the long
+base's ``needle`` from seed 2 on, is in the tables only over the seeds that ran it: the tables
+hold the tasks every file has).
 """
 
 from __future__ import annotations
@@ -43,6 +49,44 @@ from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
 )
 
 
+def keep_seeds(arms: dict, seeds: str) -> dict:
+    """``arms`` (``{arm: {seed: retrieval.json}}``) with only the seeds of the comma list
+    ``seeds``. Raises ValueError naming ``--seeds`` for a list that is not integers, a seed no
+    arm ran, or an arm left without seeds (each with the seeds found)."""
+    try:
+        wanted = sorted({int(x) for x in seeds.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--seeds: a comma list of integers, got {seeds!r}") from None
+    found = {arm: sorted(runs) for arm, runs in arms.items()}
+    missing = [k for k in wanted if not any(k in runs for runs in arms.values())]
+    if not wanted or missing:
+        raise ValueError(f"--seeds: {missing or seeds!r} not run by any arm; seeds: {found}")
+    kept = {arm: {k: r for k, r in runs.items() if k in wanted} for arm, runs in arms.items()}
+    empty = [arm for arm, runs in kept.items() if not runs]
+    if empty:
+        raise ValueError(f"--seeds: leaves {', '.join(empty)} without seeds; seeds: {found}")
+    return kept
+
+
+def _lacking(arms: dict, tasks: list) -> str:
+    """For the error on ``--tasks``: which arm/seed files lack which of ``tasks`` that other
+    files hold (a task added from a later seed on), and the option that selects seeds."""
+    lacking = {
+        t: [
+            f"{arm}/seed{k}"
+            for arm, runs in arms.items()
+            for k, r in runs.items()
+            if t not in r["tasks"]
+        ]  # fmt: skip
+        for t in tasks
+        if any(t in r["tasks"] for runs in arms.values() for r in runs.values())
+    }
+    if not lacking:
+        return ""
+    where = "; ".join(f"{t} missing in {', '.join(files)}" for t, files in lacking.items())
+    return f" ({where}: --seeds selects the seeds that ran it)"
+
+
 def main(argv=None) -> int:
     """Print (or write, ``--output``) the study's tables; exit code 2 on bad input."""
     p = argparse.ArgumentParser(prog="retrieval_tables", description=__doc__.split("\n\n")[0])
@@ -50,6 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", help="comma list (default: every task all files hold)")
     p.add_argument("--reference", default="dense", help="the reference arm (default dense)")
     p.add_argument("--output", help="also write the markdown to this file")
+    p.add_argument(
+        "--seeds", help="comma list of seeds to keep in every arm (default: every seed found)"
+    )
     p.add_argument(
         "--goal",
         action="store_true",
@@ -68,11 +115,16 @@ def main(argv=None) -> int:
         return 2
     try:
         arms = read_arm_results(args.study)
+        if args.seeds:
+            arms = keep_seeds(arms, args.seeds)
         known = tasks_of([r for seeds in arms.values() for r in seeds.values()])
         tasks = [t for t in (args.tasks or "").split(",") if t] or known
         unknown = [t for t in tasks if t not in known]
         if unknown:
-            raise ValueError(f"--tasks: {unknown} not in every file; allowed: {', '.join(known)}")
+            raise ValueError(
+                f"--tasks: {unknown} not in every file; allowed: {', '.join(known)}"
+                + _lacking(arms, unknown)
+            )
         if args.by_depth:
             text = depth_markdown(arms, tasks)
         elif args.reference not in arms:

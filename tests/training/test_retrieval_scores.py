@@ -363,6 +363,61 @@ def test_retrieval_tables_script_recomputes_the_table(tmp_path):
     assert proc.returncode == 2 and "no <arm>/seed<k>/retrieval.json" in proc.stderr
 
 
+def test_retrieval_tables_seeds_selects_the_seeds_that_ran_a_later_task(tmp_path):
+    """A task evaluated from seed 2 on (the long base's needle): the default tables hold only
+    the tasks every file has, --tasks naming it says which files lack it and points at
+    --seeds, and --seeds 2,3 gives its table over those seeds alone (means and t-intervals over
+    exactly those seeds, the paired difference too); bad --seeds values are refused by name."""
+
+    def arm(values):
+        out = {}
+        for seed, v in values.items():
+            tasks = ("passkey",) if seed == 1 else ("passkey", "needle")
+            out[seed] = _result(lambda t, n, d, v=v: v[n] - (t == "needle"), tasks=tasks)
+        return out
+
+    study = tmp_path / "study"
+    _write_study(study, {"dense": arm(DENSE), "hybrid-DS": arm(HYBRID)})
+    tool = os.path.join(REPO, "tools", "retrieval_tables.py")
+
+    def run(*args):
+        return subprocess.run([sys.executable, tool, str(study), *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    plain = run()
+    assert plain.returncode == 0 and "### needle" not in plain.stdout, plain.stderr
+    asked = run("--tasks", "needle")
+    assert asked.returncode == 2
+    assert "needle missing in dense/seed1, hybrid-DS/seed1" in asked.stderr, asked.stderr
+    assert "--seeds selects the seeds that ran it" in asked.stderr
+    kept = run("--seeds", "2,3", "--tasks", "needle")
+    assert kept.returncode == 0, kept.stderr
+    lines = kept.stdout.splitlines()
+    assert lines[0].startswith("### needle") and "### passkey" not in kept.stdout
+
+    def hw(values):
+        return stats.t.ppf(0.975, 1) * np.std(values, ddof=1) / math.sqrt(2)
+
+    # needle scores one success fewer than passkey in every cell: (v - 1) / 10 of seeds 2 and 3
+    d1024, d2048 = [90.0, 70.0], [50.0, 60.0]
+    dense = f"| dense | 2,3 | 80.0 ± {hw(d1024):.1f} | 55.0 ± {hw(d2048):.1f} |"
+    assert dense in lines, kept.stdout
+    diff = [10.0 * (HYBRID[s][1024] - DENSE[s][1024]) for s in (2, 3)]
+    diff2 = [10.0 * (HYBRID[s][2048] - DENSE[s][2048]) for s in (2, 3)]
+    row = (f"| hybrid-DS | paired | {np.mean(diff):+.1f} ± {hw(diff):.1f} | "
+           f"{np.mean(diff2):+.1f} ± {hw(diff2):.1f} |")  # fmt: skip
+    assert row in lines, kept.stdout
+    for seeds, message in [
+        ("x", "--seeds: a comma list of integers, got 'x'"),
+        ("2,9", "--seeds: [9] not run by any arm"),
+    ]:
+        bad = run("--seeds", seeds)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    _write_study(tmp_path / "study", {"hybrid-SSSD": {3: arm(HYBRID)[3]}})
+    empty = run("--seeds", "1,2")
+    assert empty.returncode == 2 and "leaves hybrid-SSSD without seeds" in empty.stderr
+
+
 def test_evaluator_refuses_bad_multikey_needles(capsys):
     """--multikey-needles is checked with the grid, before any model is loaded."""
     from megatron_s2.training.evaluation.long_context import main
