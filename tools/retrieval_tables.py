@@ -49,10 +49,11 @@ from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
 )
 
 
-def keep_seeds(arms: dict, seeds: str) -> dict:
+def keep_seeds(arms: dict, seeds: str, reference: str = "dense") -> tuple[dict, list[str]]:
     """``arms`` (``{arm: {seed: retrieval.json}}``) with only the seeds of the comma list
-    ``seeds``. Raises ValueError naming ``--seeds`` for a list that is not integers, a seed no
-    arm ran, or an arm left without seeds (each with the seeds found)."""
+    ``seeds``, and the arms that ran none of them (left out of the tables). Raises ValueError
+    naming ``--seeds`` for a list that is not integers, a seed no arm ran, or a selection that
+    leaves the ``reference`` arm without seeds (each with the seeds found)."""
     try:
         wanted = sorted({int(x) for x in seeds.split(",") if x.strip()})
     except ValueError:
@@ -62,10 +63,12 @@ def keep_seeds(arms: dict, seeds: str) -> dict:
     if not wanted or missing:
         raise ValueError(f"--seeds: {missing or seeds!r} not run by any arm; seeds: {found}")
     kept = {arm: {k: r for k, r in runs.items() if k in wanted} for arm, runs in arms.items()}
-    empty = [arm for arm, runs in kept.items() if not runs]
-    if empty:
-        raise ValueError(f"--seeds: leaves {', '.join(empty)} without seeds; seeds: {found}")
-    return kept
+    if reference in arms and not kept[reference]:
+        raise ValueError(
+            f"--seeds: leaves the reference arm {reference} without seeds; seeds: {found}"
+        )
+    dropped = [arm for arm, runs in kept.items() if not runs]
+    return {arm: runs for arm, runs in kept.items() if runs}, dropped
 
 
 def _lacking(arms: dict, tasks: list) -> str:
@@ -116,7 +119,10 @@ def main(argv=None) -> int:
     try:
         arms = read_arm_results(args.study)
         if args.seeds:
-            arms = keep_seeds(arms, args.seeds)
+            arms, dropped = keep_seeds(arms, args.seeds, args.reference)
+            if dropped:
+                print(f"retrieval_tables: --seeds {args.seeds}: left out {', '.join(dropped)} "
+                      "(none of those seeds)", file=sys.stderr)  # fmt: skip
         known = tasks_of([r for seeds in arms.values() for r in seeds.values()])
         tasks = [t for t in (args.tasks or "").split(",") if t] or known
         unknown = [t for t in tasks if t not in known]

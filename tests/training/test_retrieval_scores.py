@@ -413,9 +413,17 @@ def test_retrieval_tables_seeds_selects_the_seeds_that_ran_a_later_task(tmp_path
     ]:
         bad = run("--seeds", seeds)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    # An arm that ran none of the seeds is left out, and says so; the reference may not be.
     _write_study(tmp_path / "study", {"hybrid-SSSD": {3: arm(HYBRID)[3]}})
-    empty = run("--seeds", "1,2")
-    assert empty.returncode == 2 and "leaves hybrid-SSSD without seeds" in empty.stderr
+    fewer = run("--seeds", "1,2")
+    assert fewer.returncode == 0, fewer.stderr
+    assert "left out hybrid-SSSD (none of those seeds)" in fewer.stderr
+    assert "| hybrid-SSSD |" not in fewer.stdout and "| hybrid-DS |" in fewer.stdout
+    no_ref = run("--seeds", "3", "--reference", "hybrid-SSSD")
+    assert no_ref.returncode == 0, no_ref.stderr
+    alone = run("--seeds", "1", "--reference", "hybrid-SSSD")
+    assert alone.returncode == 2
+    assert "leaves the reference arm hybrid-SSSD without seeds" in alone.stderr
 
 
 def test_evaluator_refuses_bad_multikey_needles(capsys):
