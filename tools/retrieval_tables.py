@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -49,11 +50,14 @@ from megatron_s2.training.evaluation.retrieval_stats import (  # noqa: E402
 )
 
 
-def keep_seeds(arms: dict, seeds: str, reference: str = "dense") -> tuple[dict, list[str]]:
+def keep_seeds(
+    arms: dict, seeds: str, reference: Optional[str] = "dense"
+) -> tuple[dict, list[str]]:
     """``arms`` (``{arm: {seed: retrieval.json}}``) with only the seeds of the comma list
     ``seeds``, and the arms that ran none of them (left out of the tables). Raises ValueError
     naming ``--seeds`` for a list that is not integers, a seed no arm ran, or a selection that
-    leaves the ``reference`` arm without seeds (each with the seeds found)."""
+    leaves the ``reference`` arm without seeds (each with the seeds found; ``None``: no arm
+    is the reference, as for ``--by-depth``)."""
     try:
         wanted = sorted({int(x) for x in seeds.split(",") if x.strip()})
     except ValueError:
@@ -80,7 +84,7 @@ def _lacking(arms: dict, tasks: list) -> str:
             for arm, runs in arms.items()
             for k, r in runs.items()
             if t not in r["tasks"]
-        ]  # fmt: skip
+        ]
         for t in tasks
         if any(t in r["tasks"] for runs in arms.values() for r in runs.values())
     }
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
     try:
         arms = read_arm_results(args.study)
         if args.seeds:
-            arms, dropped = keep_seeds(arms, args.seeds, args.reference)
+            reference = None if args.by_depth else args.reference
+            arms, dropped = keep_seeds(arms, args.seeds, reference)
             if dropped:
                 print(f"retrieval_tables: --seeds {args.seeds}: left out {', '.join(dropped)} "
                       "(none of those seeds)", file=sys.stderr)  # fmt: skip

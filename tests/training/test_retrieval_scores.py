@@ -424,6 +424,9 @@ def test_retrieval_tables_seeds_selects_the_seeds_that_ran_a_later_task(tmp_path
     alone = run("--seeds", "1", "--reference", "hybrid-SSSD")
     assert alone.returncode == 2
     assert "leaves the reference arm hybrid-SSSD without seeds" in alone.stderr
+    # --by-depth compares no arms: no reference to keep.
+    by_depth = run("--seeds", "1", "--reference", "hybrid-SSSD", "--by-depth")
+    assert by_depth.returncode == 0 and "left out hybrid-SSSD" in by_depth.stderr, by_depth.stderr
 
 
 def test_evaluator_refuses_bad_multikey_needles(capsys):
