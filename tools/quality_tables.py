@@ -223,7 +223,9 @@ def main(argv=None) -> int:
             continue
         sys.stdout.write(summary_markdown(summaries, args.reference, cols, loss_name=loss_name))
     if args.write:
-        write_summary(rows, args.write, reference=args.reference)
+        # The plot's title is the study's name, as the sweep's own: the folder of its results.csv.
+        study = os.path.basename(os.path.dirname(os.path.abspath(args.results)))
+        write_summary(rows, args.write, reference=args.reference, title=study)
     return 0
 
 

@@ -278,6 +278,34 @@ def _write_results(path, rows):
     return path
 
 
+def test_frontier_figure_names_every_setting_in_its_legend():
+    """Each setting with a speed is one point in the frontier plot, named in the legend (with
+    the Pareto front) and not by a label on the axes, where labels of close points overlap;
+    each point its own marker and colour, so that twelve settings stay told apart."""
+    import matplotlib.pyplot as plt
+
+    names = [f"vert_stride={v},local_blocks={w}" for v in (4, 8, 12) for w in (8, 16, 32)]
+    names += ["dense", "extra-a", "extra-b"]  # twelve: past tab10's colours
+    losses = {n: [3.0 + 0.01 * i, 3.1 + 0.01 * i] for i, n in enumerate(names)}
+    speeds = {n: [100.0 + i, 101.0 + i] for i, n in enumerate(names)}
+    rows = _rows(losses, speeds)
+    summaries = seed_stats.summarize(rows, "dense")
+    fig = seed_stats.frontier_figure(summaries, "grid")
+    try:
+        ax = fig.axes[0]
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert sorted(labels) == sorted([*names, "Pareto front (means)"])
+        assert len(ax.texts) == 0  # no labels on the axes
+        assert ax.get_title() == "grid"
+        styles = {
+            (c.lines[0].get_marker(), c.lines[0].get_color())
+            for c in ax.containers  # one ErrorbarContainer per setting
+        }
+        assert len(ax.containers) == len(names) and len(styles) == len(names)
+    finally:
+        plt.close(fig)
+
+
 def test_summary_table_and_files(tmp_path):
     rows = _rows(
         {"dense": [3.00, 3.10, 2.95], "hybrid": [3.01, 3.11, 2.96]},
