@@ -92,6 +92,21 @@ def read_metrics(run_dir, kind="train"):
     return {r["iteration"]: r for r in recs if r["kind"] == kind}
 
 
+# The length of the shared uninterrupted run (``plain``): long enough for the resume test to stop
+# half-way and for the learning-rate schedule to be past its warm-up.
+PLAIN_ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, demo_dir):
+    """One uninterrupted single-process run of TINY for PLAIN_ITERS iterations, made once and
+    only read: the reference of the resume, recomputation and data-parallel tests, and the run
+    without train.deterministic of the deterministic test. Each of those used to train this
+    same run itself (every run is a new process: ~8 s of CPU for the imports alone)."""
+    tmp = tmp_path_factory.mktemp("plain")
+    return run_trainer(tmp, demo_dir, f"train.train_iters={PLAIN_ITERS}", name="plain")
+
+
 def test_demo_steps_loss_decreases_and_outputs(tmp_path, demo_dir):
     proc, recs = run_trainer(
         tmp_path,
@@ -128,9 +143,9 @@ def test_demo_steps_loss_decreases_and_outputs(tmp_path, demo_dir):
     assert "train loss" in proc.stdout and "tokens/s" in proc.stdout
 
 
-def test_resume_reproduces_uninterrupted_losses(tmp_path, demo_dir):
-    n, k = 8, 4
-    _, full = run_trainer(tmp_path, demo_dir, f"train.train_iters={n}", name="full")
+def test_resume_reproduces_uninterrupted_losses(tmp_path, demo_dir, plain):
+    n, k = PLAIN_ITERS, 4
+    _, full = plain  # uninterrupted, n iterations
     # Interrupted run: the SIGTERM test hook saves at iteration k and stops; a new process resumes.
     proc, first = run_trainer(
         tmp_path, demo_dir, f"train.train_iters={n}", f"debug.sigterm_at_iter={k}", name="resumed"
@@ -181,21 +196,28 @@ def test_config_error_exit_code(tmp_path, demo_dir):
     assert f"data.blend: {tmp_path}/missing.bin does not exist" in proc.stderr
 
 
-def test_activation_recompute_keeps_losses(tmp_path, demo_dir):
-    """Full and selective (core attention) recomputation change memory, not the numbers."""
-    _, base = run_trainer(tmp_path, demo_dir, "train.train_iters=3", name="none")
+def test_activation_recompute_keeps_losses(tmp_path, demo_dir, plain):
+    """Full and selective (core attention) recomputation change memory, not the numbers: every
+    step's loss as the shared run without recomputation (``plain``)."""
+    _, base = plain
     for mode in ("full", "selective"):
         _, recs = run_trainer(
-            tmp_path, demo_dir, "train.train_iters=3", f"model.recompute={mode}", name=mode
+            tmp_path,
+            demo_dir,
+            f"train.train_iters={PLAIN_ITERS}",
+            f"model.recompute={mode}",
+            name=mode,
         )
-        for i in (1, 2, 3):
+        assert sorted(recs) == sorted(base)
+        for i in base:
             assert recs[i]["loss"] == pytest.approx(base[i]["loss"], abs=1e-5), (mode, i)
 
 
-def test_deterministic_runs_repeat_bit_for_bit(tmp_path, demo_dir):
+def test_deterministic_runs_repeat_bit_for_bit(tmp_path, demo_dir, plain):
     """train.deterministic: the run says so, PyTorch's strict deterministic mode accepts every
     operation of a training step on the CPU (strict mode raises on any it has no deterministic
-    algorithm for), and a rerun repeats every step's loss and gradient norm exactly."""
+    algorithm for), and a rerun repeats every step's loss and gradient norm exactly. A run
+    without it (the shared ``plain`` run) does not say so."""
     runs = [
         run_trainer(tmp_path, demo_dir, "train.train_iters=4", "train.deterministic=true", name=n)
         for n in ("a", "b")
@@ -206,7 +228,7 @@ def test_deterministic_runs_repeat_bit_for_bit(tmp_path, demo_dir):
     assert sorted(a) == [1, 2, 3, 4]
     for i in a:
         assert a[i]["loss"] == b[i]["loss"] and a[i]["grad_norm"] == b[i]["grad_norm"], i
-    proc, _ = run_trainer(tmp_path, demo_dir, "train.train_iters=3", name="plain")
+    proc, _ = plain
     assert "deterministic algorithms" not in proc.stdout
 
 
@@ -248,81 +270,88 @@ def test_real_sigterm_saves_and_stops(tmp_path, demo_dir):
 
 
 @pytest.mark.slow
-def test_two_process_data_parallel_matches_single_process(tmp_path, demo_dir):
-    """2 DP ranks (torchrun, gloo) see the same global batches as 1 process: same losses."""
-    _, single = run_trainer(tmp_path, demo_dir, "train.train_iters=4", name="single")
+def test_two_process_data_parallel_matches_single_process(tmp_path, demo_dir, plain):
+    """2 DP ranks (torchrun, gloo) see the same global batches as 1 process (the shared
+    ``plain`` run): same losses."""
+    _, single = plain
+    n = PLAIN_ITERS
     proc, dp2 = run_trainer(
         tmp_path,
         demo_dir,
-        "train.train_iters=4",
+        f"train.train_iters={n}",
         "checkpoint.save_at_end=true",
         name="dp2",
         launcher=TWO_PROCESSES,
     )
     assert "DP 2" in proc.stdout
-    for i in range(1, 5):
+    assert sorted(dp2) == list(range(1, n + 1))
+    for i in range(1, n + 1):
         assert dp2[i]["loss"] == pytest.approx(single[i]["loss"], abs=1e-4), i
     # The 2-rank checkpoint resumes in one process (distributed optimizer resharded over DP).
-    proc, more = run_trainer(tmp_path, demo_dir, "train.train_iters=5", name="dp2")
-    assert "resumed from" in proc.stdout and 5 in more
+    proc, more = run_trainer(tmp_path, demo_dir, f"train.train_iters={n + 1}", name="dp2")
+    assert "resumed from" in proc.stdout and n + 1 in more
+
+
+def _trains(recs, n):
+    """Iterations 1..n logged, every loss finite, the last below the first."""
+    assert sorted(recs) == list(range(1, n + 1))
+    losses = [recs[i]["loss"] for i in range(1, n + 1)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout, resume",
-    [
-        ("parallel.pipeline_model_parallel_size=2", True),
-        ("parallel.tensor_model_parallel_size=2", False),
-    ],
-)
-def test_two_process_model_parallel_trains(tmp_path, demo_dir, layout, resume):
-    """PP=2 (1F1B schedule, loss broadcast from the last stage; sharded checkpoint resume) and
-    TP=2 runs through the trainer.
+def test_two_process_pipeline_parallel_trains_and_resumes(tmp_path, demo_dir):
+    """PP=2 (1F1B schedule, loss broadcast from the last stage; sharded checkpoint resume) runs
+    through the trainer. (TP=2's run: test_profile_step_writes_every_ranks_summary_and_max_memory,
+    which checks its training progress too.)
 
     Initialisation differs from one process (per-stage seeds, per-rank TP init), so only
     training progress is checked.
     """
-    launcher = TWO_PROCESSES
-    if resume:
-        proc, recs = run_trainer(
-            tmp_path,
-            demo_dir,
-            layout,
-            "train.train_iters=6",
-            "debug.sigterm_at_iter=3",
-            launcher=launcher,
-        )
-        assert sorted(recs) == [1, 2, 3]
-        # The PP=2 checkpoint loads in one process (model resharded; optimizer restarts, logged).
-        # Iteration 4's loss depends only on the loaded weights and the data position.
-        proc, single = run_trainer(
-            tmp_path,
-            demo_dir,
-            "train.train_iters=6",
-            f"checkpoint.load_dir={tmp_path / 't' / 'checkpoints'}",
-            name="single",
-        )
-        assert "the optimizer state restarts" in proc.stderr
-    proc, recs = run_trainer(tmp_path, demo_dir, layout, "train.train_iters=6", launcher=launcher)
-    assert ("resumed from" in proc.stdout) == resume
-    losses = [recs[i]["loss"] for i in range(1, 7)]
-    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-    if resume:
-        assert single[4]["loss"] == pytest.approx(recs[4]["loss"], abs=1e-5)
-
-
-def test_profile_step_writes_every_ranks_summary_and_max_memory(tmp_path, demo_dir):
-    """debug.profile_step: both ranks of a TP=2 run write their profile summary of that
-    iteration (no GPU kernels in the CPU mode: shares None), and every training record carries
-    the largest memory over the ranks beside rank 0's own."""
+    layout = "parallel.pipeline_model_parallel_size=2"
     proc, recs = run_trainer(
         tmp_path,
         demo_dir,
-        "train.train_iters=3",
+        layout,
+        "train.train_iters=6",
+        "debug.sigterm_at_iter=3",
+        launcher=TWO_PROCESSES,
+    )
+    assert sorted(recs) == [1, 2, 3]
+    # The PP=2 checkpoint loads in one process (model resharded; optimizer restarts, logged).
+    # Iteration 4's loss depends only on the loaded weights and the data position.
+    proc, single = run_trainer(
+        tmp_path,
+        demo_dir,
+        "train.train_iters=6",
+        f"checkpoint.load_dir={tmp_path / 't' / 'checkpoints'}",
+        name="single",
+    )
+    assert "the optimizer state restarts" in proc.stderr
+    proc, recs = run_trainer(
+        tmp_path, demo_dir, layout, "train.train_iters=6", launcher=TWO_PROCESSES
+    )
+    assert "resumed from" in proc.stdout
+    _trains(recs, 6)
+    assert single[4]["loss"] == pytest.approx(recs[4]["loss"], abs=1e-5)
+
+
+def test_profile_step_writes_every_ranks_summary_and_max_memory(tmp_path, demo_dir):
+    """TP=2 trains through the trainer (6 steps from scratch; initialisation differs from one
+    process, so only training progress is checked), and debug.profile_step: both of its ranks
+    write their profile summary of that iteration (no GPU kernels in the CPU mode: shares
+    None), and every training record carries the largest memory over the ranks beside rank 0's
+    own. One run checked both ways: they were two TP=2 runs (a 2-process launch each)."""
+    proc, recs = run_trainer(
+        tmp_path,
+        demo_dir,
+        "train.train_iters=6",
         "debug.profile_step=2",
         "parallel.tensor_model_parallel_size=2",
         launcher=TWO_PROCESSES,
     )
+    assert "resumed from" not in proc.stdout
+    _trains(recs, 6)
     assert "profiling iteration 2" in proc.stdout
     for rank in (0, 1):
         summary = json.loads((tmp_path / "t" / "profile" / f"step2.rank{rank}.json").read_text())
