@@ -171,10 +171,34 @@ def _after_of(sweep_call):
 @pytest.mark.parametrize("through_after", [True, False], ids=["sweep-after", "catch-up"])
 def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path, through_after):
     """Each run evaluated once: by the sweep's --after as its point finishes or, where the sweep
-    did not (FAKE_NO_AFTER: points trained before the script passed it), after the sweep."""
+    did not (FAKE_NO_AFTER: points trained before the script passed it), after the sweep.
+
+    With the default settings (one run, checked several ways; these were separate runs of the
+    same settings): every retrieval writer gets the code haystack (RETRIEVAL_HAYSTACK's default,
+    code) and no --depth-distribution (RETRIEVAL_DEPTH_DISTRIBUTION unset: the writer's
+    uniform), and is asked with --reuse. Every retrieval corpus is asked of the writer with
+    --reuse, so that one already on disk (cached by RETRIEVAL_PREFIX) is kept when written as
+    asked now; when the writer refuses it (written otherwise: here another depth distribution),
+    the script stops before any training, saying which RETRIEVAL_SPECS entry and why. The
+    writer's own comparison is tested with it
+    (test_retrieval_corpus.py::test_reuse_keeps_a_corpus_written_with_the_same_settings)."""
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     calls = _run(tmp_path, log, **({} if through_after else {"FAKE_NO_AFTER": "1"}))
+    status = (tmp_path / "example_status.log").read_text()
+    assert "retrieval training documents written to data/retrieval/retrieval_code_4k" in status
+    writers = _writers_by_tag(calls)
+    assert sorted(writers) == ["16k", "4k"]
+    for args in writers.values():
+        at = args.index("--haystack-corpus")
+        assert args[at : at + 4] == [
+            "--haystack-corpus",
+            "data/code/train_valid",
+            "--haystack-split",
+            "9,1,0",
+        ]
+        assert "--depth-distribution" not in args
+        assert args[-1] == "--reuse"
 
     tools = [os.path.basename(c["args"][0]) for c in calls]
     assert tools.count("build_code_corpus.py") == 1
@@ -262,12 +286,24 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path, th
     calls = _run(tmp_path, log)
     tools = [os.path.basename(c["args"][0]) for c in calls]
     assert not {"build_code_corpus.py", "make_demo_corpus.py"} & set(tools)
-    assert all(a[-1] == "--reuse" for a in _writers_by_tag(calls).values())
-    assert (
-        "reused (written before with these settings)"
-        in (tmp_path / "example_status.log").read_text()
-    )
+    again = _writers_by_tag(calls)
+    assert sorted(again) == sorted(writers)
+    assert all(a[-1] == "--reuse" for a in again.values())
+    status = (tmp_path / "example_status.log").read_text()
+    assert "reused (written before with these settings)" in status
+    assert "retrieval training documents in data/retrieval/retrieval_code_4k reused" in status
     assert not [c for c in calls if c["args"][:2] == EVAL_MODULE]
+
+    # The corpora asked otherwise (another depth distribution): refused before any training.
+    log.write_text("")
+    refused = _run(tmp_path, log, returncode=2, RETRIEVAL_DEPTH_DISTRIBUTION="arcsine")
+    status = (tmp_path / "example_status.log").read_text()
+    assert (
+        "RETRIEVAL_SPECS 4k: --output-prefix data/retrieval/retrieval_code_4k was written with "
+        "other settings (written ["
+    ) in status, status
+    assert "or give another RETRIEVAL_PREFIX" in status
+    assert not [c for c in refused if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
 
 
 def test_example_script_without_retrieval_documents_blends_code_and_kv_only(tmp_path):
@@ -404,40 +440,25 @@ def test_example_script_refuses_an_unknown_extension_study_before_any_work(tmp_p
     assert not log.exists()  # nothing ran
 
 
-def test_example_script_passes_queries_and_needles_to_the_retrieval_writer(tmp_path):
-    """RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES reach every retrieval corpus's writer as
-    --queries and --multikey-needles (multi-question multikey documents)."""
-    _write_fake(tmp_path)
-    calls = _run(
-        tmp_path,
-        tmp_path / "calls.jsonl",
-        RETRIEVAL_TASKS="passkey,multikey",
-        RETRIEVAL_QUERIES="8",
-        RETRIEVAL_NEEDLES="16",
-    )
-    writers = [c for c in calls if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"]
-    assert len(writers) == 2
-    for c in writers:
-        args = c["args"]
-        assert args[args.index("--tasks") + 1] == "passkey,multikey"
-        assert args[args.index("--queries") + 1] == "8"
-        assert args[args.index("--multikey-needles") + 1] == "16"
-
-
 def test_a_retrieval_spec_may_set_its_own_queries_and_needles(tmp_path):
-    """RETRIEVAL_SPECS' optional fifth and sixth fields override RETRIEVAL_QUERIES and
-    RETRIEVAL_NEEDLES for that corpus alone (a short-trial corpus next to a many-needle one)."""
+    """RETRIEVAL_QUERIES and RETRIEVAL_NEEDLES reach every retrieval corpus's writer as
+    --queries and --multikey-needles (multi-question multikey documents), and RETRIEVAL_SPECS'
+    optional fifth and sixth fields override them for that corpus alone (a short-trial corpus
+    next to a many-needle one). One run for both: 4kshort sets neither field, so it gets the
+    settings' values (not the defaults: 1 question, no --multikey-needles)."""
     _write_fake(tmp_path)
     calls = _run(
         tmp_path,
         tmp_path / "calls.jsonl",
         RETRIEVAL_TASKS="passkey,multikey",
         RETRIEVAL_SPECS="4kmq:4094:4094:40:16:32 4kshort:128:1024:60 16k:256:16384:20:2",
-        RETRIEVAL_QUERIES="1",
-        RETRIEVAL_NEEDLES="4",
+        RETRIEVAL_QUERIES="8",
+        RETRIEVAL_NEEDLES="16",
     )
     writers = _writers_by_tag(calls)
     assert sorted(writers) == ["16k", "4kmq", "4kshort"]
+    for args in writers.values():
+        assert args[args.index("--tasks") + 1] == "passkey,multikey"
 
     def value(args, option):
         return args[args.index(option) + 1]
@@ -446,7 +467,11 @@ def test_a_retrieval_spec_may_set_its_own_queries_and_needles(tmp_path):
         tag: tuple(value(a, o) for o in ("--queries", "--multikey-needles", "--num-docs"))
         for tag, a in writers.items()
     }
-    assert got == {"4kmq": ("16", "32", "40"), "4kshort": ("1", "4", "60"), "16k": ("2", "4", "20")}
+    assert got == {
+        "4kmq": ("16", "32", "40"),
+        "4kshort": ("8", "16", "60"),
+        "16k": ("2", "16", "20"),
+    }
 
 
 def test_packed_corpora_and_tag_lists_share_the_retrieval_weight(tmp_path):
@@ -486,18 +511,15 @@ def test_packed_corpora_and_tag_lists_share_the_retrieval_weight(tmp_path):
     assert sweeps["code-125m-extend-16k"] == head + "[0.6, data/retrieval/retrieval_code_16kpack]]"
 
 
-@pytest.mark.parametrize("haystack", [None, "code", "filler"])
+@pytest.mark.parametrize("haystack", ["code", "filler"])
 def test_example_script_gives_the_retrieval_writer_the_code_haystack(tmp_path, haystack):
-    """RETRIEVAL_HAYSTACK (default code): every retrieval corpus's writer gets the code corpus
-    (the corpus's data.blend) and the run's data.split as --haystack-corpus/--haystack-split,
-    so that its needle and multikey haystacks are training code; filler: neither option (the
-    writer's filler text, as runs H and J)."""
+    """RETRIEVAL_HAYSTACK=code: every retrieval corpus's writer gets the code corpus (the
+    corpus's data.blend) and the run's data.split as --haystack-corpus/--haystack-split, so that
+    its needle and multikey haystacks are training code; filler: neither option (the writer's
+    filler text, as runs H and J). Unset (the default, code):
+    test_example_script_blends_evaluates_every_run_once_and_resumes, on its default run."""
     _write_fake(tmp_path)
-    calls = _run(
-        tmp_path,
-        tmp_path / "calls.jsonl",
-        **({"RETRIEVAL_HAYSTACK": haystack} if haystack else {}),
-    )
+    calls = _run(tmp_path, tmp_path / "calls.jsonl", RETRIEVAL_HAYSTACK=haystack)
     writers = [c for c in calls if os.path.basename(c["args"][0]) == "make_retrieval_corpus.py"]
     assert len(writers) == 2
     for c in writers:
@@ -665,7 +687,8 @@ def test_zone_depths_evaluate_the_extensions_chosen_arms_near_the_start_once(tmp
     """ZONE_DEPTHS: after its own evaluation, each extension-study run of an arm in ZONE_ARMS
     (default dense; never a base run) is evaluated once more, retrieval only, at those depths,
     ZONE_LENGTHS and ZONE_TASKS, into <run>/long_context_eval_zone/, copied to
-    RESULTS_DIR/<study>-zone/; a second run of the script redoes nothing."""
+    RESULTS_DIR/<study>-zone/; a second run of the script redoes nothing (run with two arms
+    only: the skip is the same for one)."""
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     env = dict(ZONE_DEPTHS="0,0.002,0.01", ZONE_LENGTHS="4096", ZONE_TASKS="passkey",
@@ -699,9 +722,10 @@ def test_zone_depths_evaluate_the_extensions_chosen_arms_near_the_start_once(tmp
         assert copied.exists() == (arm in chosen), arm
         assert (tmp_path / "r" / study / arm / "seed0" / "retrieval.json").exists()
     assert not (tmp_path / "r" / "code-125m-4k-base-zone").exists()
-    log.write_text("")
-    again = _run(tmp_path, log, **env)
-    assert not [c for c in again if c["args"][:2] == EVAL_MODULE]
+    if arms:
+        log.write_text("")
+        again = _run(tmp_path, log, **env)
+        assert not [c for c in again if c["args"][:2] == EVAL_MODULE]
 
 
 @pytest.mark.parametrize(
@@ -775,7 +799,8 @@ def test_base_lengths_apply_to_the_base_study_alone(tmp_path, through_after):
 
 def test_retrieval_depth_distribution_reaches_every_writer_and_is_checked_first(tmp_path):
     """RETRIEVAL_DEPTH_DISTRIBUTION goes to every retrieval writer as --depth-distribution (unset:
-    none, the writer's uniform); a value the writer does not know is refused before any work."""
+    none, the writer's uniform: test_example_script_blends_evaluates_every_run_once_and_resumes,
+    on its default run); a value the writer does not know is refused before any work."""
     _write_fake(tmp_path)
     log = tmp_path / "calls.jsonl"
     calls = _run(tmp_path, log, RETRIEVAL_DEPTH_DISTRIBUTION="arcsine")
@@ -783,10 +808,6 @@ def test_retrieval_depth_distribution_reaches_every_writer_and_is_checked_first(
     assert writers and all(
         a[a.index("--depth-distribution") + 1] == "arcsine" for a in writers.values()
     )
-    (tmp_path / "data").rename(tmp_path / "data-arcsine")  # the next run writes its own corpora
-    log.write_text("")
-    plain = _writers_by_tag(_run(tmp_path, log))
-    assert plain and all("--depth-distribution" not in a for a in plain.values())
     log.write_text("")
     _run(tmp_path, log, returncode=2, RETRIEVAL_DEPTH_DISTRIBUTION="edges")
     assert log.read_text() == ""
@@ -794,34 +815,6 @@ def test_retrieval_depth_distribution_reaches_every_writer_and_is_checked_first(
     assert "RETRIEVAL_DEPTH_DISTRIBUTION must be uniform, log-uniform or arcsine, got 'edges'" in (
         status
     )
-
-
-def test_a_corpus_written_before_is_reused_only_as_asked(tmp_path):
-    """Every retrieval corpus is asked of the writer with --reuse, so that one already on disk
-    (cached by RETRIEVAL_PREFIX) is kept when written as asked now; when the writer refuses it
-    (written otherwise: here another depth distribution), the script stops before any training,
-    saying which RETRIEVAL_SPECS entry and why. The writer's own comparison is tested with it
-    (test_retrieval_corpus.py::test_reuse_keeps_a_corpus_written_with_the_same_settings)."""
-    _write_fake(tmp_path)
-    log = tmp_path / "calls.jsonl"
-    first = _writers_by_tag(_run(tmp_path, log))
-    assert first and all(a[-1] == "--reuse" for a in first.values())
-    status = (tmp_path / "example_status.log").read_text()
-    assert "retrieval training documents written to data/retrieval/retrieval_code_4k" in status
-    log.write_text("")
-    calls = _run(tmp_path, log)  # the same settings: both reused
-    assert sorted(_writers_by_tag(calls)) == sorted(first)
-    status = (tmp_path / "example_status.log").read_text()
-    assert "retrieval training documents in data/retrieval/retrieval_code_4k reused" in status
-    log.write_text("")
-    refused = _run(tmp_path, log, returncode=2, RETRIEVAL_DEPTH_DISTRIBUTION="arcsine")
-    status = (tmp_path / "example_status.log").read_text()
-    assert (
-        "RETRIEVAL_SPECS 4k: --output-prefix data/retrieval/retrieval_code_4k was written with "
-        "other settings (written ["
-    ) in status, status
-    assert "or give another RETRIEVAL_PREFIX" in status
-    assert not [c for c in refused if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
 
 
 def test_base_settings_choose_the_base_studys_arms_alone(tmp_path):
