@@ -63,10 +63,10 @@ def _build(schedule, backend="reference", **cfg_kw):
     return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
-def _fwd_bwd(model):
+def _fwd_bwd(model, seq=SEQ):
     gen = torch.Generator().manual_seed(1)
-    tok = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
-    pos = torch.arange(SEQ)[None].expand(2, -1)
+    tok = torch.randint(0, VOCAB, (2, seq), generator=gen)
+    pos = torch.arange(seq)[None].expand(2, -1)
     loss = model(tok, pos, None, labels=tok).mean()
     loss.backward()
     assert torch.isfinite(loss)
@@ -441,7 +441,11 @@ def test_block_spec_slices_pipeline_stages():
 
 def test_spec_import_module_path(tmp_path, monkeypatch):
     """Megatron-LM's --spec path: import the spec object by name, schedule from the env var,
-    one spec for all layers; GPTModel builds and trains."""
+    one spec for all layers; GPTModel builds and trains. 64 tokens (four 16-token blocks): a
+    plain TransformerConfig runs the Triton kernels (backend "auto", under the interpreter on the
+    CPU) in every layer, and the spec path does not need the longer sequence (the kernels in
+    the model at 128 tokens: test_build_gpt_model_per_layer_modules_and_train_step)."""
+    seq = 64
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import import_module
 
@@ -456,10 +460,10 @@ def test_spec_import_module_path(tmp_path, monkeypatch):
     assert spec.submodules.self_attention.submodules.core_attention.module is ScheduledCoreAttention
     cfg = tiny_config()
     model = GPTModel(
-        config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ
+        config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=seq
     )
     assert [k for k, _ in _core_kinds(model)] == ["FusedDenseAttention", "S2CoreAttention"] * 2
-    _fwd_bwd(model)
+    _fwd_bwd(model, seq)
 
 
 def test_scheduled_core_attention_without_schedule_explains():
