@@ -37,6 +37,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The demo corpus (``megatron_s2.training.demo_corpus``, default settings), generated once
+    per test session (once per pytest-xdist worker) for every module whose runs train on it.
+
+    The runs only read it (each test gives the trainer its own ``data.cache_dir`` or run
+    directory); a test that damages or rewrites a corpus makes its own. It was a fixture of
+    test_trainer.py that other modules imported, and an imported fixture is a separate fixture
+    of each importing module: the corpus was generated once per module (~7 s of CPU each)."""
+    from megatron_s2.training.demo_corpus import ensure_demo_data
+
+    d = tmp_path_factory.mktemp("demo_data")
+    ensure_demo_data(str(d))
+    return str(d)
+
+
 @pytest.fixture(params=[False, True], ids=["pointer-tiles", "tma-tiles"])
 def tile_loads(request, monkeypatch):
     """Runs a test twice: default kernel configs as they are, then with ``tma=True`` (the walked

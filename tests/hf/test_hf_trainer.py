@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from tests.hf.test_hf_import_export import REPO, _env, _random_model
-from tests.training.test_trainer import demo_dir, read_metrics  # noqa: F401  (fixture)
+from tests.training.test_trainer import read_metrics
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,7 +49,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_imported_model_trains_as_s2_hybrid_and_exports_its_schedule(
     tmp_path,
-    demo_dir,  # noqa: F811
+    demo_dir,
 ):
     # Head size 16 (the S2 kernels' smallest); a vocabulary above the byte tokenizer's 258.
     config = transformers.LlamaConfig(

@@ -5,14 +5,14 @@ checkpoint is refused with the setting to change."""
 
 import pytest
 
-from tests.training.test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
+from tests.training.test_trainer import run_trainer
 
 pytestmark = pytest.mark.slow
 
 SINKS = "attention.s2.sinks=true"
 
 
-def test_checkpoint_with_sinks_resumes(tmp_path, demo_dir):  # noqa: F811
+def test_checkpoint_with_sinks_resumes(tmp_path, demo_dir):
     from megatron.core import dist_checkpointing
 
     _, whole = run_trainer(tmp_path, demo_dir, SINKS, "train.train_iters=4", name="whole")
@@ -39,7 +39,7 @@ def test_checkpoint_with_sinks_resumes(tmp_path, demo_dir):  # noqa: F811
         assert more[i]["loss"] == pytest.approx(whole[i]["loss"], abs=1e-5), i
 
 
-def test_dense_weights_start_a_hybrid_with_sinks_and_nope(tmp_path, demo_dir):  # noqa: F811
+def test_dense_weights_start_a_hybrid_with_sinks_and_nope(tmp_path, demo_dir):
     run_trainer(
         tmp_path,
         demo_dir,

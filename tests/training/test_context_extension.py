@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from tests.training.test_trainer import demo_dir, run_trainer  # noqa: F401  (fixture)
+from tests.training.test_trainer import run_trainer
 
 DENSE = "attention={dense_layers: {pattern: D}}"
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory, demo_dir):  # noqa: F811
+def short_run(tmp_path_factory, demo_dir):
     """A dense run at 128 tokens, 4 iterations, checkpoint at the end."""
     tmp = tmp_path_factory.mktemp("short")
     run_trainer(
@@ -24,7 +24,7 @@ def short_run(tmp_path_factory, demo_dir):  # noqa: F811
 @pytest.mark.parametrize("scaling", ["position_interpolation", "llama3"])
 def test_dense_128_to_s2_hybrid_512_with_new_rope(
     tmp_path,
-    demo_dir,  # noqa: F811
+    demo_dir,
     short_run,
     scaling,
 ):
@@ -56,7 +56,7 @@ def test_dense_128_to_s2_hybrid_512_with_new_rope(
     assert tracker.read_text().strip() == "3"
 
 
-def test_weights_carry_over(tmp_path, demo_dir, short_run):  # noqa: F811
+def test_weights_carry_over(tmp_path, demo_dir, short_run):
     """Starting from the short run's weights gives a lower first loss than a fresh model at the
     same settings: the weights (not only the shapes) were loaded."""
     common = ["model.seq_length=256", "train.train_iters=3", DENSE]
@@ -72,7 +72,7 @@ def test_weights_carry_over(tmp_path, demo_dir, short_run):  # noqa: F811
     assert loaded[1]["loss"] < fresh[1]["loss"] - 0.05, (loaded[1], fresh[1])
 
 
-def test_keep_iteration_continues_the_schedule(tmp_path, demo_dir, short_run):  # noqa: F811
+def test_keep_iteration_continues_the_schedule(tmp_path, demo_dir, short_run):
     proc, recs = run_trainer(
         tmp_path,
         demo_dir,
@@ -86,7 +86,7 @@ def test_keep_iteration_continues_the_schedule(tmp_path, demo_dir, short_run):  
     assert sorted(recs) == [5, 6]
 
 
-def test_bad_rope_scaling_is_a_config_error(tmp_path, demo_dir):  # noqa: F811
+def test_bad_rope_scaling_is_a_config_error(tmp_path, demo_dir):
     proc, _ = run_trainer(tmp_path, demo_dir, "model.rope_scaling=yarn", check=False, name="bad")
     assert proc.returncode == 2
     assert "model.rope_scaling" in proc.stderr and "position_interpolation" in proc.stderr
@@ -103,7 +103,7 @@ def test_bad_rope_scaling_is_a_config_error(tmp_path, demo_dir):  # noqa: F811
 
 def test_preempted_extension_resumes_its_own_optimizer_and_schedule(
     tmp_path,
-    demo_dir,  # noqa: F811
+    demo_dir,
     short_run,
 ):
     """checkpoint.load_optimizer=false (the recipes' setting) applies to the start from

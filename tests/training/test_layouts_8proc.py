@@ -25,7 +25,7 @@ import sys
 import pytest
 import yaml
 
-from tests.training.test_trainer import REPO, demo_dir, run_trainer  # noqa: F401  (fixture)
+from tests.training.test_trainer import REPO, run_trainer
 
 pytest.importorskip("megatron.core")
 
@@ -86,7 +86,7 @@ def _tiny_model(cfg: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, demo_dir):  # noqa: F811
+def runs(tmp_path_factory, demo_dir):
     cfg = _config()
     parallel = cfg["parallel"]
     swapped = dict(

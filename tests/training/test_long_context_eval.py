@@ -21,7 +21,7 @@ from megatron_s2.training.evaluation.retrieval import (
     EXPECTATIONS_DOC,
     at_chance_note,
 )
-from tests.training.test_trainer import DEMO, REPO, _env, demo_dir, run_trainer  # noqa: F401
+from tests.training.test_trainer import DEMO, REPO, _env, run_trainer
 
 EVAL = [sys.executable, os.path.join(REPO, "tools", "eval_long_context.py")]
 GRID = [
@@ -63,7 +63,7 @@ def _eval_cli(run_dir, out, *args, launcher=(sys.executable,)):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, demo_dir):  # noqa: F811
+def run_dir(tmp_path_factory, demo_dir):
     """A tiny S2 hybrid (seq_length 128, 16-token blocks) trained 3 steps, checkpointed."""
     tmp = tmp_path_factory.mktemp("lce")
     run_trainer(tmp, demo_dir, "train.train_iters=3", "checkpoint.save_at_end=true")

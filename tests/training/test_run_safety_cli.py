@@ -37,15 +37,6 @@ def megatron_lr(step, max_lr, min_lr, warmup, decay):
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    from megatron_s2.training.demo_corpus import ensure_demo_data
-
-    d = tmp_path_factory.mktemp("demo_data")
-    ensure_demo_data(str(d))
-    return str(d)
-
-
-@pytest.fixture(scope="module")
 def base_run(tmp_path_factory, demo_dir):
     """runs/base: 6 iterations planned, stopped after 4 (checkpoints iter 2 and 4)."""
     tmp = tmp_path_factory.mktemp("base")

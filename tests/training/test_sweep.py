@@ -194,20 +194,11 @@ def _sweep(*args, cwd):
     )
 
 
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from megatron_s2.training.demo_corpus import ensure_demo_data
-
-    d = tmp_path_factory.mktemp("sweep_demo")
-    ensure_demo_data(str(d))
-    return str(d)
-
-
 # The sweep's orchestration does not depend on megatron-core's version (the trainer runs it
 # starts are tested under both versions elsewhere): first CI suite only.
 @pytest.mark.version_independent
 @pytest.mark.timeout(600)
-def test_tiny_study_end_to_end(tmp_path, demo_data):
+def test_tiny_study_end_to_end(tmp_path, demo_dir):
     iters = 3
     path = write_study(
         tmp_path,
@@ -218,7 +209,7 @@ def test_tiny_study_end_to_end(tmp_path, demo_data):
             "train.eval_interval=3",
             "train.eval_iters=1",
             "checkpoint.save_at_end=true",
-            f"data.demo_dir={demo_data}",
+            f"data.demo_dir={demo_dir}",
         ],
         grid={"attention.s2.vert_stride": [2, 8], "attention.s2.local_blocks": [2]},
         points=[{"attention.dense_layers.pattern": "D"}, {"attention.s2.vert_stride": 4}],
@@ -353,7 +344,7 @@ def test_tiny_study_end_to_end(tmp_path, demo_data):
     assert r.returncode == 0 and r.stdout.count("finished") == 3 and "invalid" in r.stdout
 
 
-def test_devices_run_points_at_once_each_on_its_gpus(tmp_path, demo_data):
+def test_devices_run_points_at_once_each_on_its_gpus(tmp_path, demo_dir):
     path = write_study(
         tmp_path,
         name="pair",
@@ -362,7 +353,7 @@ def test_devices_run_points_at_once_each_on_its_gpus(tmp_path, demo_data):
             "train.train_iters=3",
             "train.eval_interval=3",
             "train.eval_iters=1",
-            f"data.demo_dir={demo_data}",
+            f"data.demo_dir={demo_dir}",
         ],
         grid={"attention.s2.vert_stride": [2, 4]},
         output_dir="out",

@@ -42,16 +42,6 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    """The demo corpus, generated once per session."""
-    from megatron_s2.training.demo_corpus import ensure_demo_data
-
-    d = tmp_path_factory.mktemp("demo_data")
-    ensure_demo_data(str(d))
-    return str(d)
-
-
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # conftest turns the Triton interpreter on for the kernel tests; the trainer's CPU mode is

@@ -3,12 +3,12 @@ as one process, and its checkpoint resumes in one process (CP=1)."""
 
 import pytest
 
-from tests.training.test_trainer import TWO_PROCESSES, demo_dir, run_trainer  # noqa: F401  (fixture)
+from tests.training.test_trainer import TWO_PROCESSES, run_trainer
 
 pytestmark = pytest.mark.slow
 
 
-def test_cp2_matches_single_process_and_resumes_at_cp1(tmp_path, demo_dir):  # noqa: F811
+def test_cp2_matches_single_process_and_resumes_at_cp1(tmp_path, demo_dir):
     _, single = run_trainer(tmp_path, demo_dir, "train.train_iters=5", name="single")
     proc, cp2 = run_trainer(
         tmp_path,
@@ -30,7 +30,7 @@ def test_cp2_matches_single_process_and_resumes_at_cp1(tmp_path, demo_dir):  # n
     assert more[5]["loss"] == pytest.approx(single[5]["loss"], abs=1e-4)
 
 
-def test_cp_size_the_sequence_cannot_serve_is_a_config_error(tmp_path, demo_dir):  # noqa: F811
+def test_cp_size_the_sequence_cannot_serve_is_a_config_error(tmp_path, demo_dir):
     proc, _ = run_trainer(
         tmp_path,
         demo_dir,

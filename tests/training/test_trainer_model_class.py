@@ -35,16 +35,6 @@ LOSS_TOLERANCE = 1e-5
 SCHEDULES = {"s2": [], "dense": ["attention.dense_layers.pattern=D"]}
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    """The demo corpus, generated once for this module."""
-    from megatron_s2.training.demo_corpus import ensure_demo_data
-
-    d = tmp_path_factory.mktemp("demo_data")
-    ensure_demo_data(str(d))
-    return str(d)
-
-
 def _train(tmp_path, demo_dir, name, model_class, *overrides):
     """Run the trainer CLI in a subprocess; return (stdout + stderr, {iteration: loss})."""
     run_dir = tmp_path / name
