@@ -212,6 +212,10 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# A job starts as soon as it may: a requeued one is held cred_expire seconds, and then waited
+# for the scheduler's next periodic pass (main loop every 60 s, backfill every 30 s by default):
+# up to a minute of an idle node in the requeue tests.
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -477,6 +481,10 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# A job starts as soon as it may: a requeued one is held cred_expire seconds, and then waited
+# for the scheduler's next periodic pass (main loop every 60 s, backfill every 30 s by default):
+# up to a minute of an idle node in the requeue tests.
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
