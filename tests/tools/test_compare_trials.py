@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from megatron_s2.training.evaluation import retrieval_stats as S
+from tests.helpers.megatron import import_tool
 
 pytestmark = pytest.mark.version_independent
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,12 +33,23 @@ def _evaluation(exact, answer=lambda k: f" {k[0]}{k[2]}"):
     return {"tasks": {"passkey": {"cells": [], "trials": trials}}}
 
 
-def _run(tmp_path, a, b, *args):
+def _files(tmp_path, a, b):
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
-    return subprocess.run([sys.executable, TOOL, str(pa), str(pb), *args], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return [str(pa), str(pb)]
+
+
+def _run(tmp_path, a, b, *args):
+    """The tool's ``main`` on the two evaluations, in this process: its exit code, stdout and
+    stderr. The command line itself (``python tools/compare_trials.py``, exit code 2 on bad
+    input) runs as a process in test_bad_input_is_refused and on the committed evaluations;
+    each process spent ~3 s importing torch (through megatron_s2) for a few milliseconds of
+    work."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = import_tool("compare_trials").main([*_files(tmp_path, a, b), *map(str, args)])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_rows_per_length_and_pooled_are_the_paired_counts(tmp_path):
@@ -109,6 +123,11 @@ def test_bad_input_is_refused(tmp_path):
     ]:
         done = _run(tmp_path, a, b, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+    # The same through the command line: exit code 2 and the message, no traceback.
+    done = subprocess.run([sys.executable, TOOL, *_files(tmp_path, a, other)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "not the same trials" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_decide_applies_the_lever_rule(tmp_path):
