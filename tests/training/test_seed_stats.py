@@ -3,7 +3,9 @@ the differences-within-noise verdict) that docs/quality.md's tables are recomput
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -17,6 +19,7 @@ from scipy import stats
 
 from megatron_s2.training import seed_stats, sweep
 from megatron_s2.training.sweep import StudyError, load_study
+from tests.helpers.megatron import import_tool
 from tests.training.test_sweep import write_study
 
 # Independent of the megatron-core version: CI runs this module in its first suite only. Study
@@ -401,23 +404,15 @@ def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(t
 
     for seed, loss in enumerate([2.99, 3.12, 2.95], start=1):
         curve(f"hybrid,seed={seed}", loss)
-    cmd = [
-        sys.executable,
-        str(REPO / "tools" / "quality_tables.py"),
-        str(path),
-        "--reference",
-        "dense",
-        "--positions",
-        str(runs),
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    cmd = [path, "--reference", "dense", "--positions", runs]
+    res = _checked(_tool(*cmd))
     assert (
         "position tables are left out" in res.stderr and "(settings with one: hybrid)" in res.stderr
     )
     assert res.stdout.count("| setting") == 1 and "valid loss (95% CI)" in res.stdout
     for seed, loss in enumerate([3.00, 3.10, 2.95], start=1):
         curve(f"dense,seed={seed}", loss)
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    res = _checked(_tool(*cmd))
     assert "left out" not in res.stderr
     assert res.stdout.count("| setting") == 3
     assert "loss at positions >= 1024" in res.stdout
@@ -542,20 +537,10 @@ def _quality_tables(study_name: str, *options: str) -> subprocess.CompletedProce
     """tools/quality_tables.py on a committed study under docs/quality/ (dense the reference,
     the study's runs/ for the per-run files)."""
     study = REPO / "docs" / "quality" / study_name
-    return subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "quality_tables.py"),
-            str(study / "results.csv"),
-            "--reference",
-            "dense",
-            "--positions",
-            str(study / "runs"),
-            *options,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    return _checked(
+        _tool(
+            study / "results.csv", "--reference", "dense", "--positions", study / "runs", *options
+        )
     )
 
 
@@ -591,18 +576,7 @@ def test_quality_doc_16k_grid_table_is_the_tools_output():
     """docs/quality.md's table of the 16k stride x window grid (in progress) is what
     tools/quality_tables.py computes from the grid's committed results.csv."""
     study = REPO / "docs" / "quality" / "code-125m-16k-stride-window"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "quality_tables.py"),
-            str(study / "results.csv"),
-            "--reference",
-            "dense",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    res = _checked(_tool(study / "results.csv", "--reference", "dense"))
     table = res.stdout.split("\n\n")[0].strip()
     assert table.startswith("| setting") and "vert_stride=12,local_blocks=8" in table
     doc = (REPO / "docs" / "quality.md").read_text()
@@ -740,18 +714,34 @@ def test_speed_model_refuses_rows_at_another_length():
         seed_stats.speed_rows(other, model)
 
 
-def _tool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "quality_tables.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-    )
+def _tool(*args, process: bool = False) -> subprocess.CompletedProcess:
+    """tools/quality_tables.py with ``args``: its exit code, stdout and stderr. Its ``main`` in
+    this process unless ``process`` (each process spent ~3 s importing torch, through
+    megatron_s2, for milliseconds of work); the command line itself runs as a process in
+    test_quality_tables_tool_recomputes_the_summary and test_quality_tables_speed_model_cli."""
+    argv = [str(a) for a in args]
+    if process:
+        return subprocess.run(
+            [sys.executable, str(REPO / "tools" / "quality_tables.py"), *argv],
+            capture_output=True,
+            text=True,
+        )
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = import_tool("quality_tables").main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def _checked(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``res``, which must have succeeded (as ``subprocess.run(..., check=True)``)."""
+    assert res.returncode == 0, res.stderr
+    return res
 
 
 def test_quality_tables_speed_model_cli(tmp_path):
     fit = _write_results(tmp_path / "fit.csv", _speed_rows({"d": 1.0, "s": 0.25}, 3e-6, 2e-6))
     grid = _write_results(tmp_path / "grid.csv", _speed_rows({"g1": 0.6, "g2": 0.7}, 3e-6, 2e-6))
-    res = _tool(grid, "--speed-model", "--speed-fit", fit)
+    res = _tool(grid, "--speed-model", "--speed-fit", fit, process=True)
     assert res.returncode == 0, res.stderr
     model = seed_stats.fit_speed_model(seed_stats.read_results(fit))
     expected = seed_stats.speed_model_markdown(
