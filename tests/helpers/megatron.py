@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import socket
+import subprocess
 import sys
 
 import torch
@@ -121,6 +124,18 @@ def import_tool(name: str = "gpu_parallel_check"):
     if name == "gpu_parallel_check":
         module._free_port = free_port
     return module
+
+
+def run_tool_main(name: str, argv) -> subprocess.CompletedProcess:
+    """tools/<name>.py's ``main(argv)`` in this process, its output captured: the exit code,
+    stdout and stderr as a ``CompletedProcess`` (what ``subprocess.run(..., text=True)`` of the
+    command line returns). For tools whose work takes milliseconds: a process of its own spends
+    ~3 s importing torch (through megatron_s2)."""
+    argv = [str(a) for a in argv]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = import_tool(name).main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 class _Group:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -13,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_s2.training.evaluation import retrieval_stats as S
-from tests.helpers.megatron import import_tool
+from tests.helpers.megatron import run_tool_main
 
 pytestmark = pytest.mark.version_independent
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,10 +44,7 @@ def _run(tmp_path, a, b, *args):
     input) runs as a process in test_bad_input_is_refused and on the committed evaluations;
     each process spent ~3 s importing torch (through megatron_s2) for a few milliseconds of
     work."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = import_tool("compare_trials").main([*_files(tmp_path, a, b), *map(str, args)])
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return run_tool_main("compare_trials", [*_files(tmp_path, a, b), *args])
 
 
 def test_rows_per_length_and_pooled_are_the_paired_counts(tmp_path):

@@ -162,6 +162,18 @@ def _writers_by_tag(calls):
     }
 
 
+def _assert_code_haystack(args):
+    """A retrieval writer's arguments ask for the code corpus as haystack: the fake corpus's
+    data.blend and data.split (RETRIEVAL_HAYSTACK=code)."""
+    at = args.index("--haystack-corpus")
+    assert args[at : at + 4] == [
+        "--haystack-corpus",
+        "data/code/train_valid",
+        "--haystack-split",
+        "9,1,0",
+    ]
+
+
 def _after_of(sweep_call):
     """The --after command of a sweep call, split: [bash, script, --evaluate-run, {run}, ...]."""
     args = sweep_call["args"]
@@ -190,13 +202,7 @@ def test_example_script_blends_evaluates_every_run_once_and_resumes(tmp_path, th
     writers = _writers_by_tag(calls)
     assert sorted(writers) == ["16k", "4k"]
     for args in writers.values():
-        at = args.index("--haystack-corpus")
-        assert args[at : at + 4] == [
-            "--haystack-corpus",
-            "data/code/train_valid",
-            "--haystack-split",
-            "9,1,0",
-        ]
+        _assert_code_haystack(args)
         assert "--depth-distribution" not in args
         assert args[-1] == "--reuse"
 
@@ -527,13 +533,7 @@ def test_example_script_gives_the_retrieval_writer_the_code_haystack(tmp_path, h
         if haystack == "filler":
             assert not [a for a in args if a.startswith("--haystack")]
             continue
-        at = args.index("--haystack-corpus")
-        assert args[at : at + 4] == [
-            "--haystack-corpus",
-            "data/code/train_valid",
-            "--haystack-split",
-            "9,1,0",
-        ]
+        _assert_code_haystack(args)
 
 
 def test_example_script_refuses_an_unknown_haystack_before_any_work(tmp_path):

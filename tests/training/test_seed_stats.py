@@ -3,9 +3,7 @@ the differences-within-noise verdict) that docs/quality.md's tables are recomput
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import math
 import os
@@ -19,7 +17,7 @@ from scipy import stats
 
 from megatron_s2.training import seed_stats, sweep
 from megatron_s2.training.sweep import StudyError, load_study
-from tests.helpers.megatron import import_tool
+from tests.helpers.megatron import run_tool_main
 from tests.training.test_sweep import write_study
 
 # Independent of the megatron-core version: CI runs this module in its first suite only. Study
@@ -726,10 +724,7 @@ def _tool(*args, process: bool = False) -> subprocess.CompletedProcess:
             capture_output=True,
             text=True,
         )
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = import_tool("quality_tables").main(argv)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return run_tool_main("quality_tables", argv)
 
 
 def _checked(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
