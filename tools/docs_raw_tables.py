@@ -841,11 +841,11 @@ def retrieval_recipe_depths() -> str:
     return _depth_table(tasks["tasks"])
 
 
-def _depth_table(tasks: dict) -> str:
-    """Passkey and multikey exact match of one retrieval.json's ``tasks`` by depth x length."""
-    lengths = [b["length"] for b in tasks["passkey"]["by_length"]]
+def _depth_table(tasks: dict, names: tuple[str, ...] = ("passkey", "multikey")) -> str:
+    """Exact match of one retrieval.json's ``tasks`` (those in ``names``) by depth x length."""
+    lengths = [b["length"] for b in tasks[names[0]]["by_length"]]
     rows = []
-    for name in ("passkey", "multikey"):
+    for name in names:
         cells = {(c["depth"], c["length"]): c for c in tasks[name]["cells"]}
         for depth in sorted({d for d, _ in cells}):
             row = [name if depth == 0 else "", f"{depth:g}"]
@@ -902,7 +902,9 @@ def retrieval_arcsine_decision() -> str:
     return table(header, rows)
 
 
-def _conversion_table(study: Path, arm: str, seed: int) -> str:
+def _conversion_table(
+    study: Path, arm: str, seed: int, tasks: tuple[str, ...] = ("passkey", "multikey")
+) -> str:
     """A dense base extended as the dense twin and as ``arm`` (a ``dense-to-*`` switch) in
     ``study``, seed ``seed``: each arm's exact match per task and length (all depths, Wilson 95%
     intervals), then the switch minus the twin over the same trials at each needle depth, per
@@ -912,7 +914,7 @@ def _conversion_table(study: Path, arm: str, seed: int) -> str:
     dense = read_json(study / "dense" / f"seed{seed}" / "retrieval.json")
     hybrid = read_json(study / arm / f"seed{seed}" / "retrieval.json")
     rows, lengths = [], None
-    for task in ("passkey", "multikey"):
+    for task in tasks:
         for label, res in (("dense twin", dense), (arm, hybrid)):
             by_len = {b["length"]: b for b in res["tasks"][task]["by_length"]}
             lengths = lengths or sorted(by_len)
@@ -942,14 +944,15 @@ def retrieval_heldout_loglik() -> str:
     with the paired t 95% interval (seed 1 each; the evaluation's noise only)."""
     stats = _stats()
     pairs = (
-        ("uniform recipe", RECIPE / "retrieval-125m-extend-32k", "hybrid-DS"),
-        ("arcsine base", ARCSINE_EXTEND, "dense-to-hybrid-DS"),
-        ("long base", LONG_EXTEND, KEEP_LOOKUP),
+        ("uniform recipe, seed 1", RECIPE / "retrieval-125m-extend-32k", "hybrid-DS", 1),
+        ("arcsine base, seed 1", ARCSINE_EXTEND, "dense-to-hybrid-DS", 1),
+        ("long base, seed 1", LONG_EXTEND, KEEP_LOOKUP, 1),
+        ("long base, seed 2", LONG_EXTEND, KEEP_LOOKUP, 2),
     )
     rows, lengths = [], None
-    for label, study, arm in pairs:
-        twin = read_json(study / "dense" / "seed1" / "retrieval.json")
-        hybrid = read_json(study / arm / "seed1" / "retrieval.json")
+    for label, study, arm, seed in pairs:
+        twin = read_json(study / "dense" / f"seed{seed}" / "retrieval.json")
+        hybrid = read_json(study / arm / f"seed{seed}" / "retrieval.json")
         means = stats.answer_loglik_means(twin, "code-value")
         lengths = lengths or sorted(means)
         diff = stats.paired_loglik_difference(hybrid, twin, "code-value")
@@ -957,7 +960,7 @@ def retrieval_heldout_loglik() -> str:
         rows.append(["", f"{arm} - twin",
                      *(f"{diff[n][0]:+.2f} [{diff[n][1]:+.2f}, {diff[n][2]:+.2f}]"
                        for n in lengths)])  # fmt: skip
-    header = ["extension, seed 1", "code-value answer log-likelihood (nats)"]
+    header = ["extension", "code-value answer log-likelihood (nats)"]
     return table(header + [f"{n:,} tokens" for n in lengths], rows)
 
 
@@ -1015,15 +1018,12 @@ UNIFORM_BASE = RECIPE / "retrieval-125m-4k-base"
 KEEP_LOOKUP = "dense-to-hybrid-DSDSDSDSSSDD"
 
 
-def retrieval_seed2_runs() -> str:
-    """docs/long_context_eval.md: the uniform recipe's dense runs of seeds 1 and 2 and the
-    switch of seed 2's base, from the studies' results.csv: valid loss (each stage on its own
-    validation blend) and training tokens/s against the same seed's twin."""
+def _seeds_runs_table(stages) -> str:
+    """Runs of several seeds from their studies' results.csv; ``stages``: ``(study, label,
+    ((arm, seed), ...))`` each: valid loss (each stage on its own validation blend) and training
+    tokens/s against the same seed's twin (``dense``)."""
     rows = []
-    for study, label, arms in (
-        (UNIFORM_BASE, "4k base", (("dense", 1), ("dense", 2))),
-        (UNIFORM_EXTEND, "32k extension", (("dense", 1), ("dense", 2), (KEEP_LOOKUP, 2))),
-    ):
+    for study, label, arms in stages:
         runs = read_csv(study / "results.csv")
         for i, (arm, seed) in enumerate(arms):
             run = runs[f"{arm},seed={seed}"]
@@ -1035,20 +1035,43 @@ def retrieval_seed2_runs() -> str:
     return table(["stage", "arm", "seed", "valid loss", "tokens/s", "vs the seed's twin"], rows)
 
 
-def retrieval_twin_seeds() -> str:
-    """docs/long_context_eval.md: the uniform recipe's dense twin, seeds 1 and 2, on the same
+def retrieval_seed2_runs() -> str:
+    """docs/long_context_eval.md: the uniform recipe's dense runs of seeds 1 and 2 and the
+    switch of seed 2's base (:func:`_seeds_runs_table`)."""
+    return _seeds_runs_table(
+        (
+            (UNIFORM_BASE, "4k base", (("dense", 1), ("dense", 2))),
+            (UNIFORM_EXTEND, "32k extension", (("dense", 1), ("dense", 2), (KEEP_LOOKUP, 2))),
+        )
+    )
+
+
+def retrieval_longbase_seeds_runs() -> str:
+    """docs/long_context_eval.md: the long base's runs of seeds 1 and 2, the base on two GPUs
+    and each extension on one (:func:`_seeds_runs_table`)."""
+    arms = tuple((arm, k) for arm in ("dense", KEEP_LOOKUP) for k in (1, 2))
+    return _seeds_runs_table(
+        (
+            (LONG_BASE, "4k base, 4,000 steps (two GPUs)", (("dense", 1), ("dense", 2))),
+            (LONG_EXTEND, "32k extension, 200 steps (one GPU each)", arms),
+        )
+    )
+
+
+def _twin_seeds_table(base: Path, extend: Path) -> str:
+    """A recipe's dense twin, seeds 1 and 2, on the same
     trials (the evaluator's seed is fixed): each seed's exact match per task and length (Wilson
     95% intervals) and seed 2 minus seed 1 (points, Newcombe's paired 95% interval over the
     length's 100 trials; pooled over the lengths both seeds were evaluated at), for the 4k base
-    (seed 2's at 4k only) and after the 32k extension. The spread one training seed makes, not
+    ``base`` (at 4k) and after the 32k extension ``extend``. The spread one training seed makes, not
     a recipe's difference; a length a seed was not evaluated at is ``not run``."""
     stats = _stats()
     rows = []
-    extended = read_json(UNIFORM_EXTEND / "dense" / "seed1" / "retrieval.json")
+    extended = read_json(extend / "dense" / "seed1" / "retrieval.json")
     columns = sorted(b["length"] for b in extended["tasks"]["passkey"]["by_length"])
     for study, stage, lengths in (
-        (UNIFORM_BASE, "4k base", [4096]),
-        (UNIFORM_EXTEND, "after the 32k extension", None),
+        (base, "4k base", [4096]),
+        (extend, "after the 32k extension", None),
     ):
         seeds = {k: read_json(study / "dense" / f"seed{k}" / "retrieval.json") for k in (1, 2)}
         for task in ("passkey", "multikey"):
@@ -1074,6 +1097,18 @@ def retrieval_twin_seeds() -> str:
         "lengths both ran",
     ]
     return table(header, rows)
+
+
+def retrieval_twin_seeds() -> str:
+    """docs/long_context_eval.md: the uniform (2,000-step) recipe's dense twin, seeds 1 and 2
+    (:func:`_twin_seeds_table`; seed 2's 4k base was evaluated at 4k only)."""
+    return _twin_seeds_table(UNIFORM_BASE, UNIFORM_EXTEND)
+
+
+def retrieval_longbase_twin_seeds() -> str:
+    """docs/long_context_eval.md: the long base's dense twin, seeds 1 and 2
+    (:func:`_twin_seeds_table`)."""
+    return _twin_seeds_table(LONG_BASE, LONG_EXTEND)
 
 
 def retrieval_seed2_conversion() -> str:
@@ -1179,6 +1214,31 @@ def retrieval_longbase_goal() -> str:
     arms = stats.read_arm_results(LONG_EXTEND)
     speed = stats.study_tokens_per_s(LONG_EXTEND / "results.csv", arms)
     return stats.goal_markdown(arms, speed).split("\n\n")[0]
+
+
+def retrieval_longbase_seed2_depths() -> str:
+    """docs/long_context_eval.md: the long base's extended dense twin, seed 2, by needle depth
+    and length (:func:`_depth_table`)."""
+    return _depth_table(read_json(LONG_EXTEND / "dense" / "seed2" / "retrieval.json")["tasks"])
+
+
+def retrieval_longbase_seed2_conversion() -> str:
+    """docs/long_context_eval.md: the long base's seed 2 extended as the twin and as the
+    switch that keeps layers 10 and 11 dense (:func:`_conversion_table`)."""
+    return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 2)
+
+
+def retrieval_longbase_seed2_probe() -> str:
+    """docs/long_context_eval.md: the passkey attention probe at 32k of the long base's twin
+    and switch, seed 2 (:func:`_probe_pair_table`)."""
+    return _probe_pair_table(LONG_EXTEND, KEEP_LOOKUP, 2)
+
+
+def retrieval_longbase_needle() -> str:
+    """docs/long_context_eval.md: the held-out ``needle`` task (never trained), first run on
+    the long base's seed 2: the twin and the switch by length, and the switch minus the twin
+    by depth (:func:`_conversion_table`)."""
+    return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 2, tasks=("needle",))
 
 
 ZONE = RECIPE / "retrieval-125m-extend-32k-zone"
@@ -1494,6 +1554,10 @@ TABLES: dict[str, Table] = {
                 ("retrieval-125m-extend-32k-longbase", "dense"),
                 ("retrieval-125m-extend-32k-longbase", KEEP_LOOKUP),
             )
+        )
+        + tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k-longbase/{arm}/seed2/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
         ),
         retrieval_heldout_loglik,
     ),
@@ -1610,14 +1674,66 @@ TABLES: dict[str, Table] = {
         ),
         retrieval_longbase_probe,
     ),
+    "retrieval-longbase-seeds-runs": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-base-long/results.csv",
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/results.csv",
+        ),
+        retrieval_longbase_seeds_runs,
+    ),
+    "retrieval-longbase-twin-seeds": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/dense/seed{k}/retrieval.json"
+            for study in ("retrieval-125m-4k-base-long", "retrieval-125m-extend-32k-longbase")
+            for k in (1, 2)
+        ),
+        retrieval_longbase_twin_seeds,
+    ),
+    "retrieval-longbase-seed2-depths": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/dense/seed2/retrieval.json",
+        ),
+        retrieval_longbase_seed2_depths,
+    ),
+    "retrieval-longbase-seed2-conversion": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed2/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_seed2_conversion,
+    ),
+    "retrieval-longbase-seed2-probe": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed2/attention_probe.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_seed2_probe,
+    ),
+    "retrieval-longbase-needle": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed2/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_needle,
+    ),
     "retrieval-longbase-goal": Table(
         "docs/long_context_eval.md",
         (
             "docs/long_context/results/retrieval-125m-extend-32k-longbase/results.csv",
             *(
                 "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
-                f"{arm}/seed1/retrieval.json"
+                f"{arm}/seed{k}/retrieval.json"
                 for arm in ("dense", KEEP_LOOKUP)
+                for k in (1, 2)
             ),
         ),
         retrieval_longbase_goal,
