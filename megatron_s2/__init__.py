@@ -10,14 +10,16 @@ Megatron-LM: ``MEGATRON_S2_SCHEDULE=schedule.yaml pretrain_gpt.py --spec megatro
 s2_layer_spec ...`` (see docs/megatron.md).
 
 Data flows one way: schedule YAML -> :class:`AttentionSchedule` -> :class:`S2TransformerConfig`
--> specs -> core attention -> ``s2attn``. Only the schedule is imported eagerly; the
-Megatron-dependent parts load on first use. The training application lives in
-``megatron_s2.training``.
+-> specs -> core attention -> ``s2attn``. Every name loads on first use (the schedule needs
+torch, the rest Megatron), so that the torch-free parts of ``megatron_s2.training`` (the
+sweep's and the run config's command lines) start without them. The training application lives
+in ``megatron_s2.training``.
 """
 
-from .schedule import SCHEDULE_ENV_VAR, AttentionSchedule, ScheduleError
-
 _LAZY = {
+    "AttentionSchedule": "schedule",
+    "ScheduleError": "schedule",
+    "SCHEDULE_ENV_VAR": "schedule",
     "S2TransformerConfig": "config",
     "build_gpt_model": "model",
     "build_model": "model",
@@ -35,7 +37,7 @@ _LAZY = {
     "get_s2_decoder_block_spec": "specs",
 }
 
-__all__ = ["AttentionSchedule", "ScheduleError", "SCHEDULE_ENV_VAR", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name):

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first tensor: the run config reads DENSE_BACKENDS alone
+    import torch
 
 __all__ = [
     "DENSE_BACKENDS",
@@ -39,7 +40,6 @@ __all__ = [
 
 DENSE_BACKENDS = ("auto", "sdpa", "fa4")
 FA4_MODULE = "flash_attn.cute"
-FA4_DTYPES = (torch.float16, torch.bfloat16)
 # Head sizes (multiples of 8) FA4 4.0 takes per compute capability major; elsewhere its asserts
 # would fail the call instead of letting "auto" fall back to SDPA.
 FA4_HEAD_DIMS = {
@@ -61,11 +61,13 @@ def fa4_import_error() -> Optional[str]:
 
 def fa4_unusable_reason(q: torch.Tensor, dropout: float = 0.0) -> Optional[str]:
     """Why FA4 cannot run dense attention on queries like ``q [..., head_dim]`` (None: it can)."""
+    import torch
+
     if dropout > 0:
         return f"attention dropout ({dropout}) is not supported by FlashAttention-4"
     if not q.is_cuda:
         return "FlashAttention-4 needs CUDA tensors"
-    if q.dtype not in FA4_DTYPES:
+    if q.dtype not in (torch.float16, torch.bfloat16):
         return f"FlashAttention-4 takes fp16/bf16, got {q.dtype}"
     major = torch.cuda.get_device_capability(q.device)[0]
     if major not in FA4_HEAD_DIMS:

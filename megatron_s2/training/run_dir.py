@@ -40,8 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, TypeVar
 
-import torch
-
 from .errors import CheckpointError, RunDirError
 
 __all__ = [
@@ -352,6 +350,8 @@ def _known_errors() -> dict:
 def on_rank0(fn: Callable[[], T]) -> T:
     """Run ``fn`` on global rank 0 and give every rank its result, or raise its error on every
     rank (same type for the trainer's own errors, RuntimeError otherwise). Collective."""
+    import torch  # here, not at the top: the sweep reads this module without torch
+
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank0 = not dist or torch.distributed.get_rank() == 0
     payload, error = None, None
