@@ -941,7 +941,7 @@ def retrieval_heldout_loglik() -> str:
     """docs/long_context_eval.md: the held-out code-value task, where exact match is 0 in every
     run, by the right answer's log-likelihood (nats, summed over its tokens, mean over a
     length's 100 trials): each twin's, and each hybrid's minus its twin's over the same trials
-    with the paired t 95% interval (seed 1 each; the evaluation's noise only)."""
+    with the paired t 95% interval (one seed a row; the evaluation's noise only)."""
     stats = _stats()
     pairs = (
         ("uniform recipe, seed 1", RECIPE / "retrieval-125m-extend-32k", "hybrid-DS", 1),
@@ -1059,12 +1059,12 @@ def retrieval_longbase_seeds_runs() -> str:
 
 
 def _twin_seeds_table(base: Path, extend: Path) -> str:
-    """A recipe's dense twin, seeds 1 and 2, on the same
-    trials (the evaluator's seed is fixed): each seed's exact match per task and length (Wilson
-    95% intervals) and seed 2 minus seed 1 (points, Newcombe's paired 95% interval over the
-    length's 100 trials; pooled over the lengths both seeds were evaluated at), for the 4k base
-    ``base`` (at 4k) and after the 32k extension ``extend``. The spread one training seed makes, not
-    a recipe's difference; a length a seed was not evaluated at is ``not run``."""
+    """A recipe's dense twin, seeds 1 and 2, on the same trials (the evaluator's seed is
+    fixed): each seed's exact match per task and length (Wilson 95% intervals) and seed 2 minus
+    seed 1 (points, Newcombe's paired 95% interval over the length's 100 trials; pooled over the
+    lengths both seeds were evaluated at), for the 4k base ``base`` (at 4k) and after the 32k
+    extension ``extend``. The spread one training seed makes, not a recipe's difference; a
+    length a seed was not evaluated at is ``not run``."""
     stats = _stats()
     rows = []
     extended = read_json(extend / "dense" / "seed1" / "retrieval.json")
