@@ -77,10 +77,12 @@ class Runtime:
         is when it already runs. CPU mode patches torch for the whole process: call this only
         once the inputs are checked."""
         if not self.gpu:
-            # Megatron's distributed package must be imported before CPU mode patches torch.
-            import megatron.core.distributed  # noqa: F401
+            from .cpu_mode import enable_cpu_mode, megatron_import_without_compile
 
-            from .cpu_mode import enable_cpu_mode
+            # Megatron's distributed package must be imported before CPU mode patches torch,
+            # and without its torch.compile wrappers (seconds of start-up, never called here).
+            with megatron_import_without_compile():
+                import megatron.core.distributed  # noqa: F401
 
             enable_cpu_mode()
         parallel.init_process_group(self.env, gpu=self.gpu)

@@ -64,6 +64,40 @@ _FACTORIES = (
 )
 
 
+def _uncompiled(model=None, **_options):
+    """``torch.compile``'s signature, compiling nothing: ``fn`` itself, or a decorator that
+    returns its function (megatron-core's own fallback where compile is missing)."""
+    if model is None:
+        return lambda fn: fn
+    return model
+
+
+@contextlib.contextmanager
+def megatron_import_without_compile():
+    """Import megatron-core inside this block without its ``torch.compile`` wrappers.
+
+    megatron-core wraps about 40 fusion functions in ``torch.compile`` when it is imported
+    (``megatron.core.jit.jit_fuser``), and the first wrap imports torch._dynamo and inductor:
+    about 3.7 s of every CPU process's start (7.5 s for the whole import on 2 cores), in a mode
+    that calls none of them (the trainer turns the bias/activation/RoPE fusions off, and
+    Megatron's bias-dropout-add takes its unfused path without a bias). Inside the block
+    ``torch.compile`` returns the function unchanged, so ``jit_fuser`` keeps that no-op for the
+    whole process, as megatron-core does where compile is unavailable. Does nothing when
+    megatron-core is already imported. CPU mode only: a GPU run keeps the compiled fusions.
+    """
+    import sys
+
+    if "megatron.core" in sys.modules:
+        yield
+        return
+    real = torch.compile
+    torch.compile = _uncompiled
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
 def cpu_mode_enabled() -> bool:
     return _ENABLED
 

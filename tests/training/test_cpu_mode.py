@@ -174,3 +174,37 @@ def test_checkpoint_rng_state_in_cpu_mode_carries_no_cuda_state():
         print("ok")
     """)
     assert out.strip().endswith("ok")
+
+
+def test_megatron_imports_without_its_compile_wrappers_in_cpu_mode():
+    """CPU mode imports megatron-core with torch.compile standing in as a no-op: its fusion
+    functions stay plain Python (jit_fuser returns its function), inductor is not loaded, and
+    torch.compile is the real one again afterwards. Without the block, jit_fuser compiles."""
+    out = _run("""
+        import sys, torch
+        real = torch.compile
+        from megatron_s2.training.cpu_mode import megatron_import_without_compile
+        with megatron_import_without_compile():
+            import megatron.core.distributed
+        from megatron.core import jit
+        from megatron.core.fusions import fused_bias_dropout
+        assert torch.compile is real
+        def f(x):
+            return x
+        assert jit.jit_fuser(f) is f
+        train = fused_bias_dropout.bias_dropout_add_fused_train
+        assert not hasattr(train, "_torchdynamo_orig_callable"), train
+        assert "torch._inductor.compile_fx" not in sys.modules
+        with megatron_import_without_compile():  # already imported: nothing to do
+            assert torch.compile is real
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+    # The control: the plain import compiles (so the test above can tell the two apart).
+    out = _run("""
+        import megatron.core.distributed
+        from megatron.core.fusions import fused_bias_dropout
+        train = fused_bias_dropout.bias_dropout_add_fused_train
+        print(hasattr(train, "_torchdynamo_orig_callable"))
+    """)
+    assert out.strip().splitlines()[-1] == "True"
