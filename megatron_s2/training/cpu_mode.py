@@ -23,6 +23,10 @@ we support. An all-reduce-and-slice emulation used to stand in for it and broke 
 optimizer: inside Megatron's coalescing manager the all-reduce is deferred, so the slice copied
 unreduced gradients.
 
+Separately, :func:`megatron_import_without_compile` imports megatron-core without the
+``torch.compile`` wrappers it puts on its fusion functions (seconds of start-up per process, for
+functions a CPU run never calls); the trainer's CPU start uses both.
+
 It is never enabled implicitly: call it first thing in a CPU run (after that, Megatron code
 behaves as on one GPU per process). It is idempotent. Do not use it in a GPU run.
 """
