@@ -129,8 +129,8 @@ def import_tool(name: str = "gpu_parallel_check"):
 def run_tool_main(name: str, argv) -> subprocess.CompletedProcess:
     """tools/<name>.py's ``main(argv)`` in this process, its output captured: the exit code,
     stdout and stderr as a ``CompletedProcess`` (what ``subprocess.run(..., text=True)`` of the
-    command line returns). For tools whose work takes milliseconds: a process of its own spends
-    ~3 s importing torch (through megatron_s2)."""
+    command line returns). For tools whose work takes milliseconds, where a process of its own
+    would add an interpreter's start-up (and numpy's, scipy's) to every call."""
     argv = [str(a) for a in argv]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,10 +1,10 @@
 """The sweep's, the run config's and the statistics' modules import without torch or Megatron.
 
-``megatron-s2-sweep plan``/``collect``/``summarize``, the config checks and the tables in
-``tools/`` run in processes that train nothing; importing torch costs them about 2.5 s each (more
-than the rest of their work), and the study scripts start several such processes a run. The
-package keeps torch and Megatron behind the first call that needs them: ``megatron_s2``'s names
-load lazily, ``flash_attention4`` and ``run_dir`` import torch inside their functions.
+``megatron-s2-sweep collect`` (and the sweep's ``--help``), the config checks and the tables
+in ``tools/`` run in processes that train nothing; importing torch costs them about 2.5 s each
+(more than the rest of their work), and the study scripts start several such processes a run.
+The package keeps torch and Megatron behind the first call that needs them: ``megatron_s2``'s
+names load lazily, ``flash_attention4`` and ``run_dir`` import torch inside their functions.
 """
 
 from __future__ import annotations
@@ -28,17 +28,22 @@ TORCH_FREE = (
 )
 
 
+def _python(code: str) -> str:
+    """``python -c code`` in a fresh interpreter (the checkout's root as cwd): its stdout."""
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 def _loaded_after(modules, *, probe=("torch", "megatron", "triton", "s2attn")) -> list[str]:
     code = (
         "import importlib, sys\n"
         f"for m in {list(modules)!r}: importlib.import_module(m)\n"
         f"print(','.join(p for p in {list(probe)!r} if p in sys.modules))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    return [p for p in r.stdout.strip().split(",") if p]
+    return [p for p in _python(code).split(",") if p]
 
 
 def test_the_sweep_and_config_modules_import_without_torch_or_megatron():
@@ -55,8 +60,4 @@ def test_the_plugins_names_still_load_on_first_use():
         "assert AttentionSchedule.__module__ == 'megatron_s2.schedule'\n"
         "print('torch' in sys.modules)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "True"
+    assert _python(code) == "True"

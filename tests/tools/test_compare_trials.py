@@ -41,9 +41,8 @@ def _files(tmp_path, a, b):
 def _run(tmp_path, a, b, *args):
     """The tool's ``main`` on the two evaluations, in this process: its exit code, stdout and
     stderr. The command line itself (``python tools/compare_trials.py``, exit code 2 on bad
-    input) runs as a process in test_bad_input_is_refused and on the committed evaluations;
-    each process spent ~3 s importing torch (through megatron_s2) for a few milliseconds of
-    work."""
+    input) runs as a process in test_bad_input_is_refused and on the committed evaluations
+    (:func:`tests.helpers.megatron.run_tool_main` says why not every call)."""
     return run_tool_main("compare_trials", [*_files(tmp_path, a, b), *args])
 
 

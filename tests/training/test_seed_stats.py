@@ -714,8 +714,8 @@ def test_speed_model_refuses_rows_at_another_length():
 
 def _tool(*args, process: bool = False) -> subprocess.CompletedProcess:
     """tools/quality_tables.py with ``args``: its exit code, stdout and stderr. Its ``main`` in
-    this process unless ``process`` (each process spent ~3 s importing torch, through
-    megatron_s2, for milliseconds of work); the command line itself runs as a process in
+    this process unless ``process`` (:func:`tests.helpers.megatron.run_tool_main` says why); the
+    command line itself runs as a process in
     test_quality_tables_tool_recomputes_the_summary and test_quality_tables_speed_model_cli."""
     argv = [str(a) for a in args]
     if process:
