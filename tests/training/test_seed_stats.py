@@ -570,6 +570,23 @@ def test_quality_doc_100m_tables_are_the_tools_output():
     assert "| 763 | 100.0 |" in tables[1]
 
 
+def test_quality_doc_4k_reference_table_is_the_tools_output():
+    """docs/quality.md's 4k reference table (in progress, carried over leases) is what
+    tools/quality_tables.py computes from that study's committed results.csv, and the doc's
+    count of finished runs is the CSV's."""
+    study = REPO / "docs" / "quality" / "code-125m-4k-seeds"
+    res = _checked(_tool(study / "results.csv", "--reference", "dense"))
+    table = res.stdout.split("\n\n")[0].strip()
+    assert table.startswith("| setting") and "| 4096 |" in table
+    doc = (REPO / "docs" / "quality.md").read_text()
+    assert table in doc
+    rows = seed_stats.read_results(study / "results.csv")
+    finished = sum(row["status"] == "finished" for row in rows)
+    assert len(rows) == 12
+    heading = f"## At 4k for reference, in progress: {finished} of 12 runs"
+    assert heading in doc
+
+
 def test_quality_doc_16k_grid_table_is_the_tools_output():
     """docs/quality.md's table of the 16k stride x window grid (in progress) is what
     tools/quality_tables.py computes from the grid's committed results.csv."""
