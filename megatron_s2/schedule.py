@@ -58,6 +58,7 @@ import torch
 from s2attn import S2Pattern
 from s2attn.pattern import check_setting, check_settings
 
+from .config_hints import colon_hint
 from .parallel_lengths import context_parallel_unit
 
 _DEFAULT_BLOCK_SIZE = next(
@@ -97,20 +98,6 @@ class ScheduleError(ValueError):
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def colon_hint(keys) -> str:
-    """A hint to append to an "unknown key" message when a rejected key holds a ':': YAML reads
-    ``{vert_stride:16}`` (no space after the colon) as one key named ``vert_stride:16``, which is
-    what users typing flow mappings on a command line most often get wrong. Empty otherwise."""
-    for key in keys:
-        if ":" in str(key):
-            name, _, value = str(key).partition(":")
-            return (
-                f" (YAML needs a space after ':': {key!r} was read as one key; write "
-                f"{{{name}: {value}}})"
-            )
-    return ""
 
 
 def _checked_settings(values: Any, where: str, extra: tuple = ()) -> dict[str, Any]:

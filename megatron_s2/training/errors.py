@@ -11,7 +11,7 @@ import each other).
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "RunDirError"]
+__all__ = ["CheckpointError", "NonFiniteLossError", "RunDirError"]
 
 
 class CheckpointError(RuntimeError):
@@ -21,3 +21,7 @@ class CheckpointError(RuntimeError):
 class RunDirError(RuntimeError):
     """The run directory cannot be used: locked by a live run, holds another run, not writable,
     or too little free space. The message says which and what to do."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf; the run stopped without stepping the optimizer."""

@@ -987,7 +987,7 @@ def _build(cls, d: Any, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        from ..schedule import colon_hint
+        from ..config_hints import colon_hint
 
         raise ConfigError(
             f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {where}; "

@@ -44,7 +44,7 @@ from .checkpointing import (
     stored_run_dir,
 )
 from .data import Datasets, build_datasets, chunk_micro_batches
-from .errors import CheckpointError, RunDirError
+from .errors import CheckpointError, NonFiniteLossError, RunDirError
 from .evaluation.validation import Evaluator
 from .metrics import (
     MetricsLogger,
@@ -80,10 +80,6 @@ def coverage_beyond_length_note(cfg: RunConfig) -> str:
         f"but not beyond: a longer run refuses this schedule and megatron-s2-hf export refuses "
         f"the model (unless --allow-coverage-holes): {reason}"
     )
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the run stopped without stepping the optimizer."""
 
 
 @dataclass

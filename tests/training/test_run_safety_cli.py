@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from megatron_s2.training import cli
+from megatron_s2.training import cli, trainer
 from megatron_s2.training.checkpointing import TRACKER, checkpoint_path, find_checkpoint
 from megatron_s2.training.errors import RunDirError
 from tests.training.test_trainer import DEMO, TINY, _env, read_metrics, run_trainer
@@ -277,7 +277,8 @@ def test_cli_exit_codes_without_traceback(monkeypatch, capsys, error, code, text
     def fail(cfg, restart):
         raise error
 
-    monkeypatch.setattr(cli, "train", fail)
+    # The command line imports the trainer once the config has loaded, and takes its train.
+    monkeypatch.setattr(trainer, "train", fail)
     assert cli.main(["train.train_iters=50"]) == code
     err = capsys.readouterr().err
     assert text in err and "Traceback" not in err
@@ -285,7 +286,7 @@ def test_cli_exit_codes_without_traceback(monkeypatch, capsys, error, code, text
 
 def test_cli_restart_may_follow_the_overrides(monkeypatch):
     seen = {}
-    monkeypatch.setattr(cli, "train", lambda cfg, restart: seen.update(restart=restart))
+    monkeypatch.setattr(trainer, "train", lambda cfg, restart: seen.update(restart=restart))
     assert cli.main(["train.train_iters=50", "--restart"]) == cli.EXIT_OK
     assert seen == {"restart": True}
 
