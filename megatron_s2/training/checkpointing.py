@@ -31,6 +31,7 @@ import errno
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import signal
@@ -476,6 +477,37 @@ def helpers_ignore_stop_signals():
         util.spawnv_passfds = spawn
 
 
+@contextlib.contextmanager
+def _cpu_mode_write_results_in_process():
+    """In CPU mode, the checkpoint writer's results go through a plain in-process queue.
+
+    megatron-core (0.16.1 to 0.19.x) hands the torch_dist writer's results to the finishing step
+    through ``filesystem_async._results_queue``, a queue of a ``multiprocessing`` Manager that it
+    spawns at a process's first save. The first ``put`` makes that fresh interpreter import
+    torch to unpickle the results (torch ``WriteResult`` objects): about 3 s on every CPU
+    process's first save, measured with the demo config, where the save itself takes 0.2 s, and
+    CI runs many short trainer processes. The trainer saves synchronously, so the results are
+    put and taken by this very process (``AsyncRequest.execute_sync``) and a ``queue.Queue``
+    carries them as well. What is written does not change (same writers, files, fsync and
+    metadata). A fresh queue per save, and megatron-core's own is put back afterwards. GPU
+    runs keep megatron-core's queue.
+    """
+    if not cpu_mode_enabled():
+        yield
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):  # a megatron-core that has none
+        yield
+        return
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -519,7 +551,7 @@ def save_checkpoint(
         sd["optimizer_format"] = OPTIMIZER_FORMAT if with_optimizer else WEIGHTS_ONLY
         sd["config"] = config
         sd.update(extra or {})
-        with helpers_ignore_stop_signals():
+        with helpers_ignore_stop_signals(), _cpu_mode_write_results_in_process():
             dist_checkpointing.save(sd, path)
         _barrier()
         if _is_rank0():
