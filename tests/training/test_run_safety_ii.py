@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from megatron_s2.training import checkpointing, cli, run_dir
+from megatron_s2.training import checkpointing, cli, run_dir, trainer
 from megatron_s2.training.errors import RunDirError
 from megatron_s2.training.run_config import ConfigError, load_config
 from megatron_s2.training.run_dir import acquire_lock, check_writable, open_run_directory
@@ -154,7 +154,7 @@ def test_a_name_that_is_not_one_folder_name_is_refused_at_load(name):
 
 def test_cli_name_dot_dot_is_a_config_error_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "train", lambda cfg, restart: pytest.fail("trainer started"))
+    monkeypatch.setattr(trainer, "train", lambda cfg, restart: pytest.fail("trainer started"))
     assert cli.main(["name=..", "--restart"]) == cli.EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "config error: name must be one folder name" in err and "logging.run_dir" in err
