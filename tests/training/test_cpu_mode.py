@@ -214,8 +214,6 @@ SAVE_SCRIPT = """
     import contextlib, multiprocessing.managers, os, sys
     from megatron_s2.training import checkpointing, cpu_mode
     cpu_mode.enable_cpu_mode()
-    if sys.argv[2] == "control":  # megatron-core's own results queue
-        checkpointing._cpu_mode_write_results_in_process = contextlib.nullcontext
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from tests.helpers.megatron import init_single_process
@@ -226,15 +224,20 @@ SAVE_SCRIPT = """
         started.append(type(self).__name__)
         return start(self, *a, **k)
     multiprocessing.managers.BaseManager.start = recorded_start
-    root = sys.argv[1]
-    for iteration in (1, 2):  # the second save in the same process too
-        path = checkpointing.save_checkpoint(
-            root, iteration, [], None, None, consumed_samples=5, config={"x": 1}
-        )
-    assert checkpointing.latest_iteration(root) == 2
-    assert dist_checkpointing.load_common_state_dict(path)["consumed_samples"] == 5
-    print("files", sorted(os.listdir(path)))
-    print("managers", started, "queue left", type(filesystem_async._results_queue).__name__)
+    def saves(root):
+        for iteration in (1, 2):  # the second save in the same process too
+            path = checkpointing.save_checkpoint(
+                root, iteration, [], None, None, consumed_samples=5, config={"x": 1}
+            )
+        assert checkpointing.latest_iteration(root) == 2
+        assert dist_checkpointing.load_common_state_dict(path)["consumed_samples"] == 5
+        return sorted(os.listdir(path))
+    files = saves(sys.argv[1] + "/cpu")
+    print("cpu: files", files, "managers", started,
+          "queue left", type(filesystem_async._results_queue).__name__)
+    # The control, after: megatron-core's own results queue (a Manager's) in the same process.
+    checkpointing._cpu_mode_write_results_in_process = contextlib.nullcontext
+    print("control: files", saves(sys.argv[1] + "/control"), "managers", started)
 """
 
 
@@ -242,16 +245,14 @@ def test_checkpoint_save_in_cpu_mode_starts_no_helper_process(tmp_path):
     """megatron-core's writer hands its results over through a spawned multiprocessing Manager,
     whose first use imports torch (~3 s of each CPU process's first save). In CPU mode the
     trainer's synchronous save passes them in-process instead: no Manager, the same files, and
-    megatron-core's own queue is left as it was. The control, with megatron-core's queue, starts
-    one (so this test can tell the two apart) and writes the same files."""
-    script = textwrap.dedent(SAVE_SCRIPT)
-    cpu = _run_args("-c", script, str(tmp_path / "cpu"), "cpu").splitlines()
-    control = _run_args("-c", script, str(tmp_path / "control"), "control").splitlines()
-    assert "managers [] queue left NoneType" in cpu, cpu
-    assert any(line.startswith("managers ['SyncManager']") for line in control), control
-    files = [line for line in cpu if line.startswith("files")]
-    assert files and files == [line for line in control if line.startswith("files")], (
-        cpu,
-        control,
-    )
-    assert "'.metadata'" in files[0] and "'__0_0.distcp'" in files[0], files
+    megatron-core's own queue is left as it was. The control, with megatron-core's queue (run
+    after, in the same process), starts one (so this test can tell the two apart) and writes
+    the same files."""
+    out = _run_args("-c", textwrap.dedent(SAVE_SCRIPT), str(tmp_path)).splitlines()
+    cpu = next(line for line in out if line.startswith("cpu: "))
+    control = next(line for line in out if line.startswith("control: "))
+    files = cpu[len("cpu: ") :].split(" managers")[0]
+    assert cpu.endswith("managers [] queue left NoneType"), out
+    assert control.endswith("managers ['SyncManager']"), out
+    assert control == f"control: {files} managers ['SyncManager']", out
+    assert "'.metadata'" in files and "'__0_0.distcp'" in files, files
