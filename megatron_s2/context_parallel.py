@@ -315,9 +315,13 @@ class _RankChunks(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@functools.cache
 def _varlen_flash():
     """PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``) and how it
-    is told "causal, bottom-right": its keyword changed across releases. None if absent."""
+    is told "causal, bottom-right": its keyword changed across releases. None if absent.
+
+    Looked up on first use, not at import: importing it loads torch's compiler stack (~0.7 s),
+    which CPU runs and every process that only builds a model never need."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -332,7 +336,6 @@ def _varlen_flash():
     return varlen_attn, causal, "enable_gqa" in params
 
 
-_VARLEN_FLASH = _varlen_flash()
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # cuDNN's fused attention (what SDPA picks for dense causal layers on Hopper) takes head sizes up
 # to 128 in multiples of 8.
@@ -648,9 +651,15 @@ def dense_causal_suffix(
             vt = vt.repeat_interleave(nq // ng, dim=1)
         return _CausalSuffixCudnn.apply(qt, kt, vt, scale).transpose(1, 2)
     if impl == "flash" or (
-        auto and _VARLEN_FLASH is not None and q.is_cuda and q.dtype in FLASH_DTYPES
+        auto and q.is_cuda and q.dtype in FLASH_DTYPES and _varlen_flash() is not None
     ):
-        varlen_attn, causal, has_gqa = _VARLEN_FLASH
+        if _varlen_flash() is None:
+            raise RuntimeError(
+                "dense_causal_suffix: impl='flash' needs torch.nn.attention.varlen.varlen_attn "
+                f"(with window_size or is_causal), which torch {torch.__version__} lacks; "
+                f"use one of {DENSE_IMPLS} without 'flash'"
+            )
+        varlen_attn, causal, has_gqa = _varlen_flash()
         if ng != nq and not has_gqa:
             k = k.repeat_interleave(nq // ng, dim=2)
             v = v.repeat_interleave(nq // ng, dim=2)
