@@ -586,7 +586,7 @@ TINY = [
 
 
 @pytest.mark.slow
-def test_tiny_check_on_two_cpu_processes(tmp_path, monkeypatch, capsys):
+def test_tiny_check_on_two_cpu_processes(tmp_path, monkeypatch, capsys, demo_dir):
     """The check end to end at tiny width on 2 gloo processes (the trainer's CPU mode): a
     profiled speed run at CP 2, then the equivalence of TP 2 and CP 2 from one checkpoint and
     the resume of TP 2's checkpoint at CP 2, compared by scale_tables. fp32 on the CPU: the two
@@ -594,7 +594,7 @@ def test_tiny_check_on_two_cpu_processes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the reference attention, not Triton
     over = [f"--override={o}" for o in TINY]
-    over += [f"--override=data.demo_dir={tmp_path / 'demo'}"]
+    over += [f"--override=data.demo_dir={demo_dir}"]  # the session's corpus: generated once
     over += [f"--override=data.cache_dir={tmp_path / 'cache'}"]
     path = tmp_path / "scale.json"
     argv = ["--gpus", "2", "--parts", "speed,equivalence", "--models", "ds", "--seqs", "256"]
