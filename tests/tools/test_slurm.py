@@ -245,7 +245,7 @@ def _wait_for(cond, timeout, what, cluster, job):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.usefixtures("slurm_jobs_cancelled")
-def test_sbatch_demo_with_requeue(slurm, tmp_path):
+def test_sbatch_demo_with_requeue(slurm, tmp_path, demo_dir):
     submit_dir = tmp_path / "submit"
     submit_dir.mkdir()
     env = dict(clean_env(slurm.env()), NPROC_PER_NODE="2", SHUTDOWN_TIMEOUT="120")
@@ -264,7 +264,7 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
             "--job-name=s2ci",
             str(SBATCH),
             str(CONFIG),
-            *demo_overrides(tmp_path / "data"),
+            *demo_overrides(demo_dir),  # the session's corpus (the lock is test_data_prep's)
         ],
         capture_output=True,
         text=True,
@@ -339,7 +339,7 @@ def test_sbatch_demo_with_requeue(slurm, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.usefixtures("slurm_jobs_cancelled")
-def test_sweep_as_job_array(slurm, tmp_path):
+def test_sweep_as_job_array(slurm, tmp_path, demo_dir):
     """megatron-s2-sweep --slurm: a 2-point study (plus an invalid point, not submitted) as one
     job array through launch/slurm.sbatch, each task in its own run directory; the table is
     written from both runs, and a second submission submits nothing."""
@@ -354,7 +354,7 @@ def test_sweep_as_job_array(slurm, tmp_path):
                 "name": "s2array",
                 "base": str(CONFIG),
                 "overrides": [
-                    *demo_overrides(tmp_path / "data", iters=3),
+                    *demo_overrides(demo_dir, iters=3),
                     "model.num_layers=2",
                     "model.hidden_size=64",
                     "model.seq_length=128",
