@@ -650,16 +650,20 @@ def dense_causal_suffix(
             kt = kt.repeat_interleave(nq // ng, dim=1)
             vt = vt.repeat_interleave(nq // ng, dim=1)
         return _CausalSuffixCudnn.apply(qt, kt, vt, scale).transpose(1, 2)
-    if impl == "flash" or (
-        auto and q.is_cuda and q.dtype in FLASH_DTYPES and _varlen_flash() is not None
-    ):
-        if _varlen_flash() is None:
-            raise RuntimeError(
-                "dense_causal_suffix: impl='flash' needs torch.nn.attention.varlen.varlen_attn "
-                f"(with window_size or is_causal), which torch {torch.__version__} lacks; "
-                f"use one of {DENSE_IMPLS} without 'flash'"
-            )
-        varlen_attn, causal, has_gqa = _varlen_flash()
+    # Looked up only where it may run (CUDA, 16-bit): the lookup imports torch's compiler stack.
+    flash = (
+        _varlen_flash()
+        if impl == "flash" or (auto and q.is_cuda and q.dtype in FLASH_DTYPES)
+        else None
+    )
+    if impl == "flash" and flash is None:
+        raise RuntimeError(
+            "dense_causal_suffix: impl='flash' needs torch.nn.attention.varlen.varlen_attn "
+            f"(with window_size or is_causal), which torch {torch.__version__} lacks; "
+            f"use one of {DENSE_IMPLS} without 'flash'"
+        )
+    if flash is not None:
+        varlen_attn, causal, has_gqa = flash
         if ng != nq and not has_gqa:
             k = k.repeat_interleave(nq // ng, dim=2)
             v = v.repeat_interleave(nq // ng, dim=2)
