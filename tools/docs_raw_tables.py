@@ -948,6 +948,7 @@ def retrieval_heldout_loglik() -> str:
         ("arcsine base, seed 1", ARCSINE_EXTEND, "dense-to-hybrid-DS", 1),
         ("long base, seed 1", LONG_EXTEND, KEEP_LOOKUP, 1),
         ("long base, seed 2", LONG_EXTEND, KEEP_LOOKUP, 2),
+        ("long base, seed 3", LONG_EXTEND, KEEP_LOOKUP, 3),
     )
     rows, lengths = [], None
     for label, study, arm, seed in pairs:
@@ -1239,6 +1240,73 @@ def retrieval_longbase_needle() -> str:
     the long base's seed 2: the twin and the switch by length, and the switch minus the twin
     by depth (:func:`_conversion_table`)."""
     return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 2, tasks=("needle",))
+
+
+LONG_SEEDS = (1, 2, 3)
+
+
+def retrieval_longbase_seeds3_runs() -> str:
+    """docs/long_context_eval.md: the long base's runs of seeds 1-3, the base on two GPUs and
+    each extension on one (:func:`_seeds_runs_table`)."""
+    arms = tuple((arm, k) for arm in ("dense", KEEP_LOOKUP) for k in LONG_SEEDS)
+    return _seeds_runs_table(
+        (
+            (LONG_BASE, "4k base, 4,000 steps (two GPUs)", tuple(("dense", k) for k in LONG_SEEDS)),
+            (LONG_EXTEND, "32k extension, 200 steps (one GPU each)", arms),
+        )
+    )
+
+
+def retrieval_longbase_bar() -> str:
+    """docs/long_context_eval.md: issue 50's bar for the long base's extended dense twin, per
+    task: each seed's exact match per length (Wilson 95% intervals over its 100 trials), then
+    the three seeds' trials pooled at depth 0 and at depths 0.25-1 (60 and 240 trials a length;
+    pooling leaves the seeds' spread out, so these say where the twin fails, not by how much a
+    seed may)."""
+    stats = _stats()
+    runs = {k: read_json(LONG_EXTEND / "dense" / f"seed{k}" / "retrieval.json") for k in LONG_SEEDS}
+    lengths = [b["length"] for b in runs[1]["tasks"]["passkey"]["by_length"]]
+    rows = []
+    for task in ("passkey", "multikey"):
+        for k in LONG_SEEDS:
+            by_len = {b["length"]: b for b in runs[k]["tasks"][task]["by_length"]}
+            rows.append([task if k == 1 else "", f"seed {k}", *(_ci(by_len[n]) for n in lengths)])
+        for label, at_zero in (("seeds 1-3, depth 0", True), ("seeds 1-3, depths 0.25-1", False)):
+            cells = []
+            for n in lengths:
+                picked = [
+                    c
+                    for r in runs.values()
+                    for c in r["tasks"][task]["cells"]
+                    if c["length"] == n and (float(c["depth"]) == 0.0) == at_zero
+                ]
+                cells.append(_pooled_ci(stats, picked))
+            rows.append(["", label, *cells])
+    return table(["task", "dense twin", *(f"{n:,} tokens" for n in lengths)], rows)
+
+
+def retrieval_longbase_seed3_depths() -> str:
+    """docs/long_context_eval.md: the long base's extended dense twin, seed 3, by needle depth
+    and length (:func:`_depth_table`)."""
+    return _depth_table(read_json(LONG_EXTEND / "dense" / "seed3" / "retrieval.json")["tasks"])
+
+
+def retrieval_longbase_seed3_conversion() -> str:
+    """docs/long_context_eval.md: the long base's seed 3 extended as the twin and as the
+    switch that keeps layers 10 and 11 dense (:func:`_conversion_table`)."""
+    return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 3)
+
+
+def retrieval_longbase_seed3_probe() -> str:
+    """docs/long_context_eval.md: the passkey attention probe at 32k of the long base's twin
+    and switch, seed 3 (:func:`_probe_pair_table`)."""
+    return _probe_pair_table(LONG_EXTEND, KEEP_LOOKUP, 3)
+
+
+def retrieval_longbase_seed3_needle() -> str:
+    """docs/long_context_eval.md: the held-out ``needle`` task on the long base's seed 3, as
+    :func:`retrieval_longbase_needle` for seed 2."""
+    return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 3, tasks=("needle",))
 
 
 ZONE = RECIPE / "retrieval-125m-extend-32k-zone"
@@ -1556,7 +1624,8 @@ TABLES: dict[str, Table] = {
             )
         )
         + tuple(
-            f"docs/long_context/results/retrieval-125m-extend-32k-longbase/{arm}/seed2/retrieval.json"
+            f"docs/long_context/results/retrieval-125m-extend-32k-longbase/{arm}/seed{k}/retrieval.json"
+            for k in (2, 3)
             for arm in ("dense", KEEP_LOOKUP)
         ),
         retrieval_heldout_loglik,
@@ -1725,6 +1794,56 @@ TABLES: dict[str, Table] = {
         ),
         retrieval_longbase_needle,
     ),
+    "retrieval-longbase-seeds3-runs": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-4k-base-long/results.csv",
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/results.csv",
+        ),
+        retrieval_longbase_seeds3_runs,
+    ),
+    "retrieval-longbase-bar": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/retrieval-125m-extend-32k-longbase/dense/seed{k}/retrieval.json"
+            for k in LONG_SEEDS
+        ),
+        retrieval_longbase_bar,
+    ),
+    "retrieval-longbase-seed3-depths": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/dense/seed3/retrieval.json",
+        ),
+        retrieval_longbase_seed3_depths,
+    ),
+    "retrieval-longbase-seed3-conversion": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed3/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_seed3_conversion,
+    ),
+    "retrieval-longbase-seed3-probe": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed3/attention_probe.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_seed3_probe,
+    ),
+    "retrieval-longbase-seed3-needle": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
+            f"{arm}/seed3/retrieval.json"
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_longbase_seed3_needle,
+    ),
     "retrieval-longbase-goal": Table(
         "docs/long_context_eval.md",
         (
@@ -1733,7 +1852,7 @@ TABLES: dict[str, Table] = {
                 "docs/long_context/results/retrieval-125m-extend-32k-longbase/"
                 f"{arm}/seed{k}/retrieval.json"
                 for arm in ("dense", KEEP_LOOKUP)
-                for k in (1, 2)
+                for k in LONG_SEEDS
             ),
         ),
         retrieval_longbase_goal,
