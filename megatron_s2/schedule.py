@@ -405,6 +405,20 @@ class AttentionSchedule:
         """Whether dense layers differ from the model's RoPE (NoPE or their own base)."""
         return self.dense_position_embedding != "rope" or self.dense_rotary_base is not None
 
+    def levers_set(self, prefix: str = "attention") -> list[str]:
+        """The settings beyond the layers' attention patterns that this schedule turns on, as
+        ``<prefix>.<key>: <value>`` strings (empty when every one is at its default): learned
+        sinks on the S2 layers, the dense layers' position encoding and RoPE base. A consumer
+        that runs only the patterns (the Hugging Face export) refuses a schedule with any."""
+        out = []
+        if self.sinks:
+            out.append(f"{prefix}.s2.sinks: true")
+        if self.dense_position_embedding != "rope":
+            out.append(f"{prefix}.dense_layers.position_embedding: {self.dense_position_embedding}")
+        if self.dense_rotary_base is not None:
+            out.append(f"{prefix}.dense_layers.rotary_base: {self.dense_rotary_base:g}")
+        return out
+
     def layer_description(self, index: int, num_layers: int) -> dict[str, Any]:
         """Everything the schedule sets for 0-based layer ``index``, as one comparable mapping:
         the S2 settings and ``sinks`` of an S2 layer, the position encoding of a dense one

@@ -498,6 +498,17 @@ def plan_export(
         if allow_coverage_holes:
             attention = {**attention, "allow_coverage_holes": True}
         schedule = AttentionSchedule.from_dict(attention, prefix="attention")
+        levers = schedule.levers_set()
+        if levers:
+            # The exported model runs the S2 patterns through megatron_s2.hf.s2_attention and
+            # the dense layers through transformers' own attention with the model's RoPE: the
+            # sinks' weights and the dense layers' own positions would be dropped, and the
+            # export would silently compute something else than the model trained.
+            _fail(
+                f"checkpoint {root}: its attention section sets {', '.join(levers)}, which the "
+                f"exported Hugging Face model cannot run (it has no learned sinks and gives "
+                f"every layer the model's RoPE); such a run cannot be exported yet"
+            )
         hybrid = any(k != "dense" for k in schedule.layer_kinds(model.num_layers))
         if hybrid:
             # transformers runs an export at any length, so the schedule must hold at every

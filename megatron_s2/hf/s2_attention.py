@@ -114,6 +114,15 @@ def _patterns(mapping_json: str, layers: int, heads: int, kv_heads: int):
     every attention call of every layer asks for it)."""
     try:
         schedule = AttentionSchedule.from_dict(json.loads(mapping_json), prefix=CONFIG_KEY)
+        levers = schedule.levers_set(prefix=CONFIG_KEY)
+        if levers:
+            # Running the patterns alone would silently compute another model (`megatron-s2-hf
+            # export` refuses such runs; this guards a hand-edited config.json).
+            raise S2ConfigError(
+                f"config.json sets {', '.join(levers)}, which this attention does not "
+                f"implement (no learned sinks; dense layers take transformers' attention with "
+                f"the model's RoPE): the model cannot be loaded as it was trained"
+            )
         schedule.validate(layers, heads, kv_heads)
         return tuple(schedule.layer_pattern(i + 1, heads, kv_heads, layers) for i in range(layers))
     except ScheduleError as e:

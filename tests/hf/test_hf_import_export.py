@@ -540,6 +540,40 @@ def test_export_refuses_a_schedule_with_holes_beyond_the_trained_length(
     assert plan.s2_attention["s2"]["block_size"] == 64  # the default, written out
 
 
+@pytest.mark.parametrize(
+    "attention, named",
+    [
+        ({"dense_layers": {"pattern": "DS"}, "s2": {"sinks": True}}, "attention.s2.sinks: true"),
+        (
+            {"dense_layers": {"pattern": "DS", "position_embedding": "nope"}},
+            "attention.dense_layers.position_embedding: nope",
+        ),
+        ({"dense_layers": {"pattern": "D", "rotary_base": 80000.0}}, "rotary_base: 80000"),
+    ],
+)
+def test_export_refuses_levers_the_exported_model_cannot_run(
+    families, tmp_path, monkeypatch, attention, named
+):
+    """A run trained with learned sinks or with the dense layers' own position encoding cannot
+    be written as a Hugging Face model that computes the same (the sinks' weights have no
+    place there; transformers gives every layer the model's RoPE): export refuses it, naming
+    the setting, before writing anything, an all-dense schedule included."""
+    from megatron_s2.hf import convert as conv
+    from megatron_s2.training.evaluation import model as eval_model
+
+    saved = eval_model.saved_config
+
+    def with_lever(root, iteration):
+        run, vocab = saved(root, iteration)
+        return {**run, "attention": attention}, vocab
+
+    monkeypatch.setattr(eval_model, "saved_config", with_lever)
+    with pytest.raises(HFConfigError, match=named.replace(".", r"\.")) as info:
+        conv.plan_export(families["llama"] / "imported", tmp_path / "out")
+    assert "cannot run" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_import_without_a_tokenizer_says_the_byte_tokenizer_does_not_fit(llama_dir, tmp_path):
     """A model without tokenizer.json gets data.tokenizer: byte; with a vocabulary below the
     byte tokenizer's 258 the trainer would refuse the pair, so import says so up front."""

@@ -325,6 +325,31 @@ def test_bad_config_refused_before_loading(tmp_path, schedule, named):
         assert "4 layers, 4 heads, 1 KV heads" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "lever, named",
+    [
+        ({"s2": {**SCHEDULE["s2"], "sinks": True}}, "s2_attention.s2.sinks: true"),
+        (
+            {"dense_layers": {"pattern": "DS", "position_embedding": "nope"}},
+            "s2_attention.dense_layers.position_embedding: nope",
+        ),
+        (
+            {"dense_layers": {"pattern": "DS", "rotary_base": 80000.0}},
+            "s2_attention.dense_layers.rotary_base: 80000",
+        ),
+    ],
+)
+def test_levers_this_attention_does_not_run_are_refused_before_loading(tmp_path, lever, named):
+    """Learned sinks and the dense layers' own positions change what a layer computes; running
+    the patterns without them would be another model, so a config.json naming one (the export
+    refuses such runs; this is a hand-edited file) is refused before any weight loads."""
+    make_config("llama", SCHEDULE | lever).save_pretrained(tmp_path)
+    with pytest.raises(S2ConfigError, match=named.replace(".", r"\.")) as info:
+        load_s2_model(tmp_path)
+    assert "cannot be loaded as it was trained" in str(info.value)
+    hf_s2.check_config(make_config("llama", SCHEDULE))  # the same schedule without it passes
+
+
 def test_register_is_idempotent():
     register()
     register()
