@@ -298,6 +298,11 @@ class S2CoreAttention(MegatronModule):
         checkpoint_layer: the 0-based schedule layer naming the sinks in checkpoints; default
             ``layer_number - 1`` (:class:`ScheduledCoreAttention` passes the schedule's).
 
+    A dense layer of a schedule with ``dense_layers.sinks`` is this module too, with the
+    schedule's dense pattern (:meth:`AttentionSchedule.dense_sink_pattern`: every earlier key)
+    and sinks: the fused dense kernels return no log-sum-exp gradient, which the sinks need.
+    ``dense_layer`` is then True (the attention probe and ``extra_repr`` read it).
+
     Forward: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (this rank's heads, GQA
     groups not repeated) -> ``[sq, b, np * hn]``; packed documents (THD ``packed_seq_params``):
     ``[t, np, hn]``, ``[t, ng, hn]`` -> ``[t, np * hn]``. Under context parallelism ``sq`` is
@@ -324,6 +329,7 @@ class S2CoreAttention(MegatronModule):
         pattern: Optional[S2Pattern] = None,
         sinks: Optional[bool] = None,
         checkpoint_layer: Optional[int] = None,
+        dense_layer: bool = False,
         **kwargs,
     ):
         super().__init__(config=config)
@@ -335,8 +341,9 @@ class S2CoreAttention(MegatronModule):
         if dropout:
             raise ValueError(
                 f"{name} (layer {layer_number}): attention dropout ({dropout}) is not implemented "
-                f"for S2 layers; set TransformerConfig.attention_dropout=0.0 (Megatron-LM: "
-                f"--attention-dropout 0.0)"
+                f"for S2 layers nor for dense layers with learned sinks "
+                f"(attention.dense_layers.sinks); set TransformerConfig.attention_dropout=0.0 "
+                f"(Megatron-LM: --attention-dropout 0.0)"
             )
         if getattr(config, "fp8_dot_product_attention", False):
             raise ValueError(
@@ -357,11 +364,20 @@ class S2CoreAttention(MegatronModule):
         # when the true groups are fewer than TP ranks). Phases are per query head, so the rows
         # of the pattern do not depend on it.
         groups = config.num_query_groups
+        self.dense_layer = bool(dense_layer)
         if pattern is None:
             schedule = s2_settings_of(config).schedule
             pattern = schedule.layer_pattern(layer_number, heads, groups, config.num_layers)
             sinks = schedule.sinks if sinks is None else sinks
-            if pattern is None:
+            if pattern is None and schedule.dense_sinks:
+                # A dense layer with learned sinks (the GPT spec builds every layer's module
+                # from the schedule's kinds; ScheduledCoreAttention passes the pattern itself).
+                pattern, sinks, self.dense_layer = (
+                    schedule.dense_sink_pattern(heads, groups),
+                    True,
+                    True,
+                )
+            elif pattern is None:
                 raise ValueError(
                     f"{name}: layer {layer_number} is dense in the attention "
                     f"schedule; build it with ScheduledCoreAttention or a dense module"
@@ -402,9 +418,10 @@ class S2CoreAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         p = self.pattern
+        what = "dense causal (s2attn, dense pattern)" if self.dense_layer else p.describe()
         return (
             f"layer={self.layer_number}, heads=[{p.head_start}, {p.head_end}) of "
-            f"{p.num_heads}, {p.describe()}{', sinks' if self.sinks is not None else ''}"
+            f"{p.num_heads}, {what}{', sinks' if self.sinks is not None else ''}"
         )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
@@ -733,14 +750,22 @@ class ScheduledCoreAttention:
         **kwargs,
     ):
         schedule_layer, schedule_layers = cls.schedule_position(config, layer_number)
-        pattern = s2_settings_of(config).schedule.layer_pattern(
-            schedule_layer, config.num_attention_heads, config.num_query_groups, schedule_layers
-        )
+        schedule = s2_settings_of(config).schedule
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        pattern = schedule.layer_pattern(schedule_layer, heads, groups, schedule_layers)
         module = dense_attention if pattern is None else S2CoreAttention
         if pattern is not None:
             kwargs["pattern"] = pattern
-            kwargs["sinks"] = s2_settings_of(config).schedule.sinks
+            kwargs["sinks"] = schedule.sinks
             kwargs["checkpoint_layer"] = schedule_layer - 1
+        elif schedule.dense_sinks:
+            # A dense layer with learned sinks: s2attn's kernel with a dense pattern (the sinks
+            # need its log-sum-exp gradient), whatever the flavour's dense attention.
+            module = S2CoreAttention
+            kwargs["pattern"] = schedule.dense_sink_pattern(heads, groups)
+            kwargs["sinks"] = True
+            kwargs["checkpoint_layer"] = schedule_layer - 1
+            kwargs["dense_layer"] = True
         return module(
             config=config,
             layer_number=layer_number,

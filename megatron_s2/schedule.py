@@ -17,6 +17,7 @@ under its ``attention:`` key)::
       indices: [0, -1]       # more dense layers (0-based; negative counts from the end)
       position_embedding: rope  # rope, or nope: no position encoding on the dense layers
       rotary_base: null      # the dense layers' own RoPE base; null = the model's
+      sinks: false           # a learned per-head sink logit on every dense layer
     overrides:               # per-layer changes of any s2 key (0-based layer index)
       3: {vert_stride: 16}
     allow_coverage_holes: false  # true: allow S2 layers whose heads together miss key blocks
@@ -35,7 +36,10 @@ apply to every S2 layer (not per override).
 ``dense_layers.position_embedding: nope`` drops RoPE on the dense layers (Command A, Llama 4);
 ``dense_layers.rotary_base`` gives them their own RoPE base while the S2 layers keep the model's
 (Gemma 3, MiMo-V2-Flash); ``s2.sinks: true`` adds a learned sink logit per head to every S2 layer
-(gpt-oss, MiMo-V2-Flash). :meth:`AttentionSchedule.layer_position` answers per layer.
+(gpt-oss, MiMo-V2-Flash), ``dense_layers.sinks: true`` to every dense layer (gpt-oss has them in
+all layers; a dense layer with sinks runs on s2attn's kernel with a dense pattern, whose
+log-sum-exp and its gradient the sinks need). :meth:`AttentionSchedule.layer_position` answers per
+layer.
 
 **Union coverage.** The paper's rule is that the heads of an S2 layer together attend every key
 block. :meth:`AttentionSchedule.validate` computes every S2 layer's coverage at the training
@@ -80,7 +84,7 @@ SCHEDULE_ENV_VAR = "MEGATRON_S2_SCHEDULE"
 # Keys of a schedule mapping and of its dense_layers section (the sweep tool checks study axes
 # against them before any run).
 SCHEDULE_KEYS = ("s2", "dense_layers", "overrides", "allow_coverage_holes")
-DENSE_LAYER_KEYS = ("pattern", "indices", "position_embedding", "rotary_base")
+DENSE_LAYER_KEYS = ("pattern", "indices", "position_embedding", "rotary_base", "sinks")
 # Settings of the S2 layers' module that are not S2Pattern settings (no effect on which keys a
 # query attends): allowed under ``s2`` only, for every S2 layer alike.
 S2_LAYER_KEYS = ("sinks",)
@@ -138,10 +142,11 @@ class AttentionSchedule:
     overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     allow_coverage_holes: bool = False
     # The levers of the module docstring: dense layers' position encoding and RoPE base (None:
-    # the model's), learned sinks on the S2 layers.
+    # the model's), learned sinks on the S2 layers and on the dense layers.
     dense_position_embedding: str = "rope"
     dense_rotary_base: Optional[float] = None
     sinks: bool = False
+    dense_sinks: bool = False
     source: Optional[str] = None  # where it came from, for messages
     # Model shapes this schedule was validated against: a schedule travels from the run config
     # through the Megatron config to every layer, and is checked once per shape.
@@ -200,6 +205,11 @@ class AttentionSchedule:
                 f"indices (0-based), got {indices!r}"
             )
         position, rotary_base = _dense_position(dense, f"{prefix}.dense_layers")
+        dense_sinks = dense.get("sinks", False)
+        if not isinstance(dense_sinks, bool):
+            raise ScheduleError(
+                f"{prefix}.dense_layers.sinks must be true or false, got {dense_sinks!r}"
+            )
 
         raw_over = d.get("overrides") or {}
         if not isinstance(raw_over, Mapping):
@@ -245,6 +255,7 @@ class AttentionSchedule:
             dense_position_embedding=position,
             dense_rotary_base=rotary_base,
             sinks=sinks,
+            dense_sinks=dense_sinks,
             source=source,
         )
 
@@ -311,6 +322,8 @@ class AttentionSchedule:
             dense["position_embedding"] = self.dense_position_embedding
         if self.dense_rotary_base is not None:
             dense["rotary_base"] = self.dense_rotary_base
+        if self.dense_sinks:
+            dense["sinks"] = True
         if dense:
             out["dense_layers"] = dense
         if self.overrides:
@@ -417,16 +430,23 @@ class AttentionSchedule:
             out.append(f"{prefix}.dense_layers.position_embedding: {self.dense_position_embedding}")
         if self.dense_rotary_base is not None:
             out.append(f"{prefix}.dense_layers.rotary_base: {self.dense_rotary_base:g}")
+        if self.dense_sinks:
+            out.append(f"{prefix}.dense_layers.sinks: true")
         return out
 
     def layer_description(self, index: int, num_layers: int) -> dict[str, Any]:
         """Everything the schedule sets for 0-based layer ``index``, as one comparable mapping:
-        the S2 settings and ``sinks`` of an S2 layer, the position encoding of a dense one
-        (what a resumed run compares with its checkpoint's schedule)."""
+        the S2 settings and ``sinks`` of an S2 layer, the position encoding and ``sinks`` of a
+        dense one (what a resumed run compares with its checkpoint's schedule)."""
         settings = self.layer_settings(index, num_layers)
         if settings is None:
             position, base = self.layer_position(index, num_layers)
-            return {"kind": "dense", "position_embedding": position, "rotary_base": base}
+            return {
+                "kind": "dense",
+                "position_embedding": position,
+                "rotary_base": base,
+                "sinks": self.dense_sinks,
+            }
         return {"kind": "S2", **settings, "sinks": self.sinks}
 
     def describe_levers(self) -> str:
@@ -440,16 +460,37 @@ class AttentionSchedule:
             )
         if self.sinks:
             parts.append("learned attention sinks on the S2 layers")
+        if self.dense_sinks:
+            parts.append("learned attention sinks on the dense layers")
         return "; ".join(parts)
 
     def block_sizes(self, num_layers: int) -> list[int]:
-        """The distinct block sizes of the S2 layers (empty for an all-dense model), ascending."""
+        """The distinct block sizes of the layers that run s2attn's block kernel, ascending: the
+        S2 layers' and, with ``dense_layers.sinks``, the dense layers' (:meth:`dense_block_size`);
+        empty for an all-dense model without sinks."""
         sizes = set()
         for i in range(num_layers):
             settings = self.layer_settings(i, num_layers)
             if settings is not None:
                 sizes.add(settings.get("block_size", _DEFAULT_BLOCK_SIZE))
+            elif self.dense_sinks:
+                sizes.add(self.dense_block_size())
         return sorted(sizes)
+
+    def dense_block_size(self) -> int:
+        """The block size of a dense layer with sinks (its dense pattern on s2attn's kernel):
+        the ``s2`` section's, so that it adds no length rule of its own to a hybrid."""
+        return int(self.s2.get("block_size", _DEFAULT_BLOCK_SIZE))
+
+    def dense_sink_pattern(self, num_heads: int, num_kv_heads: Optional[int]) -> S2Pattern:
+        """The full-model pattern a dense layer with sinks runs: every head attends every
+        earlier key (stripe stride 1), in :meth:`dense_block_size` blocks."""
+        return S2Pattern(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads or num_heads,
+            block_size=self.dense_block_size(),
+            vert_stride=1,
+        )
 
     def context_parallel_unit(self, num_layers: int, context_parallel_size: int) -> int:
         """What the sequence length must be a multiple of under ``context_parallel_size``: Megatron
@@ -515,6 +556,18 @@ class AttentionSchedule:
             raise ScheduleError(
                 "attention.s2.sinks applies to S2 layers, and every layer of this schedule is "
                 "dense; set attention.s2.sinks: false or make some layers S2"
+            )
+        if self.dense_sinks and not dense:
+            raise ScheduleError(
+                "attention.dense_layers.sinks applies to dense layers, and this schedule has none "
+                f"among the {num_layers} layers; set attention.dense_layers.sinks: false or add "
+                "dense layers (attention.dense_layers.pattern or indices)"
+            )
+        if self.dense_sinks and seq_length is not None and seq_length % self.dense_block_size():
+            raise ScheduleError(
+                f"attention.s2.block_size ({self.dense_block_size()}) must divide the sequence "
+                f"length ({seq_length}): the dense layers with sinks "
+                f"(attention.dense_layers.sinks) run in blocks of that size"
             )
         for k in self.overrides:
             idx = self._resolve(k, num_layers, f"attention.overrides.{k}")

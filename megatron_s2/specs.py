@@ -234,8 +234,13 @@ def get_s2_decoder_block_spec(
         _require_te("get_s2_decoder_block_spec(use_te=True)")
     dense = TEDotProductAttention if use_te else FusedDenseAttention
     schedule = s2_settings_of(config).schedule
+    # Dense layers with learned sinks run S2CoreAttention with a dense pattern (it finds the
+    # layer dense in the schedule and builds that pattern itself).
+    plain_dense = dense if not schedule.dense_sinks else S2CoreAttention
     specs = [
-        _layer_spec(dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm, rotary)
+        _layer_spec(
+            plain_dense if kind == "dense" else S2CoreAttention, use_te, qk_layernorm, rotary
+        )
         for kind in schedule.layer_kinds(config.num_layers)
     ]
 

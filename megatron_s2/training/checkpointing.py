@@ -726,9 +726,9 @@ def load_checkpoint(
 
 
 # Parameters a run may add to another run's weights, by the end of their state-dict names: a lever
-# turned on when a run starts from a checkpoint trained without it (attention.s2.sinks, e.g. on
-# the dense -> S2 hybrid extension). They start at their initial values; any other parameter
-# the checkpoint lacks is still an error.
+# turned on when a run starts from a checkpoint trained without it (attention.s2.sinks or
+# attention.dense_layers.sinks, e.g. on the dense -> S2 hybrid extension). They start at their
+# initial values; any other parameter the checkpoint lacks is still an error.
 NEW_PARAMETER_SUFFIXES = (".sinks",)
 
 
@@ -763,7 +763,8 @@ def _parameters_new_to_checkpoint(sd: dict, path: str, load_optimizer: bool) -> 
         raise ValueError(
             f"checkpoint {path} has no {', '.join(sorted(set(NEW_PARAMETER_SUFFIXES)))} "
             f"parameters ({len(names)} of this model's, e.g. {names[0]}: a setting that adds "
-            f"them, attention.s2.sinks, is on now and was off there), so its optimizer state "
+            f"them, attention.s2.sinks or attention.dense_layers.sinks, is on now and was off "
+            f"there), so its optimizer state "
             f"cannot be loaded; start from its weights with checkpoint.load_optimizer=false"
         )
     # A warning: the run's log shows it (a lever's parameters not loaded is worth seeing).

@@ -549,6 +549,7 @@ def test_export_refuses_a_schedule_with_holes_beyond_the_trained_length(
             "attention.dense_layers.position_embedding: nope",
         ),
         ({"dense_layers": {"pattern": "D", "rotary_base": 80000.0}}, "rotary_base: 80000"),
+        ({"dense_layers": {"pattern": "D", "sinks": True}}, "attention.dense_layers.sinks: true"),
     ],
 )
 def test_export_refuses_levers_the_exported_model_cannot_run(

@@ -337,6 +337,10 @@ def test_bad_config_refused_before_loading(tmp_path, schedule, named):
             {"dense_layers": {"pattern": "DS", "rotary_base": 80000.0}},
             "s2_attention.dense_layers.rotary_base: 80000",
         ),
+        (
+            {"dense_layers": {"pattern": "DS", "sinks": True}},
+            "s2_attention.dense_layers.sinks: true",
+        ),
     ],
 )
 def test_levers_this_attention_does_not_run_are_refused_before_loading(tmp_path, lever, named):

@@ -42,13 +42,17 @@ def _dist():
 # ------------------------------------------------------------------------------------ sinks
 def _sink_reference(q, k, v, sinks, pattern, scale):
     """float64: ``[s, b, h, d]`` queries, ``[s, b, g, d]`` keys/values, ``[h]`` sinks: a softmax
-    over the pattern's keys plus one logit ``sinks[h]`` whose value vector is zero."""
+    over the pattern's keys (every earlier key when ``pattern`` is None: a dense causal layer)
+    plus one logit ``sinks[h]`` whose value vector is zero."""
     q, k, v, sinks = (x.double() for x in (q, k, v, sinks))
     s, b, h, d = q.shape
     rep = h // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
-    mask = token_mask(pattern, s, s)  # [h, s, s]
+    if pattern is None:
+        mask = torch.ones(s, s, dtype=torch.bool).tril().expand(h, s, s)
+    else:
+        mask = token_mask(pattern, s, s)  # [h, s, s]
     scores = scores.masked_fill(~mask[None], float("-inf"))
     sink = sinks[None, :, None, None].expand(b, h, s, 1)
     p = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
@@ -116,6 +120,114 @@ def test_sinks_match_float64_reference_forward_and_gradients(
             pg_collection=TensorParallelGroups(tp_rank, tp),
         )(q, k, v, None),
     )
+
+
+# S2 layers that cover every key block with 4 heads (the dense layers' tests have S2 layers too).
+_S2_SMALL = {"block_size": 16, "local_blocks": 2, "vert_stride": 2}
+
+
+@pytest.mark.parametrize(
+    "seq, heads, groups, tp_rank, tp, backend",
+    [
+        (64, 4, 2, 0, 1, "auto"),  # GQA, the Triton kernels (interpreted)
+        (40, 4, 4, 0, 1, "auto"),  # MHA, a length that is not a multiple of the block
+        (64, 8, 2, 1, 2, "auto"),  # the second TP rank's heads of a GQA model
+        (80, 8, 4, 0, 1, "reference"),
+    ],
+)
+def test_dense_layer_sinks_match_float64_reference_forward_and_gradients(
+    seq, heads, groups, tp_rank, tp, backend
+):
+    """``attention.dense_layers.sinks``: the dense layer the schedule builds attends every
+    earlier key with a sink logit per head, against an independent float64 causal softmax with
+    the extra logit (forward; gradients of q, k, v and the sinks)."""
+    from megatron_s2.attention import ScheduledCoreAttention
+
+    cfg = tiny_s2_config(
+        {"s2": _S2_SMALL, "dense_layers": {"pattern": "DS", "sinks": True}},
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=16,
+        s2_backend=backend,
+        tensor_model_parallel_size=1,
+    )
+    attn = ScheduledCoreAttention(
+        config=cfg,
+        layer_number=1,  # layer 0: dense
+        attn_mask_type=AttnMaskType.causal,
+        pg_collection=TensorParallelGroups(tp_rank, tp),
+    )
+    assert isinstance(attn, S2CoreAttention) and attn.dense_layer and attn.checkpoint_layer == 0
+    nh, ng = heads // tp, max(1, groups // tp)
+    assert attn.sinks.shape == (nh,) and attn.sinks.tensor_model_parallel
+    assert "dense causal" in attn.extra_repr() and "sinks" in attn.extra_repr()
+    gen = torch.Generator().manual_seed(seq + heads + tp_rank + 1)
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(nh, generator=gen) * 2)
+    q = torch.randn(seq, 2, nh, 16, generator=gen, requires_grad=True)
+    k = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
+    v = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
+    dout = torch.randn(seq, 2, nh * 16, generator=gen)
+
+    out = attn(q, k, v, None)
+    ref = _sink_reference(q, k, v, attn.sinks, None, attn.softmax_scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    leaves = (q, k, v, attn.sinks)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    # The same layer without the setting is the fused dense module, and its output is the
+    # reference without sinks (so the sinks above were applied).
+    plain_cfg = tiny_s2_config(
+        {"s2": _S2_SMALL, "dense_layers": {"pattern": "DS"}},
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=16,
+        tensor_model_parallel_size=1,
+    )
+    plain = ScheduledCoreAttention(
+        config=plain_cfg,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        pg_collection=TensorParallelGroups(tp_rank, tp),
+    )
+    assert not isinstance(plain, S2CoreAttention)
+    no_sink = _sink_reference(q, k, v, torch.full((nh,), -1e4), None, attn.softmax_scale)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(q, k, v, None).double(), no_sink, atol=2e-5, rtol=1e-4)
+        assert not torch.allclose(out.double(), no_sink, atol=1e-3)
+
+
+def test_dense_layer_sinks_in_every_builder():
+    """The GPT spec (every layer's module from the schedule's kinds) and S2CoreAttention built
+    without a pattern give a dense layer with sinks the same module as ScheduledCoreAttention;
+    the S2 layers keep theirs (sinks only with ``s2.sinks``)."""
+    from megatron_s2.specs import get_s2_decoder_block_spec
+
+    schedule = {"s2": {"block_size": 16}, "dense_layers": {"pattern": "DS", "sinks": True}}
+    cfg = tiny_s2_config(schedule, num_layers=4)
+    spec = get_s2_decoder_block_spec(cfg)
+    built = [
+        build_module(
+            layer.submodules.self_attention.submodules.core_attention,
+            config=cfg,
+            layer_number=i + 1,
+            attn_mask_type=AttnMaskType.causal,
+        )
+        for i, layer in enumerate(spec.layer_specs)
+    ]
+    assert [type(m).__name__ for m in built] == ["S2CoreAttention"] * 4
+    assert [m.dense_layer for m in built] == [True, False, True, False]
+    assert [m.sinks is not None for m in built] == [True, False, True, False]
+    assert [m.checkpoint_layer for m in built] == [0, 1, 2, 3]
+    dense = built[0].global_pattern
+    assert dense.vert_stride == 1 and dense.block_size == 16
+    direct = S2CoreAttention(cfg, 3, AttnMaskType.causal)
+    assert direct.dense_layer and direct.sinks is not None
+    assert direct.global_pattern.settings() == dense.settings()
 
 
 def test_sinks_on_packed_documents_equal_each_document_alone():
@@ -354,7 +466,7 @@ def test_levers_refuse_megatrons_precomputed_rope():
         (
             {"dense_layers": {"pattern": "SD", "rope": "nope"}},
             r"unknown key attention.dense_layers.rope; allowed keys: pattern, indices, "
-            r"position_embedding, rotary_base",
+            r"position_embedding, rotary_base, sinks",
         ),
         ({"s2": {"sinks": "yes"}}, r"attention.s2.sinks must be true or false, got 'yes'"),
         ({"overrides": {1: {"sinks": True}}}, r"attention.overrides.1: sinks is set for every S2"),
@@ -365,6 +477,14 @@ def test_levers_refuse_megatrons_precomputed_rope():
         (
             {"s2": {"sinks": True}, "dense_layers": {"pattern": "D"}},
             r"attention.s2.sinks applies to S2 layers",
+        ),
+        (
+            {"dense_layers": {"pattern": "SD", "sinks": 1}},
+            r"attention.dense_layers.sinks must be true or false, got 1",
+        ),
+        (
+            {"dense_layers": {"sinks": True}},
+            r"attention.dense_layers.sinks applies to dense layers, and this schedule has none",
         ),
     ],
 )
@@ -409,7 +529,28 @@ def test_levers_round_trip_and_describe_layers():
         "kind": "dense",
         "position_embedding": "rope",
         "rotary_base": 5e6,
+        "sinks": False,
     }
+    both = AttentionSchedule.from_dict(d | {"dense_layers": d["dense_layers"] | {"sinks": True}})
+    assert both.to_dict()["dense_layers"]["sinks"] is True
+    assert AttentionSchedule.from_dict(both.to_dict()).to_dict() == both.to_dict()
+    assert both.layer_description(1, 4)["sinks"] is True
+    assert both.describe_levers().endswith(
+        "learned attention sinks on the S2 layers; learned attention sinks on the dense layers"
+    )
+    assert both.levers_set()[-1] == "attention.dense_layers.sinks: true"
+    # The dense layers with sinks run in the s2 section's blocks: a length rule like an S2
+    # layer's, also for an all-dense model.
+    twin = AttentionSchedule.from_dict(
+        {"s2": {"block_size": 32}, "dense_layers": {"pattern": "D", "sinks": True}}
+    )
+    assert twin.block_sizes(4) == [32]
+    assert AttentionSchedule.from_dict({"dense_layers": {"pattern": "D"}}).block_sizes(4) == []
+    with pytest.raises(
+        ScheduleError,
+        match=r"attention.s2.block_size \(32\) must divide the sequence length \(100\)",
+    ):
+        twin.validate(4, 8, 4, seq_length=100)
     with pytest.raises(ScheduleError):
         AttentionSchedule.from_dict({"dense_layers": {"position_embedding": None}})
 
@@ -420,6 +561,7 @@ def test_levers_round_trip_and_describe_layers():
         {"dense_layers": {"pattern": "SD", "position_embedding": "nope"}},
         {"dense_layers": {"pattern": "SD", "rotary_base": 1e6}},
         {"dense_layers": {"pattern": "SD"}, "s2": {"sinks": True}},
+        {"dense_layers": {"pattern": "SD", "sinks": True}},
     ],
 )
 def test_lever_change_is_an_extension_change_not_a_resume(change):
@@ -460,9 +602,48 @@ def test_levers_are_study_axes():
         "attention.s2.sinks",
         "attention.dense_layers.position_embedding",
         "attention.dense_layers.rotary_base",
+        "attention.dense_layers.sinks",
     ):
         check_config_key(key, "study")
     with pytest.raises(StudyError, match="allowed there: .*sinks"):
         check_config_key("attention.s2.sink", "study")
     with pytest.raises(StudyError, match="allowed there: .*vert_stride"):
         check_config_key("attention.overrides.1.sinks", "study")
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_attention_probe_counts_the_sink_in_its_weights(dense):
+    """The attention probe recomputes a layer's weights for one query row; with learned sinks
+    (dense or S2 layers) the sink's logit takes its share, and the weights times V still give
+    the layer's output (``max_output_error``), which they do not without the sink. A dense layer
+    with sinks is reported as dense."""
+    from megatron_s2.attention import ScheduledCoreAttention
+    from megatron_s2.training.evaluation.attention_probe import _Capture, _is_s2, needle_weights
+
+    schedule = {"s2": _S2_SMALL, "dense_layers": {"pattern": "DS"}}
+    schedule["dense_layers" if dense else "s2"] = schedule["dense_layers" if dense else "s2"] | {
+        "sinks": True
+    }
+    cfg = tiny_s2_config(schedule, s2_backend="reference")
+    layer = 1 if dense else 2
+    attn = ScheduledCoreAttention(
+        config=cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal
+    )
+    assert attn.sinks is not None and _is_s2(attn) is not dense
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(attn.sinks.shape[0], generator=gen) * 2)
+    q, k, v = (torch.randn(96, 1, n, 16, generator=gen) for n in (8, 4, 4))
+    with _Capture([(layer - 1, attn)], row=90, span=slice(3, 9)) as cap:
+        attn(q, k, v, None)
+    assert cap.output_error < 1e-6, cap.output_error
+    assert cap.mass[layer - 1].shape == (8,) and bool((cap.mass[layer - 1] >= 0).all())
+    # Without the sink in the weights the same row's output is not reproduced.
+    pattern = attn.pattern if not dense else None
+    plain = needle_weights(q[:, 0], k[:, 0], 90, attn.softmax_scale, pattern)
+    with_sink = needle_weights(q[:, 0], k[:, 0], 90, attn.softmax_scale, pattern, attn.sinks)
+    got = attn(q, k, v, None)[90, 0].double().view(8, 16)
+    vv = v[:91, 0].double().repeat_interleave(2, dim=1)
+    for w, close in ((with_sink, True), (plain, False)):
+        err = (torch.einsum("hk,khd->hd", w, vv) - got).abs().max()
+        assert bool(err < 1e-5) is close, (close, float(err))

@@ -1,5 +1,6 @@
 """The retrieval levers under TP / SP / PP / CP (CPU, gloo, 2 processes): a tiny fp32 model with
-NoPE or their own RoPE base on the dense layers and learned sinks on the S2 layers trains the
+NoPE or their own RoPE base on the dense layers and learned sinks on the S2 layers (and, with
+NoPE, on the dense layers too) trains the
 same losses, grad norms and first-step gradients (the sinks' included) in every layout as in one
 process. tools/gpu_parallel_check.py's harness (as tests/plugin/test_megatron_parallel.py)."""
 
@@ -13,9 +14,9 @@ pytestmark = pytest.mark.slow
 
 _S2 = {"block_size": 16, "local_blocks": 2, "vert_stride": 8, "head_offset": 1, "sinks": True}
 SCHEDULES = {
-    "nope_sinks": {
+    "nope_sinks": {  # sinks on every layer: the dense ones run the S2 module, dense pattern
         "s2": _S2,
-        "dense_layers": {"pattern": "SD", "position_embedding": "nope"},
+        "dense_layers": {"pattern": "SD", "position_embedding": "nope", "sinks": True},
         "overrides": {2: {"vert_stride": 2, "num_dense_heads": 2}},
     },
     "rotary_base_sinks": {

@@ -9,7 +9,9 @@ layers (``docs/long_context_eval.md``, run J).
 
 The attention weights are recomputed from each core attention's own query and key (after
 RoPE, as the layer received them) for the one query row that predicts the answer's first token,
-with the layer's softmax scale and, for S2 layers, its pattern; the weights are checked against
+with the layer's softmax scale, its learned sinks (``attention.s2.sinks`` / ``dense_layers.sinks``:
+one more logit per head with a zero value, which takes its share of the weight) and, for S2
+layers, its pattern; the weights are checked against
 the layer's output at that row (``sum_k w_k v_k``), so a mask or scale that differs from what
 the kernel did shows as ``max_output_error``. One process (TP = PP = CP = 1).
 """
@@ -66,11 +68,13 @@ def needle_weights(
     row: int,
     scale: float,
     pattern=None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention weights of query row ``row`` over keys ``0 .. row``: query ``[s, np, hn]``, key
     ``[s, ng, hn]`` (one sequence, Megatron's order) -> ``[np, row + 1]`` float64, causal, and
     restricted to ``pattern``'s blocks (an :class:`s2attn.S2Pattern` for this rank's heads) when
-    given."""
+    given. ``sinks`` ``[np]``: each head's sink logit joins the softmax (its weight is left
+    out, so a row then sums to less than 1)."""
     q = query[row].double()  # [np, hn]
     k = key[: row + 1].double().repeat_interleave(query.shape[1] // key.shape[1], dim=1)
     scores = torch.einsum("hd,khd->hk", q, k) * scale
@@ -79,7 +83,10 @@ def needle_weights(
         blocks = pattern.block_mask(1, row // b + 1, row // b, 0)[:, 0]  # [np, key blocks]
         allowed = blocks[:, torch.arange(row + 1) // b]
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.detach().to(scores.device, torch.float64)[:, None]
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[:, :-1]
 
 
 class _Capture:
@@ -116,7 +123,11 @@ class _Capture:
                 raise ValueError(f"{PROBE}: expects one [s, 1, heads, dim] sequence a pass")
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             scale = getattr(module, "softmax_scale", None) or q.shape[-1] ** -0.5
-            w = needle_weights(q, k, self.row, scale, getattr(module, "pattern", None))
+            # A dense layer with sinks runs a dense pattern: every earlier key, as without one.
+            pattern = (
+                None if getattr(module, "dense_layer", False) else getattr(module, "pattern", None)
+            )
+            w = needle_weights(q, k, self.row, scale, pattern, getattr(module, "sinks", None))
             self.mass[index] = w[:, self.span].sum(-1).cpu()
             if self.others:
                 self.others_mass[index] = sum(w[:, o].sum(-1) for o in self.others).cpu()
@@ -201,7 +212,7 @@ def probe_needle_attention(
     def layer_entry(li: int, index: int, module) -> dict:
         entry = {
             "layer": index,
-            "kind": "S2" if getattr(module, "pattern", None) is not None else "dense",
+            "kind": "S2" if _is_s2(module) else "dense",
             "mean_head": mean[li].tolist(),
             "top_head": top[li].tolist(),
         }
@@ -219,6 +230,14 @@ def probe_needle_attention(
         "max_output_error": error,
         "layers": [layer_entry(li, index, module) for li, (index, module) in enumerate(layers)],
     }
+
+
+def _is_s2(module) -> bool:
+    """Whether a core attention is an S2 layer (a dense layer with sinks runs the S2 module
+    with a dense pattern and says so)."""
+    return getattr(module, "pattern", None) is not None and not getattr(
+        module, "dense_layer", False
+    )
 
 
 def probe_table(result: dict) -> str:
