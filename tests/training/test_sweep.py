@@ -1382,3 +1382,43 @@ def test_the_seed_summary_leaves_out_where_runs_loaded_from(tmp_path):
     assert header[:3] == ["setting", "attention.dense_layers.pattern",
                           "attention.dense_layers.rotary_base"], header  # fmt: skip
     assert "checkpoint.load_dir" not in header and "train.seed" not in header
+
+
+def test_the_sinks_studies_are_the_long_base_with_sinks_on_every_layer(tmp_path):
+    """docs/long_context_eval.md "Next leases" step 4: the depth-0 studies differ from the long
+    base's point for point only by the sinks (dense layers; the switch's S2 layers too, as its
+    base had them on every layer) and by loading the sinks base of the same seed."""
+    corpus = _corpus_overrides(tmp_path)
+
+    def points(name):
+        study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
+        return study, {p.name: p.config.to_dict() for p in study.points}
+
+    for plain_name, sinks_name in (
+        ("retrieval-125m-4k-base-long", "retrieval-125m-4k-base-long-sinks"),
+        ("retrieval-125m-extend-32k-longbase", "retrieval-125m-extend-32k-longbase-sinks"),
+    ):
+        (plain_study, plain), (sinks_study, sinks) = points(plain_name), points(sinks_name)
+        assert sinks_study.nproc_per_node == plain_study.nproc_per_node
+        assert sorted(sinks) and set(sinks) <= set(plain)
+        for name, got in sinks.items():
+            want = plain[name]
+            dense = got["attention"]["dense_layers"]
+            assert dense.pop("sinks") is True
+            switched = "DSDSDSDSSSDD" in name
+            assert got["attention"]["s2"].pop("sinks", False) is switched
+            load, plain_load = got["checkpoint"].pop("load_dir"), want["checkpoint"].pop("load_dir")
+            if plain_load is not None:
+                plain_load = plain_load.replace(
+                    "retrieval-125m-4k-base-long/", "retrieval-125m-4k-base-long-sinks/"
+                )
+            assert load == plain_load, name
+            for d in (got, want):
+                d.pop("name")
+                d["logging"].pop("run_dir")
+            assert got == want, name
+        # The runs build: every point's schedule passes the model checks.
+        for p in sinks_study.points:
+            schedule = p.config.schedule()
+            assert schedule.dense_sinks
+            schedule.validate(12, 12, 12, seq_length=p.config.model.seq_length)
