@@ -176,6 +176,31 @@ def test_hybrid_equals_gpt_with_the_same_weights():
 
 
 @needs_hybrid
+def test_hybrid_with_sinks_on_every_layer_equals_gpt():
+    """attention.dense_layers.sinks (with s2.sinks): the hybrid's dense attention layers are the
+    S2 module with a dense pattern and sinks, as the GPT model's, and with the same weights (the
+    sinks included, set away from their start) the two give the same loss and gradients."""
+    schedule = TINY_SCHEDULE | {
+        "s2": TINY_SCHEDULE["s2"] | {"sinks": True},
+        "dense_layers": {"pattern": "SD", "sinks": True},
+    }
+    gpt, hybrid = _gpt(schedule=schedule), _hybrid(schedule=schedule)
+    assert [k for k, _ in _attention_layers(hybrid)] == ["S2CoreAttention"] * 4
+    cores = [layer.self_attention.core_attention for layer in hybrid.decoder.layers[::2]]
+    assert [c.dense_layer for c in cores] == [False, True, False, True]
+    assert [c.checkpoint_layer for c in cores] == [0, 1, 2, 3]
+    with torch.no_grad():
+        for i, layer in enumerate(gpt.decoder.layers):
+            layer.self_attention.core_attention.sinks.fill_(0.5 * i - 1.0)
+    _copy_gpt_weights(gpt, hybrid)
+    loss_g, grads_g = _loss_and_grads(gpt)
+    loss_h, grads_h = _loss_and_grads(hybrid)
+    torch.testing.assert_close(loss_h, loss_g, rtol=1e-6, atol=1e-6)
+    assert _max_relative_grad_difference(grads_h, grads_g) < 1e-5
+    assert any(n.endswith("core_attention.sinks") for n in grads_g)
+
+
+@needs_hybrid
 def test_hybrid_on_the_triton_kernels_trains():
     """backend "auto": the S2 layers run the Triton kernels (under the interpreter on CPU) and
     agree with the PyTorch reference backend; small (one S2 layer, 64 tokens) for CI."""
