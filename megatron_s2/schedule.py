@@ -421,8 +421,9 @@ class AttentionSchedule:
     def levers_set(self, prefix: str = "attention") -> list[str]:
         """The settings beyond the layers' attention patterns that this schedule turns on, as
         ``<prefix>.<key>: <value>`` strings (empty when every one is at its default): learned
-        sinks on the S2 layers, the dense layers' position encoding and RoPE base. A consumer
-        that runs only the patterns (the Hugging Face export) refuses a schedule with any."""
+        sinks on the S2 layers, the dense layers' position encoding, RoPE base and sinks. A
+        consumer that runs only the patterns (the Hugging Face export) refuses a schedule with
+        any."""
         out = []
         if self.sinks:
             out.append(f"{prefix}.s2.sinks: true")
