@@ -646,6 +646,15 @@ class RunConfig:
             )
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
+        if sched.dense_sinks and m.dense_attention != "auto":
+            # The dense layers with sinks run s2attn's kernel (the sinks need its log-sum-exp
+            # gradient): an explicit dense kernel would silently not be used.
+            raise ConfigError(
+                f"model.dense_attention={m.dense_attention} picks the dense layers' kernel, and "
+                f"attention.dense_layers.sinks runs them on s2attn's kernel with a dense pattern "
+                f"(learned sinks need its log-sum-exp gradient); set model.dense_attention=auto "
+                f"or attention.dense_layers.sinks=false"
+            )
         _check_sequence_lengths(self, sched.block_sizes(m.num_layers))
         return sched
 

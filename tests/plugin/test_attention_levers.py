@@ -496,6 +496,20 @@ def test_bad_lever_settings_are_refused_at_load(attention, match):
         cfg.schedule()
 
 
+@pytest.mark.parametrize("kernel", ["fa4", "sdpa"])
+def test_dense_sinks_refuse_an_explicit_dense_kernel(kernel):
+    """The dense layers with sinks run s2attn's kernel; an explicit model.dense_attention would
+    be ignored, so the pair is refused naming both settings (``auto`` is fine)."""
+    from megatron_s2.training.run_config import ConfigError, RunConfig
+
+    attention = {"dense_layers": {"pattern": "SD", "sinks": True}}
+    with pytest.raises(ConfigError, match=rf"model.dense_attention={kernel} .*dense_layers.sinks"):
+        RunConfig.from_dict(
+            {"data": {"demo": True}, "attention": attention, "model": {"dense_attention": kernel}}
+        ).schedule()
+    RunConfig.from_dict({"data": {"demo": True}, "attention": attention}).schedule()
+
+
 def test_levers_in_the_schedule_table():
     sched = AttentionSchedule.from_dict(
         {
