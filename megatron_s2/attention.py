@@ -368,20 +368,18 @@ class S2CoreAttention(MegatronModule):
         if pattern is None:
             schedule = s2_settings_of(config).schedule
             pattern = schedule.layer_pattern(layer_number, heads, groups, config.num_layers)
-            sinks = schedule.sinks if sinks is None else sinks
             if pattern is None and schedule.dense_sinks:
                 # A dense layer with learned sinks (the GPT spec builds every layer's module
                 # from the schedule's kinds; ScheduledCoreAttention passes the pattern itself).
-                pattern, sinks, self.dense_layer = (
-                    schedule.dense_sink_pattern(heads, groups),
-                    True,
-                    True,
-                )
+                pattern, self.dense_layer = schedule.dense_sink_pattern(heads, groups), True
+                sinks = schedule.dense_sinks if sinks is None else sinks
             elif pattern is None:
                 raise ValueError(
                     f"{name}: layer {layer_number} is dense in the attention "
                     f"schedule; build it with ScheduledCoreAttention or a dense module"
                 )
+            else:
+                sinks = schedule.sinks if sinks is None else sinks
         elif pattern.num_heads != heads:
             raise ValueError(
                 f"{name}: pattern has {pattern.num_heads} heads, the model {heads} "
