@@ -59,6 +59,33 @@ def _sink_reference(q, k, v, sinks, pattern, scale):
     return torch.einsum("bhqk,kbhd->qbhd", p, v).reshape(s, b, h * d)
 
 
+def _check_against_sink_reference(attn, pattern, seq, nh, ng, seed):
+    """A core attention with sinks (``attn``, ``nh`` query heads and ``ng`` KV groups of 16 dims
+    on this rank) against :func:`_sink_reference` under ``pattern`` (None: dense causal): its
+    sinks set around the scores' range (so they matter), fresh random inputs of batch 2 from
+    ``seed``; the output and the gradients of q, k, v and the sinks must match. Returns
+    ``(out, q, k, v)`` for the caller's further checks."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(nh, generator=gen) * 2)
+    q = torch.randn(seq, 2, nh, 16, generator=gen, requires_grad=True)
+    k = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
+    v = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
+    dout = torch.randn(seq, 2, nh * 16, generator=gen)
+
+    out = attn(q, k, v, None)
+    ref = _sink_reference(q, k, v, attn.sinks, pattern, attn.softmax_scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    leaves = (q, k, v, attn.sinks)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    return out, q, k, v
+
+
 @pytest.mark.parametrize(
     "seq, heads, groups, tp_rank, tp, backend",
     [
@@ -91,24 +118,7 @@ def test_sinks_match_float64_reference_forward_and_gradients(
     local = pattern.for_tp_rank(tp_rank, tp)
     nh, ng = local.local_num_heads, local.local_num_kv_heads
     assert attn.sinks.shape == (nh,) and attn.sinks.tensor_model_parallel
-    gen = torch.Generator().manual_seed(seq + heads + tp_rank)
-    with torch.no_grad():  # sinks around the scores' range, so they matter
-        attn.sinks.copy_(torch.randn(nh, generator=gen) * 2)
-    q = torch.randn(seq, 2, nh, 16, generator=gen, requires_grad=True)
-    k = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
-    v = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
-    dout = torch.randn(seq, 2, nh * 16, generator=gen)
-
-    out = attn(q, k, v, None)
-    ref = _sink_reference(q, k, v, attn.sinks, local, attn.softmax_scale)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
-    leaves = (q, k, v, attn.sinks)
-    got = torch.autograd.grad(out, leaves, dout)
-    want = torch.autograd.grad(ref, leaves, dout.double())
-    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
-        torch.testing.assert_close(
-            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
-        )
+    out, q, k, v = _check_against_sink_reference(attn, local, seq, nh, ng, seq + heads + tp_rank)
     # Without sinks the same module's output differs: the sinks were applied.
     assert not torch.allclose(
         out,
@@ -161,24 +171,7 @@ def test_dense_layer_sinks_match_float64_reference_forward_and_gradients(
     nh, ng = heads // tp, max(1, groups // tp)
     assert attn.sinks.shape == (nh,) and attn.sinks.tensor_model_parallel
     assert "dense causal" in attn.extra_repr() and "sinks" in attn.extra_repr()
-    gen = torch.Generator().manual_seed(seq + heads + tp_rank + 1)
-    with torch.no_grad():
-        attn.sinks.copy_(torch.randn(nh, generator=gen) * 2)
-    q = torch.randn(seq, 2, nh, 16, generator=gen, requires_grad=True)
-    k = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
-    v = torch.randn(seq, 2, ng, 16, generator=gen, requires_grad=True)
-    dout = torch.randn(seq, 2, nh * 16, generator=gen)
-
-    out = attn(q, k, v, None)
-    ref = _sink_reference(q, k, v, attn.sinks, None, attn.softmax_scale)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
-    leaves = (q, k, v, attn.sinks)
-    got = torch.autograd.grad(out, leaves, dout)
-    want = torch.autograd.grad(ref, leaves, dout.double())
-    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
-        torch.testing.assert_close(
-            g.double(), w.double(), atol=5e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
-        )
+    out, q, k, v = _check_against_sink_reference(attn, None, seq, nh, ng, seq + heads + tp_rank + 1)
     # The same layer without the setting is the fused dense module, and its output is the
     # reference without sinks (so the sinks above were applied).
     plain_cfg = tiny_s2_config(
