@@ -124,9 +124,7 @@ class _Capture:
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             scale = getattr(module, "softmax_scale", None) or q.shape[-1] ** -0.5
             # A dense layer with sinks runs a dense pattern: every earlier key, as without one.
-            pattern = (
-                None if getattr(module, "dense_layer", False) else getattr(module, "pattern", None)
-            )
+            pattern = module.pattern if _is_s2(module) else None
             w = needle_weights(q, k, self.row, scale, pattern, getattr(module, "sinks", None))
             self.mass[index] = w[:, self.span].sum(-1).cpu()
             if self.others:
