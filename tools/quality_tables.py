@@ -13,6 +13,11 @@ results.csv's ``adopted_from``, keep theirs under that study's names). ``--write
 writes summary.csv, summary.md and frontier.png there (what ``megatron-s2-sweep collect``
 writes for a study with seeds).
 
+``--per-seed`` also prints every finished run's validation loss and tokens/s with its paired
+difference to the reference's run of the same seed (the values the paired interval is taken
+over), and the reference's own spread over its seeds: the noise band a difference is read
+against.
+
 ``--speed-model`` prints instead the speed model (``seed_stats.SpeedModel``: seconds per token
 linear in the model's attention density, fitted to the file's finished settings) and every
 setting's measured tokens/s against its prediction, the settings not run yet included;
@@ -30,6 +35,7 @@ from megatron_s2.training.seed_stats import (
     SPEED,
     SUMMARY_COLUMNS,
     fit_speed_model,
+    per_seed_markdown,
     position_rows,
     read_results,
     speed_model_markdown,
@@ -125,6 +131,12 @@ def main(argv=None) -> int:
         help="with --curve: the learning curve as one table of differences to the reference "
         "instead of one table per step (TOKENS_PER_STEP: global batch x sequence length)",
     )
+    ap.add_argument(
+        "--per-seed",
+        action="store_true",
+        help="also every run's loss and tokens/s with its paired difference to the reference's "
+        "run of the same seed, and the reference's spread over its seeds (the noise band)",
+    )
     ap.add_argument("--write", default=None, metavar="DIR", help="also write the summary files")
     ap.add_argument(
         "--speed-model",
@@ -142,6 +154,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.adopted_runs and not args.positions:
         print("quality_tables: --adopted-runs goes with --positions", file=sys.stderr)
+        return 2
+    if args.per_seed and not args.reference:
+        print("quality_tables: --per-seed needs --reference", file=sys.stderr)
         return 2
     if args.speed_fit and not args.speed_model:
         print("quality_tables: --speed-fit goes with --speed-model", file=sys.stderr)
@@ -222,6 +237,8 @@ def main(argv=None) -> int:
             sys.stdout.write(curve_markdown(summaries, args.reference, args.curve_table))
             continue
         sys.stdout.write(summary_markdown(summaries, args.reference, cols, loss_name=loss_name))
+    if args.per_seed:
+        sys.stdout.write("\nper seed:\n\n" + per_seed_markdown(rows, args.reference))
     if args.write:
         # The plot's title is the study's name, as the sweep's own: the folder of its results.csv.
         study = os.path.basename(os.path.dirname(os.path.abspath(args.results)))
@@ -240,6 +257,7 @@ def _speed_model(args) -> int:
             ("--adopted-runs", args.adopted_runs),
             ("--curve", args.curve),
             ("--curve-table", args.curve_table),
+            ("--per-seed", args.per_seed),
             ("--write", args.write),
         )
         if value

@@ -270,6 +270,42 @@ def position_rows(runs_dir: str, window: int, adopted: Optional[dict] = None) ->
     return rows
 
 
+def per_seed_markdown(rows: Sequence[dict], reference: str) -> str:
+    """Every finished run (rows of a sweep's results.csv, in their order) as one table row: its
+    setting, seed, final validation loss, tokens/s and its difference to ``reference``'s run of
+    the same seed in % of the reference's mean loss over its seeds (so the values
+    :func:`difference_interval` pairs; empty where the reference has no run of that
+    seed), then the reference's noise band: its seeds' spread (max - min) and standard
+    deviation, both in % of its mean. ValueError if ``reference`` has no finished run."""
+    done = [
+        r
+        for r in rows
+        if r.get("status", "finished") == "finished" and _number(r.get(LOSS)) is not None
+    ]
+    ref = {r.get(SEED_KEY, ""): _number(r[LOSS]) for r in done if _setting_of(r) == reference}
+    if not ref:
+        raise ValueError(f"reference {reference!r} has no finished run with a validation loss")
+    mean = sum(ref.values()) / len(ref)
+    lines = [
+        f"| setting | seed | valid loss | tokens/s | vs {reference}, same seed (% of its mean) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in done:
+        seed, loss, speed = r.get(SEED_KEY, ""), _number(r[LOSS]), _number(r.get(SPEED))
+        diff = ""
+        if _setting_of(r) != reference and seed in ref:
+            diff = f"{(loss - ref[seed]) * 100.0 / mean:+.2f}%"
+        speed_text = f"{speed:,.0f}" if speed is not None else ""
+        lines.append(f"| {_setting_of(r)} | {seed} | {loss:.4f} | {speed_text} | {diff} |")
+    values = list(ref.values())
+    spread = (max(values) - min(values)) * 100 / mean
+    band = f"{reference} over {len(values)} seed(s): spread {spread:.2f}%"
+    if len(values) > 1:
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        band += f", standard deviation {sd * 100 / mean:.2f}% of its mean loss {mean:.4f}"
+    return "\n".join(lines) + f"\n\nNoise band: {band}.\n"
+
+
 def pareto_fastest(summaries: Sequence[SettingSummary]) -> list[int]:
     """Indices of the settings no other setting beats on both mean loss (lower) and mean
     tokens/s (higher), fastest first."""

@@ -380,6 +380,50 @@ def test_quality_tables_tool_recomputes_the_summary(tmp_path):
     assert bad.returncode == 2 and "reference 'none'" in bad.stderr
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_per_seed_table_pairs_each_run_with_the_references_same_seed(tmp_path, seed):
+    """--per-seed: each run's paired difference is (its loss - the reference's loss of the same
+    seed) in % of the reference's mean, the values whose mean and t interval the summary's
+    paired difference is; a seed the reference lacks has none; the noise band is the
+    reference's spread and standard deviation over its seeds in % of its mean."""
+    rng = random.Random(seed)
+    losses = {name: [rng.uniform(2.5, 3.5) for _ in range(3)] for name in ("dense", "a", "b")}
+    speeds = {name: [rng.uniform(1e5, 3e5) for _ in range(3)] for name in losses}
+    rows = _rows(losses, speeds)
+    rows.append({**rows[-1], "point": "b,seed=4", "train.seed": "4"})  # no dense seed 4
+    rows.append({**rows[-1], "point": "b,seed=5", "train.seed": "5", "status": "failed"})
+    path = _write_results(tmp_path / "results.csv", rows)
+    res = _checked(_tool(path, "--reference", "dense", "--per-seed"))
+    table = res.stdout.split("per seed:\n\n", 1)[1]
+    cells = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    assert [c.strip() for c in cells[0]][:2] == ["setting", "seed"]
+    body = {(c[0].strip(), c[1].strip()): [x.strip() for x in c[2:]] for c in cells[1:]}
+    assert len(body) == 10 and ("b", "5") not in body  # the failed run is left out
+    ref = losses["dense"]
+    mean = sum(ref) / 3
+    summary = {s.setting: s for s in seed_stats.summarize(rows, "dense")}
+    for name in ("a", "b"):
+        diffs = []
+        for k in range(3):
+            loss, speed, diff = body[(name, str(k + 1))]
+            assert float(loss) == pytest.approx(losses[name][k], abs=5e-5)
+            assert float(speed.replace(",", "")) == pytest.approx(speeds[name][k], abs=0.5)
+            expected = (losses[name][k] - ref[k]) * 100 / mean
+            assert float(diff.rstrip("%")) == pytest.approx(expected, abs=0.005)
+            diffs.append(expected)
+        # The same values the summary's paired interval is taken over.
+        assert summary[name].loss_diff.mean == pytest.approx(sum(diffs) / 3)
+    assert body[("b", "4")][2] == "" and body[("dense", "1")][2] == ""
+    sd = stats.tstd(ref)
+    band = res.stdout.split("Noise band: ", 1)[1]
+    assert f"spread {(max(ref) - min(ref)) * 100 / mean:.2f}%" in band
+    assert f"standard deviation {sd * 100 / mean:.2f}%" in band
+    bad = _tool(path, "--per-seed")
+    assert bad.returncode == 2 and "--per-seed needs --reference" in bad.stderr
+    bad = _tool(path, "--per-seed", "--speed-model")
+    assert bad.returncode == 2 and "--per-seed" in bad.stderr
+
+
 def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(tmp_path):
     """Runs carried in from an earlier lease have no loss_by_position.json: with the reference's
     missing the position tables are left out (naming the settings that have one) and the
@@ -591,6 +635,21 @@ def test_quality_doc_4k_reference_table_is_the_tools_output():
     assert len(rows) == 12
     heading = f"## At 4k for reference, in progress: {finished} of 12 runs"
     assert heading in doc
+    # The noise band and the seeds' paired differences the text quotes (--per-seed).
+    res = _checked(_tool(study / "results.csv", "--reference", "dense", "--per-seed"))
+    per_seed = res.stdout.split("per seed:", 1)[1]
+    band = per_seed.split("Noise band: ", 1)[1]
+    spread = band.split("spread ", 1)[1].split("%", 1)[0]
+    sd = band.split("standard deviation ", 1)[1].split("%", 1)[0]
+    text = " ".join(doc.split())
+    assert f"a spread of {spread}% of their mean (standard deviation {sd}%)" in text
+    cells = {}
+    for line in per_seed.splitlines():
+        if line.startswith("| hybrid-"):
+            setting, seed, _, _, diff = (c.strip() for c in line.strip("|").split("|"))
+            cells.setdefault(setting, []).append(diff)
+    assert f"same seed {', '.join(cells['hybrid-SSSD'])})" in text
+    assert f"({', '.join(cells['hybrid-DS'])};" in text
 
 
 def test_quality_doc_16k_grid_table_is_the_tools_output():
