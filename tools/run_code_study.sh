@@ -25,7 +25,10 @@
 # run's long_context_eval.log; default one after another, on the console), ADOPT_FROM (a study
 # YAML: before the sweep, `megatron-s2-sweep adopt --from ADOPT_FROM` takes its finished runs that
 # trained exactly what a point asks, so that a shared arm trains once; docs/sweeps.md) and
-# ADOPT_RUNS (where those runs are, e.g. a committed copy; default its output_dir). Extra arguments go to
+# ADOPT_RUNS (where those runs are, e.g. a committed copy; default its output_dir), OUTPUT_DIR (the
+# study's runs, table and corpus record there instead of its output_dir: e.g. a rerun of some of a
+# study's points beside the committed runs, not over them; passed to the sweep as --output-dir).
+# Extra arguments go to
 # tools/build_code_corpus.py. Exit status: non-zero if a step failed, an evaluation during the
 # sweep included (the sweep's own exit code 3), even where the catch-up then redid it.
 #
@@ -71,12 +74,19 @@ read -r -a OVERRIDES < <("$PYTHON" -c "import json,sys; print(json.load(open(sys
 echo "== corpus overrides: ${OVERRIDES[*]}"
 
 echo "== study $STUDY"
-OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
+if [[ -n "${OUTPUT_DIR:-}" ]]; then
+    OUT=$OUTPUT_DIR
+    output_args=(--output-dir "$OUTPUT_DIR")
+else
+    OUT=$("$PYTHON" - "$STUDY" "${OVERRIDES[@]}" <<'PY'
 import sys
 from megatron_s2.training.sweep import load_study
 print(load_study(sys.argv[1], extra_overrides=sys.argv[2:]).output_dir)
 PY
 )
+    output_args=()
+fi
+echo "== output: $OUT"
 # The corpus is part of a study's result: seed k of every point must train on the same files
 # for the pairing by seed to hold, and the corpus is built from this machine's interpreter. So
 # the study's folder keeps the corpus.json its runs trained on (written by the first run here),
@@ -105,13 +115,13 @@ if [[ -n "${ADOPT_FROM:-}" ]]; then
     adopt_args=(--from "$ADOPT_FROM")
     [[ -n "${ADOPT_RUNS:-}" ]] && adopt_args+=(--from-runs "$ADOPT_RUNS")
     "$PYTHON" -m megatron_s2.training.sweep adopt "$STUDY" "${OVERRIDES[@]}" "${adopt_args[@]}" \
-        || status=$?
+        "${output_args[@]}" || status=$?
 fi
 read -r -a sweep_args <<< "${SWEEP_ARGS:-}"
 # Each point evaluated as soon as it has trained (this script again, as --evaluate-run).
 after="bash $(printf %q "$SELF") --evaluate-run {run}"
 "$PYTHON" -m megatron_s2.training.sweep run "$STUDY" "${OVERRIDES[@]}" --after "$after" \
-    "${sweep_args[@]}" || status=$?
+    "${output_args[@]}" "${sweep_args[@]}" || status=$?
 
 # The catch-up: the finished points still without their curve (trained before this script passed
 # --after, or their evaluation failed during the sweep), where their checkpoints are. One after

@@ -43,6 +43,8 @@ FAKE = textwrap.dedent(
         from tests.helpers.study_scripts import run_after
         overrides = [a for a in args[4:args.index("--after")]]
         out = load_study(args[3], extra_overrides=overrides).output_dir
+        if "--output-dir" in args:
+            out = args[args.index("--output-dir") + 1]
         finished = sorted(glob.glob(os.path.join(out, "runs", "*", "summary.json")))
         code = run_after(args, [os.path.dirname(f) for f in finished])
         with open(log, "a") as f:  # where the sweep ended, for the order of the calls
@@ -107,6 +109,9 @@ def _study(tmp_path):
         "FAKE_NO_AFTER",
         "FAKE_EVAL_FAIL_ONCE",
         "FAKE_EVAL_SLEEP",
+        "OUTPUT_DIR",
+        "ADOPT_FROM",
+        "ADOPT_RUNS",
     ):
         env.pop(var, None)
     return study, out, env
@@ -324,3 +329,39 @@ def test_the_study_keeps_its_corpus_and_refuses_another(tmp_path):
     ) in r.stderr
     assert not [c for c in calls if c["args"][:2] == ["-m", "megatron_s2.training.sweep"]]
     assert json.loads((out / "corpus.json").read_text())["manifest_sha256"] == "aaa"  # kept
+
+
+def test_output_dir_puts_the_study_elsewhere(tmp_path):
+    """OUTPUT_DIR (a rerun of a study's points beside its committed runs): the sweep and adopt
+    get --output-dir, the corpus record and the evaluations are in that folder, and the study's
+    own output_dir is not touched."""
+    study, out, env = _study(tmp_path)
+    rerun = tmp_path / "rerun"
+    (rerun / "runs" / "seed=2" / "checkpoints" / "iter_0000003").mkdir(parents=True)
+    (rerun / "runs" / "seed=2" / "summary.json").write_text("{}")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    # The real adopt takes seed=3 from a committed copy into OUTPUT_DIR (overrides a real
+    # config accepts: the other tests' corpus has no data.blend).
+    from megatron_s2.training.sweep import load_study
+
+    corpus = {"overrides": "logging.plot=false"}
+    (tmp_path / "corpus" / "corpus.json").write_text(json.dumps(corpus))
+    point = load_study(study, extra_overrides=["logging.plot=false"]).points[2]
+    committed = tmp_path / "committed" / point.name
+    (committed / "checkpoints" / "iter_0000009").mkdir(parents=True)
+    (committed / "summary.json").write_text(
+        json.dumps({"iteration": point.config.train.train_iters})
+    )
+    env.update(OUTPUT_DIR=str(rerun), ADOPT_FROM=str(study), ADOPT_RUNS=str(committed.parent))
+    r, calls = _run_script(study, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"== output: {rerun}" in r.stdout
+    for verb in ("adopt", "run"):
+        (call,) = [c for c in calls if c["args"][:3] == ["-m", "megatron_s2.training.sweep", verb]]
+        i = call["args"].index("--output-dir")
+        assert call["args"][i + 1] == str(rerun)
+    assert sorted(_evaluated(calls)) == ["seed=2", "seed=3"]
+    assert (rerun / "runs" / "seed=3" / "adopted.json").is_file()
+    assert (rerun / "runs" / "seed=2" / "long_context_eval" / "loss_by_position.json").is_file()
+    assert (rerun / "corpus.json").is_file()
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
