@@ -110,12 +110,23 @@ def main(argv=None) -> int:
         help="print issue 50's goal table instead (needs <study>/results.csv for tokens/s)",
     )
     p.add_argument(
+        "--speed-reference",
+        metavar="STUDY",
+        help="with --goal: the reference arm's tokens/s from this other study's results.csv "
+        "(its runs of the reference's seeds), e.g. a twin on the fused dense kernels where the "
+        "study's own twin runs a slower one (dense layers with learned sinks), so that a slow "
+        "twin cannot inflate the speed-up",
+    )
+    p.add_argument(
         "--by-depth",
         action="store_true",
         help="print each arm's exact match by depth and length instead (trials pooled over "
         "seeds, Wilson intervals; no reference needed)",
     )
     args = p.parse_args(argv)
+    if args.speed_reference and not args.goal:
+        print("retrieval_tables: error: --speed-reference goes with --goal", file=sys.stderr)
+        return 2
     if args.goal and args.by_depth:
         print("retrieval_tables: error: --goal and --by-depth are two views: give one",
               file=sys.stderr)  # fmt: skip
@@ -145,7 +156,23 @@ def main(argv=None) -> int:
             )
         elif args.goal:
             speed = study_tokens_per_s(os.path.join(args.study, "results.csv"), arms)
-            text = goal_markdown(arms, speed, reference=args.reference)
+            note = ""
+            if args.speed_reference:
+                ref = args.reference
+                other = os.path.join(args.speed_reference, "results.csv")
+                theirs = study_tokens_per_s(other, {ref: arms[ref]}).get(ref, {})
+                missing = sorted(set(arms[ref]) - set(theirs))
+                if missing:
+                    raise ValueError(
+                        f"--speed-reference: {other} has no finished run of {ref!r} with "
+                        f"seed(s) {', '.join(map(str, missing))} (the reference's seeds here)"
+                    )
+                speed[ref] = theirs
+                note = (
+                    f"\n\ntokens/s vs {ref}: {ref}'s tokens/s from {other} (seeds "
+                    f"{', '.join(map(str, sorted(theirs)))}), not from this study's runs."
+                )
+            text = goal_markdown(arms, speed, reference=args.reference) + note
         else:
             text = study_markdown(arms, tasks, reference=args.reference)
     except (OSError, ValueError, KeyError) as exc:

@@ -624,6 +624,65 @@ def test_goal_table_from_the_committed_study(tmp_path):
     assert proc.returncode == 2 and "no " in proc.stderr and "results.csv" in proc.stderr
 
 
+def test_goal_speed_up_against_another_studys_reference(tmp_path):
+    """--speed-reference: the reference arm's tokens/s come from another study's results.csv
+    (its runs of the reference's seeds), the arm's from this study's, and the table says so;
+    a reference seed the other study lacks, or the option without --goal, is refused."""
+    import csv
+    import shutil
+
+    tool = os.path.join(REPO, "tools", "retrieval_tables.py")
+    study = os.path.join(
+        REPO, "docs", "long_context", "results", "retrieval-125m-extend-32k-longbase"
+    )
+    arm = "dense-to-hybrid-DSDSDSDSSSDD"
+    with open(os.path.join(study, "results.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    scale = 1.1 + 0.2 * np.random.default_rng().random()  # the other study's twin is faster
+    theirs, mine = [], []
+    for r in rows:
+        name, _, seed = r["point"].rpartition(",seed=")
+        if r["status"] != "finished":
+            continue
+        if name == "dense":
+            r["tokens_per_s"] = repr(float(r["tokens_per_s"]) * scale)
+            theirs.append(float(r["tokens_per_s"]))
+        elif name == arm:
+            mine.append(float(r["tokens_per_s"]))
+    with open(fast / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+    def run(*args):
+        return subprocess.run([sys.executable, tool, study, *map(str, args)],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    proc = run("--goal", "--speed-reference", fast)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith(f"| {arm} |")]
+    ratio = (sum(mine) / len(mine)) / (sum(theirs) / len(theirs))
+    assert len(mine) == len(theirs) == 3
+    assert f"| {ratio:.2f}x |" in row
+    assert f"dense's tokens/s from {fast / 'results.csv'} (seeds 1, 2, 3)" in proc.stdout
+    own = run("--goal")
+    assert own.returncode == 0 and f"| {ratio * scale:.2f}x |" in own.stdout
+    # A reference seed the other study has not run.
+    with open(fast / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(r for r in rows if r["point"] != "dense,seed=2")
+    proc = run("--goal", "--speed-reference", fast)
+    assert proc.returncode == 2 and "no finished run of 'dense' with seed(s) 2" in proc.stderr
+    proc = run("--speed-reference", fast)
+    assert proc.returncode == 2 and "--speed-reference goes with --goal" in proc.stderr
+    shutil.rmtree(fast)
+    proc = run("--goal", "--speed-reference", fast)
+    assert proc.returncode == 2 and "results.csv" in proc.stderr
+
+
 def _ll_result(logliks, exact=lambda k: False, answer=lambda k: f" {k[2]:05d}"):
     """A retrieval.json whose task code-value holds per-trial records ``logliks[(length,
     depth, trial)]`` (nats) and an exact-match cell per (length, depth)."""
