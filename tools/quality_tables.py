@@ -226,6 +226,7 @@ def main(argv=None) -> int:
                 for step, summaries in curves:
                     name = f"valid loss at step {step}"
                     tables.append((name, summaries, name))
+        per_seed = per_seed_markdown(rows, args.reference) if args.per_seed else ""
     except ValueError as e:
         print(f"quality_tables: {e}", file=sys.stderr)
         return 2
@@ -237,8 +238,8 @@ def main(argv=None) -> int:
             sys.stdout.write(curve_markdown(summaries, args.reference, args.curve_table))
             continue
         sys.stdout.write(summary_markdown(summaries, args.reference, cols, loss_name=loss_name))
-    if args.per_seed:
-        sys.stdout.write("\nper seed:\n\n" + per_seed_markdown(rows, args.reference))
+    if per_seed:
+        sys.stdout.write("\nper seed:\n\n" + per_seed)
     if args.write:
         # The plot's title is the study's name, as the sweep's own: the folder of its results.csv.
         study = os.path.basename(os.path.dirname(os.path.abspath(args.results)))

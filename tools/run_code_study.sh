@@ -27,7 +27,8 @@
 # trained exactly what a point asks, so that a shared arm trains once; docs/sweeps.md) and
 # ADOPT_RUNS (where those runs are, e.g. a committed copy; default its output_dir), OUTPUT_DIR (the
 # study's runs, table and corpus record there instead of its output_dir: e.g. a rerun of some of a
-# study's points beside the committed runs, not over them; passed to the sweep as --output-dir).
+# study's points beside the committed runs, not over them; passed to the sweep as --output-dir;
+# a relative path is from the repository's root, as CORPUS).
 # Extra arguments go to
 # tools/build_code_corpus.py. Exit status: non-zero if a step failed, an evaluation during the
 # sweep included (the sweep's own exit code 3), even where the catch-up then redid it.
