@@ -32,6 +32,7 @@ import os
 import sys
 
 from megatron_s2.training.seed_stats import (
+    CPU_NOTE,
     SPEED,
     SUMMARY_COLUMNS,
     fit_speed_model,
@@ -42,6 +43,7 @@ from megatron_s2.training.seed_stats import (
     speed_rows,
     summarize,
     summary_markdown,
+    trained_on_cpu,
     write_summary,
 )
 
@@ -238,6 +240,8 @@ def main(argv=None) -> int:
             sys.stdout.write(curve_markdown(summaries, args.reference, args.curve_table))
             continue
         sys.stdout.write(summary_markdown(summaries, args.reference, cols, loss_name=loss_name))
+        if i == 0 and trained_on_cpu(rows):
+            sys.stdout.write(f"\n{CPU_NOTE}\n")
     if per_seed:
         sys.stdout.write("\nper seed:\n\n" + per_seed)
     if args.write:

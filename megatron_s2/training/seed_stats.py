@@ -44,6 +44,22 @@ CONFIDENCE = 0.95
 SEED_KEY = "train.seed"
 LOSS = "final_valid_loss"
 SPEED = "tokens_per_s"
+# What a sweep writes in a row's ``memory`` column for a run trained in CPU mode (the trainer's
+# resident set size stands in for GPU memory): its speeds measure the CPU reference paths.
+CPU_MEMORY = "cpu rss"
+CPU_NOTE = (
+    "Trained in CPU mode: tokens/s, TFLOP/s and wall times measure the CPU reference paths, "
+    "not the GPU kernels; do not compare speeds."
+)
+
+
+def trained_on_cpu(rows: Iterable[dict]) -> bool:
+    """Whether any of a sweep's rows (results.csv) is a run trained in CPU mode, whose speed
+    columns (and so the speed-ups, the Pareto front and the frontier plot's x axis) mean
+    nothing for the GPU kernels."""
+    return any(r.get("memory") == CPU_MEMORY for r in rows)
+
+
 DENSITY = "attention_density"
 LENGTH = "model.seq_length"
 
@@ -287,7 +303,8 @@ def per_seed_markdown(rows: Sequence[dict], reference: str) -> str:
         raise ValueError(f"reference {reference!r} has no finished run with a validation loss")
     mean = sum(ref.values()) / len(ref)
     lines = [
-        f"| setting | seed | valid loss | tokens/s | vs {reference}, same seed (% of its mean) |",
+        f"| setting | seed | valid loss | tokens/s "
+        f"| vs {reference}'s same seed (% of {reference}'s mean) |",
         "|---|---|---|---|---|",
     ]
     for r in done:
@@ -483,11 +500,15 @@ def write_summary(
                     s.verdict,
                 ]
             )
+    cpu = trained_on_cpu(rows)
     md_path = os.path.join(out_dir, "summary.md")
     with open(md_path, "w") as f:
         f.write(f"# {title} over seeds\n\n" if title else "")
         f.write(summary_markdown(summaries, reference, columns))
-    plot = write_frontier_plot(summaries, os.path.join(out_dir, "frontier.png"), title)
+        if cpu:
+            f.write(f"\n{CPU_NOTE}\n")
+    plot_title = f"{title} (CPU mode: speeds not comparable)" if cpu else title
+    plot = write_frontier_plot(summaries, os.path.join(out_dir, "frontier.png"), plot_title)
     return [csv_path, md_path, plot]
 
 

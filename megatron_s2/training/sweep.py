@@ -88,6 +88,7 @@ from .run_config import (
     yaml_load,
 )
 from .run_dir import LOCK_FILE
+from .seed_stats import CPU_MEMORY, CPU_NOTE, trained_on_cpu
 
 __all__ = [
     "StudyError",
@@ -1585,7 +1586,7 @@ def collect(study: Study) -> list[dict]:
             row["tokens_per_s"], row["tflops_per_gpu"] = throughput(train)
             mem = [(k, r[k]) for r in train for k in ("gpu_mem_gib", "cpu_rss_gib") if k in r]
             if mem:
-                row["memory"] = {"gpu_mem_gib": "gpu peak", "cpu_rss_gib": "cpu rss"}[mem[-1][0]]
+                row["memory"] = {"gpu_mem_gib": "gpu peak", "cpu_rss_gib": CPU_MEMORY}[mem[-1][0]]
                 row["peak_memory_gib"] = max(v for _, v in mem)
             tc, _ = curves(point)
             row["tokens"] = tc[-1][0]
@@ -1670,9 +1671,8 @@ def write_tables(study: Study, rows: list) -> tuple[str, str]:
         lines += ["", "Adopted (trained by another study, copied here by `megatron-s2-sweep "
                   "adopt`: its speed and wall time are that run's):", ""]  # fmt: skip
         lines += [f"- `{r['point']}` from `{r['adopted_from']}`" for r in adopted]
-    if any(r.get("memory") == "cpu rss" for r in rows):
-        lines += ["", "Trained in CPU mode: tokens/s, TFLOP/s and wall times measure the CPU "
-                  "reference paths, not the GPU kernels; do not compare speeds."]  # fmt: skip
+    if trained_on_cpu(rows):
+        lines += ["", CPU_NOTE]
     errors = [r for r in rows if r.get("error")]
     if errors:
         lines += ["", "Skipped (config errors):", ""]

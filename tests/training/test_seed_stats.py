@@ -424,6 +424,39 @@ def test_per_seed_table_pairs_each_run_with_the_references_same_seed(tmp_path, s
     assert bad.returncode == 2 and "--per-seed" in bad.stderr
 
 
+@pytest.mark.parametrize("memory", ["cpu rss", "gpu peak"])
+def test_summary_and_tool_say_when_runs_trained_in_cpu_mode(tmp_path, memory):
+    """Runs trained in CPU mode (the sweep's memory column "cpu rss") measure the CPU reference
+    paths: summary.md, the frontier plot's title and tools/quality_tables.py say that their
+    speeds are not to be compared; GPU runs get no such note."""
+    rows = _rows(
+        {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
+        {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
+    )
+    for r in rows:
+        r["memory"] = memory
+    cpu = memory == "cpu rss"
+    assert seed_stats.trained_on_cpu(rows) is cpu
+    titles = []
+    real = seed_stats.write_frontier_plot
+
+    def spy(summaries, path, title):
+        titles.append(title)
+        return real(summaries, path, title)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(seed_stats, "write_frontier_plot", spy):
+        seed_stats.write_summary(rows, str(tmp_path / "out"), reference="dense", title="t")
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert (seed_stats.CPU_NOTE in md) is cpu
+    assert titles == ["t (CPU mode: speeds not comparable)" if cpu else "t"]
+    path = _write_results(tmp_path / "results.csv", rows)
+    res = _checked(_tool(path, "--reference", "dense", "--per-seed"))
+    assert (seed_stats.CPU_NOTE in res.stdout) is cpu
+    assert res.stdout.count(seed_stats.CPU_NOTE) == int(cpu)
+
+
 def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(tmp_path):
     """Runs carried in from an earlier lease have no loss_by_position.json: with the reference's
     missing the position tables are left out (naming the settings that have one) and the
