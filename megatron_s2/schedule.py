@@ -745,13 +745,26 @@ def _check_coverage(pattern: S2Pattern, seq_length: Optional[int], where: str, l
         else f"{pattern.vert_stride - len(phases)} of every {pattern.vert_stride} key blocks "
         f"unseen beyond the local window"
     )
+    # Only the fixes that close the holes here: head_step=1 (with homo_head off) gives one phase
+    # per head, so it covers exactly when there are at least vert_stride heads.
+    fixes = []
+    if pattern.vert_stride > pattern.num_heads:
+        fixes.append(f"vert_stride <= num_heads ({pattern.num_heads})")
+    else:
+        fixes.append(
+            "head_step=1 with homo_head: false"
+            if pattern.homo_head and pattern.head_step != 1
+            else "homo_head: false"
+            if pattern.homo_head
+            else "head_step=1"
+        )
+    fixes.append("dense heads (num_dense_heads)")
     raise ScheduleError(
         f"{where} (layer {layer}): the {pattern.num_heads} heads together leave {unseen} "
         f"(e.g. blocks {report.uncovered_blocks[:4]}): vert_stride={pattern.vert_stride} with "
         f"head_step={pattern.head_step}{', homo_head' if pattern.homo_head else ''} gives only "
-        f"{len(phases)} of {pattern.vert_stride} stripe phases. Use vert_stride <= num_heads, "
-        f"head_step=1, dense heads (num_dense_heads), or set attention.allow_coverage_holes: true "
-        f"if the holes are intended"
+        f"{len(phases)} of {pattern.vert_stride} stripe phases. Use {', '.join(fixes)}, or set "
+        f"attention.allow_coverage_holes: true if the holes are intended"
     )
 
 

@@ -188,6 +188,42 @@ def test_coverage_holes_are_an_error_naming_layer_and_settings():
         AttentionSchedule.from_dict({"s2": {"vert_stride": 64}}).validate(2, 32, 8, 1)
 
 
+@pytest.mark.parametrize(
+    "heads, s2, fix",
+    [
+        (4, {"vert_stride": 8, "head_step": 2}, "vert_stride <= num_heads (4)"),
+        (4, {"vert_stride": 8, "head_step": 1}, "vert_stride <= num_heads (4)"),
+        (8, {"vert_stride": 8, "head_step": 2}, "head_step=1"),
+        (8, {"vert_stride": 4, "homo_head": True}, "homo_head: false"),
+        (
+            8,
+            {"vert_stride": 8, "head_step": 2, "homo_head": True},
+            "head_step=1 with homo_head: false",
+        ),
+    ],
+)
+def test_coverage_error_offers_only_fixes_that_close_the_holes(heads, s2, fix):
+    """The coverage error's advice is what closes the holes of this layer: head_step=1 is not
+    offered where there are fewer heads than stripe phases (it was, even with head_step=1 set);
+    applying the offered head/stride fix validates."""
+    cfg = {"s2": dict(s2), "dense_layers": {"indices": [0]}}
+    with pytest.raises(ScheduleError) as err:
+        AttentionSchedule.from_dict(cfg).validate(2, heads, heads, 1, 4096)
+    message = str(err.value)
+    assert (
+        f"Use {fix}, dense heads (num_dense_heads), or set attention.allow_coverage_holes"
+        in message
+    )
+    if "vert_stride <=" in fix:
+        assert "Use head_step=1" not in message
+        cfg["s2"]["vert_stride"] = heads
+        cfg["s2"]["head_step"] = 1
+    else:
+        cfg["s2"]["head_step"] = 1
+        cfg["s2"]["homo_head"] = False
+    AttentionSchedule.from_dict(cfg).validate(2, heads, heads, 1, 4096)
+
+
 def test_coverage_holes_in_an_override_name_the_override():
     s = AttentionSchedule.from_dict({"overrides": {1: {"homo_head": True}}})
     with pytest.raises(ScheduleError, match=r"attention\.overrides\.1 \(layer 1\).*homo_head"):
