@@ -390,6 +390,18 @@ def test_devices_must_be_distinct_and_fill_whole_groups(tmp_path, devices):
     assert sweep.main(["run", str(path), "--devices", "0,1", "--slurm"]) == 2
 
 
+def test_cpu_demo_study_loads_on_the_demo():
+    """docs/sweeps.md's first study (configs/studies/demo-seeds.yaml): no base, so the demo
+    model and corpus; dense and the 1:1 hybrid, two seeds each, every point valid."""
+    study = load_study(REPO / "configs" / "studies" / "demo-seeds.yaml")
+    assert [p.name for p in study.points] == [
+        "dense,seed=1", "dense,seed=2", "hybrid-DS,seed=1", "hybrid-DS,seed=2"
+    ]  # fmt: skip
+    assert all(p.valid for p in study.points), [p.error for p in study.points if not p.valid]
+    assert all(p.config.data.demo and p.config.train.train_iters == 40 for p in study.points)
+    assert study.reference == "dense" and study.seeds == [1, 2]
+
+
 def test_example_study_loads():
     study = load_study(REPO / "configs" / "studies" / "s2-stride-window.yaml")
     assert len(study.points) == 11 and all(p.valid for p in study.points), [
