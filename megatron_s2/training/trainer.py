@@ -743,9 +743,11 @@ def write_summary(r: RunResult, name: str, *, plot: bool) -> None:
         i1, l1 = valid_losses[-1]
         lines.append(f"  valid loss      {l1:.4f} (iter {i1})")
     session = f" (this session, from {r.resumed_from})" if r.resumed_from else ""
+    # One process a GPU on a GPU machine; in CPU mode a process is not a GPU (nor its speed).
+    per = "per GPU" if torch.cuda.is_available() else "per process (CPU mode)"
     lines.append(
         f"  throughput      {r.tokens_per_s:,.0f} tokens/s, "
-        f"{r.tflops_per_gpu:.3f} model TFLOP/s per GPU{session}"
+        f"{r.tflops_per_gpu:.3f} model TFLOP/s {per}{session}"
     )
     lines.append(
         f"  metrics         {jsonl} (TensorBoard: {os.path.join(r.run_dir, 'tensorboard')})"

@@ -473,6 +473,8 @@ def test_summary_quotes_the_losses_metrics_jsonl_holds(tmp_path, capsys):
     assert (summary["final_valid_loss"], summary["final_valid_iteration"]) == (3.1, 20)
     out = capsys.readouterr().out
     assert "5.8000 (iter 1) -> 2.9000 (iter 25)" in out and "this session" in out
+    # No GPU here: the speed is a CPU process's, not a GPU's.
+    assert "model TFLOP/s per process (CPU mode)" in out and "per GPU" not in out
 
 
 def test_on_rank0_passes_results_and_errors_without_a_process_group():
