@@ -451,7 +451,10 @@ def write_summary(
     # (the seed is what the summary averages over; checkpoint.* says where a run loaded from)
     extra = [a for a in axes if a not in SUMMARY_COLUMNS and a != SEED_KEY]
     wanted = [*SUMMARY_COLUMNS, *(a for a in extra if not a.startswith("checkpoint."))]
-    columns = [c for c in wanted if any(r.get(c) not in (None, "") for r in rows)]
+    # Columns of the settings summarized: a key set only by a point that did not run (a config
+    # error) would be an empty column.
+    finished = [r for r in rows if r.get("status", "finished") == "finished"]
+    columns = [c for c in wanted if any(r.get(c) not in (None, "") for r in finished)]
     try:
         summaries = summarize(rows, reference, columns)
     except ValueError:

@@ -335,6 +335,16 @@ def test_summary_table_and_files(tmp_path):
     assert math.isclose(float(table[0]["valid_loss_mean"]), (3.00 + 3.10 + 2.95) / 3)
     with pytest.raises(ValueError, match="reference 'nope'"):
         seed_stats.summarize(rows, "nope")
+    # A grid key set only by a point that did not run (its config error) is no summary column.
+    rows.append({**rows[0], "point": "bad,seed=1", "setting": "bad", "status": "invalid",
+                 "attention.s2.vert_stride": "16"})  # fmt: skip
+    seed_stats.write_summary(rows, str(tmp_path), reference="dense", title="t",
+                             axes=["attention.s2.vert_stride"])  # fmt: skip
+    assert "vert_stride" not in (tmp_path / "summary.md").read_text()
+    rows[0]["attention.s2.vert_stride"] = "8"  # a finished run's value: the column stays
+    seed_stats.write_summary(rows, str(tmp_path), reference="dense", title="t",
+                             axes=["attention.s2.vert_stride"])  # fmt: skip
+    assert "| attention.s2.vert_stride |" in (tmp_path / "summary.md").read_text()
 
 
 def test_quality_tables_tool_recomputes_the_summary(tmp_path):
