@@ -103,7 +103,9 @@ def curve_markdown(curves: list, reference: str, tokens_per_step: float) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="a sweep's results.csv")
-    ap.add_argument("--reference", default=None, help="the setting compared against (dense)")
+    ap.add_argument(
+        "--reference", default=None, help="the setting compared against, e.g. dense (no default)"
+    )
     ap.add_argument(
         "--positions",
         default=None,
