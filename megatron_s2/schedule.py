@@ -747,17 +747,14 @@ def _check_coverage(pattern: S2Pattern, seq_length: Optional[int], where: str, l
     )
     # Only the fixes that close the holes here: head_step=1 (with homo_head off) gives one phase
     # per head, so it covers exactly when there are at least vert_stride heads.
-    fixes = []
     if pattern.vert_stride > pattern.num_heads:
-        fixes.append(f"vert_stride <= num_heads ({pattern.num_heads})")
+        fixes = [f"vert_stride <= num_heads ({pattern.num_heads})"]
+    elif not pattern.homo_head:
+        fixes = ["head_step=1"]
+    elif pattern.head_step == 1:
+        fixes = ["homo_head: false"]
     else:
-        fixes.append(
-            "head_step=1 with homo_head: false"
-            if pattern.homo_head and pattern.head_step != 1
-            else "homo_head: false"
-            if pattern.homo_head
-            else "head_step=1"
-        )
+        fixes = ["head_step=1 with homo_head: false"]
     fixes.append("dense heads (num_dense_heads)")
     raise ScheduleError(
         f"{where} (layer {layer}): the {pattern.num_heads} heads together leave {unseen} "

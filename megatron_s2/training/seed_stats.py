@@ -103,8 +103,13 @@ def mean_interval(values: Sequence[float], level: float = CONFIDENCE) -> Estimat
     mean = sum(values) / n
     if n < 2:
         return Estimate(mean, None, n)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return Estimate(mean, _t_half_width(sd, n, level), n)
+    return Estimate(mean, _t_half_width(_sample_sd(values), n, level), n)
+
+
+def _sample_sd(values: Sequence[float]) -> float:
+    """Sample standard deviation (n - 1 in the denominator) of at least two values."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def difference_interval(
@@ -155,6 +160,11 @@ def _number(value) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
+def _finished(row: dict) -> bool:
+    """Whether a results.csv row is a finished run (a row without a status counts as one)."""
+    return row.get("status", "finished") == "finished"
+
+
 def read_results(path: str | os.PathLike) -> list[dict]:
     """The rows of a sweep's ``results.csv`` (strings, as written)."""
     with open(path, newline="") as f:
@@ -198,7 +208,7 @@ def summarize(
     groups: dict = {}
     for row in rows:
         loss = _number(row.get(loss_key))
-        if loss is None or row.get("status", "finished") != "finished":
+        if loss is None or not _finished(row):
             continue
         seed = row.get(SEED_KEY, "")
         groups.setdefault(_setting_of(row), []).append((seed, loss, _number(row.get(SPEED)), row))
@@ -293,11 +303,7 @@ def per_seed_markdown(rows: Sequence[dict], reference: str) -> str:
     :func:`difference_interval` pairs; empty where the reference has no run of that
     seed), then the reference's noise band: its seeds' spread (max - min) and standard
     deviation, both in % of its mean. ValueError if ``reference`` has no finished run."""
-    done = [
-        r
-        for r in rows
-        if r.get("status", "finished") == "finished" and _number(r.get(LOSS)) is not None
-    ]
+    done = [r for r in rows if _finished(r) and _number(r.get(LOSS)) is not None]
     ref = {r.get(SEED_KEY, ""): _number(r[LOSS]) for r in done if _setting_of(r) == reference}
     if not ref:
         raise ValueError(f"reference {reference!r} has no finished run with a validation loss")
@@ -318,7 +324,7 @@ def per_seed_markdown(rows: Sequence[dict], reference: str) -> str:
     spread = (max(values) - min(values)) * 100 / mean
     band = f"{reference} over {len(values)} seed(s): spread {spread:.2f}%"
     if len(values) > 1:
-        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        sd = _sample_sd(values)
         band += f", standard deviation {sd * 100 / mean:.2f}% of its mean loss {mean:.4f}"
     return "\n".join(lines) + f"\n\nNoise band: {band}.\n"
 
@@ -453,7 +459,7 @@ def write_summary(
     wanted = [*SUMMARY_COLUMNS, *(a for a in extra if not a.startswith("checkpoint."))]
     # Columns of the settings summarized: a key set only by a point that did not run (a config
     # error) would be an empty column.
-    finished = [r for r in rows if r.get("status", "finished") == "finished"]
+    finished = [r for r in rows if _finished(r)]
     columns = [c for c in wanted if any(r.get(c) not in (None, "") for r in finished)]
     try:
         summaries = summarize(rows, reference, columns)
@@ -600,10 +606,9 @@ def _density_groups(rows: Sequence[dict]) -> tuple[dict, Optional[int]]:
             raise ValueError(
                 f"setting {setting!r} has two attention densities: {group.density} and {density}"
             )
-        status = row.get("status", "finished")
-        group.statuses.add(status)
+        group.statuses.add(row.get("status", "finished"))
         speed = _number(row.get(SPEED))
-        if speed is not None and status == "finished":
+        if speed is not None and _finished(row):
             if speed <= 0:
                 raise ValueError(f"{row.get('point', setting)}: {SPEED} {speed} is not positive")
             group.speeds.append(speed)
