@@ -1309,6 +1309,131 @@ def retrieval_longbase_seed3_needle() -> str:
     return _conversion_table(LONG_EXTEND, KEEP_LOOKUP, 3, tasks=("needle",))
 
 
+SINKS_BASE = RECIPE / "retrieval-125m-4k-base-long-sinks"
+SINKS_EXTEND = RECIPE / "retrieval-125m-extend-32k-longbase-sinks"
+# The sinks lease's seed (one seed: the rule set before it was decided by it).
+SINKS_SEED = 3
+# (label, study, arm) of the four extended models the sinks section compares, seed 3.
+SINKS_MODELS = (
+    ("twin, no sinks", LONG_EXTEND, "dense"),
+    ("twin, sinks", SINKS_EXTEND, "dense"),
+    ("switch, no sinks", LONG_EXTEND, KEEP_LOOKUP),
+    ("switch, sinks", SINKS_EXTEND, KEEP_LOOKUP),
+)
+
+
+def _sinks_run(label: str) -> dict:
+    """The retrieval.json (seed 3) of one of :data:`SINKS_MODELS`, by its label."""
+    study, arm = next((s, a) for name, s, a in SINKS_MODELS if name == label)
+    return read_json(study / arm / f"seed{SINKS_SEED}" / "retrieval.json")
+
+
+def retrieval_sinks_runs() -> str:
+    """docs/long_context_eval.md: the long base with learned sinks on every layer (seed 3)
+    beside the sink-less long base of the same seed: valid loss (each stage on its own
+    validation blend; the same blend with and without sinks) and training tokens/s, against the
+    sink-less twin of the stage (the fused dense kernels)."""
+    rows = []
+    for label, sink_study, plain_study, arms in (
+        ("4k base, 4,000 steps (two GPUs)", SINKS_BASE, LONG_BASE, ("dense",)),
+        ("32k extension, 200 steps (one GPU each)", SINKS_EXTEND, LONG_EXTEND,
+         ("dense", KEEP_LOOKUP)),
+    ):  # fmt: skip
+        twin = float(
+            read_csv(plain_study / "results.csv")[f"dense,seed={SINKS_SEED}"]["tokens_per_s"]
+        )
+        for arm in arms:
+            for sinks, study in (("no", plain_study), ("every layer", sink_study)):
+                run = read_csv(study / "results.csv")[f"{arm},seed={SINKS_SEED}"]
+                speed = float(run["tokens_per_s"])
+                rows.append([label if arm == "dense" and sinks == "no" else "", arm, sinks,
+                             f4(float(run["final_valid_loss"])), thousands(speed),
+                             ratio(speed, twin)])  # fmt: skip
+    header = ["stage", "arm, seed 3", "sinks", "valid loss", "tokens/s", "vs the sink-less twin"]
+    return table(header, rows)
+
+
+def retrieval_sinks_decision() -> str:
+    """docs/long_context_eval.md: the rule set before the sinks lease, read off the extended
+    twins of seed 3 with and without sinks (the same trials): per task, the twin with sinks at
+    depth 0 and at depths 0.25-1 (exact match, Wilson 95% intervals, 20 and 80 trials a length)
+    and its difference to the sink-less twin there (points, Newcombe's paired 95% interval),
+    per length and pooled over the four."""
+    stats = _stats()
+    sinks, plain = _sinks_run("twin, sinks"), _sinks_run("twin, no sinks")
+    lengths = [b["length"] for b in sinks["tasks"]["passkey"]["by_length"]]
+    rows = []
+    for task in ("passkey", "multikey"):
+        for label, depths in (("depth 0", [0.0]), ("depths 0.25-1", _other_depths(sinks))):
+            picked = [c for c in sinks["tasks"][task]["cells"] if float(c["depth"]) in depths]
+            cells = [_pooled_ci(stats, [c for c in picked if c["length"] == n]) for n in lengths]
+            rows.append([task if label == "depth 0" else "", f"twin with sinks, {label}",
+                         *cells, _pooled_ci(stats, picked)])  # fmt: skip
+            counts = stats.paired_counts(sinks, plain, task, depths)
+            diffs = [_paired(stats.counts_difference(counts[n])) for n in lengths]
+            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
+            rows.append(["", f"with - without sinks, {label} (points)", *diffs, pooled])
+    header = ["task", f"seed {SINKS_SEED}", *(f"{n:,} tokens" for n in lengths), "all four"]
+    return table(header, rows)
+
+
+def retrieval_sinks_switch() -> str:
+    """docs/long_context_eval.md: the switch (layers 10 and 11 dense) extended from the base
+    with sinks, seed 3: its exact match per task and length (every depth, Wilson 95%
+    intervals), and its difference over the same trials to the sink-less switch, to its own
+    twin (with sinks) and to the sink-less twin (points, Newcombe's paired 95% interval), per
+    length and pooled over the four."""
+    stats = _stats()
+    switch = _sinks_run("switch, sinks")
+    lengths = [b["length"] for b in switch["tasks"]["passkey"]["by_length"]]
+    rows = []
+    for task in ("passkey", "multikey", "needle"):
+        by_len = {b["length"]: b for b in switch["tasks"][task]["by_length"]}
+        rows.append([task, "switch with sinks", *(_ci(by_len[n]) for n in lengths),
+                     _pooled_ci(stats, [by_len[n] for n in lengths])])  # fmt: skip
+        for other in ("switch, no sinks", "twin, sinks", "twin, no sinks"):
+            counts = stats.paired_counts(switch, _sinks_run(other), task)
+            diffs = [_paired(stats.counts_difference(counts[n])) for n in lengths]
+            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
+            rows.append(["", f"- {other} (points)", *diffs, pooled])
+    header = ["task", f"seed {SINKS_SEED}", *(f"{n:,} tokens" for n in lengths), "all four"]
+    return table(header, rows)
+
+
+def retrieval_sinks_probe() -> str:
+    """docs/long_context_eval.md: the attention probe at 32k of the four extended models of
+    seed 3 (:data:`SINKS_MODELS`) in their last two layers (both dense in every one of them):
+    per needle depth, the share of its attention the layer's top head puts on the needle,
+    passkey / multi-key prompts."""
+    rows = []
+    for label, study, arm in SINKS_MODELS:
+        folder = study / arm / f"seed{SINKS_SEED}"
+        passkey = read_json(folder / "attention_probe.json")
+        multikey = read_json(folder / "attention_probe_multikey.json")
+        for layer in (10, 11):
+            p, m = passkey["layers"][layer], multikey["layers"][layer]
+            if p["layer"] != layer or m["layer"] != layer:
+                raise ValueError(f"{folder}: the probe's layer {layer} is not its entry {layer}")
+            shares = (f"{a:.2f} / {b:.2f}" for a, b in zip(p["top_head"], m["top_head"]))
+            rows.append([label if layer == 10 else "", str(layer), *shares])
+    depths = [f"depth {d:g}" for d in passkey["depths"]]
+    return table(["extended model, seed 3", "layer", *depths], rows)
+
+
+def retrieval_sinks_goal() -> str:
+    """docs/long_context_eval.md: issue 50's goal for the switch with sinks (one seed: the
+    trials' intervals), its speed-up against the sink-less twin's tokens/s of the same seed,
+    as ``tools/retrieval_tables.py <sinks study> --goal --speed-reference <long base's
+    study>`` prints it (the table alone)."""
+    stats = _stats()
+    arms = stats.read_arm_results(SINKS_EXTEND)
+    speed = stats.study_tokens_per_s(SINKS_EXTEND / "results.csv", arms)
+    speed["dense"] = stats.study_tokens_per_s(
+        LONG_EXTEND / "results.csv", {"dense": arms["dense"]}
+    )["dense"]
+    return stats.goal_markdown(arms, speed).split("\n\n")[0]
+
+
 ZONE = RECIPE / "retrieval-125m-extend-32k-zone"
 
 
@@ -1856,6 +1981,68 @@ TABLES: dict[str, Table] = {
             ),
         ),
         retrieval_longbase_goal,
+    ),
+    "retrieval-sinks-runs": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/results.csv"
+            for study in (
+                "retrieval-125m-4k-base-long",
+                "retrieval-125m-4k-base-long-sinks",
+                "retrieval-125m-extend-32k-longbase",
+                "retrieval-125m-extend-32k-longbase-sinks",
+            )
+        ),
+        retrieval_sinks_runs,
+    ),
+    "retrieval-sinks-decision": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/dense/seed3/retrieval.json"
+            for study in (
+                "retrieval-125m-extend-32k-longbase",
+                "retrieval-125m-extend-32k-longbase-sinks",
+            )
+        ),
+        retrieval_sinks_decision,
+    ),
+    "retrieval-sinks-switch": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/{arm}/seed3/retrieval.json"
+            for study in (
+                "retrieval-125m-extend-32k-longbase",
+                "retrieval-125m-extend-32k-longbase-sinks",
+            )
+            for arm in ("dense", KEEP_LOOKUP)
+        ),
+        retrieval_sinks_switch,
+    ),
+    "retrieval-sinks-probe": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/{arm}/seed3/{probe}"
+            for study in (
+                "retrieval-125m-extend-32k-longbase",
+                "retrieval-125m-extend-32k-longbase-sinks",
+            )
+            for arm in ("dense", KEEP_LOOKUP)
+            for probe in ("attention_probe.json", "attention_probe_multikey.json")
+        ),
+        retrieval_sinks_probe,
+    ),
+    "retrieval-sinks-goal": Table(
+        "docs/long_context_eval.md",
+        (
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase-sinks/results.csv",
+            "docs/long_context/results/retrieval-125m-extend-32k-longbase/results.csv",
+            *(
+                "docs/long_context/results/retrieval-125m-extend-32k-longbase-sinks/"
+                f"{arm}/seed3/retrieval.json"
+                for arm in ("dense", KEEP_LOOKUP)
+            ),
+        ),
+        retrieval_sinks_goal,
     ),
     "run-e-training": Table(
         "docs/long_context_eval.md", ("docs/long_context/example_results.md",), run_e_training
