@@ -1,0 +1,187 @@
+"""tools/lease.sh, the detached GPU-lease runner, in a scratch copy of the checkout with stand-in
+steps (the steps themselves are tested in test_run_code_study.py and
+test_run_extension_example.py): bad jobs are refused before anything starts, a failing GPU test
+stops the lease, the quality reruns carry each committed rerun into its own sweep and select the
+documented points on the documented GPUs, and a poll packs results without checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.version_independent
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Stands in for run_code_study.sh: one JSON line a call with the settings the lease gave it.
+FAKE_STUDY = textwrap.dedent(
+    """\
+    #!/usr/bin/env bash
+    printf '{"study": "%s", "sweep": "%s", "out": "%s", "eval": "%s"}\\n' \\
+        "$1" "$SWEEP_ARGS" "${OUTPUT_DIR:-}" "${EVAL_DEVICES:-}" >> "$FAKE_LOG"
+    """
+)
+
+# Stands in for the interpreter: logs its arguments; fails when FAKE_FAIL is among them.
+FAKE_PYTHON = textwrap.dedent(
+    """\
+    #!/usr/bin/env bash
+    echo "python $*" >> "$FAKE_LOG"
+    [[ " $* " == *" $FAKE_FAIL "* ]] && { echo "1 failed"; exit 1; }
+    echo "1 passed"
+    """
+)
+
+
+def _checkout(tmp_path: Path) -> Path:
+    """A scratch checkout with tools/lease.sh and the stand-ins; returns its root."""
+    root = tmp_path / "repo"
+    (root / "tools").mkdir(parents=True)
+    shutil.copy(REPO / "tools" / "lease.sh", root / "tools" / "lease.sh")
+    for path, text in (("tools/run_code_study.sh", FAKE_STUDY), ("fake_python", FAKE_PYTHON)):
+        (root / path).write_text(text)
+        (root / path).chmod(0o755)
+    return root
+
+
+def _lease(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full = {
+        **os.environ,
+        "LEASE_STAGE": "0",
+        "PYTHON": str(root / "fake_python"),
+        "FAKE_LOG": str(root / "fake.log"),
+        "FAKE_FAIL": "never",
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(root / "tools" / "lease.sh"), *args],
+        cwd=root,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _wait_done(root: Path) -> str:
+    done = root / "results" / "lease" / "DONE"
+    for _ in range(200):
+        if done.is_file():
+            return done.read_text().strip()
+        time.sleep(0.1)
+    raise AssertionError((root / "results" / "lease" / "status.log").read_text())
+
+
+def test_bad_jobs_are_refused_before_anything_starts(tmp_path):
+    root = _checkout(tmp_path)
+    bad = _lease(root, "start", "retrieval")
+    assert bad.returncode == 2
+    assert "unknown job 'retrieval'; jobs: retrieval-hybrid-ds quality-reruns gpu-tests" in (
+        bad.stderr
+    )
+    no_seed = _lease(root, "start", "retrieval-hybrid-ds")
+    assert no_seed.returncode == 2 and "needs a seed (a number)" in no_seed.stderr
+    assert not (root / "results").exists()
+
+
+def test_a_failing_gpu_test_stops_the_lease_and_a_second_start_is_refused(tmp_path):
+    root = _checkout(tmp_path)
+    started = _lease(
+        root, "start", "gpu-tests", LEASE_GPU_TEST="-m gpu first.py", FAKE_FAIL="first.py"
+    )
+    assert started.returncode == 0, started.stderr
+    assert _wait_done(root) == "1"
+    status = (root / "results" / "lease" / "status.log").read_text()
+    assert "SETUP_FAILED: gpu test exit 1" in status
+    calls = (root / "fake.log").read_text().splitlines()
+    assert calls == ["python -m pytest -q -m gpu first.py"]  # the job itself never ran
+    again = _lease(root, "start", "gpu-tests")
+    assert again.returncode == 2 and "a lease ran here already" in again.stderr
+
+
+def test_quality_reruns_carry_finished_runs_and_run_the_documented_points(tmp_path):
+    root = _checkout(tmp_path)
+    s4, s = "code-125m-4k-seeds", "code-125m-16k-seeds-100m"
+    q = root / "docs" / "quality"
+    for study in (s4, s):
+        (q / study).mkdir(parents=True)
+        (q / study / "corpus.json").write_text("{}")
+    finished = [f"{s4}/runs/dense,seed=1", f"{s}/reruns/runs/dense,seed=1",
+                f"{s}/reruns/runs/hybrid-SSSD,seed=1"]  # fmt: skip
+    for run in finished:
+        (q / run).mkdir(parents=True)
+        (q / run / "summary.json").write_text("{}")
+    (q / s / "reruns" / "runs" / "dense,seed=2").mkdir()  # cut off: no summary, not carried
+    started = _lease(root, "start", "quality-reruns")
+    assert started.returncode == 0, started.stderr
+    assert _wait_done(root) == "0", (root / "results" / "lease" / "status.log").read_text()
+    sweeps = root / "sweeps"
+    assert (sweeps / s4 / "runs" / "dense,seed=1" / "summary.json").is_file()
+    assert sorted(p.name for p in (sweeps / f"{s}-rerun-a" / "runs").iterdir()) == ["dense,seed=1"]
+    assert sorted(p.name for p in (sweeps / f"{s}-rerun-b" / "runs").iterdir()) == [
+        "hybrid-SSSD,seed=1"
+    ]
+    for folder in (s4, f"{s}-rerun-a", f"{s}-rerun-b"):
+        assert (sweeps / folder / "corpus.json").is_file()
+    lines = (root / "fake.log").read_text().splitlines()
+    assert lines[0] == "python tools/build_code_corpus.py --out data/code"
+    calls = [json.loads(line) for line in lines[1:]]
+    study, study4 = f"configs/studies/{s}.yaml", f"configs/studies/{s4}.yaml"
+    dense = {"study": study, "sweep": "--devices 1 --settings dense",
+             "out": f"sweeps/{s}-rerun-a", "eval": "1"}  # fmt: skip
+    b = f"sweeps/{s}-rerun-b"
+    gpu0 = [  # (study, sweep arguments, output folder), all with EVAL_DEVICES=0
+        (study4, "--devices 0 --settings all-s2 --seeds 3", ""),
+        (study, "--devices 0 --settings hybrid-SSSD", b),
+        (study, "--devices 0 --settings hybrid-DS --seeds 1,2", b),
+    ]
+    gpu0 = [{"study": c, "sweep": w, "out": o, "eval": "0"} for c, w, o in gpu0]
+    assert dense in calls
+    assert [c for c in calls if c != dense] == gpu0  # GPU 0's runs in this order
+
+
+def test_poll_packs_results_without_checkpoints(tmp_path):
+    root = _checkout(tmp_path)
+    run = root / "sweeps" / "study" / "runs" / "dense,seed=1"
+    (run / "checkpoints" / "iter_0000010").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000010" / "shard.distcp").write_text("weights")
+    (run / "summary.json").write_text("{}")
+    lease = root / "results" / "lease"
+    lease.mkdir(parents=True)
+    (lease / "status.log").write_text("12:00:00 job gpu-tests exit 0\n")
+    (lease / "DONE").write_text("0\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    polled = _lease(root, "poll", "5", "1", OUT=str(out))
+    assert polled.returncode == 0, polled.stderr
+    assert "job gpu-tests exit 0" in polled.stdout and "LEASE_DONE exit 0" in polled.stdout
+    with tarfile.open(out / "r.tgz") as tar:
+        names = tar.getnames()
+    assert "sweeps/study/runs/dense,seed=1/summary.json" in names
+    assert "results/lease/status.log" in names
+    assert not [n for n in names if "checkpoints" in n]
+    assert not (out / "r.tgz.part").exists()
+
+
+def test_retrieval_job_is_the_documented_command():
+    # docs/long_context_eval.md's step-3 command, setting by setting (the seed is the job's).
+    doc = (REPO / "docs" / "long_context_eval.md").read_text()
+    block = next(b for b in doc.split("```bash")[1:] if "SETTINGS=hybrid-DS " in b.split("```")[0])
+    words = shlex.split(block.split("```")[0].replace("\\\n", " "))
+    settings = [w for w in words if "=" in w and not w.startswith(("SEEDS=", "PYTHON="))]
+    assert len(settings) >= 15, settings
+    script = (REPO / "tools" / "lease.sh").read_text()
+    job = script[script.index("job_retrieval_hybrid_ds()") : script.index("# carry_runs")]
+    flat = " ".join(shlex.split(job.replace("\\\n", " "), comments=True))
+    for setting in settings:
+        assert setting in flat, setting
+    assert "SEEDS=$1" in flat

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# One documented GPU study on a lent machine that keeps nothing after its lease (the device
+# tool's machines: a call of at most 10 minutes, the machine warm ~30 s between calls, at most
+# 64 MiB back a call). The study runs detached from the call that starts it; later calls poll it
+# and bring back its results only (never checkpoints).
+#
+#   tools/lease.sh start JOB [ARG]   stage the trainer's wheels (tools/stage_flash_attn4.sh
+#                                    device-trainer; carry .whl/train and .whl/mc016), then JOB
+#                                    in the background; returns at once
+#   tools/lease.sh poll SECONDS [EVERY]
+#                                    wait until JOB ends or SECONDS pass (checking every EVERY
+#                                    seconds, default 30), print its status, and pack
+#                                    results/ and sweeps/ without checkpoints, data shards or
+#                                    TensorBoard files into $OUT/r.tgz (written whole, then
+#                                    renamed: a poll cut off mid-pack leaves the last archive)
+#   tools/lease.sh jobs              the jobs
+#
+# JOBs, each the command its doc gives:
+#   retrieval-hybrid-ds SEED   docs/long_context_eval.md, "Next leases" step 3: hybrid-DS
+#                              trained from scratch on the long base (two GPUs), extended to
+#                              32k and evaluated, about 20 minutes
+#   quality-reruns             docs/quality.md: GPU 0 trains the 4k reference's last run
+#                              (all-s2 seed 3), then the 100M study's SSSD and DS reruns; GPU 1
+#                              its dense reruns; runs finished in earlier leases (committed
+#                              under docs/quality/) are carried in and not trained again
+#   gpu-tests                  pytest -m gpu tests/plugin tests/training
+#
+# Environment: LEASE_STAGE=0 skips the staging (a machine that has the trainer's packages),
+# LEASE_GPU_TEST (pytest arguments, e.g. "-m gpu tests/plugin/test_attention_levers.py") runs
+# before the job, which does not start if they fail, PYTHON (python3).
+# Status: results/lease/status.log (a line a step, with the time), each step's output in
+# results/lease/*.log, results/lease/DONE at the end (holding the job's exit status).
+set -uo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$0")/.."
+LEASE=results/lease
+export PYTHON=${PYTHON:-python3}
+
+note() { echo "$(date -u +%T) $*" >> "$LEASE/status.log"; }
+die() { echo "lease.sh: $*" >&2; exit 2; }
+
+job_retrieval_hybrid_ds() {  # SEED
+    [[ ${1:-} =~ ^[0-9]+$ ]] || die "retrieval-hybrid-ds needs a seed (a number), got '${1:-}'"
+    STATUS=$LEASE/status.log PYTHON=$PYTHON RETRIEVAL_TASKS=passkey,multikey \
+    RETRIEVAL_WEIGHT=0.6 KV_WEIGHT=0.1 \
+    RETRIEVAL_SPECS="4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096 32kmq:32766:32766:600:16:32 32kpack:512:8192:400:1:4:32768" \
+    BASE_STUDY=retrieval-125m-4k-base-long BASE_TAG=4kmq,4kpack \
+    EXTEND_STUDIES=retrieval-125m-extend-32k-longbase EXTEND_TAG=32kmq,32kpack \
+    SEEDS=$1 SETTINGS=hybrid-DS LENGTHS=4096,8192,16384,32768 BASE_LENGTHS=4096 \
+    TASKS=passkey,multikey,code-value,needle TRIALS=20 DEVICES=0,1 PROBE_LENGTH=32768 \
+    PROBE_TASKS=passkey,multikey RESULTS_DIR=results tools/run_extension_example.sh
+}
+
+# carry_runs FROM TO [PATTERN]: the finished runs (summary.json at hand) of a committed study
+# folder into a sweep's runs/, so that the sweep trains only what is missing.
+carry_runs() {
+    local from=$1 to=$2 pattern=${3:-*} r
+    mkdir -p "$to"
+    for r in "$from"/$pattern/; do
+        [[ -f $r/summary.json ]] && cp -r "$r" "$to"/
+    done
+    return 0
+}
+
+job_quality_reruns() {
+    local s4=code-125m-4k-seeds s=code-125m-16k-seeds-100m part
+    "$PYTHON" tools/build_code_corpus.py --out data/code > "$LEASE/corpus.log" 2>&1 || return 1
+    note "code corpus built"
+    carry_runs "docs/quality/$s4/runs" "sweeps/$s4/runs"
+    cp "docs/quality/$s4/corpus.json" "sweeps/$s4/"
+    for part in a b; do
+        mkdir -p "sweeps/$s-rerun-$part"
+        cp "docs/quality/$s/corpus.json" "sweeps/$s-rerun-$part/"
+    done
+    # The dense reruns go to part a, the others to part b (two sweeps that share no table).
+    carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-a/runs" 'dense,*'
+    carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-b/runs" 'hybrid-*'
+    (
+        EVAL_DEVICES=1 OUTPUT_DIR=sweeps/$s-rerun-a SWEEP_ARGS="--devices 1 --settings dense" \
+            POSITION_SEQUENCES=32 tools/run_code_study.sh "configs/studies/$s.yaml" \
+            > "$LEASE/rerun-a.log" 2>&1
+        note "dense reruns (GPU 1) exit $?"
+    ) &
+    local rc=0
+    EVAL_DEVICES=0 SWEEP_ARGS="--devices 0 --settings all-s2 --seeds 3" POSITION_SEQUENCES=32 \
+        tools/run_code_study.sh "configs/studies/$s4.yaml" > "$LEASE/4k.log" 2>&1 || rc=$?
+    note "4k reference (GPU 0) exit $rc"
+    for sel in "--settings hybrid-SSSD" "--settings hybrid-DS --seeds 1,2"; do
+        EVAL_DEVICES=0 OUTPUT_DIR=sweeps/$s-rerun-b SWEEP_ARGS="--devices 0 $sel" \
+            POSITION_SEQUENCES=32 tools/run_code_study.sh "configs/studies/$s.yaml" \
+            >> "$LEASE/rerun-b.log" 2>&1 || rc=$?
+        note "reruns $sel (GPU 0) exit $rc"
+    done
+    wait
+    return $rc
+}
+
+job_gpu_tests() {
+    "$PYTHON" -m pytest -q -m gpu tests/plugin tests/training > "$LEASE/gpu-tests.log" 2>&1
+}
+
+run_job() {  # JOB [ARG]: the whole lease, in the background
+    local job=$1 rc=0
+    shift
+    note "lease.sh $job $* starts"
+    if [[ ${LEASE_STAGE:-1} != 0 ]]; then
+        if ! bash tools/stage_flash_attn4.sh device-trainer > "$LEASE/stage.log" 2>&1; then
+            note "SETUP_FAILED: staging (results/lease/stage.log)"
+            echo 1 > "$LEASE/DONE"
+            return
+        fi
+        eval "$(bash tools/stage_flash_attn4.sh device-env)"
+        note "staged"
+    fi
+    if [[ -n ${LEASE_GPU_TEST:-} ]]; then
+        # shellcheck disable=SC2086  # pytest arguments, one word each
+        "$PYTHON" -m pytest -q $LEASE_GPU_TEST > "$LEASE/gpu-test.log" 2>&1 || rc=$?
+        note "gpu test: $(tail -n 1 "$LEASE/gpu-test.log")"
+        if (( rc != 0 )); then
+            note "SETUP_FAILED: gpu test exit $rc (results/lease/gpu-test.log)"
+            echo "$rc" > "$LEASE/DONE"
+            return
+        fi
+    fi
+    "job_${job//-/_}" "$@" || rc=$?
+    note "job $job exit $rc"
+    echo "$rc" > "$LEASE/DONE"
+}
+
+poll() {  # SECONDS [EVERY]
+    local until=$((SECONDS + ${1:?poll SECONDS}))
+    while (( SECONDS < until )) && [[ ! -f $LEASE/DONE ]]; do sleep "${2:-30}"; done
+    tail -n 30 "$LEASE/status.log" 2>/dev/null
+    command -v nvidia-smi > /dev/null \
+        && nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+    [[ -f $LEASE/DONE ]] && echo "LEASE_DONE exit $(cat "$LEASE/DONE")"
+    [[ -n ${OUT:-} ]] || { echo "no \$OUT: nothing packed"; return 0; }
+    local dirs=()
+    for d in results sweeps; do [[ -d $d ]] && dirs+=("$d"); done
+    tar czf "$OUT/r.tgz.part" --exclude=checkpoints --exclude='*.bin' --exclude='*.idx' \
+        --exclude=tensorboard --exclude='*.distcp' "${dirs[@]}" \
+        && mv "$OUT/r.tgz.part" "$OUT/r.tgz" && ls -l "$OUT/r.tgz"
+}
+
+JOBS="retrieval-hybrid-ds quality-reruns gpu-tests"
+case ${1:-} in
+    start)
+        job=${2:-}
+        [[ " $JOBS " == *" $job "* ]] || die "unknown job '$job'; jobs: $JOBS"
+        [[ $job != retrieval-hybrid-ds || ${3:-} =~ ^[0-9]+$ ]] \
+            || die "retrieval-hybrid-ds needs a seed (a number), got '${3:-}'"
+        [[ -e $LEASE ]] && die "$LEASE exists: a lease ran here already (remove it to start again)"
+        mkdir -p "$LEASE"
+        shift
+        setsid nohup bash "$SELF" _run "$@" > "$LEASE/lease.log" 2>&1 < /dev/null &
+        sleep 1
+        cat "$LEASE/status.log" 2> /dev/null || echo "started: $LEASE/status.log"
+        ;;
+    _run) shift; run_job "$@" ;;
+    poll) shift; poll "$@" ;;
+    jobs) echo "$JOBS" ;;
+    *)
+        sed -n '2,/^set -uo/p' "$SELF" | sed '$d; s/^# \{0,1\}//'
+        [[ -z ${1:-} ]] || die "unknown command '$1'"
+        exit 2
+        ;;
+esac
