@@ -47,6 +47,7 @@ __all__ = [
     "plan_splits",
     "check_corpora",
     "build_datasets",
+    "EodFirst",
     "micro_batches",
     "chunk_micro_batches",
     "Datasets",
@@ -523,6 +524,7 @@ def build_datasets(
     cache_dir: Optional[str] = None,
     reset_position_ids: bool = False,
     eod_mask_loss: bool = False,
+    eod_first: bool = False,
 ) -> Datasets:
     """Build the blended train/valid GPT datasets (call on every rank, after torch.distributed).
 
@@ -531,7 +533,8 @@ def build_datasets(
     to be buildable, so that no run hangs in Megatron's builder or fails at its first step; a
     problem raises :class:`ConfigError` (:class:`CorpusError` for a damaged file) naming the file
     or setting. Only the needed splits are built: no validation data when ``valid_samples`` is 0
-    (``train.eval_iters=0`` or ``train.eval_interval=0``), never the test split.
+    (``train.eval_iters=0`` or ``train.eval_interval=0``), never the test split. ``eod_first``
+    (``train.eod_first``): both splits start every sample with EOD (:class:`EodFirst`).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -583,7 +586,35 @@ def build_datasets(
             f"train.eval_iters > 0; give the valid split a weight or set "
             f"train.eval_iters=0"
         )
+    if eod_first:
+        train = EodFirst(train, dataset_tokenizer.eod)
+        valid = EodFirst(valid, dataset_tokenizer.eod) if valid is not None else None
     return Datasets(train=train, valid=valid, eod=dataset_tokenizer.eod)
+
+
+class EodFirst(torch.utils.data.Dataset):
+    """A GPT dataset whose every sample starts with the EOD token (``train.eod_first``).
+
+    Item ``i`` is the wrapped dataset's with ``tokens[0]`` replaced by ``eod`` and
+    ``loss_mask[0]`` set to 0 (the label there, the sample's second token, would be predicted
+    from the EOD alone); labels and position ids are unchanged, so a sample keeps its
+    ``seq_length`` tokens and every other prediction its context. Tensors ``[seq_length]``.
+    """
+
+    def __init__(self, dataset, eod: int):
+        self.dataset, self.eod = dataset, int(eod)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index) -> dict:
+        sample = dict(self.dataset[index])
+        tokens = sample["tokens"].clone()
+        tokens[0] = self.eod
+        loss_mask = sample["loss_mask"].clone()
+        loss_mask[0] = 0
+        sample.update(tokens=tokens, loss_mask=loss_mask)
+        return sample
 
 
 class _MicroBatchSampler(torch.utils.data.Sampler):

@@ -268,6 +268,11 @@ class TrainConfig:
     # documents, RoPE restarting per document. false: samples attend across EOD (Megatron's
     # default concatenation).
     pack_documents: bool = False
+    # Every training and validation sample starts with the EOD token (over its first token, whose
+    # prediction leaves the loss): a fixed first token that takes the attention sink, the role
+    # BOS plays in Llama-style pretraining, so that no content ever sits at position 0. The
+    # evaluator then starts every prompt and held-out sequence with EOD too.
+    eod_first: bool = False
     num_workers: int = 0
     # Bitwise reproducible reruns (Megatron's deterministic_mode, FA4's deterministic backward,
     # PyTorch's deterministic algorithms): the dense layers' attention backward otherwise sums
@@ -288,6 +293,15 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"train.micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.eod_first and self.reset_position_ids:
+            # Megatron's dataset restarts positions after each EOD of the sample it read; an EOD
+            # written over the first token afterwards would leave positions that disagree.
+            raise ConfigError(
+                "train.eod_first=true cannot go with train.reset_position_ids=true (nor "
+                "train.pack_documents, which needs it): the EOD put first would end a document "
+                "of one token that no other token attends to; set train.eod_first=false, or "
+                "both reset_position_ids and pack_documents false"
             )
 
 
@@ -1172,6 +1186,7 @@ PLAN_KEYS = (
     "train.reset_position_ids",
     "train.eod_mask_loss",
     "train.pack_documents",
+    "train.eod_first",
     "model.hidden_dropout",
     "data.blend",
     "data.split",

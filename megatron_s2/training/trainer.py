@@ -475,6 +475,7 @@ class Trainer:
             cache_dir=d.cache_dir,
             reset_position_ids=t.reset_position_ids,
             eod_mask_loss=t.eod_mask_loss,
+            eod_first=t.eod_first,
         )
         return datasets, vocab_size
 

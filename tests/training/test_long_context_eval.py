@@ -402,6 +402,31 @@ def test_prefix_eod_on_the_tiny_run(run_dir, evaluated):
     assert all(r["answer"].strip().isdigit() for r in records), records
 
 
+def test_a_model_trained_eod_first_reads_every_input_behind_eod(run_dir):
+    """train.eod_first (given to the evaluator as the run's setting): the retrieval prompts
+    are --prefix-eod's, trial for trial the same scores; the probe's prompts and the held-out
+    sequences start with EOD too, and each file says so."""
+    grid = ["--lengths", "128", "--depths", "0,1", "--trials", "2", "--tasks", "passkey"]
+    out = run_dir / "eval-eod-first"
+    stdout = _eval_cli(run_dir, out, *grid, "--attention-probe", "128", "--bins", "8",
+                       "--position-sequences", "2", "train.eod_first=true")  # fmt: skip
+    assert "Every prompt starts with the end-of-document token (train.eod_first)" in stdout
+    first = json.loads((out / "retrieval.json").read_text())
+    ref = run_dir / "eval-eod-ref"
+    _eval_cli(run_dir, ref, *grid, "--prefix-eod", "--skip-position")
+    flag = json.loads((ref / "retrieval.json").read_text())
+    assert first["prefix_eod"] is True
+    keys = ("answer", "greedy", "log_likelihood", "exact", "needle_depth")
+    pairs = zip(first["tasks"]["passkey"]["trials"], flag["tasks"]["passkey"]["trials"])
+    for a, b in pairs:
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    probe = json.loads((out / "attention_probe.json").read_text())
+    assert probe["prefix_eod"] is True and probe["max_output_error"] < 1e-4
+    position = json.loads((out / "loss_by_position.json").read_text())
+    assert position["prefix_eod"] is True and position["length"] == 128
+    assert sum(b["tokens"] for b in position["bins"]) == 2 * 128
+
+
 def test_attention_probe_on_several_tasks(run_dir):
     """--probe-tasks passkey,multikey: the first task's probe as attention_probe.json (its
     layout unchanged), the multi-needle task's as attention_probe_multikey.json with the mass

@@ -266,3 +266,37 @@ def test_probe_needle_spans_are_the_needles_tokens(bpe, name):
                 )
             taken = [set(range(s.start, s.stop)) for s in [span, *others]]
             assert sum(map(len, taken)) == len(set().union(*taken))  # no overlap
+
+
+@pytest.mark.parametrize("name", ["passkey", "multikey"])
+def test_probe_prompt_marks_the_needles_with_and_without_the_eod_prefix(bpe, name):
+    """The attention probe's prompt (a model trained with train.eod_first reads it behind EOD):
+    its spans hold exactly the needles' tokens and its row predicts the answer's first token,
+    with the prefix as without; the prefixed prompt keeps the length and the same needle."""
+    from megatron_s2.training.evaluation.attention_probe import probe_prompt
+
+    task = T.get_task(name, 3 if name == "multikey" else None)
+    for tok_name, tok in _tokenizers(bpe):
+        stream = T.haystack_stream(task, tok, _code_docs(tok), 5000)
+        for depth in (0.0, 0.5, 1.0):
+            made = {}
+            for prefix in (False, True):
+                tokens, row, span, others = probe_prompt(
+                    task, tok, stream, 900, depth, 1, seed=7, prefix_eod=prefix
+                )
+                assert tokens.size == 901 and tokens.dtype == np.int64, tok_name
+                assert not prefix or tokens[0] == tok.eod
+                trial = T.make_trial(
+                    task, tok, stream, 900 - prefix, depth, 1, seed=7, draw_length=900
+                )
+                needle = tok.encode(task.needle.format(key=trial.key, value=trial.value))
+                assert tokens[span].tolist() == needle, (tok_name, prefix, depth)
+                assert len(others) == task.needles - 1
+                for (key, value, _), o in zip(trial.others, others):
+                    assert tokens[o].tolist() == tok.encode(
+                        task.needle.format(key=key, value=value)
+                    )
+                answer = tok.encode(task.answer.format(key=trial.key, value=trial.value))
+                assert tokens[row + 1 :].tolist() == answer
+                made[prefix] = (trial.key, trial.value)
+            assert made[True] == made[False]  # paired draws: the same needle and value

@@ -151,6 +151,37 @@ def needle_spans(task, tokenizer, trial) -> tuple[slice, list[slice]]:
     return span(trial.key, trial.value, trial.needle_at), [span(*o) for o in trial.others]
 
 
+def probe_prompt(
+    task,
+    tokenizer,
+    stream,
+    length: int,
+    depth: float,
+    index: int,
+    *,
+    seed: int = 0,
+    prefix_eod: bool = False,
+) -> tuple[np.ndarray, int, slice, list[slice]]:
+    """One probe prompt: ``(tokens, row, span, others)``, ``tokens`` int64 ``[length + 1]``
+    (the trial with its answer), ``row`` the position that predicts the answer's first token,
+    ``span`` and ``others`` the asked and the other needles' positions in ``tokens``
+    (:func:`needle_spans`). ``prefix_eod``: ``tokens`` start with the end-of-document token and
+    the trial is built one token shorter from the same draws (the same needle and value), as
+    the retrieval evaluation's ``prefix_eod`` does."""
+    by = 1 if prefix_eod else 0
+    trial = make_trial(
+        task, tokenizer, stream, length - by, depth, index, seed=seed, draw_length=length
+    )
+    span, others = needle_spans(task, tokenizer, trial)
+    tokens = np.concatenate([np.asarray([tokenizer.eod] * by, dtype=np.int64), trial.tokens])
+    return (
+        tokens,
+        trial.answer_at + by - 1,
+        slice(span.start + by, span.stop + by),
+        [slice(o.start + by, o.stop + by) for o in others],
+    )
+
+
 def probe_needle_attention(
     em: EvalModel,
     task_name: str,
@@ -161,6 +192,7 @@ def probe_needle_attention(
     seed: int = 0,
     documents: Optional[list] = None,
     multikey_needles: Optional[int] = None,
+    prefix_eod: bool = False,
 ) -> dict:
     """Per layer and depth, the needle's share of attention at the position that predicts the
     answer's first token, over ``trials`` prompts of ``task_name`` at ``length`` tokens (the
@@ -175,7 +207,10 @@ def probe_needle_attention(
     ``others_mean_head`` and ``others_top_head``: the same on the other needles' tokens
     together (the distractors; ``others_top_head`` is the mass on them of the head that puts
     the most on the asked needle, so that a head which finds *a* needle but not the asked one
-    shows), fractions of the head's attention.
+    shows), fractions of the head's attention. ``prefix_eod`` (a model trained with
+    ``train.eod_first``): every prompt starts with the end-of-document token, its trial built
+    one token shorter from the same draws, as the retrieval evaluation's ``prefix_eod`` does;
+    the result records it.
     """
     check_probe_layout(em.cfg)
     task = get_task(task_name, multikey_needles)
@@ -192,10 +227,11 @@ def probe_needle_attention(
 
     for di, depth in enumerate(depths):
         for i in range(trials):
-            trial = make_trial(task, tok, stream, length, depth, i, seed=seed)
-            span, others = needle_spans(task, tok, trial)
-            with _Capture(layers, trial.answer_at - 1, span, others) as cap:
-                score_sequences(em, trial.tokens[None])
+            tokens, row, span, others = probe_prompt(
+                task, tok, stream, length, depth, i, seed=seed, prefix_eod=prefix_eod
+            )
+            with _Capture(layers, row, span, others) as cap:
+                score_sequences(em, tokens[None])
             for li, (index, _) in enumerate(layers):
                 mass = cap.mass[index]
                 mean[li, di] += float(mass.mean()) / trials
@@ -225,6 +261,7 @@ def probe_needle_attention(
         "depths": list(depths),
         "trials": trials,
         "seed": seed,
+        "prefix_eod": bool(prefix_eod),
         "max_output_error": error,
         "layers": [layer_entry(li, index, module) for li, (index, module) in enumerate(layers)],
     }

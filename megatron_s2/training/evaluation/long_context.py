@@ -166,6 +166,10 @@ def run(args) -> dict:
             "--attention-probe from this evaluation (the probe reads plain prompts), or "
             "--prefix-eod"
         )
+    # A model trained with EOD at every sample's first token (train.eod_first) reads every
+    # prompt and held-out sequence behind it, as it was trained.
+    eod_first = bool(getattr(cfg.train, "eod_first", False))
+    prefix_eod = args.prefix_eod or eod_first
     if not args.skip_retrieval or probe:
         check_grid(tasks, depths, args.trials, args.multikey_needles)
     pos_length = args.position_length or max(lengths)
@@ -209,14 +213,15 @@ def run(args) -> dict:
             micro_batch_size=args.micro_batch_size,
             documents=documents,
             multikey_needles=args.multikey_needles,
-            prefix_eod=args.prefix_eod,
+            prefix_eod=prefix_eod,
         )
         retrieval.update(checkpoint=em.checkpoint, iteration=em.iteration)
         result["retrieval"] = retrieval
         if em.rank0:
             md = []
-            if args.prefix_eod:
-                md += ["Every prompt starts with the end-of-document token (--prefix-eod).", ""]
+            if prefix_eod:
+                why = "train.eod_first" if eod_first else "--prefix-eod"
+                md += [f"Every prompt starts with the end-of-document token ({why}).", ""]
             for task in tasks:
                 md += [
                     f"## {task}: greedy exact-match accuracy",
@@ -241,7 +246,7 @@ def run(args) -> dict:
     for n, task in enumerate(probe_tasks):
         found = probe_needle_attention(
             em, task, probe[0], depths, args.trials, seed=args.seed, documents=documents,
-            multikey_needles=args.multikey_needles,
+            multikey_needles=args.multikey_needles, prefix_eod=eod_first,
         )  # fmt: skip
         found.update(checkpoint=em.checkpoint, iteration=em.iteration)
         if n == 0:
@@ -265,6 +270,7 @@ def run(args) -> dict:
             concat=args.concat_docs,
             micro_batch_size=args.micro_batch_size,
             documents=documents,
+            prefix_eod=eod_first,
         )
         position.update(checkpoint=em.checkpoint, iteration=em.iteration)
         result["loss_by_position"] = position

@@ -28,6 +28,7 @@ def evaluate_loss_by_position(
     concat: bool = False,
     micro_batch_size: int = 1,
     documents: Optional[list] = None,
+    prefix_eod: bool = False,
 ) -> dict:
     """Mean loss per position bin over held-out sequences of ``length`` (collective).
 
@@ -36,19 +37,27 @@ def evaluate_loss_by_position(
     training). Positions ``0..length-1`` (the token predicted at ``t`` is ``t + 1``) fall into
     ``bins`` equal bins. Returns ``{"length", "num_sequences", "bins": [{"start", "end",
     "loss", "tokens"}], "loss"}`` (losses in nats per token). Raises :class:`ConfigError`
-    naming the option when no held-out document is long enough.
+    naming the option when no held-out document is long enough. ``prefix_eod`` (a model trained
+    with ``train.eod_first``): each sequence is the end-of-document token followed by
+    ``length`` tokens of text, so that position 0 predicts the text's first token after EOD, as
+    a document's first token follows an EOD in training; the result records it.
     """
     if bins < 1 or bins > length:
         raise ConfigError(f"--bins must be in [1, {length}] (the length), got {bins}")
     if num_sequences < 1:
         raise ConfigError(f"--position-sequences must be >= 1, got {num_sequences}")
     docs = documents if documents is not None else heldout_documents(em.cfg)
+    # Tokens of text a sequence takes: all length + 1, or length behind the EOD.
+    text = length if prefix_eod else length + 1
     if concat:
         stream = np.concatenate(docs)
         count = min(num_sequences, (stream.size - 1) // length)
-        seqs = [stream[i * length : i * length + length + 1] for i in range(count)]
+        seqs = [stream[i * length : i * length + text] for i in range(count)]
     else:
-        seqs = [d[: length + 1] for d in docs if d.size >= length + 1][:num_sequences]
+        seqs = [d[:text] for d in docs if d.size >= length + 1][:num_sequences]
+    if prefix_eod:
+        eod = np.asarray([em.tokenizer.eod], dtype=np.int64)
+        seqs = [np.concatenate([eod, s.astype(np.int64)]) for s in seqs]
     if not seqs:
         longest = max(d.size for d in docs)
         raise ConfigError(
@@ -72,6 +81,7 @@ def evaluate_loss_by_position(
         "length": length,
         "num_sequences": len(seqs),
         "concat": concat,
+        "prefix_eod": bool(prefix_eod),
         "bins": table,
         "loss": float(nll.mean()),
     }
