@@ -19,6 +19,9 @@
 #   retrieval-hybrid-ds SEED   docs/long_context_eval.md, "Next leases" step 3: hybrid-DS
 #                              trained from scratch on the long base (two GPUs), extended to
 #                              32k and evaluated, about 20 minutes
+#   retrieval-eod-first SEED   docs/long_context_eval.md, "Next leases" step 4b: the long base's
+#                              twin and switch with EOD at every sample's first position
+#                              (train.eod_first), about 22 minutes
 #   quality-reruns             docs/quality.md: GPU 0 trains the 4k reference's last run
 #                              (all-s2 seed 3), then the 100M study's SSSD and DS reruns; GPU 1
 #                              its dense reruns; runs finished in earlier leases (committed
@@ -39,16 +42,27 @@ export PYTHON=${PYTHON:-python3}
 note() { echo "$(date -u +%T) $*" >> "$LEASE/status.log"; }
 die() { echo "lease.sh: $*" >&2; exit 2; }
 
-job_retrieval_hybrid_ds() {  # SEED
-    [[ ${1:-} =~ ^[0-9]+$ ]] || die "retrieval-hybrid-ds needs a seed (a number), got '${1:-}'"
+# retrieval SEED BASE_STUDY EXTEND_STUDY SETTINGS [BASE_SETTINGS]: the long base's command of
+# docs/long_context_eval.md ("Next leases"), on two GPUs; an empty BASE_SETTINGS trains every
+# arm's own base (an arm trained as a hybrid from the start).
+retrieval() {
+    [[ ${1:-} =~ ^[0-9]+$ ]] || die "a retrieval job needs a seed (a number), got '${1:-}'"
     STATUS=$LEASE/status.log PYTHON=$PYTHON RETRIEVAL_TASKS=passkey,multikey \
     RETRIEVAL_WEIGHT=0.6 KV_WEIGHT=0.1 \
     RETRIEVAL_SPECS="4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096 32kmq:32766:32766:600:16:32 32kpack:512:8192:400:1:4:32768" \
-    BASE_STUDY=retrieval-125m-4k-base-long BASE_TAG=4kmq,4kpack \
-    EXTEND_STUDIES=retrieval-125m-extend-32k-longbase EXTEND_TAG=32kmq,32kpack \
-    SEEDS=$1 SETTINGS=hybrid-DS LENGTHS=4096,8192,16384,32768 BASE_LENGTHS=4096 \
+    BASE_STUDY=$2 BASE_TAG=4kmq,4kpack EXTEND_STUDIES=$3 EXTEND_TAG=32kmq,32kpack \
+    SEEDS=$1 SETTINGS=$4 BASE_SETTINGS=${5:-} LENGTHS=4096,8192,16384,32768 BASE_LENGTHS=4096 \
     TASKS=passkey,multikey,code-value,needle TRIALS=20 DEVICES=0,1 PROBE_LENGTH=32768 \
     PROBE_TASKS=passkey,multikey RESULTS_DIR=results tools/run_extension_example.sh
+}
+
+job_retrieval_hybrid_ds() {  # SEED: step 3, hybrid-DS trained from scratch on the long base
+    retrieval "${1:-}" retrieval-125m-4k-base-long retrieval-125m-extend-32k-longbase hybrid-DS
+}
+
+job_retrieval_eod_first() {  # SEED: step 4b, the twin and the switch with EOD first
+    retrieval "${1:-}" retrieval-125m-4k-base-long-eodfirst \
+        retrieval-125m-extend-32k-longbase-eodfirst dense,dense-to-hybrid-DSDSDSDSSSDD dense
 }
 
 # carry_runs FROM TO [PATTERN]: the finished runs (summary.json at hand) of a committed study
@@ -142,13 +156,13 @@ poll() {  # SECONDS [EVERY]
         && mv "$OUT/r.tgz.part" "$OUT/r.tgz" && ls -l "$OUT/r.tgz"
 }
 
-JOBS="retrieval-hybrid-ds quality-reruns gpu-tests"
+JOBS="retrieval-hybrid-ds retrieval-eod-first quality-reruns gpu-tests"
 case ${1:-} in
     start)
         job=${2:-}
         [[ " $JOBS " == *" $job "* ]] || die "unknown job '$job'; jobs: $JOBS"
-        [[ $job != retrieval-hybrid-ds || ${3:-} =~ ^[0-9]+$ ]] \
-            || die "retrieval-hybrid-ds needs a seed (a number), got '${3:-}'"
+        [[ $job != retrieval-* || ${3:-} =~ ^[0-9]+$ ]] \
+            || die "$job needs a seed (a number), got '${3:-}'"
         [[ -e $LEASE ]] && die "$LEASE exists: a lease ran here already (remove it to start again)"
         mkdir -p "$LEASE"
         shift

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tarfile
 import textwrap
 import time
@@ -85,11 +86,11 @@ def test_bad_jobs_are_refused_before_anything_starts(tmp_path):
     root = _checkout(tmp_path)
     bad = _lease(root, "start", "retrieval")
     assert bad.returncode == 2
-    assert "unknown job 'retrieval'; jobs: retrieval-hybrid-ds quality-reruns gpu-tests" in (
-        bad.stderr
-    )
+    jobs = "retrieval-hybrid-ds retrieval-eod-first quality-reruns gpu-tests"
+    assert f"unknown job 'retrieval'; jobs: {jobs}" in bad.stderr
     no_seed = _lease(root, "start", "retrieval-hybrid-ds")
-    assert no_seed.returncode == 2 and "needs a seed (a number)" in no_seed.stderr
+    assert no_seed.returncode == 2
+    assert "retrieval-hybrid-ds needs a seed (a number), got ''" in no_seed.stderr
     assert not (root / "results").exists()
 
 
@@ -172,16 +173,48 @@ def test_poll_packs_results_without_checkpoints(tmp_path):
     assert not (out / "r.tgz.part").exists()
 
 
-def test_retrieval_job_is_the_documented_command():
+# Stands in for run_extension_example.sh: its settings (the environment it was given), as JSON.
+FAKE_EXTENSION = textwrap.dedent(
+    """\
+    #!/usr/bin/env bash
+    exec "$REAL_PYTHON" -c 'import json, os; print(json.dumps(dict(os.environ)))' > "$FAKE_LOG"
+    """
+)
+
+
+def _retrieval_settings(tmp_path, job: str) -> dict:
+    """The settings a retrieval job gives run_extension_example.sh (seed 2)."""
+    root = _checkout(tmp_path / job)
+    script = root / "tools" / "run_extension_example.sh"
+    script.write_text(FAKE_EXTENSION)
+    script.chmod(0o755)
+    started = _lease(root, "start", job, "2", REAL_PYTHON=sys.executable)
+    assert started.returncode == 0, started.stderr
+    assert _wait_done(root) == "0", (root / "results" / "lease" / "status.log").read_text()
+    env = json.loads((root / "fake.log").read_text())
+    return {k: v for k, v in env.items() if k not in os.environ or os.environ[k] != v}
+
+
+def test_retrieval_jobs_are_the_documented_commands(tmp_path):
     # docs/long_context_eval.md's step-3 command, setting by setting (the seed is the job's).
     doc = (REPO / "docs" / "long_context_eval.md").read_text()
     block = next(b for b in doc.split("```bash")[1:] if "SETTINGS=hybrid-DS " in b.split("```")[0])
     words = shlex.split(block.split("```")[0].replace("\\\n", " "))
-    settings = [w for w in words if "=" in w and not w.startswith(("SEEDS=", "PYTHON="))]
-    assert len(settings) >= 15, settings
-    script = (REPO / "tools" / "lease.sh").read_text()
-    job = script[script.index("job_retrieval_hybrid_ds()") : script.index("# carry_runs")]
-    flat = " ".join(shlex.split(job.replace("\\\n", " "), comments=True))
-    for setting in settings:
-        assert setting in flat, setting
-    assert "SEEDS=$1" in flat
+    documented = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("PYTHON="))
+    assert len(documented) >= 15, documented
+    documented["SEEDS"] = "2"
+    hybrid = _retrieval_settings(tmp_path, "retrieval-hybrid-ds")
+    for key, value in documented.items():
+        assert hybrid.get(key) == value, key
+    assert hybrid.get("BASE_SETTINGS", "") == ""  # every arm's own base
+    # Step 4b: the long base's command with the eod-first studies, the twin and its switch.
+    eod = _retrieval_settings(tmp_path, "retrieval-eod-first")
+    changed = {k: eod.get(k) for k in set(eod) | set(hybrid) if eod.get(k) != hybrid.get(k)}
+    for paths in ("STATUS", "FAKE_LOG", "OLDPWD", "PWD", "PYTHON"):  # the scratch checkouts'
+        changed.pop(paths, None)
+    assert changed == {
+        "BASE_STUDY": "retrieval-125m-4k-base-long-eodfirst",
+        "EXTEND_STUDIES": "retrieval-125m-extend-32k-longbase-eodfirst",
+        "SETTINGS": "dense,dense-to-hybrid-DSDSDSDSSSDD",
+        "BASE_SETTINGS": "dense",
+    }

@@ -1396,6 +1396,37 @@ def test_the_seed_summary_leaves_out_where_runs_loaded_from(tmp_path):
     assert "checkpoint.load_dir" not in header and "train.seed" not in header
 
 
+def test_the_eod_first_studies_are_the_long_base_with_eod_first(tmp_path):
+    """docs/long_context_eval.md "Next leases" step 4b: the depth-0 studies with EOD at every
+    sample's first position differ from the long base's point for point only by
+    train.eod_first and by loading the eod-first base of the same seed."""
+    corpus = _corpus_overrides(tmp_path)
+
+    def points(name):
+        study = load_study(REPO / "configs" / "studies" / f"{name}.yaml", extra_overrides=corpus)
+        return study, {p.name: p.config.to_dict() for p in study.points}
+
+    base = "retrieval-125m-4k-base-long"
+    for plain_name in (base, "retrieval-125m-extend-32k-longbase"):
+        (plain_study, plain), (study, got_points) = (
+            points(plain_name),
+            points(f"{plain_name}-eodfirst"),
+        )
+        assert study.nproc_per_node == plain_study.nproc_per_node
+        assert sorted(got_points) and set(got_points) <= set(plain)
+        for name, got in got_points.items():
+            want = plain[name]
+            assert got["train"].pop("eod_first") is True and want["train"].pop("eod_first") is False
+            load, plain_load = got["checkpoint"].pop("load_dir"), want["checkpoint"].pop("load_dir")
+            if plain_load is not None:
+                plain_load = plain_load.replace(f"{base}/", f"{base}-eodfirst/")
+            assert load == plain_load, name
+            for d in (got, want):
+                d.pop("name")
+                d["logging"].pop("run_dir")
+            assert got == want, name
+
+
 def test_the_sinks_studies_are_the_long_base_with_sinks_on_every_layer(tmp_path):
     """docs/long_context_eval.md "Next leases" step 4: the depth-0 studies differ from the long
     base's point for point only by the sinks (dense layers; the switch's S2 layers too, as its
