@@ -37,6 +37,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_setup(item):
+    # CPU mode (megatron_s2.training.cpu_mode), which CPU tests switch on for their whole
+    # process, maps "cuda" to the CPU: a gpu test after one would pass without a GPU kernel
+    # having run. Its module-scoped fixtures run in setup, so this is checked again at the call.
+    if "gpu" in item.keywords:
+        _refuse_cpu_mode(item)
+
+
+def pytest_runtest_call(item):
+    if "gpu" in item.keywords:
+        _refuse_cpu_mode(item)
+
+
+def _refuse_cpu_mode(item) -> None:
+    import sys
+
+    cpu_mode = sys.modules.get("megatron_s2.training.cpu_mode")
+    if cpu_mode is not None and cpu_mode.cpu_mode_enabled():
+        pytest.fail(
+            f"{item.nodeid}: CPU mode is on in this process (a CPU test switched it on), so "
+            "'cuda' would run on the CPU; run the gpu tests apart (pytest -m gpu)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """The demo corpus (``megatron_s2.training.demo_corpus``, default settings), generated once

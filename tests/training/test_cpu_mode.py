@@ -256,3 +256,19 @@ def test_checkpoint_save_in_cpu_mode_starts_no_helper_process(tmp_path):
     assert control.endswith("managers ['SyncManager']"), out
     assert control == f"control: {files} managers ['SyncManager']", out
     assert "'.metadata'" in files and "'__0_0.distcp'" in files, files
+
+
+def test_a_gpu_test_fails_where_cpu_mode_is_on(monkeypatch):
+    """tests/conftest.py: a gpu-marked test in a process where a CPU test switched CPU mode on
+    fails, naming why, instead of passing on the CPU ("cuda" mapped there)."""
+    from megatron_s2.training import cpu_mode
+    from tests.conftest import _refuse_cpu_mode
+
+    class Item:
+        nodeid = "tests/plugin/test_x.py::test_on_cuda"
+
+    monkeypatch.setattr(cpu_mode, "cpu_mode_enabled", lambda: False)
+    _refuse_cpu_mode(Item())  # CPU mode off: nothing to say
+    monkeypatch.setattr(cpu_mode, "cpu_mode_enabled", lambda: True)
+    with pytest.raises(pytest.fail.Exception, match="test_on_cuda: CPU mode is on in this"):
+        _refuse_cpu_mode(Item())
