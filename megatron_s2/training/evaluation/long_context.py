@@ -168,7 +168,7 @@ def run(args) -> dict:
         )
     # A model trained with EOD at every sample's first token (train.eod_first) reads every
     # prompt and held-out sequence behind it, as it was trained.
-    eod_first = bool(getattr(cfg.train, "eod_first", False))
+    eod_first = cfg.train.eod_first
     prefix_eod = args.prefix_eod or eod_first
     if not args.skip_retrieval or probe:
         check_grid(tasks, depths, args.trials, args.multikey_needles)
