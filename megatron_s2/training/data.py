@@ -587,33 +587,41 @@ def build_datasets(
             f"train.eval_iters=0"
         )
     if eod_first:
-        train = EodFirst(train, dataset_tokenizer.eod)
-        valid = EodFirst(valid, dataset_tokenizer.eod) if valid is not None else None
+        eod = dataset_tokenizer.eod
+        train = EodFirst(train, eod, eod_mask_loss=eod_mask_loss)
+        valid = EodFirst(valid, eod, eod_mask_loss=eod_mask_loss) if valid is not None else None
     return Datasets(train=train, valid=valid, eod=dataset_tokenizer.eod)
 
 
 class EodFirst(torch.utils.data.Dataset):
     """A GPT dataset whose every sample starts with the EOD token (``train.eod_first``).
 
-    Item ``i`` is the wrapped dataset's with ``tokens[0]`` replaced by ``eod`` and
-    ``loss_mask[0]`` set to 0 (the label there, the sample's second token, would be predicted
-    from the EOD alone); labels and position ids are unchanged, so a sample keeps its
-    ``seq_length`` tokens and every other prediction its context. Tensors ``[seq_length]``.
+    Item ``i`` is the wrapped dataset's sample moved one token right behind ``eod``: ``tokens``
+    ``[eod, t0, ..., t(s-2)]``, ``labels`` ``[t0, t1, ..., t(s-1)]`` (position 0 predicts the
+    sample's first token from the EOD, as a document's first token follows an EOD inside the
+    packed stream), ``loss_mask`` likewise moved, its new first entry 1 (0 where
+    ``eod_mask_loss`` and ``t0`` is EOD, Megatron's rule for an EOD label); position ids are
+    unchanged. Nothing of the sample's start is lost, which matters where documents start
+    exactly at a sample's first token (the retrieval corpora's trials, a needle at depth 0
+    among them); its last label, ``t(s)``, is left out. Tensors ``[seq_length]``.
     """
 
-    def __init__(self, dataset, eod: int):
-        self.dataset, self.eod = dataset, int(eod)
+    def __init__(self, dataset, eod: int, *, eod_mask_loss: bool = False):
+        self.dataset, self.eod, self.eod_mask_loss = dataset, int(eod), eod_mask_loss
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index) -> dict:
         sample = dict(self.dataset[index])
-        tokens = sample["tokens"].clone()
-        tokens[0] = self.eod
-        loss_mask = sample["loss_mask"].clone()
-        loss_mask[0] = 0
-        sample.update(tokens=tokens, loss_mask=loss_mask)
+        tokens, labels, mask = sample["tokens"], sample["labels"], sample["loss_mask"]
+        first = tokens[:1]
+        first_masked = self.eod_mask_loss and int(first) == self.eod
+        sample.update(
+            tokens=torch.cat([torch.full_like(first, self.eod), tokens[:-1]]),
+            labels=torch.cat([first, labels[:-1]]),
+            loss_mask=torch.cat([torch.full_like(mask[:1], 0 if first_masked else 1), mask[:-1]]),
+        )
         return sample
 
 

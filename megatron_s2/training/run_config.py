@@ -268,10 +268,10 @@ class TrainConfig:
     # documents, RoPE restarting per document. false: samples attend across EOD (Megatron's
     # default concatenation).
     pack_documents: bool = False
-    # Every training and validation sample starts with the EOD token (over its first token, whose
-    # prediction leaves the loss): a fixed first token that takes the attention sink, the role
-    # BOS plays in Llama-style pretraining, so that no content ever sits at position 0. The
-    # evaluator then starts every prompt and held-out sequence with EOD too.
+    # Every training and validation sample starts with the EOD token (the sample moved one token
+    # right behind it): a fixed first token that takes the attention sink, the role BOS plays in
+    # Llama-style pretraining, so that no content ever sits at position 0. The evaluator then
+    # starts every prompt and held-out sequence with EOD too.
     eod_first: bool = False
     num_workers: int = 0
     # Bitwise reproducible reruns (Megatron's deterministic_mode, FA4's deterministic backward,
@@ -296,7 +296,7 @@ class TrainConfig:
             )
         if self.eod_first and self.reset_position_ids:
             # Megatron's dataset restarts positions after each EOD of the sample it read; an EOD
-            # written over the first token afterwards would leave positions that disagree.
+            # put first afterwards would leave positions that disagree.
             raise ConfigError(
                 "train.eod_first=true cannot go with train.reset_position_ids=true (nor "
                 "train.pack_documents, which needs it): the EOD put first would end a document "
@@ -1173,6 +1173,8 @@ MEANING_KEYS = (
     "model.norm_epsilon",
     "data.tokenizer",
     "attention",
+    # The prompt protocol: such a model reads every input behind EOD (the evaluator follows it).
+    "train.eod_first",
 )
 # The run's plan: checkpoint.on_resume decides whether a resumed run uses the values given now
 # ("apply") or its checkpoint's ("keep"); both print the differences. A section covers its keys.
@@ -1186,7 +1188,6 @@ PLAN_KEYS = (
     "train.reset_position_ids",
     "train.eod_mask_loss",
     "train.pack_documents",
-    "train.eod_first",
     "model.hidden_dropout",
     "data.blend",
     "data.split",

@@ -1,7 +1,7 @@
-"""``train.eod_first``: every training and validation sample starts with the EOD token, on the
-CPU: the setting and its checks, the dataset wrapper on random samples, and the real
-Megatron datasets built with it against the same datasets without it (the evaluator's side:
-tests/training/test_long_context_eval.py)."""
+"""``train.eod_first``: every training and validation sample starts with the EOD token, the
+sample moved one token right behind it, on the CPU: the setting and its checks, the dataset
+wrapper on random samples, and the real Megatron datasets built with it against the same
+datasets without it (the evaluator's side: tests/training/test_long_context_eval.py)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def test_setting_and_its_checks():
         assert "set train.eod_first=false" in text
     with pytest.raises(ConfigError, match="train.eod_first must be of type bool"):
         _cfg("train.eod_first=first")
-    # A plan setting: a resumed run prints the change (checkpoint.on_resume decides).
-    changes = resume_changes(_cfg().to_dict(), _cfg("train.eod_first=true"), own=True)
-    assert [c.key for c in changes.plan] == ["train.eod_first"]
-    assert not changes.refused
+    # What the weights were trained to read: refused on a resume of the run's own checkpoint,
+    # noted (printed) where a run or an evaluation starts from another run's weights.
+    saved, eod = _cfg().to_dict(), _cfg("train.eod_first=true")
+    assert [c.key for c in resume_changes(saved, eod, own=True).refused] == ["train.eod_first"]
+    other = resume_changes(saved, eod, own=False)
+    assert [c.key for c in other.noted] == ["train.eod_first"] and not other.refused
 
 
 class _Samples(torch.utils.data.Dataset):
@@ -66,21 +68,40 @@ class _Samples(torch.utils.data.Dataset):
         return self.items[i]
 
 
+def _moved(before: dict, eod: int, first_mask: float) -> dict:
+    """The sample one token right behind ``eod``, written out position by position."""
+    s = before["tokens"].numel()
+    tokens = [eod] + [int(before["tokens"][i - 1]) for i in range(1, s)]
+    labels = [int(before["tokens"][0])] + [int(before["labels"][i - 1]) for i in range(1, s)]
+    mask = [first_mask] + [float(before["loss_mask"][i - 1]) for i in range(1, s)]
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask}
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_wrapper_puts_eod_first_and_leaves_the_rest(seed):
+def test_wrapper_moves_the_sample_behind_eod(seed):
     source = _Samples(5, 17 + seed, seed)
     wrapped = EodFirst(source, eod=99)
     assert len(wrapped) == 5
     for i in range(5):
         before = {k: v.clone() for k, v in source[i].items()}
         got = wrapped[i]
-        assert got["tokens"][0] == 99 and got["loss_mask"][0] == 0
-        assert torch.equal(got["tokens"][1:], before["tokens"][1:])
-        assert torch.equal(got["loss_mask"][1:], before["loss_mask"][1:])
-        assert torch.equal(got["labels"], before["labels"])
+        want = _moved(before, 99, 1.0)
+        assert got["tokens"].tolist() == want["tokens"]
+        assert got["labels"].tolist() == want["labels"]
+        assert got["loss_mask"].tolist() == pytest.approx(want["loss_mask"])
+        assert got["tokens"].dtype == before["tokens"].dtype
+        assert got["loss_mask"].dtype == before["loss_mask"].dtype
         assert torch.equal(got["position_ids"], before["position_ids"])
         for k, v in source[i].items():  # the wrapped dataset's own samples are untouched
             assert torch.equal(v, before[k]), k
+
+
+def test_an_eod_label_at_position_0_follows_eod_mask_loss():
+    source = _Samples(1, 8, 0)
+    source.items[0]["tokens"][0] = 7  # the sample starts with an EOD (id 7 here)
+    for masked, first in ((True, 0.0), (False, 1.0)):
+        got = EodFirst(source, eod=7, eod_mask_loss=masked)[0]
+        assert int(got["labels"][0]) == 7 and float(got["loss_mask"][0]) == first
 
 
 def test_megatron_datasets_with_and_without_eod_first(tmp_path):
@@ -105,8 +126,8 @@ def test_megatron_datasets_with_and_without_eod_first(tmp_path):
         for i in range(len(a)):
             x, y = a[i], b[i]
             starts.add(int(x["tokens"][0]))
-            assert int(y["tokens"][0]) == tok.eod and float(y["loss_mask"][0]) == 0.0
-            assert torch.equal(y["tokens"][1:], x["tokens"][1:])
-            assert torch.equal(y["labels"], x["labels"])
-            assert torch.equal(y["loss_mask"][1:], x["loss_mask"][1:])
+            want = _moved(x, tok.eod, 1.0)
+            assert y["tokens"].tolist() == want["tokens"]
+            assert y["labels"].tolist() == want["labels"]
+            assert y["loss_mask"].tolist() == pytest.approx(want["loss_mask"])
         assert starts != {tok.eod}, split  # without it samples start anywhere in a document

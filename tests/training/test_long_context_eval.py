@@ -411,6 +411,8 @@ def test_a_model_trained_eod_first_reads_every_input_behind_eod(run_dir):
     stdout = _eval_cli(run_dir, out, *grid, "--attention-probe", "128", "--bins", "8",
                        "--position-sequences", "2", "train.eod_first=true")  # fmt: skip
     assert "Every prompt starts with the end-of-document token (train.eod_first)" in stdout
+    # Not what this checkpoint trained with: the evaluation says so before its tables.
+    assert "train.eod_first" in stdout.split("Every prompt starts")[0]
     first = json.loads((out / "retrieval.json").read_text())
     ref = run_dir / "eval-eod-ref"
     _eval_cli(run_dir, ref, *grid, "--prefix-eod", "--skip-position")

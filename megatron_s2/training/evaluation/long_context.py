@@ -159,17 +159,17 @@ def run(args) -> dict:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     probe = [args.attention_probe] if args.attention_probe is not None else []
     probe_tasks = _probe_tasks(args.probe_tasks, tasks, bool(probe))
-    if args.prefix_eod and (args.skip_retrieval or probe):
+    # A model trained with EOD at every sample's first token (train.eod_first) reads every
+    # prompt and held-out sequence behind it, as it was trained.
+    eod_first = cfg.train.eod_first
+    prefix_eod = args.prefix_eod or eod_first
+    if args.prefix_eod and not eod_first and (args.skip_retrieval or probe):
         # It changes the retrieval prompts alone: where it would be ignored, say so first.
         raise ConfigError(
             "--prefix-eod applies to the retrieval prompts only: drop --skip-retrieval and "
             "--attention-probe from this evaluation (the probe reads plain prompts), or "
             "--prefix-eod"
         )
-    # A model trained with EOD at every sample's first token (train.eod_first) reads every
-    # prompt and held-out sequence behind it, as it was trained.
-    eod_first = cfg.train.eod_first
-    prefix_eod = args.prefix_eod or eod_first
     if not args.skip_retrieval or probe:
         check_grid(tasks, depths, args.trials, args.multikey_needles)
     pos_length = args.position_length or max(lengths)
