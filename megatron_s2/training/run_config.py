@@ -1310,11 +1310,17 @@ def _attention_changes(saved: dict, cfg: RunConfig) -> list:
     return changes or [SettingChange("attention", a, b)]
 
 
+# Keys added after run configs were first saved whose absence from a saved config means the
+# behaviour of the versions before them: compared as that value, not skipped.
+ABSENT_MEANS = {"train.eod_first": False}
+
+
 def resume_changes(saved: dict, cfg: RunConfig, *, own: bool) -> ResumeChanges:
     """Compare ``cfg`` with ``saved``, the run config stored in the checkpoint to resume from.
 
     ``own``: the checkpoint is the run's own (a resume), not another run's (``load_dir``).
-    Keys missing on one side (a config written by another version) are not compared.
+    Keys missing on one side (a config written by another version) are not compared, except
+    those of :data:`ABSENT_MEANS`, whose absence is the value given there.
     """
     out = ResumeChanges()
     old_shape, new_shape = _resolved_shape(saved), _resolved_shape(cfg.to_dict())
@@ -1326,6 +1332,7 @@ def resume_changes(saved: dict, cfg: RunConfig, *, own: bool) -> ResumeChanges:
         _flatten({k: v for k, v in saved.items() if k != "attention"}),
         _flatten({k: v for k, v in cfg.to_dict().items() if k != "attention"}),
     )
+    fa = {**ABSENT_MEANS, **fa}
     for key in sorted(set(fa) & set(fb)):
         if fa[key] == fb[key] or _in(key, UNCOMPARED_KEYS) or key in SHAPE_KEYS:
             continue

@@ -44,6 +44,10 @@ def test_setting_and_its_checks():
     assert [c.key for c in resume_changes(saved, eod, own=True).refused] == ["train.eod_first"]
     other = resume_changes(saved, eod, own=False)
     assert [c.key for c in other.noted] == ["train.eod_first"] and not other.refused
+    # A checkpoint saved before the setting existed trained without it.
+    del saved["train"]["eod_first"]
+    assert [c.key for c in resume_changes(saved, eod, own=True).refused] == ["train.eod_first"]
+    assert not resume_changes(saved, _cfg(), own=True).refused
 
 
 class _Samples(torch.utils.data.Dataset):
