@@ -29,7 +29,7 @@
 #   gpu-tests                  pytest -m gpu tests/plugin tests/training
 #
 # Environment: LEASE_STAGE=0 skips the staging (a machine that has the trainer's packages),
-# LEASE_GPU_TEST (pytest arguments, e.g. "-m gpu tests/plugin/test_attention_levers.py") runs
+# LEASE_GPU_TEST (pytest arguments, e.g. "-m gpu tests/plugin tests/training") runs
 # before the job, which does not start if they fail, PYTHON (python3).
 # Status: results/lease/status.log (a line a step, with the time), each step's output in
 # results/lease/*.log, results/lease/DONE at the end (holding the job's exit status).
