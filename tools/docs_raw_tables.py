@@ -730,6 +730,14 @@ def _paired(entry: tuple[float, float, float, int]) -> str:
     return f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
+def _paired_cells(stats, result: dict, reference: dict, task: str, lengths, depths=None) -> list:
+    """RESULT minus REFERENCE over the same trials of ``task`` (at ``depths``; None: all): one
+    :func:`_paired` cell per length of ``lengths``, then the lengths pooled."""
+    counts = stats.paired_counts(result, reference, task, depths)
+    cells = [_paired(stats.counts_difference(counts[n])) for n in lengths]
+    return cells + [_paired(stats.counts_difference(stats.pool_counts(counts)))]
+
+
 def retrieval_recipe_difference() -> str:
     """docs/long_context_eval.md: the extended hybrid-DS minus the extended dense twin (seed 1
     each) per task and length, in points, over the same 100 trials a length (Newcombe's paired
@@ -804,12 +812,10 @@ def retrieval_recipe_depth0() -> str:
             pooled = _pooled_ci(stats, [cells[n] for n in lengths])
             rows.append([name if label == "dense, plain" else "", label,
                          *(_ci(cells[n]) for n in lengths), pooled])  # fmt: skip
-        counts = stats.paired_counts(
-            runs["hybrid-DS, EOD first"], runs["hybrid-DS, plain"], name, depths=[0.0]
+        diffs = _paired_cells(
+            stats, runs["hybrid-DS, EOD first"], runs["hybrid-DS, plain"], name, lengths, [0.0]
         )
-        by_len = [_paired(stats.counts_difference(counts[n])) for n in lengths]
-        pooled_diff = _paired(stats.counts_difference(stats.pool_counts(counts)))
-        rows.append(["", "hybrid-DS, EOD - plain (points)", *by_len, pooled_diff])
+        rows.append(["", "hybrid-DS, EOD - plain (points)", *diffs])
         # The same test on the 4k base before the extension (evaluated at 4k only).
         base = stats.paired_trial_difference(base_eod, base_plain, name, depths=[0.0])
         cells = [_paired(base[n]) if n in base else "not run" for n in lengths]
@@ -923,10 +929,8 @@ def _conversion_table(
                          *(_ci(by_len[n]) for n in lengths), pooled])  # fmt: skip
         every = [(f"depth {d:g}", [float(d)]) for d in dense["depths"]] + [("every depth", None)]
         for label, depths in every:
-            counts = stats.paired_counts(hybrid, dense, task, depths)
-            cells = [_paired(stats.counts_difference(counts[n])) for n in lengths]
-            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
-            rows.append(["", f"hybrid - twin, {label} (points)", *cells, pooled])
+            cells = _paired_cells(stats, hybrid, dense, task, lengths, depths)
+            rows.append(["", f"hybrid - twin, {label} (points)", *cells])
     header = ["task", f"seed {seed}", *(f"{n:,} tokens" for n in lengths), "all four"]
     return table(header, rows)
 
@@ -1369,10 +1373,8 @@ def retrieval_sinks_decision() -> str:
             cells = [_pooled_ci(stats, [c for c in picked if c["length"] == n]) for n in lengths]
             rows.append([task if label == "depth 0" else "", f"twin with sinks, {label}",
                          *cells, _pooled_ci(stats, picked)])  # fmt: skip
-            counts = stats.paired_counts(sinks, plain, task, depths)
-            diffs = [_paired(stats.counts_difference(counts[n])) for n in lengths]
-            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
-            rows.append(["", f"with - without sinks, {label} (points)", *diffs, pooled])
+            diffs = _paired_cells(stats, sinks, plain, task, lengths, depths)
+            rows.append(["", f"with - without sinks, {label} (points)", *diffs])
     header = ["task", f"seed {SINKS_SEED}", *(f"{n:,} tokens" for n in lengths), "all four"]
     return table(header, rows)
 
@@ -1392,10 +1394,8 @@ def retrieval_sinks_switch() -> str:
         rows.append([task, "switch with sinks", *(_ci(by_len[n]) for n in lengths),
                      _pooled_ci(stats, [by_len[n] for n in lengths])])  # fmt: skip
         for other in ("switch, no sinks", "twin, sinks", "twin, no sinks"):
-            counts = stats.paired_counts(switch, _sinks_run(other), task)
-            diffs = [_paired(stats.counts_difference(counts[n])) for n in lengths]
-            pooled = _paired(stats.counts_difference(stats.pool_counts(counts)))
-            rows.append(["", f"- {other} (points)", *diffs, pooled])
+            diffs = _paired_cells(stats, switch, _sinks_run(other), task, lengths)
+            rows.append(["", f"- {other} (points)", *diffs])
     header = ["task", f"seed {SINKS_SEED}", *(f"{n:,} tokens" for n in lengths), "all four"]
     return table(header, rows)
 
