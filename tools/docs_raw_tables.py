@@ -1472,7 +1472,6 @@ def retrieval_zone() -> str:
     return table(header, rows)
 
 
-QUALITY = DOCS / "quality"
 ONE_GPU_SPEED = QUALITY / "one-gpu-speed-16k"
 # The speed runs' settings (attention.dense_layers.pattern) and the seeded studies' point names.
 SPEED_SETTINGS = (("D", "dense"), ("SSSD", "hybrid-SSSD"), ("S", "all-s2"))
@@ -1539,38 +1538,81 @@ def _metrics(path: Path) -> tuple[dict, dict]:
     return train, valid
 
 
+def _rerun_cells(first: Path, again: Path) -> tuple[list[str], float, float]:
+    """The step-by-step comparison of two runs of one point (their metrics.jsonl) over the
+    steps both reached: [training losses equal, first step that differs, validation steps
+    compared, largest validation difference], and each run's median tokens/s over the logged
+    steps after step 20 (the first window holds compilation)."""
+    first_t, first_v = _metrics(first)
+    again_t, again_v = _metrics(again)
+    steps = sorted(set(first_t) & set(again_t))
+    differ = [i for i in steps if first_t[i]["loss"] != again_t[i]["loss"]]
+    vsteps = sorted(set(first_v) & set(again_v))
+    worst = max(abs(again_v[i] / first_v[i] - 1) * 100 for i in vsteps)
+    fast = [i for i in steps if i > 20]
+    a = statistics.median(first_t[i]["tokens_per_s"] for i in fast)
+    b = statistics.median(again_t[i]["tokens_per_s"] for i in fast)
+    cells = [
+        f"{len(steps) - len(differ)} of {len(steps)} ({steps[0]}-{steps[-1]})",
+        str(differ[0]) if differ else "none",
+        f"{vsteps[0]}-{vsteps[-1]} ({len(vsteps)})",
+        f"{worst:.2f}%" if worst else "none (equal)",
+    ]
+    return cells, a, b
+
+
 def quality_rerun_noise() -> str:
     """docs/quality.md, "The noise band": the 100M study's four runs that the first lease (four
     GPUs) stopped and the second (two GPUs) trained again from step 0, the same seed and
     batches, step by step over the steps both reached: whether the losses repeat, and each
-    host's median tokens/s over the logged steps after step 20 (the first window holds
-    compilation)."""
+    host's median tokens/s."""
     root = QUALITY / "code-125m-16k-seeds-100m"
     rows = []
     for point in RERUN_POINTS:
-        first_t, first_v = _metrics(root / "first-lease-stopped" / point / "metrics.jsonl")
-        again_t, again_v = _metrics(root / "runs" / point / "metrics.jsonl")
-        steps = sorted(set(first_t) & set(again_t))
-        differ = [i for i in steps if first_t[i]["loss"] != again_t[i]["loss"]]
-        vsteps = sorted(set(first_v) & set(again_v))
-        worst = max(abs(again_v[i] / first_v[i] - 1) * 100 for i in vsteps)
-        fast = [i for i in steps if i > 20]
-        a = statistics.median(first_t[i]["tokens_per_s"] for i in fast)
-        b = statistics.median(again_t[i]["tokens_per_s"] for i in fast)
-        rows.append([
-            point,
-            f"{len(steps) - len(differ)} of {len(steps)} ({steps[0]}-{steps[-1]})",
-            str(differ[0]) if differ else "none",
-            f"{vsteps[0]}-{vsteps[-1]} ({len(vsteps)})",
-            f"{worst:.2f}%" if worst else "none (equal)",
-            thousands(a),
-            thousands(b),
-            rel(b, a),
-        ])  # fmt: skip
+        cells, a, b = _rerun_cells(
+            root / "first-lease-stopped" / point / "metrics.jsonl",
+            root / "runs" / point / "metrics.jsonl",
+        )
+        rows.append([point, *cells, thousands(a), thousands(b), rel(b, a)])
     header = [
         "run", "training losses equal (logged steps)", "first step that differs",
         "validation steps compared", "largest validation difference",
         "tokens/s, first lease (4x host)", "tokens/s, rerun (2x host)", "rerun vs first",
+    ]  # fmt: skip
+    return table(header, rows)
+
+
+RERUNS = QUALITY / "code-125m-16k-seeds-100m" / "reruns" / "runs"
+
+
+def _finished_reruns() -> list[str]:
+    """The 100M study's finished reruns (a summary.json at hand), in the study's order."""
+    order = ("dense", "hybrid-SSSD", "hybrid-DS", "all-s2")
+    names = [p.parent.name for p in RERUNS.glob("*/summary.json")]
+    return sorted(names, key=lambda n: (order.index(n.split(",")[0]), n))
+
+
+def quality_reruns_vs_committed() -> str:
+    """docs/quality.md, "Reruns of the first lease's runs": each rerun of the 100M study
+    (trained again from step 0 for its loss by position: the same point, seed and batches)
+    against the committed run of that point, over all 763 steps: whether the losses repeat,
+    the final validation losses and their difference (% of the committed run's), and each
+    host's median tokens/s."""
+    root = QUALITY / "code-125m-16k-seeds-100m"
+    rows = []
+    for point in _finished_reruns():
+        first, again = root / "runs" / point / "metrics.jsonl", RERUNS / point / "metrics.jsonl"
+        cells, a, b = _rerun_cells(first, again)
+        # The final validation loss: the last validation's (the run's final_valid_loss).
+        va, vb = (v[max(v)] for v in (_metrics(first)[1], _metrics(again)[1]))
+        rows.append(
+            [point, *cells, f"{va:.4f}", f"{vb:.4f}", rel(vb, va), thousands(a), thousands(b)]
+        )
+    header = [
+        "run", "training losses equal (logged steps)", "first step that differs",
+        "validation steps compared", "largest validation difference",
+        "final valid loss, committed", "rerun", "rerun vs committed",
+        "tokens/s, committed (4x host)", "tokens/s, rerun (2x host)",
     ]  # fmt: skip
     return table(header, rows)
 
@@ -1615,6 +1657,18 @@ TABLES: dict[str, Table] = {
             for d in ("first-lease-stopped", "runs")
         ),
         quality_rerun_noise,
+    ),
+    "quality-reruns-vs-committed": Table(
+        "docs/quality.md",
+        tuple(
+            str(f.relative_to(REPO))
+            for point in _finished_reruns()
+            for f in (
+                QUALITY / "code-125m-16k-seeds-100m" / "runs" / point / "metrics.jsonl",
+                RERUNS / point / "metrics.jsonl",
+            )
+        ),
+        quality_reruns_vs_committed,
     ),
     "quality-stride-window": Table(
         "docs/quality.md",

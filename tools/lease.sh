@@ -22,10 +22,10 @@
 #   retrieval-eod-first SEED   docs/long_context_eval.md, "Next leases" step 4b: the long base's
 #                              twin and switch with EOD at every sample's first position
 #                              (train.eod_first), about 22 minutes
-#   quality-reruns             docs/quality.md: GPU 0 trains the 4k reference's last run
-#                              (all-s2 seed 3), then the 100M study's SSSD and DS reruns; GPU 1
-#                              its dense reruns; runs finished in earlier leases (committed
-#                              under docs/quality/) are carried in and not trained again
+#   quality-reruns             docs/quality.md: the 100M study's reruns, GPU 0 SSSD then DS
+#                              seed 1, GPU 1 dense then DS seed 2; runs finished in earlier
+#                              leases (committed under docs/quality/<study>/reruns/) are
+#                              carried in and not trained again
 #   gpu-tests                  pytest -m gpu tests/plugin tests/training
 #
 # Environment: LEASE_STAGE=0 skips the staging (a machine that has the trainer's packages),
@@ -65,47 +65,47 @@ job_retrieval_eod_first() {  # SEED: step 4b, the twin and the switch with EOD f
         retrieval-125m-extend-32k-longbase-eodfirst dense,dense-to-hybrid-DSDSDSDSSSDD dense
 }
 
-# carry_runs FROM TO [PATTERN]: the finished runs (summary.json at hand) of a committed study
-# folder into a sweep's runs/, so that the sweep trains only what is missing.
+# carry_runs FROM TO: the finished runs (summary.json at hand) of a committed study folder
+# into a sweep's runs/, so that the sweep trains only what is missing.
 carry_runs() {
-    local from=$1 to=$2 pattern=${3:-*} r
+    local from=$1 to=$2 r
     mkdir -p "$to"
-    for r in "$from"/$pattern/; do
+    for r in "$from"/*/; do
         [[ -f $r/summary.json ]] && cp -r "$r" "$to"/
     done
     return 0
 }
 
+# quality_part GPU PART SELECTION...: on GPU, the 100M study's reruns of each SELECTION (sweep
+# arguments) in turn into sweeps/<study>-rerun-PART; a sweep trains only its missing points.
+quality_part() {
+    local gpu=$1 part=$2 s=code-125m-16k-seeds-100m sel rc=0
+    shift 2
+    for sel in "$@"; do
+        EVAL_DEVICES=$gpu OUTPUT_DIR=sweeps/$s-rerun-$part SWEEP_ARGS="--devices $gpu $sel" \
+            POSITION_SEQUENCES=32 tools/run_code_study.sh "configs/studies/$s.yaml" \
+            >> "$LEASE/rerun-$part.log" 2>&1 || rc=$?
+        note "reruns $sel (GPU $gpu) exit $rc"
+    done
+    return $rc
+}
+
 job_quality_reruns() {
-    local s4=code-125m-4k-seeds s=code-125m-16k-seeds-100m part
+    local s=code-125m-16k-seeds-100m part rc=0
     "$PYTHON" tools/build_code_corpus.py --out data/code > "$LEASE/corpus.log" 2>&1 || return 1
     note "code corpus built"
-    carry_runs "docs/quality/$s4/runs" "sweeps/$s4/runs"
-    cp "docs/quality/$s4/corpus.json" "sweeps/$s4/"
+    # Every finished rerun goes into both folders (each sweep's results.csv then holds them
+    # all); the two sweeps train disjoint points, so they never train the same run.
     for part in a b; do
         mkdir -p "sweeps/$s-rerun-$part"
         cp "docs/quality/$s/corpus.json" "sweeps/$s-rerun-$part/"
+        carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-$part/runs"
     done
-    # The dense reruns go to part a, the others to part b (two sweeps that share no table).
-    carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-a/runs" 'dense,*'
-    carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-b/runs" 'hybrid-*'
-    (
-        EVAL_DEVICES=1 OUTPUT_DIR=sweeps/$s-rerun-a SWEEP_ARGS="--devices 1 --settings dense" \
-            POSITION_SEQUENCES=32 tools/run_code_study.sh "configs/studies/$s.yaml" \
-            > "$LEASE/rerun-a.log" 2>&1
-        note "dense reruns (GPU 1) exit $?"
-    ) &
-    local rc=0
-    EVAL_DEVICES=0 SWEEP_ARGS="--devices 0 --settings all-s2 --seeds 3" POSITION_SEQUENCES=32 \
-        tools/run_code_study.sh "configs/studies/$s4.yaml" > "$LEASE/4k.log" 2>&1 || rc=$?
-    note "4k reference (GPU 0) exit $rc"
-    for sel in "--settings hybrid-SSSD" "--settings hybrid-DS --seeds 1,2"; do
-        EVAL_DEVICES=0 OUTPUT_DIR=sweeps/$s-rerun-b SWEEP_ARGS="--devices 0 $sel" \
-            POSITION_SEQUENCES=32 tools/run_code_study.sh "configs/studies/$s.yaml" \
-            >> "$LEASE/rerun-b.log" 2>&1 || rc=$?
-        note "reruns $sel (GPU 0) exit $rc"
-    done
-    wait
+    # Two runs a GPU (about 10 minutes each with the loss by position): the eight reruns'
+    # last four after the first lease (2026-12-01) trained dense and SSSD seeds 1-2.
+    quality_part 1 a "--settings dense" "--settings hybrid-DS --seeds 2" &
+    quality_part 0 b "--settings hybrid-SSSD" "--settings hybrid-DS --seeds 1" || rc=$?
+    wait $! || rc=$?
     return $rc
 }
 

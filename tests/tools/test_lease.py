@@ -111,43 +111,43 @@ def test_a_failing_gpu_test_stops_the_lease_and_a_second_start_is_refused(tmp_pa
 
 def test_quality_reruns_carry_finished_runs_and_run_the_documented_points(tmp_path):
     root = _checkout(tmp_path)
-    s4, s = "code-125m-4k-seeds", "code-125m-16k-seeds-100m"
-    q = root / "docs" / "quality"
-    for study in (s4, s):
-        (q / study).mkdir(parents=True)
-        (q / study / "corpus.json").write_text("{}")
-    finished = [f"{s4}/runs/dense,seed=1", f"{s}/reruns/runs/dense,seed=1",
-                f"{s}/reruns/runs/hybrid-SSSD,seed=1"]  # fmt: skip
-    for run in finished:
-        (q / run).mkdir(parents=True)
-        (q / run / "summary.json").write_text("{}")
-    (q / s / "reruns" / "runs" / "dense,seed=2").mkdir()  # cut off: no summary, not carried
+    s = "code-125m-16k-seeds-100m"
+    q = root / "docs" / "quality" / s
+    q.mkdir(parents=True)
+    (q / "corpus.json").write_text("{}")
+    for run in ("dense,seed=1", "hybrid-SSSD,seed=1"):
+        (q / "reruns" / "runs" / run).mkdir(parents=True)
+        (q / "reruns" / "runs" / run / "summary.json").write_text("{}")
+    (q / "reruns" / "runs" / "dense,seed=2").mkdir()  # cut off: no summary, not carried
     started = _lease(root, "start", "quality-reruns")
     assert started.returncode == 0, started.stderr
     assert _wait_done(root) == "0", (root / "results" / "lease" / "status.log").read_text()
     sweeps = root / "sweeps"
-    assert (sweeps / s4 / "runs" / "dense,seed=1" / "summary.json").is_file()
-    assert sorted(p.name for p in (sweeps / f"{s}-rerun-a" / "runs").iterdir()) == ["dense,seed=1"]
-    assert sorted(p.name for p in (sweeps / f"{s}-rerun-b" / "runs").iterdir()) == [
-        "hybrid-SSSD,seed=1"
-    ]
-    for folder in (s4, f"{s}-rerun-a", f"{s}-rerun-b"):
-        assert (sweeps / folder / "corpus.json").is_file()
+    for part in "ab":  # every finished rerun in both folders, the cut-off one in neither
+        folder = sweeps / f"{s}-rerun-{part}"
+        assert sorted(p.name for p in (folder / "runs").iterdir()) == [
+            "dense,seed=1",
+            "hybrid-SSSD,seed=1",
+        ]
+        assert (folder / "corpus.json").is_file()
     lines = (root / "fake.log").read_text().splitlines()
     assert lines[0] == "python tools/build_code_corpus.py --out data/code"
     calls = [json.loads(line) for line in lines[1:]]
-    study, study4 = f"configs/studies/{s}.yaml", f"configs/studies/{s4}.yaml"
-    dense = {"study": study, "sweep": "--devices 1 --settings dense",
-             "out": f"sweeps/{s}-rerun-a", "eval": "1"}  # fmt: skip
-    b = f"sweeps/{s}-rerun-b"
-    gpu0 = [  # (study, sweep arguments, output folder), all with EVAL_DEVICES=0
-        (study4, "--devices 0 --settings all-s2 --seeds 3", ""),
-        (study, "--devices 0 --settings hybrid-SSSD", b),
-        (study, "--devices 0 --settings hybrid-DS --seeds 1,2", b),
-    ]
-    gpu0 = [{"study": c, "sweep": w, "out": o, "eval": "0"} for c, w, o in gpu0]
-    assert dense in calls
-    assert [c for c in calls if c != dense] == gpu0  # GPU 0's runs in this order
+    study = f"configs/studies/{s}.yaml"
+
+    def gpu(device, part, *sweeps):
+        out = f"sweeps/{s}-rerun-{part}"
+        return [
+            {"study": study, "sweep": f"--devices {device} {w}", "out": out, "eval": str(device)}
+            for w in sweeps
+        ]
+
+    gpu1 = gpu(1, "a", "--settings dense", "--settings hybrid-DS --seeds 2")
+    gpu0 = gpu(0, "b", "--settings hybrid-SSSD", "--settings hybrid-DS --seeds 1")
+    # Each GPU's runs in its order (the two GPUs' calls interleave); nothing else.
+    assert [c for c in calls if c["eval"] == "1"] == gpu1
+    assert [c for c in calls if c["eval"] == "0"] == gpu0
+    assert len(calls) == 4
 
 
 def test_poll_packs_results_without_checkpoints(tmp_path):
