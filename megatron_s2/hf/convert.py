@@ -31,6 +31,7 @@ import torch
 import yaml
 
 from .mapping import (
+    EOD_FIRST_KEY,
     FAMILIES,
     HFConfigError,
     dtype_name,
@@ -244,6 +245,8 @@ def plan_import(
         "model": dict(settings) | {"seq_length": seq_length, "transformer_impl": transformer_impl},
         "attention": _attention_section(s2_pattern, s2_settings),
         "data": {"tokenizer": str(out_dir / "hf") if has_tokenizer else "byte"},
+        # An export of a train.eod_first model: continued pretraining keeps reading behind EOD.
+        **({"train": {"eod_first": True}} if config.get(EOD_FIRST_KEY) else {}),
         "optimizer": {"lr": CONTINUAL_LR, "min_lr": CONTINUAL_MIN_LR},
         "checkpoint": {
             "load_dir": str(out_dir / "checkpoints"),
@@ -405,6 +408,11 @@ class ExportPlan:
     s2_attention: Optional[dict] = None  # the schedule written to config.json, every setting
     template_path: Optional[Path] = None  # the imported config.json read as the template
     template_looked_at: tuple = ()  # where it was looked for (None found: the CLI says so)
+    # train.eod_first: the model reads every input behind its EOD token (id eod, string
+    # eod_token; None for the byte tokenizer, which has no tokenizer files to export).
+    eod_first: bool = False
+    eod: Optional[int] = None
+    eod_token: Optional[str] = None
 
 
 def _checkpoint_root(path: Path) -> Path:
@@ -532,6 +540,10 @@ def plan_export(
     if tok and tok != "byte":
         tok = Path(tok)
         tokenizer_dir = tok if tok.is_dir() else tok.parent
+    eod_first = bool((run.get("train") or {}).get("eod_first"))
+    eod = eod_token = None
+    if eod_first:
+        eod, eod_token = _eod_of(tok, root)
     return ExportPlan(
         root,
         iteration,
@@ -547,7 +559,59 @@ def plan_export(
         s2_attention,
         template_path,
         tuple(looked_at),
+        eod_first,
+        eod,
+        eod_token,
     )
+
+
+def _eod_of(tok, root: Path) -> tuple[int, Optional[str]]:
+    """(id, string) of the EOD token a ``train.eod_first`` run put in front of every sample:
+    the trainer's tokenizer's (``data.tokenizer``, loaded as the trainer does); None for
+    the byte tokenizer. An export without it would write a model that HF users feed without
+    the token it was trained to read first, so a tokenizer that is not found is an error."""
+    from ..training.tokenizer import load_tokenizer
+
+    spec = "byte" if not tok or tok == "byte" else str(tok)
+    try:
+        tokenizer = load_tokenizer(spec)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(
+            f"checkpoint {root} trained with train.eod_first: true (every input read behind the "
+            f"EOD token), and its tokenizer data.tokenizer={spec} cannot be loaded to name that "
+            f"token ({e}); export from the directory the run was trained in"
+        )
+    return int(tokenizer.eod), getattr(tokenizer, "eod_token", None)
+
+
+def prepend_eod(directory: Path, eod_token: str, eod: int) -> None:
+    """Make the Hugging Face tokenizer in ``directory`` (``tokenizer.json``, and
+    ``tokenizer_config.json`` if there) put ``eod_token`` (id ``eod``) in front of every text
+    it encodes with special tokens, as a ``train.eod_first`` model reads its inputs:
+    ``tokenizer(text).input_ids`` is then ``[eod, *ids]`` where ``ids`` is what the trainer's
+    tokenizer gives (``add_special_tokens=False``, which keeps giving ``ids``). The token is the
+    tokenizer's BOS from then on (``bos_token``, ``add_bos_token``), which lm-evaluation-harness
+    and generation read."""
+    from tokenizers import Tokenizer, processors
+
+    path = directory / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    template = processors.TemplateProcessing(
+        single=f"{eod_token} $A",
+        pair=f"{eod_token} $A $B:1",
+        special_tokens=[(eod_token, eod)],
+    )
+    # The trainer never ran the tokenizer's own post-processor (its special tokens, a Llama
+    # BOS say, are in no training sample), so it is replaced; a byte-level one only trims
+    # offsets and adds no token, so it is kept in front.
+    old = tok.post_processor
+    keep = old is not None and isinstance(old, processors.ByteLevel)
+    tok.post_processor = processors.Sequence([old, template]) if keep else template
+    tok.save(str(path))
+    config_path = directory / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    config |= {"bos_token": eod_token, "add_bos_token": True}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -612,7 +676,9 @@ def run_export(plan: ExportPlan) -> list[str]:
         max_position_embeddings=max_pos,
         dtype=dtype_name(plan.dtype),
     )
-    for key in ("s2_attention", "attn_implementation", "attn_implementation_hint"):
+    # The template's S2 keys and EOD-first flag (an import of an earlier export) are this
+    # run's to set, below.
+    for key in ("s2_attention", "attn_implementation", "attn_implementation_hint", EOD_FIRST_KEY):
         config.pop(key, None)
     if plan.hybrid:
         # The S2 schedule, every setting; megatron_s2.hf.s2_attention reads it.
@@ -622,6 +688,11 @@ def run_export(plan: ExportPlan) -> list[str]:
         # dense, a model that was never trained; load_s2_model registers "s2", and an explicit
         # attn_implementation= still wins.
         config["attn_implementation"] = "s2"
+    if plan.eod_first:
+        # What the model reads first (train.eod_first): generation and lm-evaluation-harness
+        # start from bos_token_id; megatron_s2.hf.lm_eval and a later import read the flag.
+        config["bos_token_id"] = plan.eod
+        config[EOD_FIRST_KEY] = True
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
     files = write_safetensors(hf, out, plan.max_shard_bytes)
@@ -632,4 +703,8 @@ def run_export(plan: ExportPlan) -> list[str]:
             if (plan.tokenizer_dir / f).is_file():
                 shutil.copy2(plan.tokenizer_dir / f, out / f)
                 files.append(f)
+        if plan.eod_first and (out / "tokenizer.json").is_file():
+            prepend_eod(out, plan.eod_token, plan.eod)
+            if "tokenizer_config.json" not in files:
+                files.append("tokenizer_config.json")
     return files

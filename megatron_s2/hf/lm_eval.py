@@ -3,7 +3,9 @@
 ``lm_eval --model hf`` loads the model in a process that never imports this package, so the
 ``"s2"`` attention would not exist there. This wrapper registers it (:func:`register`), adds
 ``attn_implementation=s2`` to the ``hf`` model's ``--model_args`` unless they name an attention
-implementation already, checks a local checkpoint's ``s2_attention`` before anything loads, and
+implementation already (and ``add_bos_token=True`` for a model trained with
+``train.eod_first``, whose export made EOD the tokenizer's BOS), checks a local checkpoint's
+``s2_attention`` before anything loads, and
 then runs lm-evaluation-harness's own command line (``lm_eval.__main__.cli_evaluate``) with the
 remaining arguments unchanged::
 
@@ -21,6 +23,7 @@ import os
 import sys
 from typing import Optional
 
+from .mapping import EOD_FIRST_KEY
 from .s2_attention import ATTN_IMPLEMENTATION, S2ConfigError, check_config, register
 
 # lm-evaluation-harness's names of its transformers model (lm_eval/models/huggingface.py).
@@ -61,31 +64,53 @@ def model_name(argv: list[str]) -> str:
     return found[-1][2] if found else "hf"
 
 
-def with_s2_model_args(argv: list[str]) -> list[str]:
-    """``argv`` with ``attn_implementation=s2`` added to the ``hf`` model's ``--model_args``.
-
-    Unchanged when the model is not lm-evaluation-harness's ``hf`` model or the model args
-    already set ``attn_implementation`` (a user's explicit choice wins). Both forms of model
-    args are handled: ``key=value,key=value`` (the key appended to the first value) and a JSON
-    object.
-    """
+def _with_model_arg(argv: list[str], key: str, value: str | bool) -> list[str]:
+    """``argv`` with ``key=value`` added to the ``hf`` model's ``--model_args``; unchanged when
+    the model is not lm-evaluation-harness's ``hf`` model or the model args set ``key`` already
+    (a user's explicit choice wins). Both forms of model args are handled: ``key=value,...``
+    (the key appended to the first value; the harness reads ``True`` there as a boolean) and a
+    JSON object (``value`` as its JSON value)."""
     argv = list(argv)
     if model_name(argv) not in HF_MODELS:
         return argv
-    if any("attn_implementation" in v for v in _model_args_values(argv)):
+    if any(key in v for v in _model_args_values(argv)):
         return argv
     found = _option_values(argv, MODEL_ARGS_FLAGS)
     if not found:
-        return argv + ["--model_args", f"attn_implementation={ATTN_IMPLEMENTATION}"]
-    i, j, value = found[0]
-    if value.lstrip().startswith("{"):
-        mapping = json.loads(value)
-        mapping["attn_implementation"] = ATTN_IMPLEMENTATION
+        return argv + ["--model_args", f"{key}={value}"]
+    i, j, given = found[0]
+    if given.lstrip().startswith("{"):
+        mapping = json.loads(given)
+        mapping[key] = value
         new = json.dumps(mapping)
     else:
-        new = f"{value.rstrip(',')},attn_implementation={ATTN_IMPLEMENTATION}".lstrip(",")
+        new = f"{given.rstrip(',')},{key}={value}".lstrip(",")
     argv[j] = new if i != j else f"{argv[i].split('=', 1)[0]}={new}"
     return argv
+
+
+def with_s2_model_args(argv: list[str]) -> list[str]:
+    """``argv`` with ``attn_implementation=s2`` added to the ``hf`` model's ``--model_args``
+    (see :func:`_with_model_arg`: a given ``attn_implementation`` wins)."""
+    return _with_model_arg(argv, "attn_implementation", ATTN_IMPLEMENTATION)
+
+
+def with_eod_first_model_args(argv: list[str]) -> list[str]:
+    """``argv`` with ``add_bos_token=True`` added to the ``hf`` model's ``--model_args`` when
+    the local ``pretrained`` checkpoint was trained with ``train.eod_first`` (its config.json's
+    ``s2_eod_first``, written by the export): lm-evaluation-harness then encodes every request
+    with the tokenizer's BOS, which the export made the EOD token the model reads first, and
+    starts rolling log-likelihoods from it. A given ``add_bos_token`` wins."""
+    path = model_args(argv).get("pretrained")
+    if model_name(argv) not in HF_MODELS or not path:
+        return argv
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return argv
+    with open(config) as f:
+        if not json.load(f).get(EOD_FIRST_KEY):
+            return argv
+    return _with_model_arg(argv, "add_bos_token", True)
 
 
 def model_args(argv: list[str]) -> dict[str, str]:
@@ -128,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Register ``"s2"``, complete and check the arguments, run lm-evaluation-harness's CLI."""
     argv = list(sys.argv[1:] if argv is None else argv)
     register()
-    argv = with_s2_model_args(argv)
+    argv = with_eod_first_model_args(with_s2_model_args(argv))
     try:
         check_pretrained(argv)
     except S2ConfigError as e:

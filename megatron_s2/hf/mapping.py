@@ -22,6 +22,9 @@ from typing import Any, Optional
 
 import torch
 
+# config.json's flag of a model trained with train.eod_first (every input read behind EOD).
+EOD_FIRST_KEY = "s2_eod_first"
+
 __all__ = [
     "FAMILIES",
     "HFConfigError",

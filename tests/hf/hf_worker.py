@@ -2,14 +2,14 @@
 
 Run as ``python -m tests.hf.hf_worker convert DIR...`` (one process: for every ``DIR/hf`` it
 imports to ``DIR/imported``, writes our logits at TP=PP=1 to ``DIR/ours_tp1_pp1.pt`` for the
-tokens in ``DIR/tokens.pt``, exports to ``DIR/exported``) or ``python -m tests.hf.hf_worker
-layouts DIR...`` (two gloo processes: the logits at TP=2 and at PP=2 from the imported
-checkpoint, ``DIR/ours_tp2_pp1.pt`` and ``DIR/ours_tp1_pp2.pt``, and the weights saved at those
-layouts, ``DIR/saved_tp2_pp1``, ``DIR/saved_tp1_pp2``), or ``... export DIR...`` (one process:
-those saved checkpoints exported, ``DIR/exported_tp2_pp1``, ``DIR/exported_tp1_pp2``). CPU
-mode patches torch for the whole process, hence the subprocesses; the reference logits come
-from ``transformers`` in the test process.
-"""
+tokens in ``DIR/tokens.pt``, exports to ``DIR/exported``, and where ``DIR/hf`` has a tokenizer
+once more as a ``train.eod_first`` run to ``DIR/exported_eod_first``) or ``python -m
+tests.hf.hf_worker layouts DIR...`` (two gloo processes: the logits at TP=2 and at PP=2 from the
+imported checkpoint, ``DIR/ours_tp2_pp1.pt`` and ``DIR/ours_tp1_pp2.pt``, and the weights saved
+at those layouts, ``DIR/saved_tp2_pp1``, ``DIR/saved_tp1_pp2``), or ``... export DIR...`` (one
+process: those saved checkpoints exported, ``DIR/exported_tp2_pp1``, ``DIR/exported_tp1_pp2``).
+CPU mode patches torch for the whole process, hence the subprocesses; the reference logits come
+from ``transformers`` in the test process."""
 
 from __future__ import annotations
 
@@ -104,6 +104,27 @@ def convert(dirs: list[str]) -> None:
             os.path.join(d, "imported"), os.path.join(d, "exported"), max_shard_bytes=40_000
         )
         conv.run_export(export)
+        if os.path.isfile(os.path.join(d, "hf", "tokenizer.json")):
+            _export_eod_first(conv, d)
+
+
+def _export_eod_first(conv, d: str) -> None:
+    """The import exported as if its run had trained with ``train.eod_first: true`` (its saved
+    run config given the setting) to ``DIR/exported_eod_first``."""
+    from megatron_s2.training.evaluation import model as eval_model
+
+    saved = eval_model.saved_config
+
+    def with_eod_first(root, iteration):
+        run, vocab = saved(root, iteration)
+        return {**run, "train": {**(run.get("train") or {}), "eod_first": True}}, vocab
+
+    eval_model.saved_config = with_eod_first
+    try:
+        plan = conv.plan_export(os.path.join(d, "imported"), os.path.join(d, "exported_eod_first"))
+    finally:
+        eval_model.saved_config = saved
+    conv.run_export(plan)
 
 
 def _cpu_mode() -> None:

@@ -575,6 +575,64 @@ def test_export_refuses_levers_the_exported_model_cannot_run(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_an_eod_first_run_exports_a_model_that_reads_behind_eod(families, tmp_path):
+    """A run trained with train.eod_first (every sample behind the EOD token) exports the same
+    weights as without it, with config.json naming EOD as the model's BOS and flagging it, and a
+    tokenizer with which transformers puts EOD in front of every text while the trainer's own
+    encoding (add_special_tokens=False) is unchanged; importing the export continues training
+    with train.eod_first, importing the plain export without it."""
+    from megatron_s2.hf import convert as conv
+    from megatron_s2.training.tokenizer import HFTokenizer
+
+    d = families["llama"]
+    plain, eod = d / "exported", d / "exported_eod_first"
+    a, b = _tensors(plain), _tensors(eod)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((eod / "config.json").read_text())
+    assert config["bos_token_id"] == 0 and config["s2_eod_first"] is True  # </s> is id 0
+    assert "s2_eod_first" not in json.loads((plain / "config.json").read_text())
+    text = "w3 w17 w4 w3"
+    ids = HFTokenizer(eod).encode(text)  # what the trainer reads from the exported files
+    assert ids == [3, 17, 4, 3]
+    tok = transformers.AutoTokenizer.from_pretrained(eod)
+    assert tok(text).input_ids == [0, *ids]
+    assert tok(text, add_special_tokens=False).input_ids == ids
+    assert tok.bos_token_id == 0
+    assert transformers.AutoTokenizer.from_pretrained(plain)(text).input_ids == ids
+    again = conv.plan_import(eod, tmp_path / "again", seq_length=64)
+    assert again.run_config["train"] == {"eod_first": True}
+    assert "train" not in conv.plan_import(plain, tmp_path / "plain", seq_length=64).run_config
+
+
+@pytest.mark.parametrize("tokenizer, found", [("byte", (256, None)), ("/no/such/tok", None)])
+def test_an_eod_first_export_names_the_eod_token_or_refuses(
+    families, tmp_path, monkeypatch, tokenizer, found
+):
+    """The EOD id of an eod_first run comes from its tokenizer as the trainer loads it (the
+    byte tokenizer's 256, no tokenizer files); a tokenizer that cannot be loaded is refused
+    before anything is written, rather than exporting a model whose users would not know
+    which token to put first."""
+    from megatron_s2.hf import convert as conv
+    from megatron_s2.training.evaluation import model as eval_model
+
+    saved = eval_model.saved_config
+
+    def eod_first(root, iteration):
+        run, vocab = saved(root, iteration)
+        return {**run, "train": {"eod_first": True}, "data": {"tokenizer": tokenizer}}, vocab
+
+    monkeypatch.setattr(eval_model, "saved_config", eod_first)
+    if found is None:
+        with pytest.raises(HFConfigError, match="train.eod_first: true") as info:
+            conv.plan_export(families["llama"] / "imported", tmp_path / "out")
+        assert "data.tokenizer=/no/such/tok cannot be loaded" in str(info.value)
+        assert not (tmp_path / "out").exists()
+    else:
+        plan = conv.plan_export(families["llama"] / "imported", tmp_path / "out")
+        assert plan.eod_first and (plan.eod, plan.eod_token) == found
+
+
 def test_import_without_a_tokenizer_says_the_byte_tokenizer_does_not_fit(llama_dir, tmp_path):
     """A model without tokenizer.json gets data.tokenizer: byte; with a vocabulary below the
     byte tokenizer's 258 the trainer would refuse the pair, so import says so up front."""

@@ -69,6 +69,28 @@ def test_model_args_parsed_in_both_forms():
     assert wrapper.model_args(argv) == {"pretrained": "/b", "dtype": "bfloat16"}
 
 
+def test_an_eod_first_export_gets_add_bos_token(tmp_path):
+    """A checkpoint whose config.json flags train.eod_first (the export makes EOD its
+    tokenizer's BOS) gets add_bos_token=True, so that the harness encodes every request behind
+    EOD; a given add_bos_token wins; other checkpoints and models are left alone."""
+    (tmp_path / "config.json").write_text(json.dumps({"s2_eod_first": True}))
+    given = ["--model", "hf", "--model_args", f"pretrained={tmp_path}", "--tasks", "t"]
+    want = ["--model", "hf", "--model_args", f"pretrained={tmp_path},add_bos_token=True"]
+    assert wrapper.with_eod_first_model_args(given) == [*want, "--tasks", "t"]
+    as_json = ["-a", json.dumps({"pretrained": str(tmp_path)})]
+    completed = wrapper.with_eod_first_model_args(as_json)
+    assert json.loads(completed[1]) == {"pretrained": str(tmp_path), "add_bos_token": True}
+    own = ["--model_args", f"pretrained={tmp_path},add_bos_token=False"]
+    assert wrapper.with_eod_first_model_args(own) == own
+    vllm = ["--model", "vllm", "--model_args", f"pretrained={tmp_path}"]
+    assert wrapper.with_eod_first_model_args(vllm) == vllm
+    (tmp_path / "config.json").write_text(json.dumps({"s2_eod_first": False}))
+    plain = ["--model_args", f"pretrained={tmp_path}"]
+    assert wrapper.with_eod_first_model_args(plain) == plain
+    hub = ["--model_args", "pretrained=org/name"]  # not a local checkpoint: nothing to read
+    assert wrapper.with_eod_first_model_args(hub) == hub
+
+
 @pytest.fixture
 def fake_harness(monkeypatch):
     """A stand-in ``lm_eval.__main__`` recording the argv it ran with and loading the model
