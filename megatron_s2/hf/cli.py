@@ -165,6 +165,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         files = convert.run_export(plan)
         print(f"{PREFIX} exported {plan.root} (iteration {plan.iteration}) -> {plan.out_dir}")
         print(f"{PREFIX} files: {', '.join(files)}")
+        if plan.eod_first:
+            # The model was trained to read every input behind EOD: say where that now lives.
+            how = (
+                "the tokenizer puts it in front of every text it encodes with special tokens"
+                if plan.eod_token is not None
+                else "no tokenizer was exported (byte tokenizer): put it first yourself"
+            )
+            print(
+                f"{PREFIX} note: the run trained with train.eod_first, so the model reads every "
+                f"input behind EOD (id {plan.eod}, config.json's bos_token_id); {how}"
+            )
         if plan.template_path is not None:
             print(f"{PREFIX} config.json: {plan.template_path}'s, with the run's shape")
         else:

@@ -5,9 +5,8 @@
 ``attn_implementation=s2`` to the ``hf`` model's ``--model_args`` unless they name an attention
 implementation already (and ``add_bos_token=True`` for a model trained with
 ``train.eod_first``, whose export made EOD the tokenizer's BOS), checks a local checkpoint's
-``s2_attention`` before anything loads, and
-then runs lm-evaluation-harness's own command line (``lm_eval.__main__.cli_evaluate``) with the
-remaining arguments unchanged::
+``s2_attention`` before anything loads, and then runs lm-evaluation-harness's own command line
+(``lm_eval.__main__.cli_evaluate``) with the remaining arguments unchanged::
 
     python -m megatron_s2.hf.lm_eval --model hf \\
         --model_args pretrained=OUT_HF_DIR,dtype=bfloat16 \\

@@ -607,12 +607,13 @@ def test_an_eod_first_run_exports_a_model_that_reads_behind_eod(families, tmp_pa
 
 @pytest.mark.parametrize("tokenizer, found", [("byte", (256, None)), ("/no/such/tok", None)])
 def test_an_eod_first_export_names_the_eod_token_or_refuses(
-    families, tmp_path, monkeypatch, tokenizer, found
+    families, tmp_path, monkeypatch, capsys, tokenizer, found
 ):
     """The EOD id of an eod_first run comes from its tokenizer as the trainer loads it (the
-    byte tokenizer's 256, no tokenizer files); a tokenizer that cannot be loaded is refused
-    before anything is written, rather than exporting a model whose users would not know
-    which token to put first."""
+    byte tokenizer's 256, no tokenizer files, which the CLI says); a tokenizer that cannot be
+    loaded is refused before anything is written (exit 2), rather than exporting a model whose
+    users would not know which token to put first."""
+    from megatron_s2.hf import cli
     from megatron_s2.hf import convert as conv
     from megatron_s2.training.evaluation import model as eval_model
 
@@ -628,9 +629,16 @@ def test_an_eod_first_export_names_the_eod_token_or_refuses(
             conv.plan_export(families["llama"] / "imported", tmp_path / "out")
         assert "data.tokenizer=/no/such/tok cannot be loaded" in str(info.value)
         assert not (tmp_path / "out").exists()
+        assert cli.main(["export", str(families["llama"] / "imported"), str(tmp_path / "o")]) == 2
+        assert "train.eod_first: true" in capsys.readouterr().err
     else:
         plan = conv.plan_export(families["llama"] / "imported", tmp_path / "out")
         assert plan.eod_first and (plan.eod, plan.eod_token) == found
+        monkeypatch.setattr(conv, "run_export", lambda plan: ["config.json"])
+        assert cli.main(["export", str(families["llama"] / "imported"), str(tmp_path / "o")]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "reads every input behind EOD (id 256, config.json's bos_token_id)" in out
+        assert "no tokenizer was exported (byte tokenizer): put it first yourself" in out
 
 
 def test_import_without_a_tokenizer_says_the_byte_tokenizer_does_not_fit(llama_dir, tmp_path):
