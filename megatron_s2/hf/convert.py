@@ -602,16 +602,31 @@ def prepend_eod(directory: Path, eod_token: str, eod: int) -> None:
         special_tokens=[(eod_token, eod)],
     )
     # The trainer never ran the tokenizer's own post-processor (its special tokens, a Llama
-    # BOS say, are in no training sample), so it is replaced; a byte-level one only trims
-    # offsets and adds no token, so it is kept in front.
-    old = tok.post_processor
-    keep = old is not None and isinstance(old, processors.ByteLevel)
-    tok.post_processor = processors.Sequence([old, template]) if keep else template
+    # BOS say, are in no training sample), so it is replaced; a byte-level step only trims
+    # offsets and adds no token, so it is kept in front, also from the Sequence an earlier
+    # export wrote (a model imported from an export and exported again).
+    steps = (_read_json(path).get("post_processor") or {},)
+    if steps[0].get("type") == "Sequence":
+        steps = tuple(steps[0].get("processors") or ())
+    keep = [
+        processors.ByteLevel(
+            add_prefix_space=s.get("add_prefix_space", True),
+            trim_offsets=s.get("trim_offsets", True),
+            use_regex=s.get("use_regex", True),
+        )
+        for s in steps
+        if s.get("type") == "ByteLevel"
+    ]
+    tok.post_processor = processors.Sequence([*keep, template]) if keep else template
     tok.save(str(path))
-    config_path = directory / "tokenizer_config.json"
-    config = _read_json(config_path) if config_path.is_file() else {}
-    config |= {"bos_token": eod_token, "add_bos_token": True}
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    for name, update in (
+        ("tokenizer_config.json", {"bos_token": eod_token, "add_bos_token": True}),
+        ("special_tokens_map.json", {"bos_token": eod_token}),
+    ):
+        config_path = directory / name
+        if config_path.is_file() or name == "tokenizer_config.json":
+            config = _read_json(config_path) if config_path.is_file() else {}
+            config_path.write_text(json.dumps(config | update, indent=2) + "\n")
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -707,4 +722,10 @@ def run_export(plan: ExportPlan) -> list[str]:
             prepend_eod(out, plan.eod_token, plan.eod)
             if "tokenizer_config.json" not in files:
                 files.append("tokenizer_config.json")
+    generation = out / "generation_config.json"
+    if plan.eod_first and generation.is_file():
+        # generate() starts an empty prompt from the generation config's bos_token_id, which
+        # an imported model's file names as its own BOS.
+        config = _read_json(generation) | {"bos_token_id": plan.eod}
+        generation.write_text(json.dumps(config, indent=2) + "\n")
     return files

@@ -600,6 +600,12 @@ def test_an_eod_first_run_exports_a_model_that_reads_behind_eod(families, tmp_pa
     assert tok(text, add_special_tokens=False).input_ids == ids
     assert tok.bos_token_id == 0
     assert transformers.AutoTokenizer.from_pretrained(plain)(text).input_ids == ids
+    # generate() starts an empty prompt from the generation config's BOS: the EOD token too.
+    generation = json.loads((eod / "generation_config.json").read_text())
+    assert generation["bos_token_id"] == 0
+    assert json.loads((plain / "generation_config.json").read_text()).get("bos_token_id") != 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(eod).eval()
+    assert model.generate(max_new_tokens=2, do_sample=False)[0, 0].item() == 0
     again = conv.plan_import(eod, tmp_path / "again", seq_length=64)
     assert again.run_config["train"] == {"eod_first": True}
     assert "train" not in conv.plan_import(plain, tmp_path / "plain", seq_length=64).run_config

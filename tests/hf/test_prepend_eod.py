@@ -68,6 +68,8 @@ def test_transformers_puts_eod_first_and_the_trainer_reads_the_same_ids(
     tok.save(str(tmp_path / "tokenizer.json"))
     if config is not None:
         (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        if "bos_token" in config:  # the older file that names special tokens too
+            (tmp_path / "special_tokens_map.json").write_text(json.dumps(config))
     trainer_before = HFTokenizer(tmp_path, eod_token=eod_token)
     eod = trainer_before.eod
     before = [trainer_before.encode(t) for t in TEXTS]
@@ -85,3 +87,19 @@ def test_transformers_puts_eod_first_and_the_trainer_reads_the_same_ids(
     assert saved["bos_token"] == eod_token and saved["add_bos_token"] is True
     if config and "eos_token" in config:
         assert saved["eos_token"] == config["eos_token"]  # the rest of the config is kept
+    if config and "bos_token" in config:
+        special = json.loads((tmp_path / "special_tokens_map.json").read_text())
+        assert special == {**config, "bos_token": eod_token}
+    else:
+        assert not (tmp_path / "special_tokens_map.json").exists()
+
+    # A model imported from an export and exported again: the same tokenizer, byte-level
+    # offsets included (the first export's Sequence keeps its byte-level step).
+    once = (tmp_path / "tokenizer.json").read_text()
+    offsets = [hf(text, return_offsets_mapping=True)["offset_mapping"] for text in TEXTS]
+    prepend_eod(tmp_path, eod_token, eod)
+    assert (tmp_path / "tokenizer.json").read_text() == once
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    for text, ids, spans in zip(TEXTS, before, offsets):
+        assert again(text).input_ids == [eod, *ids]
+        assert again(text, return_offsets_mapping=True)["offset_mapping"] == spans
