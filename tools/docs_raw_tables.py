@@ -1538,13 +1538,15 @@ def _metrics(path: Path) -> tuple[dict, dict]:
     return train, valid
 
 
-def _rerun_cells(first: Path, again: Path) -> tuple[list[str], float, float]:
-    """The step-by-step comparison of two runs of one point (their metrics.jsonl) over the
-    steps both reached: [training losses equal, first step that differs, validation steps
-    compared, largest validation difference], and each run's median tokens/s over the logged
-    steps after step 20 (the first window holds compilation)."""
-    first_t, first_v = _metrics(first)
-    again_t, again_v = _metrics(again)
+def _rerun_cells(
+    first: tuple[dict, dict], again: tuple[dict, dict]
+) -> tuple[list[str], float, float]:
+    """The step-by-step comparison of two runs of one point (their metrics.jsonl, as
+    :func:`_metrics` reads it) over the steps both reached: [training losses equal, first step
+    that differs, validation steps compared, largest validation difference], and each run's
+    median tokens/s over the logged steps after step 20 (the first window holds compilation)."""
+    first_t, first_v = first
+    again_t, again_v = again
     steps = sorted(set(first_t) & set(again_t))
     differ = [i for i in steps if first_t[i]["loss"] != again_t[i]["loss"]]
     vsteps = sorted(set(first_v) & set(again_v))
@@ -1570,8 +1572,8 @@ def quality_rerun_noise() -> str:
     rows = []
     for point in RERUN_POINTS:
         cells, a, b = _rerun_cells(
-            root / "first-lease-stopped" / point / "metrics.jsonl",
-            root / "runs" / point / "metrics.jsonl",
+            _metrics(root / "first-lease-stopped" / point / "metrics.jsonl"),
+            _metrics(root / "runs" / point / "metrics.jsonl"),
         )
         rows.append([point, *cells, thousands(a), thousands(b), rel(b, a)])
     header = [
@@ -1601,10 +1603,11 @@ def quality_reruns_vs_committed() -> str:
     root = QUALITY / "code-125m-16k-seeds-100m"
     rows = []
     for point in _finished_reruns():
-        first, again = root / "runs" / point / "metrics.jsonl", RERUNS / point / "metrics.jsonl"
+        first = _metrics(root / "runs" / point / "metrics.jsonl")
+        again = _metrics(RERUNS / point / "metrics.jsonl")
         cells, a, b = _rerun_cells(first, again)
         # The final validation loss: the last validation's (the run's final_valid_loss).
-        va, vb = (v[max(v)] for v in (_metrics(first)[1], _metrics(again)[1]))
+        va, vb = (v[max(v)] for _, v in (first, again))
         rows.append(
             [point, *cells, f"{va:.4f}", f"{vb:.4f}", rel(vb, va), thousands(a), thousands(b)]
         )

@@ -101,6 +101,11 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _write_json(path: Path, data: dict) -> None:
+    """``data`` as ``transformers`` writes its JSON files: indented, a newline at the end."""
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def read_tensor_index(hf_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
     """``{tensor name: (file, shape, safetensors dtype)}`` of the checkpoint in ``hf_dir``
     (``model.safetensors``, or the shards named by ``model.safetensors.index.json``), read from
@@ -369,7 +374,7 @@ def run_import(plan: ImportPlan) -> Path:
     hf_out.mkdir()
     for f in plan.tokenizer_files:
         shutil.copy2(plan.hf_dir / f, hf_out / f)
-    (hf_out / "config.json").write_text(json.dumps(plan.hf_config, indent=2) + "\n")
+    _write_json(hf_out / "config.json", plan.hf_config)
     save_checkpoint(
         plan.run_config["checkpoint"]["load_dir"],
         0,
@@ -605,7 +610,7 @@ def prepend_eod(directory: Path, eod_token: str, eod: int) -> None:
     # BOS say, are in no training sample), so it is replaced; a byte-level step only trims
     # offsets and adds no token, so it is kept in front, also from the Sequence an earlier
     # export wrote (a model imported from an export and exported again).
-    steps = (_read_json(path).get("post_processor") or {},)
+    steps = (json.loads(tok.to_str()).get("post_processor") or {},)
     if steps[0].get("type") == "Sequence":
         steps = tuple(steps[0].get("processors") or ())
     keep = [
@@ -626,7 +631,7 @@ def prepend_eod(directory: Path, eod_token: str, eod: int) -> None:
         config_path = directory / name
         if config_path.is_file() or name == "tokenizer_config.json":
             config = _read_json(config_path) if config_path.is_file() else {}
-            config_path.write_text(json.dumps(config | update, indent=2) + "\n")
+            _write_json(config_path, config | update)
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -662,7 +667,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, limit: int) -
         weight_map |= dict.fromkeys(names, fname)
     total = sum(nbytes(tuple(t.shape), t.dtype) for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _write_json(out / INDEX_FILE, index)
     return files + [INDEX_FILE]
 
 
@@ -711,7 +716,7 @@ def run_export(plan: ExportPlan) -> list[str]:
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
     files = write_safetensors(hf, out, plan.max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_json(out / "config.json", config)
     files.append("config.json")
     if plan.tokenizer_dir is not None:
         for f in TOKENIZER_FILES:
@@ -726,6 +731,5 @@ def run_export(plan: ExportPlan) -> list[str]:
     if plan.eod_first and generation.is_file():
         # generate() starts an empty prompt from the generation config's bos_token_id, which
         # an imported model's file names as its own BOS.
-        config = _read_json(generation) | {"bos_token_id": plan.eod}
-        generation.write_text(json.dumps(config, indent=2) + "\n")
+        _write_json(generation, _read_json(generation) | {"bos_token_id": plan.eod})
     return files
