@@ -23,14 +23,16 @@
 #                              twin and switch with EOD at every sample's first position
 #                              (train.eod_first), about 22 minutes
 #   quality-reruns             docs/quality.md: the 100M study's reruns, GPU 0 SSSD then DS
-#                              seed 1, GPU 1 dense then DS seed 2; runs finished in earlier
-#                              leases (committed under docs/quality/<study>/reruns/) are
-#                              carried in and not trained again
+#                              seed 1, GPU 1 dense then DS seed 2 (on a one-GPU machine all
+#                              four in turn on GPU 0: dense, SSSD, DS seed 1, DS seed 2); runs
+#                              finished in earlier leases (committed under
+#                              docs/quality/<study>/reruns/) are carried in and not trained again
 #   gpu-tests                  pytest -m gpu tests/plugin tests/training
 #
 # Environment: LEASE_STAGE=0 skips the staging (a machine that has the trainer's packages),
 # LEASE_GPU_TEST (pytest arguments, e.g. "-m gpu tests/plugin tests/training") runs
-# before the job, which does not start if they fail, PYTHON (python3).
+# before the job, which does not start if they fail, PYTHON (python3), LEASE_GPUS (the GPU
+# count; nvidia-smi's by default).
 # Status: results/lease/status.log (a line a step, with the time), each step's output in
 # results/lease/*.log, results/lease/DONE at the end (holding the job's exit status).
 set -uo pipefail
@@ -102,11 +104,23 @@ job_quality_reruns() {
         carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-$part/runs"
     done
     # Two runs a GPU (about 10 minutes each with the loss by position): the eight reruns'
-    # last four after the first lease (2026-12-01) trained dense and SSSD seeds 1-2.
+    # last four after the first lease (2026-12-01) trained dense and SSSD seeds 1-2. One GPU
+    # (the kind lent may be a single H200) takes them in turn, about two a lease; what a
+    # lease's end cuts off has no summary.json and is trained again by the next.
+    if (( $(gpu_count) == 1 )); then
+        quality_part 0 a "--settings dense" "--settings hybrid-SSSD" \
+            "--settings hybrid-DS --seeds 1" "--settings hybrid-DS --seeds 2"
+        return
+    fi
     quality_part 1 a "--settings dense" "--settings hybrid-DS --seeds 2" &
     quality_part 0 b "--settings hybrid-SSSD" "--settings hybrid-DS --seeds 1" || rc=$?
     wait $! || rc=$?
     return $rc
+}
+
+gpu_count() {  # the GPUs this machine has (LEASE_GPUS overrides, for tests)
+    if [[ -n ${LEASE_GPUS:-} ]]; then echo "$LEASE_GPUS"; return; fi
+    nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true
 }
 
 job_gpu_tests() {

@@ -119,7 +119,7 @@ def test_quality_reruns_carry_finished_runs_and_run_the_documented_points(tmp_pa
         (q / "reruns" / "runs" / run).mkdir(parents=True)
         (q / "reruns" / "runs" / run / "summary.json").write_text("{}")
     (q / "reruns" / "runs" / "dense,seed=2").mkdir()  # cut off: no summary, not carried
-    started = _lease(root, "start", "quality-reruns")
+    started = _lease(root, "start", "quality-reruns", LEASE_GPUS="2")
     assert started.returncode == 0, started.stderr
     assert _wait_done(root) == "0", (root / "results" / "lease" / "status.log").read_text()
     sweeps = root / "sweeps"
@@ -148,6 +148,32 @@ def test_quality_reruns_carry_finished_runs_and_run_the_documented_points(tmp_pa
     assert [c for c in calls if c["eval"] == "1"] == gpu1
     assert [c for c in calls if c["eval"] == "0"] == gpu0
     assert len(calls) == 4
+
+
+def test_quality_reruns_on_one_gpu_run_every_point_in_turn(tmp_path):
+    # A single H200 lent: the four reruns one after another on GPU 0, into one folder, the
+    # finished reruns carried in (a sweep then trains only the missing seeds of a setting).
+    root = _checkout(tmp_path)
+    s = "code-125m-16k-seeds-100m"
+    q = root / "docs" / "quality" / s
+    (q / "reruns" / "runs" / "dense,seed=1").mkdir(parents=True)
+    (q / "reruns" / "runs" / "dense,seed=1" / "summary.json").write_text("{}")
+    (q / "corpus.json").write_text("{}")
+    started = _lease(root, "start", "quality-reruns", LEASE_GPUS="1")
+    assert started.returncode == 0, started.stderr
+    assert _wait_done(root) == "0", (root / "results" / "lease" / "status.log").read_text()
+    calls = [json.loads(line) for line in (root / "fake.log").read_text().splitlines()[1:]]
+    out = f"sweeps/{s}-rerun-a"
+    assert calls == [
+        {"study": f"configs/studies/{s}.yaml", "sweep": f"--devices 0 {w}", "out": out, "eval": "0"}
+        for w in (
+            "--settings dense",
+            "--settings hybrid-SSSD",
+            "--settings hybrid-DS --seeds 1",
+            "--settings hybrid-DS --seeds 2",
+        )
+    ]
+    assert [p.name for p in (root / out / "runs").iterdir()] == ["dense,seed=1"]
 
 
 def test_poll_packs_results_without_checkpoints(tmp_path):
