@@ -1586,6 +1586,18 @@ def quality_rerun_noise() -> str:
 
 RERUNS = QUALITY / "code-125m-16k-seeds-100m" / "reruns" / "runs"
 
+# The machine kind each rerun's lease had (tokens/s depend on the host by a few percent): the
+# leases' status logs under reruns/lease-2026-12-01*/ name the job, and the runs'
+# sweep_sessions.jsonl put them inside those leases' times.
+RERUN_HOSTS = {
+    "dense,seed=1": "2x",
+    "dense,seed=2": "2x",
+    "hybrid-SSSD,seed=1": "2x",
+    "hybrid-SSSD,seed=2": "2x",
+    "dense,seed=3": "1x",
+    "hybrid-SSSD,seed=3": "1x",
+}
+
 
 def _finished_reruns() -> list[str]:
     """The 100M study's finished reruns (a summary.json at hand), in the study's order."""
@@ -1608,14 +1620,19 @@ def quality_reruns_vs_committed() -> str:
         cells, a, b = _rerun_cells(first, again)
         # The final validation loss: the last validation's (the run's final_valid_loss).
         va, vb = (v[max(v)] for _, v in (first, again))
+        if point not in RERUN_HOSTS:
+            raise SystemExit(
+                f"{point}: a rerun without its host in RERUN_HOSTS (which lease ran it?)"
+            )
         rows.append(
-            [point, *cells, f"{va:.4f}", f"{vb:.4f}", rel(vb, va), thousands(a), thousands(b)]
-        )
+            [point, *cells, f"{va:.4f}", f"{vb:.4f}", rel(vb, va), thousands(a),
+             thousands(b), f"{RERUN_HOSTS[point]} H200"]
+        )  # fmt: skip
     header = [
         "run", "training losses equal (logged steps)", "first step that differs",
         "validation steps compared", "largest validation difference",
         "final valid loss, committed", "rerun", "rerun vs committed",
-        "tokens/s, committed (4x host)", "tokens/s, rerun (2x host)",
+        "tokens/s, committed (4x host)", "tokens/s, rerun", "rerun's host",
     ]  # fmt: skip
     return table(header, rows)
 

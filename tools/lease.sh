@@ -93,12 +93,14 @@ quality_part() {
 }
 
 job_quality_reruns() {
-    local s=code-125m-16k-seeds-100m part rc=0
+    local s=code-125m-16k-seeds-100m part parts=(a b) gpus rc=0
+    gpus=$(gpu_count)
+    (( gpus == 1 )) && parts=(a)
     "$PYTHON" tools/build_code_corpus.py --out data/code > "$LEASE/corpus.log" 2>&1 || return 1
     note "code corpus built"
-    # Every finished rerun goes into both folders (each sweep's results.csv then holds them
+    # Every finished rerun goes into each folder (each sweep's results.csv then holds them
     # all); the two sweeps train disjoint points, so they never train the same run.
-    for part in a b; do
+    for part in "${parts[@]}"; do
         mkdir -p "sweeps/$s-rerun-$part"
         cp "docs/quality/$s/corpus.json" "sweeps/$s-rerun-$part/"
         carry_runs "docs/quality/$s/reruns/runs" "sweeps/$s-rerun-$part/runs"
@@ -107,7 +109,7 @@ job_quality_reruns() {
     # last four after the first lease (2026-12-01) trained dense and SSSD seeds 1-2. One GPU
     # (the kind lent may be a single H200) takes them in turn, about two a lease; what a
     # lease's end cuts off has no summary.json and is trained again by the next.
-    if (( $(gpu_count) == 1 )); then
+    if (( gpus == 1 )); then
         quality_part 0 a "--settings dense" "--settings hybrid-SSSD" \
             "--settings hybrid-DS --seeds 1" "--settings hybrid-DS --seeds 2"
         return

@@ -174,6 +174,7 @@ def test_quality_reruns_on_one_gpu_run_every_point_in_turn(tmp_path):
         )
     ]
     assert [p.name for p in (root / out / "runs").iterdir()] == ["dense,seed=1"]
+    assert not (root / "sweeps" / f"{s}-rerun-b").exists()
 
 
 def test_poll_packs_results_without_checkpoints(tmp_path):

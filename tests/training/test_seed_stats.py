@@ -657,6 +657,30 @@ def test_quality_doc_100m_tables_are_the_tools_output():
     assert "| 763 | 100.0 |" in tables[1]
 
 
+def test_quality_doc_100m_rerun_tables_are_the_tools_output():
+    """docs/quality.md's tables over the 100M study's reruns (final loss, inside and beyond the
+    window) are what tools/quality_tables.py computes from the reruns' committed raw files, and
+    the section's count of finished reruns is the folder's."""
+    reruns = REPO / "docs" / "quality" / "code-125m-16k-seeds-100m" / "reruns"
+    res = _checked(
+        _tool(reruns / "results.csv", "--reference", "dense", "--positions", reruns / "runs")
+    )
+    doc = (REPO / "docs" / "quality.md").read_text()
+    tables = [b.strip() for b in res.stdout.split("\n\n") if b.startswith("| setting")]
+    assert len(tables) == 3  # final loss, inside and beyond the window
+    tables[1] = tables[1].replace("| setting |", "| setting (positions < 1024) |", 1)
+    tables[2] = tables[2].replace("| setting |", "| setting (positions >= 1024) |", 1)
+    for table in tables:
+        assert table in doc, table.splitlines()[0]
+    finished = len(list((reruns / "runs").glob("*/summary.json")))
+    heading = (
+        "**Reruns of the first lease's runs (8 runs, issue 51).**"
+        if finished == 8
+        else f"**Reruns of the first lease's runs (in progress: {finished} of 8, issue 51).**"
+    )
+    assert heading in doc
+
+
 def _first_table(results_csv, reference: str) -> str:
     """The first table (the final loss's) that tools/quality_tables.py prints for
     ``results_csv`` against ``reference``; the tool must succeed."""
