@@ -22,7 +22,8 @@ A study YAML (``docs/sweeps.md``)::
     equal_tokens: null                 # where "loss at equal tokens" is read (default: the
                                        # smallest final token count of the points)
     seeds: [1, 2, 3]                   # every point once per seed (train.seed; a grid axis
-                                       # of its own, named last: "...,seed=2")
+                                       # of its own, named last: "...,seed=2"; the same as
+                                       # train.seed: [1, 2, 3] under grid)
     reference: dense                   # the setting others are compared with in summary.md
 
 Each point is the base config with the study's overrides and the point's values (dotted config
@@ -497,6 +498,22 @@ def load_study(
         raise StudyError(f"output_dir must be a path, got {out!r}")
 
     seeds = _seeds(d.get("seeds"))
+    grid = d.get("grid")
+    seed_grid = isinstance(grid, dict) and SEED_KEY in grid
+    if seed_grid:
+        # train.seed as a grid axis is the seeds list under another name: it becomes the seeds
+        # axis (named last, grouped into settings, paired by seed in summary.md) rather than
+        # a plain axis that would make every seed a setting of its own, never summarized.
+        if seeds is not None:
+            raise StudyError(
+                f"{SEED_KEY} is set in grid and the study has seeds: {seeds}; give the seeds "
+                f"in one place (the study's seeds list)"
+            )
+        try:
+            seeds = _seeds(grid[SEED_KEY])
+        except StudyError as e:
+            raise StudyError(f"grid.{SEED_KEY} (the study's seeds): {e}") from None
+        grid = {k: v for k, v in grid.items() if k != SEED_KEY} or None
     reference = d.get("reference")
     if reference is not None and not isinstance(reference, str):
         raise StudyError(f"reference must be a point's name (a string), got {reference!r}")
@@ -511,11 +528,14 @@ def load_study(
             raise StudyError(f"command-line override {item!r} is not of the form key=value")
         check_config_key(key, "command line")
         cli[key] = value
-    raw_points = expand_points(d.get("grid"), d.get("points"))
+    if seed_grid and grid is None and d.get("points") is None:
+        raw_points = [(None, {})]  # seeds alone: the base config ("base,seed=k")
+    else:
+        raw_points = expand_points(grid, d.get("points"))
     axes: list = []
     for i, (_, values) in enumerate(raw_points):
         for key in values:
-            check_config_key(key, f"points[{i}]" if d.get("grid") is None else "grid/points")
+            check_config_key(key, f"points[{i}]" if grid is None else "grid/points")
             if key not in axes:
                 axes.append(key)
     if seeds is not None:

@@ -170,6 +170,50 @@ def test_seed_settings_are_checked_at_load(tmp_path, study, message):
     assert message in str(e.value)
 
 
+def _folder(root: Path, name: str) -> Path:
+    (root / name).mkdir(exist_ok=True)
+    return root / name
+
+
+def test_train_seed_as_a_grid_axis_is_the_seeds_axis(tmp_path):
+    # A user writes the seeds as one more grid axis: the same study as a seeds list (settings
+    # grouped over their seeds, the seed named last), not one setting per seed.
+    grid = {"train.seed": [1, 2], "attention.dense_layers.pattern": ["D", "DS"]}
+    as_grid = load_study(
+        write_study(_folder(tmp_path, "g"), grid=grid), output_dir=str(tmp_path / "o")
+    )
+    listed = load_study(
+        write_study(
+            _folder(tmp_path, "s"),
+            grid={"attention.dense_layers.pattern": ["D", "DS"]},
+            seeds=[1, 2],
+        ),
+        output_dir=str(tmp_path / "o"),
+    )
+    assert as_grid.seeds == listed.seeds == [1, 2]
+    assert as_grid.axes == listed.axes and as_grid.axes[-1] == "train.seed"
+    assert [(p.name, p.setting) for p in as_grid.points] == [
+        (p.name, p.setting) for p in listed.points
+    ]
+    assert [p.name for p in as_grid.points][:2] == ["pattern=D,seed=1", "pattern=D,seed=2"]
+    assert [p.config.train.seed for p in as_grid.points] == [1, 2, 1, 2]
+    # Seeds alone: the base config once per seed.
+    alone = load_study(write_study(_folder(tmp_path, "a"), grid={"train.seed": [5, 6]}))
+    assert [(p.name, p.setting) for p in alone.points] == [
+        ("base,seed=5", "base"),
+        ("base,seed=6", "base"),
+    ]
+    # Both forms at once, or seeds that are not distinct integers >= 0, are refused.
+    both = write_study(_folder(tmp_path, "b"), grid={"train.seed": [1]}, seeds=[1, 2], points=[{}])
+    with pytest.raises(StudyError, match="set in grid and the study has seeds"):
+        load_study(both)
+    bad = write_study(_folder(tmp_path, "x"), grid={"train.seed": [1, 1]}, points=[{}])
+    with pytest.raises(
+        StudyError, match=r"grid.train.seed \(the study's seeds\): seeds has a value twice"
+    ):
+        load_study(bad)
+
+
 def test_seed_on_the_command_line_and_in_seeds_is_refused(tmp_path):
     path = write_study(tmp_path, seeds=[1, 2], points=[{"name": "a"}])
     with pytest.raises(StudyError, match="set in command line"):
