@@ -326,7 +326,39 @@ def per_seed_markdown(rows: Sequence[dict], reference: str) -> str:
     if len(values) > 1:
         sd = _sample_sd(values)
         band += f", standard deviation {sd * 100 / mean:.2f}% of its mean loss {mean:.4f}"
-    return "\n".join(lines) + f"\n\nNoise band: {band}.\n"
+    text = "\n".join(lines) + f"\n\nNoise band: {band}.\n"
+    ratios = speed_ratios(done, reference)
+    if ratios:
+        text += (
+            f"\nSpeed vs {reference}, paired by seed (tokens/s over {reference}'s run of the "
+            f"same seed):\n"
+        )
+        for setting, est, seeds in ratios:
+            text += f"- {setting}: {est.mean:.3f}x"
+            if est.half_width is not None:
+                text += f" ± {est.half_width:.3f} (95% interval [{est.low:.3f}, {est.high:.3f}])"
+            text += f", seeds {','.join(seeds)}\n"
+    return text
+
+
+def speed_ratios(rows: Sequence[dict], reference: str) -> list[tuple[str, Estimate, list]]:
+    """(setting, Estimate, seeds) per setting other than ``reference``: the mean over seeds of
+    the tokens/s ratio of each finished run to ``reference``'s run of the same seed (unitless,
+    x), with its Student-t 95% interval; seeds without both runs' tokens/s are left out, and so
+    is a setting with none. Pairing removes what a seed shares across settings (its host in a
+    lease, its data order)."""
+    speed: dict = {}
+    for r in rows:
+        value = _number(r.get(SPEED))
+        if _finished(r) and value is not None:
+            speed.setdefault(_setting_of(r), {})[r.get(SEED_KEY, "")] = value
+    ref = speed.get(reference, {})
+    out = []
+    for setting, mine in speed.items():
+        seeds = [s for s in mine if s in ref]
+        if setting != reference and seeds:
+            out.append((setting, mean_interval([mine[s] / ref[s] for s in seeds]), seeds))
+    return out
 
 
 def pareto_fastest(summaries: Sequence[SettingSummary]) -> list[int]:

@@ -43,6 +43,7 @@ def test_cli_check_passes_and_show_prints_the_table():
     tool = REPO / "tools" / "docs_raw_tables.py"
     done = subprocess.run([sys.executable, str(tool), "check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"{len(docs_raw_tables.TABLES)} tables match their raw output")
     shown = subprocess.run(
         [sys.executable, str(tool), "show", "quality-attention"], capture_output=True, text=True
     )

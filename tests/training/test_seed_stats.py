@@ -472,6 +472,18 @@ def test_per_seed_table_pairs_each_run_with_the_references_same_seed(tmp_path, s
     band = res.stdout.split("Noise band: ", 1)[1]
     assert f"spread {(max(ref) - min(ref)) * 100 / mean:.2f}%" in band
     assert f"standard deviation {sd * 100 / mean:.2f}%" in band
+    # Speed, paired by seed: the mean tokens/s ratio to dense's run of the same seed and its t
+    # interval; b's seed 4 has no dense run to pair with and is left out.
+    lines = res.stdout.split("paired by seed (tokens/s over dense's run of the same seed):\n")[1]
+    quoted = dict(line[2:].split(": ", 1) for line in lines.splitlines() if line.startswith("- "))
+    assert sorted(quoted) == ["a", "b"]
+    for name in ("a", "b"):
+        ratios = [speeds[name][k] / speeds["dense"][k] for k in range(3)]
+        m = sum(ratios) / 3
+        lo, hi = stats.t.interval(0.95, 2, loc=m, scale=stats.sem(ratios))
+        assert quoted[name] == (
+            f"{m:.3f}x ± {(hi - lo) / 2:.3f} (95% interval [{lo:.3f}, {hi:.3f}]), seeds 1,2,3"
+        )
     bad = _tool(path, "--per-seed")
     assert bad.returncode == 2 and "--per-seed needs --reference" in bad.stderr
     bad = _tool(path, "--per-seed", "--speed-model")
@@ -699,6 +711,13 @@ def test_quality_doc_100m_tables_are_the_tools_output():
     for table in tables:
         assert table.strip() in doc, table.splitlines()[0]
     assert "| 763 | 100.0 |" in tables[1]
+    # The goal's speed, paired by seed (--per-seed), as the top of the doc quotes it.
+    study = REPO / "docs" / "quality" / "code-125m-16k-seeds-100m"
+    res = _checked(_tool(study / "results.csv", "--reference", "dense", "--per-seed"))
+    sssd = res.stdout.split("- hybrid-SSSD: ", 1)[1].splitlines()[0]
+    low, high = sssd.split("[", 1)[1].split("]", 1)[0].split(", ")
+    text = " ".join(doc.split())
+    assert f"1.26x dense's tokens/s (paired by seed, 95% interval {low}-{high}x)" in text
 
 
 def test_quality_doc_100m_rerun_tables_are_the_tools_output():
