@@ -1569,11 +1569,33 @@ def recorded_columns(study: Study) -> list:
 
 
 def _setting_value(cfg: RunConfig, key: str) -> Any:
-    """The value of the dotted run-config ``key`` in ``cfg`` (e.g. ``model.seq_length``)."""
+    """The value of the dotted run-config ``key`` in ``cfg`` (e.g. ``model.seq_length``, or
+    ``attention.dense_layers.pattern`` inside the ``attention`` mapping). AttributeError when
+    ``cfg`` has no such key."""
     value: Any = cfg
     for part in key.split("."):
-        value = getattr(value, part)
+        if isinstance(value, dict):
+            if part not in value:
+                raise AttributeError(f"{key}: no {part!r} in the config")
+            value = value[part]
+        else:
+            value = getattr(value, part)
     return value
+
+
+def _axis_value(point: Point, key: str) -> str:
+    """The table cell of axis ``key`` for ``point``: the point's own value, or where the point
+    leaves the key alone (a grid over other axes beside explicit points) the value its config
+    has, so that a column such as ``attention.dense_layers.pattern`` is never blank for a
+    point that ran with a schedule; empty only when the config cannot say."""
+    if key in point.values:
+        return _dump(point.values[key])
+    if point.config is None:
+        return ""
+    try:
+        return _dump(_setting_value(point.config, key))
+    except (AttributeError, StudyError, yaml.YAMLError):
+        return ""
 
 
 def collect(study: Study) -> list[dict]:
@@ -1584,7 +1606,7 @@ def collect(study: Study) -> list[dict]:
     for point in study.points:
         row: dict = {"point": point.name, "run_dir": point.run_dir, "error": point.error or ""}
         row["setting"] = point.setting or point.name
-        row.update({k: _dump(point.values[k]) if k in point.values else "" for k in study.axes})
+        row.update({k: _axis_value(point, k) for k in study.axes})
         for key in recorded_columns(study):
             if key not in study.axes:
                 row[key] = _setting_value(point.config, key) if point.config else ""
