@@ -1865,21 +1865,22 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="GPU ids of this machine, e.g. 0,1,2,3: run as many points at once as there are "
         "groups of nproc_per_node ids, each on its own group (default: one after another)",
     )
-    run.add_argument(
-        "--seeds",
-        default=None,
-        metavar="K,...",
-        help="run only the points of these seeds (of the study's seeds list); the table and "
-        "summary still cover every finished point",
-    )
-    run.add_argument(
-        "--settings",
-        default=None,
-        metavar="NAME,...",
-        help="run only the points of these settings (point names without the seed; a grid "
-        "point's own commas are fine: vert_stride=4,local_blocks=8,dense is two settings); with "
-        "--seeds, the points that match both",
-    )
+    for q, verb in ((run, "run"), (list_p, "list")):
+        q.add_argument(
+            "--seeds",
+            default=None,
+            metavar="K,...",
+            help=f"{verb} only the points of these seeds (of the study's seeds list)"
+            + ("; the table and summary still cover every finished point" if q is run else ""),
+        )
+        q.add_argument(
+            "--settings",
+            default=None,
+            metavar="NAME,...",
+            help=f"{verb} only the points of these settings (point names without the seed; a "
+            "grid point's own commas are fine: vert_stride=4,local_blocks=8,dense is two "
+            "settings); with --seeds, the points that match both",
+        )
     run.add_argument(
         "--after",
         default=None,
@@ -1907,6 +1908,29 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     adopt.add_argument("--dry-run", action="store_true", help="say what would be adopted")
     return p
+
+
+def _chosen(study: Study, args: argparse.Namespace) -> Optional[Study]:
+    """``study`` with only the points ``--seeds`` and ``--settings`` choose (all without
+    them); None after printing the study error for a bad choice."""
+    if not (args.seeds or args.settings):
+        return study
+    keep = {p.name for p in study.points}
+    try:
+        if args.seeds:
+            try:
+                seeds = [int(x) for x in args.seeds.split(",")]
+            except ValueError:
+                raise StudyError(
+                    f"--seeds takes seeds separated by commas, e.g. 1,2; got {args.seeds!r}"
+                ) from None
+            keep &= {p.name for p in only_seeds(study, seeds)}
+        if args.settings:
+            keep &= {p.name for p in only_settings(study, split_settings(study, args.settings))}
+    except StudyError as e:
+        print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
+        return None
+    return dataclasses.replace(study, points=[p for p in study.points if p.name in keep])
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -1958,7 +1982,10 @@ def _main(args: argparse.Namespace) -> int:
         print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
         return EXIT_STUDY_ERROR
     if args.command == "list":
-        for p in study.points:
+        chosen = _chosen(study, args)
+        if chosen is None:
+            return EXIT_STUDY_ERROR
+        for p in chosen.points:
             state = point_state(p)
             if state == "finished" and stale_settings(p):
                 state = "stale"  # finished with other settings: `run` refuses it
@@ -1979,23 +2006,9 @@ def _main(args: argparse.Namespace) -> int:
         collect_and_write(study)
         return EXIT_OK
     everything = study
-    if args.seeds or args.settings:
-        keep = {p.name for p in study.points}
-        try:
-            if args.seeds:
-                try:
-                    chosen = [int(x) for x in args.seeds.split(",")]
-                except ValueError:
-                    raise StudyError(
-                        f"--seeds takes seeds separated by commas, e.g. 1,2; got {args.seeds!r}"
-                    ) from None
-                keep &= {p.name for p in only_seeds(study, chosen)}
-            if args.settings:
-                keep &= {p.name for p in only_settings(study, split_settings(study, args.settings))}
-        except StudyError as e:
-            print(f"{PROG}: study error: {e}", file=sys.stderr, flush=True)
-            return EXIT_STUDY_ERROR
-        study = dataclasses.replace(study, points=[p for p in study.points if p.name in keep])
+    study = _chosen(study, args)
+    if study is None:
+        return EXIT_STUDY_ERROR
     if not any(p.valid for p in study.points):
         report_invalid(study)
         print(f"{PROG}: study error: no point has a valid config", file=sys.stderr, flush=True)

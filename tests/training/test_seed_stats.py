@@ -63,7 +63,7 @@ def test_seeds_expand_every_point_with_the_seed_last(tmp_path):
     assert "train.seed=3" in argv
 
 
-def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch):
+def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch, capsys):
     """{seed} in a value becomes each point's seed (an extension loading the base run of the
     same seed); ``run --seeds`` runs only those seeds' points and collects all of them."""
     path = write_study(
@@ -104,6 +104,13 @@ def test_seed_field_in_values_and_seeds_subset(tmp_path, monkeypatch):
         ]
     )
     assert code == 0 and ran == ["dense,seed=1", "dense,seed=3"]
+    # `list` chooses the same points (what a lease with --seeds would train).
+    out = ["--output-dir", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert sweep.main(["list", str(path), *out, "--seeds", "1,3"]) == sweep.EXIT_OK
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in listed] == ["dense,seed=1", "dense,seed=3"]
+    assert sweep.main(["list", str(path), *out, "--settings", "nope"]) == sweep.EXIT_STUDY_ERROR
     with pytest.raises(
         StudyError, match="--settings nope: not a setting of the study; its settings: dense"
     ):
