@@ -1604,7 +1604,10 @@ def collect(study: Study) -> list[dict]:
     rows = []
     finals = []
     for point in study.points:
-        row: dict = {"point": point.name, "run_dir": point.run_dir, "error": point.error or ""}
+        # The run folder relative to the table's own folder (runs/<point>): a committed table
+        # stays true in any clone, where the machine's absolute path would not exist.
+        run_dir = os.path.relpath(point.run_dir, study.output_dir)
+        row: dict = {"point": point.name, "run_dir": run_dir, "error": point.error or ""}
         row["setting"] = point.setting or point.name
         row.update({k: _axis_value(point, k) for k in study.axes})
         for key in recorded_columns(study):
