@@ -13,6 +13,13 @@ results.csv's ``adopted_from``, keep theirs under that study's names). ``--write
 writes summary.csv, summary.md and frontier.png there (what ``megatron-s2-sweep collect``
 writes for a study with seeds).
 
+Several results files (and ``--positions`` folders) make one set of runs: each point's row is
+taken from the first file where that point finished, its loss by position and metrics from the
+first folder that has them, e.g. a study's reruns in front of its committed runs::
+
+    python tools/quality_tables.py STUDY/reruns/results.csv STUDY/results.csv \
+        --reference dense --positions STUDY/reruns/runs STUDY/runs
+
 ``--per-seed`` also prints every finished run's validation loss and tokens/s with its paired
 difference to the reference's run of the same seed (the values the paired interval is taken
 over), and the reference's own spread over its seeds: the noise band a difference is read
@@ -48,19 +55,22 @@ from megatron_s2.training.seed_stats import (
 )
 
 
-def curve_tables(runs_dir: str, rows: list, reference, adopted: dict | None = None) -> list:
+def curve_tables(runs_dirs: list, rows: list, reference, adopted: dict | None = None) -> list:
     """(step, summaries) for every validation step of the runs' ``metrics.jsonl`` under
-    ``runs_dir`` (one folder per point): the learning curve with intervals. ``adopted``: {point
-    name: run folder} for points kept elsewhere, as ``position_rows`` takes it."""
+    ``runs_dirs`` (folders of one folder per point; a point's from the first that has it): the
+    learning curve with intervals. ``adopted``: {point name: run folder} for points kept
+    elsewhere, as ``position_rows`` takes it."""
     import json
 
     adopted = adopted or {}
     by_step: dict = {}
     for row in rows:
-        path = os.path.join(runs_dir, row["point"], "metrics.jsonl")
-        if not os.path.isfile(path) and row["point"] in adopted:
-            path = os.path.join(adopted[row["point"]], "metrics.jsonl")
-        if not os.path.isfile(path):
+        folders = [os.path.join(d, row["point"]) for d in runs_dirs]
+        if row["point"] in adopted:
+            folders.append(adopted[row["point"]])
+        paths = [os.path.join(f, "metrics.jsonl") for f in folders]
+        path = next((q for q in paths if os.path.isfile(q)), None)
+        if path is None:
             continue
         with open(path) as f:
             for line in f:
@@ -102,15 +112,22 @@ def curve_markdown(curves: list, reference: str, tokens_per_step: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="a sweep's results.csv")
+    ap.add_argument(
+        "results",
+        nargs="+",
+        help="a sweep's results.csv; several: one set of runs, each point's row from the first "
+        "file where it finished (a study's reruns in front of its committed runs)",
+    )
     ap.add_argument(
         "--reference", default=None, help="the setting compared against, e.g. dense (no default)"
     )
     ap.add_argument(
         "--positions",
+        nargs="+",
         default=None,
         metavar="RUNS_DIR",
-        help="folder of the runs' loss_by_position.json (one sub-folder per point)",
+        help="folder of the runs' loss_by_position.json (one sub-folder per point); several: a "
+        "point's from the first folder that has it",
     )
     ap.add_argument(
         "--adopted-runs",
@@ -168,7 +185,7 @@ def main(argv=None) -> int:
     if args.speed_model:
         return _speed_model(args)
     try:
-        rows = read_results(args.results)
+        rows = merged_results(args.results)
     except OSError as e:
         print(f"quality_tables: {e}", file=sys.stderr)
         return 2
@@ -190,15 +207,16 @@ def main(argv=None) -> int:
         if args.positions:
             speed = {r["point"]: r.get(SPEED, "") for r in rows}
             order = {r["point"]: i for i, r in enumerate(rows)}
-            pos = sorted(
-                position_rows(args.positions, args.window, adopted),
-                key=lambda r: order.get(r["point"], len(order)),
-            )
+            found: dict = {}
+            for folder in args.positions:  # a point's curve from the first folder with one
+                for r in position_rows(folder, args.window, adopted):
+                    found.setdefault(r["point"], r)
+            pos = sorted(found.values(), key=lambda r: order.get(r["point"], len(order)))
             for r in pos:
                 r[SPEED] = speed.get(r["point"], "")
             if not pos:
                 print(
-                    f"quality_tables: no loss_by_position.json under {args.positions}",
+                    f"quality_tables: no loss_by_position.json under {' '.join(args.positions)}",
                     file=sys.stderr,
                 )
             elif args.reference and not any(r["setting"] == args.reference for r in pos):
@@ -208,7 +226,8 @@ def main(argv=None) -> int:
                 have = sorted({r["setting"] for r in pos})
                 print(
                     f"quality_tables: the position tables are left out: reference "
-                    f"{args.reference!r} has no loss_by_position.json under {args.positions} "
+                    f"{args.reference!r} has no loss_by_position.json under "
+                    f"{' '.join(args.positions)} "
                     f"(settings with one: {', '.join(have)})",
                     file=sys.stderr,
                 )
@@ -248,9 +267,25 @@ def main(argv=None) -> int:
         sys.stdout.write("\nper seed:\n\n" + per_seed)
     if args.write:
         # The plot's title is the study's name, as the sweep's own: the folder of its results.csv.
-        study = os.path.basename(os.path.dirname(os.path.abspath(args.results)))
+        study = os.path.basename(os.path.dirname(os.path.abspath(args.results[0])))
         write_summary(rows, args.write, reference=args.reference, title=study)
     return 0
+
+
+def merged_results(paths: list) -> list[dict]:
+    """The rows of several results.csv files as one set: each point's row from the first file
+    where it finished, else from the first file that lists it; in the order points first
+    appear."""
+    chosen: dict = {}
+    for path in paths:
+        for row in read_results(path):
+            have = chosen.get(row["point"])
+            if have is None or (
+                have.get("status", "finished") != "finished"
+                and row.get("status", "finished") == "finished"
+            ):
+                chosen[row["point"]] = row
+    return list(chosen.values())
 
 
 def _speed_model(args) -> int:
@@ -276,6 +311,10 @@ def _speed_model(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if len(args.results) > 1:
+        print("quality_tables: --speed-model takes one results file", file=sys.stderr)
+        return 2
+    args.results = args.results[0]
     fit_on = args.speed_fit or args.results
     try:
         rows = read_results(fit_on)

@@ -566,6 +566,53 @@ def test_quality_tables_leaves_out_position_tables_without_the_reference_curve(t
     assert "loss at positions >= 1024" in res.stdout
 
 
+def test_quality_tables_joins_reruns_in_front_of_a_studys_runs(tmp_path):
+    """Several results files and --positions folders are one set of runs: a point's row from
+    the first file where it finished (a rerun in front of the committed run; a point the rerun
+    table lists as not run keeps the committed row), its curve and metrics from the first
+    folder that has them."""
+    committed = _rows(
+        {"dense": [3.00, 3.10, 2.95], "hybrid": [2.99, 3.12, 2.95]},
+        {"dense": [100.0, 101.0, 99.0], "hybrid": [120.0, 121.0, 119.0]},
+    )
+    reruns = _rows({"dense": [3.05, 3.02, 3.01]}, {"dense": [98.0, 97.0, 96.0]})
+    reruns.append({**committed[3], "status": "not run", "final_valid_loss": ""})  # hybrid seed 1
+    first = _write_results(tmp_path / "reruns.csv", reruns)
+    second = _write_results(tmp_path / "results.csv", committed)
+
+    def curve(folder, beyond: float) -> None:
+        folder.mkdir(parents=True)
+        bins = [
+            {"start": 0, "end": 1024, "loss": 1.0, "tokens": 10},
+            {"start": 1024, "end": 2048, "loss": beyond, "tokens": 10},
+        ]
+        (folder / "loss_by_position.json").write_text(json.dumps({"bins": bins}))
+        (folder / "metrics.jsonl").write_text(
+            json.dumps({"kind": "valid", "iteration": 5, "loss": beyond}) + "\n"
+        )
+
+    for k in (1, 2, 3):
+        curve(tmp_path / "rr" / f"dense,seed={k}", 4.0 + k)  # the reruns' curves
+        curve(tmp_path / "cr" / f"dense,seed={k}", 9.0)  # committed: shadowed by the reruns'
+        curve(tmp_path / "cr" / f"hybrid,seed={k}", 5.0 + k)
+    res = _checked(
+        _tool(first, second, "--reference", "dense", "--positions", tmp_path / "rr",
+              tmp_path / "cr", "--curve")
+    )  # fmt: skip
+    joined = [*reruns[:3], *committed[3:]]
+    expected = seed_stats.summarize(joined, "dense", ["attention.dense_layers.pattern"])
+    final = res.stdout.split("\n\n")[0]
+    for summary in expected:
+        assert f"| {summary.loss.text()} |" in final, (summary.setting, final)
+    beyond = res.stdout.split("loss at positions >= 1024:")[1].split("\n\n")[1]
+    assert "| 6.0000 ± " in beyond and "| 7.0000 ± " in beyond  # reruns 5,6,7; hybrid 6,7,8
+    assert "9.0000" not in res.stdout
+    step5 = res.stdout.split("valid loss at step 5:")[1]
+    assert "| 6.0000 ± " in step5 and "| 7.0000 ± " in step5
+    one = _tool(first, second, "--speed-model")
+    assert one.returncode == 2 and "--speed-model takes one results file" in one.stderr
+
+
 def test_quality_tables_reads_adopted_points_curves_where_they_were_adopted_from(tmp_path):
     """A point adopted from another study (results.csv's adopted_from) has its curve in that
     study's run folder, under that study's name for it: --adopted-runs reads it from there, under
@@ -728,20 +775,27 @@ def test_quality_doc_100m_tables_are_the_tools_output():
 
 
 def test_quality_doc_100m_rerun_tables_are_the_tools_output():
-    """docs/quality.md's tables over the 100M study's reruns (final loss, inside and beyond the
-    window) are what tools/quality_tables.py computes from the reruns' committed raw files, and
-    the section's count of finished reruns is the folder's."""
-    reruns = REPO / "docs" / "quality" / "code-125m-16k-seeds-100m" / "reruns"
-    res = _checked(
-        _tool(reruns / "results.csv", "--reference", "dense", "--positions", reruns / "runs")
-    )
+    """docs/quality.md's tables over the 100M study's reruns are what tools/quality_tables.py
+    computes from the committed raw files: the reruns' final loss, and the loss by position
+    (inside and beyond the window) of the reruns joined in front of the committed runs; the
+    section's count of finished reruns is the folder's."""
+    study = REPO / "docs" / "quality" / "code-125m-16k-seeds-100m"
+    reruns = study / "reruns"
     doc = (REPO / "docs" / "quality.md").read_text()
-    tables = [b.strip() for b in res.stdout.split("\n\n") if b.startswith("| setting")]
+    own = _checked(_tool(reruns / "results.csv", "--reference", "dense")).stdout
+    assert own.split("\n\n")[0].strip() in doc
+    joined = _checked(
+        _tool(reruns / "results.csv", study / "results.csv", "--reference", "dense",
+              "--positions", reruns / "runs", study / "runs")
+    ).stdout  # fmt: skip
+    tables = [b.strip() for b in joined.split("\n\n") if b.startswith("| setting")]
     assert len(tables) == 3  # final loss, inside and beyond the window
     tables[1] = tables[1].replace("| setting |", "| setting (positions < 1024) |", 1)
     tables[2] = tables[2].replace("| setting |", "| setting (positions >= 1024) |", 1)
-    for table in tables:
+    for table in tables[1:]:
         assert table in doc, table.splitlines()[0]
+        rows = {line.split("|")[1].strip(" *"): line for line in table.splitlines()[2:]}
+        assert "| 1,2,3 |" in rows["dense"] and "| 1,2,3 |" in rows["all-s2"]
     finished = len(list((reruns / "runs").glob("*/summary.json")))
     heading = (
         "**Reruns of the first lease's runs (8 runs, issue 51).**"
