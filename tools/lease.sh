@@ -22,6 +22,10 @@
 #   retrieval-eod-first SEED   docs/long_context_eval.md, "Next leases" step 4b: the long base's
 #                              twin and switch with EOD at every sample's first position
 #                              (train.eod_first), about 22 minutes
+#   retrieval-eod-first-screen SEED
+#                              step 4b's screen where only one H200 is lent: the long base's
+#                              twin with EOD first, its 4k base alone on one GPU, evaluated at
+#                              4k (about 22 minutes)
 #   quality-reruns             docs/quality.md: the 100M study's reruns, GPU 0 SSSD then DS
 #                              seed 1, GPU 1 dense then DS seed 2 (on a one-GPU machine all
 #                              four in turn on GPU 0: dense, SSSD, DS seed 1, DS seed 2); runs
@@ -60,6 +64,20 @@ retrieval() {
 
 job_retrieval_hybrid_ds() {  # SEED: step 3, hybrid-DS trained from scratch on the long base
     retrieval "${1:-}" retrieval-125m-4k-base-long retrieval-125m-extend-32k-longbase hybrid-DS
+}
+
+job_retrieval_eod_first_screen() {  # SEED: step 4b's screen at 4k where one H200 is lent
+    [[ ${1:-} =~ ^[0-9]+$ ]] || die "a retrieval job needs a seed (a number), got '${1:-}'"
+    # The long base's twin with EOD first, alone: its 4k base on one GPU (the two-process base's
+    # global batch, micro-batches accumulated), only the 4k corpora of the long base's command
+    # written, evaluated at 4k (with the probe there), no extension.
+    STATUS=$LEASE/status.log PYTHON=$PYTHON RETRIEVAL_TASKS=passkey,multikey \
+    RETRIEVAL_WEIGHT=0.6 KV_WEIGHT=0.1 \
+    RETRIEVAL_SPECS="4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096" \
+    BASE_STUDY=retrieval-125m-4k-base-long-eodfirst BASE_TAG=4kmq,4kpack EXTEND_STUDIES=none \
+    SEEDS=$1 SETTINGS=dense BASE_SETTINGS=dense BASE_NPROC=1 LENGTHS=4096 BASE_LENGTHS=4096 \
+    TASKS=passkey,multikey,code-value,needle TRIALS=20 DEVICES=0 PROBE_LENGTH=4096 \
+    PROBE_TASKS=passkey,multikey RESULTS_DIR=results tools/run_extension_example.sh
 }
 
 job_retrieval_eod_first() {  # SEED: step 4b, the twin and the switch with EOD first
@@ -172,7 +190,7 @@ poll() {  # SECONDS [EVERY]
         && mv "$OUT/r.tgz.part" "$OUT/r.tgz" && ls -l "$OUT/r.tgz"
 }
 
-JOBS="retrieval-hybrid-ds retrieval-eod-first quality-reruns gpu-tests"
+JOBS="retrieval-hybrid-ds retrieval-eod-first retrieval-eod-first-screen quality-reruns gpu-tests"
 case ${1:-} in
     start)
         job=${2:-}

@@ -86,7 +86,10 @@ def test_bad_jobs_are_refused_before_anything_starts(tmp_path):
     root = _checkout(tmp_path)
     bad = _lease(root, "start", "retrieval")
     assert bad.returncode == 2
-    jobs = "retrieval-hybrid-ds retrieval-eod-first quality-reruns gpu-tests"
+    jobs = (
+        "retrieval-hybrid-ds retrieval-eod-first retrieval-eod-first-screen quality-reruns "
+        "gpu-tests"
+    )
     assert f"unknown job 'retrieval'; jobs: {jobs}" in bad.stderr
     no_seed = _lease(root, "start", "retrieval-hybrid-ds")
     assert no_seed.returncode == 2
@@ -245,3 +248,26 @@ def test_retrieval_jobs_are_the_documented_commands(tmp_path):
         "SETTINGS": "dense,dense-to-hybrid-DSDSDSDSSSDD",
         "BASE_SETTINGS": "dense",
     }
+
+
+def test_the_one_gpu_screen_is_the_eod_first_command_at_4k_alone(tmp_path):
+    # Step 4b's screen: the eod-first job's settings but for what makes it one GPU's 4k base
+    # alone (the 4k corpora only, identical to the full command's; no extension; the base's
+    # two processes as accumulated micro-batches; evaluated and probed at 4k).
+    full = _retrieval_settings(tmp_path, "retrieval-eod-first")
+    screen = _retrieval_settings(tmp_path, "retrieval-eod-first-screen")
+    changed = {k: screen.get(k) for k in set(screen) | set(full) if screen.get(k) != full.get(k)}
+    for paths in ("STATUS", "FAKE_LOG", "OLDPWD", "PWD", "PYTHON"):  # the scratch checkouts'
+        changed.pop(paths, None)
+    assert changed == {
+        "RETRIEVAL_SPECS": "4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096",
+        "EXTEND_STUDIES": "none",
+        "EXTEND_TAG": None,
+        "SETTINGS": "dense",
+        "BASE_NPROC": "1",
+        "LENGTHS": "4096",
+        "DEVICES": "0",
+        "PROBE_LENGTH": "4096",
+    }
+    four_k = [spec for spec in full["RETRIEVAL_SPECS"].split() if spec.startswith("4k")]
+    assert screen["RETRIEVAL_SPECS"].split() == four_k
