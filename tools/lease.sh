@@ -48,18 +48,22 @@ export PYTHON=${PYTHON:-python3}
 note() { echo "$(date -u +%T) $*" >> "$LEASE/status.log"; }
 die() { echo "lease.sh: $*" >&2; exit 2; }
 
-# retrieval SEED BASE_STUDY EXTEND_STUDY SETTINGS [BASE_SETTINGS]: the long base's command of
-# docs/long_context_eval.md ("Next leases"), on two GPUs; an empty BASE_SETTINGS trains every
-# arm's own base (an arm trained as a hybrid from the start).
+# retrieval SEED BASE_STUDY EXTEND_STUDY SETTINGS [BASE_SETTINGS [CHANGE...]]: the long base's
+# command of docs/long_context_eval.md ("Next leases"), on two GPUs; an empty BASE_SETTINGS
+# trains every arm's own base (an arm trained as a hybrid from the start); each CHANGE, an
+# env(1) argument (NAME=VALUE, or -u NAME), replaces one of the command's settings.
 retrieval() {
     [[ ${1:-} =~ ^[0-9]+$ ]] || die "a retrieval job needs a seed (a number), got '${1:-}'"
+    local seed=$1 base=$2 extend=$3 settings=$4 base_settings=${5:-}
+    shift $(( $# < 5 ? $# : 5 ))
     STATUS=$LEASE/status.log PYTHON=$PYTHON RETRIEVAL_TASKS=passkey,multikey \
     RETRIEVAL_WEIGHT=0.6 KV_WEIGHT=0.1 \
     RETRIEVAL_SPECS="4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096 32kmq:32766:32766:600:16:32 32kpack:512:8192:400:1:4:32768" \
-    BASE_STUDY=$2 BASE_TAG=4kmq,4kpack EXTEND_STUDIES=$3 EXTEND_TAG=32kmq,32kpack \
-    SEEDS=$1 SETTINGS=$4 BASE_SETTINGS=${5:-} LENGTHS=4096,8192,16384,32768 BASE_LENGTHS=4096 \
-    TASKS=passkey,multikey,code-value,needle TRIALS=20 DEVICES=0,1 PROBE_LENGTH=32768 \
-    PROBE_TASKS=passkey,multikey RESULTS_DIR=results tools/run_extension_example.sh
+    BASE_STUDY=$base BASE_TAG=4kmq,4kpack EXTEND_STUDIES=$extend EXTEND_TAG=32kmq,32kpack \
+    SEEDS=$seed SETTINGS=$settings BASE_SETTINGS=$base_settings LENGTHS=4096,8192,16384,32768 \
+    BASE_LENGTHS=4096 TASKS=passkey,multikey,code-value,needle TRIALS=20 DEVICES=0,1 \
+    PROBE_LENGTH=32768 PROBE_TASKS=passkey,multikey RESULTS_DIR=results \
+    env "$@" tools/run_extension_example.sh
 }
 
 job_retrieval_hybrid_ds() {  # SEED: step 3, hybrid-DS trained from scratch on the long base
@@ -67,17 +71,12 @@ job_retrieval_hybrid_ds() {  # SEED: step 3, hybrid-DS trained from scratch on t
 }
 
 job_retrieval_eod_first_screen() {  # SEED: step 4b's screen at 4k where one H200 is lent
-    [[ ${1:-} =~ ^[0-9]+$ ]] || die "a retrieval job needs a seed (a number), got '${1:-}'"
     # The long base's twin with EOD first, alone: its 4k base on one GPU (the two-process base's
     # global batch, micro-batches accumulated), only the 4k corpora of the long base's command
     # written, evaluated at 4k (with the probe there), no extension.
-    STATUS=$LEASE/status.log PYTHON=$PYTHON RETRIEVAL_TASKS=passkey,multikey \
-    RETRIEVAL_WEIGHT=0.6 KV_WEIGHT=0.1 \
-    RETRIEVAL_SPECS="4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096" \
-    BASE_STUDY=retrieval-125m-4k-base-long-eodfirst BASE_TAG=4kmq,4kpack EXTEND_STUDIES=none \
-    SEEDS=$1 SETTINGS=dense BASE_SETTINGS=dense BASE_NPROC=1 LENGTHS=4096 BASE_LENGTHS=4096 \
-    TASKS=passkey,multikey,code-value,needle TRIALS=20 DEVICES=0 PROBE_LENGTH=4096 \
-    PROBE_TASKS=passkey,multikey RESULTS_DIR=results tools/run_extension_example.sh
+    retrieval "${1:-}" retrieval-125m-4k-base-long-eodfirst none dense dense -u EXTEND_TAG \
+        RETRIEVAL_SPECS="4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096" \
+        BASE_NPROC=1 LENGTHS=4096 DEVICES=0 PROBE_LENGTH=4096
 }
 
 job_retrieval_eod_first() {  # SEED: step 4b, the twin and the switch with EOD first

@@ -207,11 +207,10 @@ def main(argv=None) -> int:
         if args.positions:
             speed = {r["point"]: r.get(SPEED, "") for r in rows}
             order = {r["point"]: i for i, r in enumerate(rows)}
-            found: dict = {}
-            for folder in args.positions:  # a point's curve from the first folder with one
-                for r in position_rows(folder, args.window, adopted):
-                    found.setdefault(r["point"], r)
-            pos = sorted(found.values(), key=lambda r: order.get(r["point"], len(order)))
+            pos = sorted(
+                position_rows(args.positions, args.window, adopted),
+                key=lambda r: order.get(r["point"], len(order)),
+            )
             for r in pos:
                 r[SPEED] = speed.get(r["point"], "")
             if not pos:

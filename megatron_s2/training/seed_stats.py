@@ -243,16 +243,19 @@ def summarize(
     return out
 
 
-def position_rows(runs_dir: str, window: int, adopted: Optional[dict] = None) -> list[dict]:
+def position_rows(
+    runs_dirs: str | Sequence[str], window: int, adopted: Optional[dict] = None
+) -> list[dict]:
     """Rows (setting, ``train.seed``, ``loss_in_window``, ``loss_beyond_window``) of every run
-    under ``runs_dir`` (a sweep's ``runs/`` folder, or a copy holding each run's
-    ``loss_by_position.json`` directly or in ``long_context_eval/``): the mean loss per token
-    (nats) of the positions before ``window`` tokens and of those at or after it, weighted by
-    the tokens in each bin. A bin that straddles ``window`` is left out of both.
+    under ``runs_dirs`` (a sweep's ``runs/`` folder, or a copy holding each run's
+    ``loss_by_position.json`` directly or in ``long_context_eval/``; several folders: a point's
+    curve from the first that has one): the mean loss per token (nats) of the positions before
+    ``window`` tokens and of those at or after it, weighted by the tokens in each bin. A bin
+    that straddles ``window`` is left out of both.
 
     ``adopted``: {point name: run folder} for points whose run is kept elsewhere (adopted from
     another study, whose folder has that study's name for it); read under the point's name
-    where ``runs_dir`` holds no curve for it."""
+    where no folder of ``runs_dirs`` holds a curve for it."""
     import json
 
     def curve_file(folder: str) -> Optional[str]:
@@ -265,11 +268,13 @@ def position_rows(runs_dir: str, window: int, adopted: Optional[dict] = None) ->
         return None
 
     adopted = adopted or {}
+    dirs = [runs_dirs] if isinstance(runs_dirs, (str, os.PathLike)) else list(runs_dirs)
     rows = []
-    for name in sorted(set(os.listdir(runs_dir)) | set(adopted)):
-        path = curve_file(os.path.join(runs_dir, name))
-        if path is None and name in adopted:
-            path = curve_file(adopted[name])
+    for name in sorted(set().union(*(os.listdir(d) for d in dirs)) | set(adopted)):
+        folders = [os.path.join(d, name) for d in dirs]
+        if name in adopted:
+            folders.append(adopted[name])
+        path = next((f for f in map(curve_file, folders) if f is not None), None)
         if path is None:
             continue
         with open(path) as f:

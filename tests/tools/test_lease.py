@@ -225,6 +225,15 @@ def _retrieval_settings(tmp_path, job: str) -> dict:
     return {k: v for k, v in env.items() if k not in os.environ or os.environ[k] != v}
 
 
+def _changed(before: dict, after: dict) -> dict:
+    """{setting: its value in ``after``} for every setting whose value differs from ``before``'s
+    (None: unset), less the paths of the two scratch checkouts."""
+    changed = {k: after.get(k) for k in set(before) | set(after) if after.get(k) != before.get(k)}
+    for paths in ("STATUS", "FAKE_LOG", "OLDPWD", "PWD", "PYTHON"):
+        changed.pop(paths, None)
+    return changed
+
+
 def test_retrieval_jobs_are_the_documented_commands(tmp_path):
     # docs/long_context_eval.md's step-3 command, setting by setting (the seed is the job's).
     doc = (REPO / "docs" / "long_context_eval.md").read_text()
@@ -239,10 +248,7 @@ def test_retrieval_jobs_are_the_documented_commands(tmp_path):
     assert hybrid.get("BASE_SETTINGS", "") == ""  # every arm's own base
     # Step 4b: the long base's command with the eod-first studies, the twin and its switch.
     eod = _retrieval_settings(tmp_path, "retrieval-eod-first")
-    changed = {k: eod.get(k) for k in set(eod) | set(hybrid) if eod.get(k) != hybrid.get(k)}
-    for paths in ("STATUS", "FAKE_LOG", "OLDPWD", "PWD", "PYTHON"):  # the scratch checkouts'
-        changed.pop(paths, None)
-    assert changed == {
+    assert _changed(hybrid, eod) == {
         "BASE_STUDY": "retrieval-125m-4k-base-long-eodfirst",
         "EXTEND_STUDIES": "retrieval-125m-extend-32k-longbase-eodfirst",
         "SETTINGS": "dense,dense-to-hybrid-DSDSDSDSSSDD",
@@ -256,10 +262,7 @@ def test_the_one_gpu_screen_is_the_eod_first_command_at_4k_alone(tmp_path):
     # two processes as accumulated micro-batches; evaluated and probed at 4k).
     full = _retrieval_settings(tmp_path, "retrieval-eod-first")
     screen = _retrieval_settings(tmp_path, "retrieval-eod-first-screen")
-    changed = {k: screen.get(k) for k in set(screen) | set(full) if screen.get(k) != full.get(k)}
-    for paths in ("STATUS", "FAKE_LOG", "OLDPWD", "PWD", "PYTHON"):  # the scratch checkouts'
-        changed.pop(paths, None)
-    assert changed == {
+    assert _changed(full, screen) == {
         "RETRIEVAL_SPECS": "4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096",
         "EXTEND_STUDIES": "none",
         "EXTEND_TAG": None,
