@@ -1434,6 +1434,36 @@ def retrieval_sinks_goal() -> str:
     return stats.goal_markdown(arms, speed).split("\n\n")[0]
 
 
+EODFIRST_SCREEN = RECIPE / "retrieval-125m-4k-base-long-eodfirst"
+
+
+def retrieval_eodfirst_screen() -> str:
+    """docs/long_context_eval.md: step 4b's one-GPU screen, the long base's twin trained with
+    ``train.eod_first`` (seed 3, evaluated at 4k only) against the plain long base of the same
+    seed over the same trials: per task, exact match at depth 0, at depths 0.25-1 and at all
+    five (Wilson 95% intervals; 20, 80 and 100 trials), and the difference to the plain base
+    there (points, Newcombe's paired 95% interval)."""
+    stats = _stats()
+    screen = read_json(EODFIRST_SCREEN / "dense" / "seed3" / "retrieval.json")
+    plain = read_json(LONG_BASE / "dense" / "seed3" / "retrieval.json")
+    lengths = [b["length"] for b in screen["tasks"]["passkey"]["by_length"]]
+    if lengths != [4096]:
+        raise ValueError(f"{EODFIRST_SCREEN}: the screen is evaluated at 4096 only, not {lengths}")
+    groups = (("depth 0", [0.0]), ("depths 0.25-1", _other_depths(screen)), ("all", None))
+    rows = []
+    for task in ("passkey", "multikey", "needle", "code-value"):
+        cells = screen["tasks"][task]["cells"]
+        rows.append([task, "EOD first", *(
+            _pooled_ci(stats, [c for c in cells if depths is None or float(c["depth"]) in depths])
+            for _, depths in groups
+        )])  # fmt: skip
+        rows.append(["", "- plain base (points)", *(
+            _pooled_paired(stats, screen, plain, task, depths) for _, depths in groups
+        )])  # fmt: skip
+    header = ["task", "4k base, seed 3, at 4,096 tokens", *(label for label, _ in groups)]
+    return table(header, rows)
+
+
 ZONE = RECIPE / "retrieval-125m-extend-32k-zone"
 
 
@@ -2055,6 +2085,14 @@ TABLES: dict[str, Table] = {
             ),
         ),
         retrieval_longbase_goal,
+    ),
+    "retrieval-eodfirst-screen": Table(
+        "docs/long_context_eval.md",
+        tuple(
+            f"docs/long_context/results/{study}/dense/seed3/retrieval.json"
+            for study in ("retrieval-125m-4k-base-long", "retrieval-125m-4k-base-long-eodfirst")
+        ),
+        retrieval_eodfirst_screen,
     ),
     "retrieval-sinks-runs": Table(
         "docs/long_context_eval.md",
