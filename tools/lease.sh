@@ -26,6 +26,10 @@
 #                              step 4b's screen where only one H200 is lent: the long base's
 #                              twin with EOD first, its 4k base alone on one GPU, evaluated at
 #                              4k (about 22 minutes)
+#   retrieval-eod-first-one-gpu SEED
+#                              step 4b's decision where only one H200 is lent: the twin with
+#                              EOD first alone, its base and its 32k extension on one GPU,
+#                              evaluated at 4k, 16k and 32k (about 27 minutes)
 #   quality-reruns             docs/quality.md: the 100M study's reruns, GPU 0 SSSD then DS
 #                              seed 1, GPU 1 dense then DS seed 2 (on a one-GPU machine all
 #                              four in turn on GPU 0: dense, SSSD, DS seed 1, DS seed 2); runs
@@ -82,6 +86,16 @@ job_retrieval_eod_first_screen() {  # SEED: step 4b's screen at 4k where one H20
 job_retrieval_eod_first() {  # SEED: step 4b, the twin and the switch with EOD first
     retrieval "${1:-}" retrieval-125m-4k-base-long-eodfirst \
         retrieval-125m-extend-32k-longbase-eodfirst dense,dense-to-hybrid-DSDSDSDSSSDD dense
+}
+
+job_retrieval_eod_first_one_gpu() {  # SEED: step 4b's decision where only one H200 is lent
+    # The twin alone, base and extension on one GPU (the base's two processes as accumulated
+    # micro-batches, ~18 minutes): what the rule decides on (its depth-0 passkey at 16k and
+    # 32k), with 8k and code-value left out to keep the whole inside one lease (~27 minutes).
+    retrieval "${1:-}" retrieval-125m-4k-base-long-eodfirst \
+        retrieval-125m-extend-32k-longbase-eodfirst dense dense \
+        BASE_NPROC=1 DEVICES=0 LENGTHS=4096,16384,32768 TASKS=passkey,multikey,needle \
+        PROBE_TASKS=passkey
 }
 
 # carry_runs FROM TO: the finished runs (summary.json at hand) of a committed study folder
@@ -189,7 +203,7 @@ poll() {  # SECONDS [EVERY]
         && mv "$OUT/r.tgz.part" "$OUT/r.tgz" && ls -l "$OUT/r.tgz"
 }
 
-JOBS="retrieval-hybrid-ds retrieval-eod-first retrieval-eod-first-screen quality-reruns gpu-tests"
+JOBS="retrieval-hybrid-ds retrieval-eod-first retrieval-eod-first-screen retrieval-eod-first-one-gpu quality-reruns gpu-tests"
 case ${1:-} in
     start)
         job=${2:-}

@@ -87,7 +87,8 @@ def test_bad_jobs_are_refused_before_anything_starts(tmp_path):
     bad = _lease(root, "start", "retrieval")
     assert bad.returncode == 2
     jobs = (
-        "retrieval-hybrid-ds retrieval-eod-first retrieval-eod-first-screen quality-reruns "
+        "retrieval-hybrid-ds retrieval-eod-first retrieval-eod-first-screen "
+        "retrieval-eod-first-one-gpu quality-reruns "
         "gpu-tests"
     )
     assert f"unknown job 'retrieval'; jobs: {jobs}" in bad.stderr
@@ -274,3 +275,21 @@ def test_the_one_gpu_screen_is_the_eod_first_command_at_4k_alone(tmp_path):
     }
     four_k = [spec for spec in full["RETRIEVAL_SPECS"].split() if spec.startswith("4k")]
     assert screen["RETRIEVAL_SPECS"].split() == four_k
+
+
+def test_the_one_gpu_decision_is_the_eod_first_command_for_the_twin_alone(tmp_path):
+    # Step 4b on one H200: the eod-first job's settings but for the twin alone on GPU 0 (its
+    # base's two processes as accumulated micro-batches), the lengths and tasks the rule reads
+    # (the depth-0 passkey at 16k and 32k, the bar's 4k) and the probe on the passkey; the
+    # corpora and the studies are the two-GPU command's.
+    full = _retrieval_settings(tmp_path, "retrieval-eod-first")
+    one = _retrieval_settings(tmp_path, "retrieval-eod-first-one-gpu")
+    assert _changed(full, one) == {
+        "SETTINGS": "dense",
+        "BASE_NPROC": "1",
+        "DEVICES": "0",
+        "LENGTHS": "4096,16384,32768",
+        "TASKS": "passkey,multikey,needle",
+        "PROBE_TASKS": "passkey",
+    }
+    assert one["PROBE_LENGTH"] == "32768" and one["BASE_LENGTHS"] == "4096"
