@@ -226,6 +226,13 @@ def _retrieval_settings(tmp_path, job: str) -> dict:
     return {k: v for k, v in env.items() if k not in os.environ or os.environ[k] != v}
 
 
+@pytest.fixture(scope="module")
+def eod_first(tmp_path_factory) -> dict:
+    """The settings of the two-GPU eod-first job (step 4b), which the one-GPU jobs are
+    compared with: run once for the module."""
+    return _retrieval_settings(tmp_path_factory.mktemp("eod-first"), "retrieval-eod-first")
+
+
 def _changed(before: dict, after: dict) -> dict:
     """{setting: its value in ``after``} for every setting whose value differs from ``before``'s
     (None: unset), less the paths of the two scratch checkouts."""
@@ -235,7 +242,7 @@ def _changed(before: dict, after: dict) -> dict:
     return changed
 
 
-def test_retrieval_jobs_are_the_documented_commands(tmp_path):
+def test_retrieval_jobs_are_the_documented_commands(tmp_path, eod_first):
     # docs/long_context_eval.md's step-3 command, setting by setting (the seed is the job's).
     doc = (REPO / "docs" / "long_context_eval.md").read_text()
     block = next(b for b in doc.split("```bash")[1:] if "SETTINGS=hybrid-DS " in b.split("```")[0])
@@ -248,8 +255,7 @@ def test_retrieval_jobs_are_the_documented_commands(tmp_path):
         assert hybrid.get(key) == value, key
     assert hybrid.get("BASE_SETTINGS", "") == ""  # every arm's own base
     # Step 4b: the long base's command with the eod-first studies, the twin and its switch.
-    eod = _retrieval_settings(tmp_path, "retrieval-eod-first")
-    assert _changed(hybrid, eod) == {
+    assert _changed(hybrid, eod_first) == {
         "BASE_STUDY": "retrieval-125m-4k-base-long-eodfirst",
         "EXTEND_STUDIES": "retrieval-125m-extend-32k-longbase-eodfirst",
         "SETTINGS": "dense,dense-to-hybrid-DSDSDSDSSSDD",
@@ -257,13 +263,12 @@ def test_retrieval_jobs_are_the_documented_commands(tmp_path):
     }
 
 
-def test_the_one_gpu_screen_is_the_eod_first_command_at_4k_alone(tmp_path):
+def test_the_one_gpu_screen_is_the_eod_first_command_at_4k_alone(tmp_path, eod_first):
     # Step 4b's screen: the eod-first job's settings but for what makes it one GPU's 4k base
     # alone (the 4k corpora only, identical to the full command's; no extension; the base's
     # two processes as accumulated micro-batches; evaluated and probed at 4k).
-    full = _retrieval_settings(tmp_path, "retrieval-eod-first")
     screen = _retrieval_settings(tmp_path, "retrieval-eod-first-screen")
-    assert _changed(full, screen) == {
+    assert _changed(eod_first, screen) == {
         "RETRIEVAL_SPECS": "4kmq:4094:4094:40000:16:32 4kpack:128:1024:24000:1:4:4096",
         "EXTEND_STUDIES": "none",
         "EXTEND_TAG": None,
@@ -273,18 +278,17 @@ def test_the_one_gpu_screen_is_the_eod_first_command_at_4k_alone(tmp_path):
         "DEVICES": "0",
         "PROBE_LENGTH": "4096",
     }
-    four_k = [spec for spec in full["RETRIEVAL_SPECS"].split() if spec.startswith("4k")]
+    four_k = [spec for spec in eod_first["RETRIEVAL_SPECS"].split() if spec.startswith("4k")]
     assert screen["RETRIEVAL_SPECS"].split() == four_k
 
 
-def test_the_one_gpu_decision_is_the_eod_first_command_for_the_twin_alone(tmp_path):
+def test_the_one_gpu_decision_is_the_eod_first_command_for_the_twin_alone(tmp_path, eod_first):
     # Step 4b on one H200: the eod-first job's settings but for the twin alone on GPU 0 (its
     # base's two processes as accumulated micro-batches), the lengths and tasks the rule reads
     # (the depth-0 passkey at 16k and 32k, the bar's 4k) and the probe on the passkey; the
     # corpora and the studies are the two-GPU command's.
-    full = _retrieval_settings(tmp_path, "retrieval-eod-first")
     one = _retrieval_settings(tmp_path, "retrieval-eod-first-one-gpu")
-    assert _changed(full, one) == {
+    assert _changed(eod_first, one) == {
         "SETTINGS": "dense",
         "BASE_NPROC": "1",
         "DEVICES": "0",
