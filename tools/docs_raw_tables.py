@@ -1626,6 +1626,8 @@ RERUN_HOSTS = {
     "hybrid-SSSD,seed=2": "2x",
     "dense,seed=3": "1x",
     "hybrid-SSSD,seed=3": "1x",
+    "hybrid-DS,seed=1": "1x",
+    "hybrid-DS,seed=2": "1x",
 }
 
 
